@@ -1,0 +1,219 @@
+"""Configuration: one dataclass per notebook's job, one source of truth per parameter.
+
+    cfg = load_config("02_whitebox", mode="tiny", overrides={"learning_rate": 1e-3})
+
+Every field carries `help` text and is range-checked in `__post_init__`. Presets live in
+`params/<notebook>/<mode>.yaml` (keys are field names; `extends: <mode>` inherits another preset).
+Unknown modes and unknown keys stop the run before anything is written, with an error that names the
+offender and lists what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
+
+
+class ConfigError(ValueError):
+    """A preset, mode or parameter that cannot be used; the message says how to fix it."""
+
+
+def _f(default: Any, help: str, **range_) -> Any:
+    return field(default=default, metadata={"help": help, **range_})
+
+
+@dataclass
+class RunFields:
+    """Fields every job shares: where it writes and how it treats an existing run directory."""
+
+    run_dir: str = _f("", "where this run writes; empty means a new unique folder under runs/")
+    overwrite: bool = _f(False, "replace the contents of a non-empty run_dir")
+    resume: bool = _f(False, "continue the run in a non-empty run_dir from its last complete checkpoint")
+    seed: int = _f(42, "random seed for data order, sampling and initialisation", min=0)
+    num_processes: int = _f(
+        0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
+    )
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        if self.overwrite and self.resume:
+            raise ConfigError("overwrite and resume are both set; choose one: overwrite=True starts afresh, resume=True continues.")
+
+
+@dataclass
+class WhiteboxConfig(RunFields):
+    """White-box on-policy distillation (02_whitebox); field names follow the original DistillConfig."""
+
+    student_model: str = _f("tiny:student", "student: a local HF folder, a hub name, or tiny:student")
+    teacher_model: str = _f("tiny:teacher", "teacher sharing the student's tokenizer: folder, hub name, or tiny:teacher")
+    dataset_path: str = _f("tiny", "prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
+    subset_size: int = _f(1000, "prompts used, a deterministic subset by seed; -1 means all", min=-1)
+    eval_size: int = _f(500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0)
+    eval_max_new_tokens: int = _f(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
+    max_prompt_length: int = _f(1024, "longer prompts are dropped (and counted)", min=1)
+    max_new_tokens: int = _f(1024, "completion length the student samples", min=1)
+    enable_thinking: bool = _f(False, "passed to the chat template (Qwen3 thinking mode)")
+    beta: float = _f(1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0)
+    kl_temperature: float = _f(1.0, "temperature both distributions are compared at", min=1e-3)
+    gen_temperature: float = _f(1.0, "sampling temperature of the student's rollouts", min=1e-3)
+    gen_top_p: float = _f(1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0)
+    learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", min=0.0)
+    lr_scheduler_type: str = _f("constant", "transformers scheduler name: constant, linear, cosine, ...")
+    warmup_ratio: float = _f(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
+    adam_beta2: float = _f(0.999, "AdamW beta2", min=0.0, max=1.0)
+    per_device_train_batch_size: int = _f(4, "prompts per process per micro-batch", min=1)
+    gradient_accumulation_steps: int = _f(4, "micro-batches per optimizer step", min=1)
+    num_train_epochs: float = _f(1.0, "passes over the prompts (ignored when max_steps > 0)", min=0.0)
+    max_steps: int = _f(-1, "optimizer steps; -1 means num_train_epochs", min=-1)
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this; 0 turns clipping off", min=0.0)
+    bf16: bool = _f(False, "bf16 mixed precision for the student, bf16 weights for the teacher (GPU)")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    fsdp: bool = _f(False, "shard the student with FSDP across processes (multi-GPU)")
+    loss_chunk_size: int = _f(1024, "completion tokens per chunk of the divergence", min=1)
+    logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
+    sample_every: int = _f(10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0)
+    save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
+    save_steps: int = _f(100, "checkpoint every this many steps; 0 only at the end", min=0)
+    save_total_limit: int = _f(2, "checkpoints kept", min=1)
+    report_to: str = _f("none", "transformers integrations to report to (none, wandb, tensorboard)")
+
+
+@dataclass
+class SaveGradConfig(RunFields):
+    """Proxy-student gradient for antidistillation sampling (01_save_grad)."""
+
+    teacher_model: str = _f("tiny:teacher", "teacher that writes the holdout traces")
+    proxy_model: str = _f("tiny:student", "proxy student whose gradient is saved")
+    dataset_path: str = _f("tiny", "holdout prompts (same formats as 02_whitebox)")
+    dataset_split: str = _f("train", "split to read")
+    subset_size: int = _f(256, "holdout prompts used; -1 means all", min=-1)
+    holdout_fraction: float = _f(1.0, "fraction of the dataset kept as holdout (its tail after a seeded shuffle)", min=0.0, max=1.0)
+    traces_path: str = _f("", "existing traces (a datasets folder or file) instead of generating them")
+    trace_column: str = _f("messages", "column of traces_path holding the chat messages with the answer")
+    max_prompt_length: int = _f(512, "longer prompts are dropped", min=1)
+    max_new_tokens: int = _f(512, "trace length budget", min=1)
+    enable_thinking: bool = _f(False, "passed to the chat template")
+    gen_temperature: float = _f(0.0, "teacher sampling temperature for traces; 0 is greedy", min=0.0)
+    gen_batch_size: int = _f(64, "prompts per generation batch", min=1)
+    normalization: str = _f("trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all tokens", choices=("trace", "token"))
+    batch_size: int = _f(8, "traces per backward pass (does not change the result)", min=1)
+    bf16: bool = _f(False, "bf16 teacher for generation (GPU); the proxy always runs in fp32")
+
+
+@dataclass
+class ClipLessonConfig(RunFields):
+    """Clip versus no-clip (03_clip_vs_noclip): arms built from 02_whitebox presets or runs."""
+
+    clip_mode: str = _f("tiny", "02_whitebox preset of the clipped arm")
+    noclip_mode: str = _f("tiny-noclip", "02_whitebox preset of the unclipped arm")
+    clip_run: str = _f("", "use this existing 02_whitebox run directory as the clipped arm")
+    noclip_run: str = _f("", "use this existing 02_whitebox run directory as the unclipped arm")
+    ablations: bool = _f(True, "also run clip-at-noclip-lr and noclip-at-clip-lr")
+    seeds: str = _f("42", "comma-separated seeds; every arm runs once per seed")
+
+
+JOBS: dict[str, type[RunFields]] = {
+    "01_save_grad": SaveGradConfig,
+    "02_whitebox": WhiteboxConfig,
+    "03_clip_vs_noclip": ClipLessonConfig,
+}
+DEFAULT_MODE = "tiny"
+NOTEBOOK_ONLY = {"mode"}  # notebook parameters that are not config fields
+
+
+def check_ranges(cfg: Any) -> None:
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        meta = f.metadata
+        if "min" in meta and value < meta["min"]:
+            raise ConfigError(f"{f.name}={value!r} is below its minimum {meta['min']} ({meta['help']}).")
+        if "max" in meta and value > meta["max"]:
+            raise ConfigError(f"{f.name}={value!r} is above its maximum {meta['max']} ({meta['help']}).")
+        if "choices" in meta and value not in meta["choices"]:
+            raise ConfigError(f"{f.name}={value!r} is not one of {list(meta['choices'])}.")
+
+
+def field_names(job: str) -> list[str]:
+    return [f.name for f in fields(job_class(job))]
+
+
+def job_class(job: str) -> type[RunFields]:
+    if job not in JOBS:
+        raise ConfigError(f"unknown job {job!r}; valid: {sorted(JOBS)}.")
+    return JOBS[job]
+
+
+def available_modes(job: str, params_dir: Path = PARAMS_DIR) -> list[str]:
+    return sorted(p.stem for p in (params_dir / job).glob("*.yaml"))
+
+
+def load_preset(job: str, mode: str, params_dir: Path = PARAMS_DIR, _seen: tuple = ()) -> dict:
+    """The preset's keys with `extends` chains resolved (the child wins)."""
+    path = params_dir / job / f"{mode}.yaml"
+    if not path.is_file():
+        modes = available_modes(job, params_dir)
+        raise ConfigError(f"unknown mode {mode!r} for {job}; valid modes: {', '.join(modes)}.")
+    if mode in _seen:
+        raise ConfigError(f"preset {path} extends itself through {' -> '.join(_seen + (mode,))}.")
+    data = yaml.safe_load(path.read_text()) or {}
+    parent = data.pop("extends", None)
+    base = load_preset(job, parent, params_dir, _seen + (mode,)) if parent else {}
+    _check_keys(job, data, f"preset {path}")
+    return {**base, **data}
+
+
+def _check_keys(job: str, keys: dict | set, where: str) -> None:
+    valid = field_names(job)
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown parameter {key!r} in {where}.{hint} Valid: {', '.join(valid)}.")
+
+
+def load_config(job: str, mode: str = DEFAULT_MODE, overrides: dict | None = None, params_dir: Path = PARAMS_DIR):
+    """Resolve `mode`'s preset, apply `overrides` (None values are ignored), validate, return the dataclass."""
+    values = load_preset(job, mode, params_dir)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _check_keys(job, overrides, "the parameters")
+    values.update(overrides)
+    cls = job_class(job)
+    types = {f.name: f.type for f in fields(cls)}
+    return cls(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+
+
+def _coerce(name: str, value: Any, type_: str) -> Any:
+    """papermill and YAML hand over ints for floats and strings for numbers; make them the field's type."""
+    try:
+        if type_ == "float" and not isinstance(value, bool):
+            return float(value)
+        if type_ == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
+            return int(float(value))
+        if type_ == "bool" and isinstance(value, str):
+            return {"true": True, "false": False}[value.lower()]
+        if type_ == "str" and isinstance(value, (int, float)):
+            return str(value)
+    except (ValueError, KeyError):
+        raise ConfigError(f"{name}={value!r} is not a valid {type_}.") from None
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def help_text(job: str) -> str:
+    """One line per field: name, default, help; what `papermill --help-notebook` cannot show in full."""
+    lines = []
+    for f in fields(job_class(job)):
+        lines.append(f"{f.name:30s} {f.default!r:>16}  {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Run a job function in 1 or N processes, from a notebook or a script.
+
+    launch(train_fn, (cfg_dict, run_path), num_processes=2)
+
+N > 1 goes through accelerate's `notebook_launcher` (fork; gloo on CPU, NCCL on GPUs). Nothing may
+touch CUDA or create an Accelerator in the parent before it forks. A rank that fails writes its real
+traceback to `<run_dir>/errors/rank<k>.txt` and stderr before re-raising; the parent then raises one
+error carrying that traceback, so a notebook (and papermill's exit status) shows what went wrong.
+Past one node, run `python -m opdkit.whitebox` under torchrun / `accelerate launch` instead: each
+process then calls the job function directly (`num_processes` is ignored there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+
+def default_num_processes(requested: int) -> int:
+    """0 means every visible GPU, or 1 on a CPU; under torchrun the launcher already decided."""
+    if requested > 0:
+        return requested
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def under_external_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+class _Traced:
+    """Picklable wrapper that records a rank's traceback before re-raising."""
+
+    def __init__(self, fn: Callable, error_dir: Path):
+        self.fn, self.error_dir = fn, error_dir
+        functools.update_wrapper(self, fn)  # launchers name the entry point after fn.__name__
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        except BaseException:
+            rank = os.environ.get("RANK", "0")
+            text = traceback.format_exc()
+            self.error_dir.mkdir(parents=True, exist_ok=True)
+            (self.error_dir / f"rank{rank}.txt").write_text(text)
+            print(f"[rank {rank}] failed:\n{text}", file=sys.__stderr__, flush=True)
+            raise
+
+
+def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) -> None:
+    """Call `fn(*args)` in `num_processes` processes (in this one when 1 or under torchrun)."""
+    if num_processes <= 1 or under_external_launcher():
+        fn(*args)
+        return
+    from accelerate import notebook_launcher
+
+    error_dir = Path(run_path) / "errors"
+    try:
+        notebook_launcher(_Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port()))
+    except BaseException as exc:
+        reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
+        detail = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports)
+        raise RankFailed(f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}") from exc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

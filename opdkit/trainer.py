@@ -1,0 +1,288 @@
+"""`DistillTrainer`: white-box on-policy distillation on transformers' `Trainer`.
+
+One optimizer step:
+1. `get_batch_samples` pulls the step's prompt micro-batches, the student samples a completion for
+   each prompt with its KV cache, and the completion tokens of the whole step are counted across
+   processes (N);
+2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
+   positions `generate` used, and sums the per-token divergence over completion tokens from the final
+   hidden states in chunks (`losses.chunked_divergence`), divided by N; so batch size x gradient
+   accumulation x processes never changes the gradient;
+3. `Trainer` clips (`max_grad_norm`) and steps; a non-finite gradient skips the step and ends the run
+   with the last good weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+from opdkit import losses, rollout
+from opdkit.runs import RunDir
+
+
+class TokenizerMismatch(ValueError):
+    pass
+
+
+def check_tokenizers(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+    """Teacher and student must share vocabulary and special tokens, or token ids mean different things."""
+    if student.get_vocab() != teacher.get_vocab():
+        s, t = student.get_vocab(), teacher.get_vocab()
+        diff = sorted(set(s.items()) ^ set(t.items()))[:3]
+        raise TokenizerMismatch(
+            f"teacher and student tokenizers differ ({len(s)} vs {len(t)} tokens; e.g. {diff}); "
+            "white-box distillation needs a teacher with the student's tokenizer."
+        )
+    for name in ("eos_token", "pad_token", "bos_token"):
+        if getattr(student, name) != getattr(teacher, name):
+            raise TokenizerMismatch(
+                f"teacher and student disagree on {name}: {getattr(student, name)!r} vs "
+                f"{getattr(teacher, name)!r}; use tokenizers with the same special tokens."
+            )
+
+
+def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
+    """The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it)."""
+    vocab = len(tokenizer)
+    for name, model in (("student", student), ("teacher", teacher)):
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < vocab:
+            raise TokenizerMismatch(
+                f"the {name} has {rows} output rows but the tokenizer has {vocab} tokens; "
+                "the model and tokenizer do not belong together."
+            )
+    return vocab
+
+
+@dataclass
+class StepStats:
+    """Per-step sums, reduced across processes when logged."""
+
+    sequences: float = 0.0
+    completion_tokens: float = 0.0
+    truncated: float = 0.0
+    entropy_sum: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    def as_tensor(self, device) -> torch.Tensor:
+        vals = [self.sequences, self.completion_tokens, self.truncated, self.entropy_sum]
+        return torch.tensor(vals, dtype=torch.float64, device=device)
+
+
+class DistillTrainer(Trainer):
+    def __init__(
+        self,
+        *args,
+        teacher_model: PreTrainedModel,
+        teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+        beta: float = 1.0,
+        kl_temperature: float = 1.0,
+        gen_temperature: float = 1.0,
+        gen_top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        loss_chunk_size: int = 1024,
+        sample_every: int = 0,
+        samples_per_log: int = 4,
+        run: RunDir | None = None,
+        rollout_seed: int = 0,
+        save_rollouts: bool = False,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        tok = self.processing_class
+        if tok is None:
+            raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
+        check_tokenizers(tok, teacher_tokenizer or tok)
+        self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
+        self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        self.beta, self.kl_temperature = beta, kl_temperature
+        self.gen_temperature, self.gen_top_p = gen_temperature, gen_top_p
+        self.max_new_tokens, self.loss_chunk_size = max_new_tokens, loss_chunk_size
+        self.sample_every, self.samples_per_log = sample_every, samples_per_log
+        self.run, self.rollout_seed, self.save_rollouts = run, rollout_seed, save_rollouts
+        self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
+        self.stats = StepStats()
+        self.last_grad_norm = float("nan")
+        self.first_nonfinite_step: int | None = None
+        self._step_samples: list[dict] = []
+        self.add_callback(_NonFiniteStop(self))
+
+    # ---- rollout -------------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        # Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken
+        # run would have, whatever the RNG history before the checkpoint.
+        step = self.state.global_step
+        torch.manual_seed(self.rollout_seed * 1_000_003 + step * 7919 + self.args.process_index)
+        self.stats = StepStats()
+        samples = [self._rollout(b) for b in batches]
+        if self.save_rollouts and self.run:
+            self._save_rollouts(samples, step + 1)
+        n_local = torch.tensor(float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device)
+        n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
+        return samples, n_global.clamp(min=1.0)
+
+    def _rollout(self, batch: dict) -> dict:
+        tok = self.processing_class
+        model = self.accelerator.unwrap_model(self.model)
+        r = rollout.sample(
+            model,
+            batch["prompts"],
+            batch["prompt_attention_mask"],
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.gen_temperature,
+            top_p=self.gen_top_p,
+            synced_gpus=self.args.world_size > 1,
+        )
+        self.stats.sequences += r.input_ids_BT.shape[0]
+        self.stats.completion_tokens += r.completion_mask_BC.sum().item()
+        self.stats.truncated += r.truncated_B(tok.eos_token_id).sum().item()
+        return {
+            "input_ids": r.input_ids_BT,
+            "attention_mask": r.attention_mask_BT,
+            "completion_mask_BC": r.completion_mask_BC,
+            "answers": batch.get("answers"),
+        }
+
+    def _save_rollouts(self, samples: list[dict], step: int) -> None:
+        folder = self.run.path / "rollouts"
+        folder.mkdir(exist_ok=True)
+        keep = [{k: v.cpu() for k, v in s.items() if isinstance(v, torch.Tensor)} for s in samples]
+        torch.save(keep, folder / f"step{step:06d}-rank{self.args.process_index}.pt")
+
+    # ---- loss ----------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids_BT, attn_BT, comp_BC = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask_BC"]
+        pos_BT = rollout.position_ids_from_mask(attn_BT)
+        prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+        # The hidden state at t predicts token t+1: completion token j is predicted at P-1+j.
+        pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
+        pred_BT[:, prompt_len - 1 : prompt_len - 1 + comp_BC.shape[1]] = comp_BC.bool()
+        no_logits = torch.empty(0, dtype=torch.long, device=ids_BT.device)
+        fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, logits_to_keep=no_logits,
+                   output_hidden_states=True, use_cache=False)  # fmt: skip
+        s_hidden_NH = model(**fwd).hidden_states[-1][pred_BT]
+        with torch.no_grad():
+            t_hidden_NH = self.teacher(**fwd).hidden_states[-1][pred_BT]
+        student = self.accelerator.unwrap_model(model)
+        out = losses.chunked_divergence(
+            s_hidden_NH,
+            student.get_output_embeddings().weight,
+            t_hidden_NH,
+            self.teacher.get_output_embeddings().weight,
+            beta=self.beta,
+            temperature=self.kl_temperature,
+            vocab_size=self.vocab_size,
+            chunk_size=self.loss_chunk_size,
+        )
+        n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
+        # DDP averages gradients over processes, so each process's share is scaled back up.
+        loss = out.sum / n * self.args.world_size
+        self.stats.entropy_sum += out.student_entropy_N.sum().item()
+        self._keep_samples(inputs, pred_BT, out.per_token_N)
+        return (loss, out) if return_outputs else loss
+
+    def _keep_samples(self, inputs, pred_BT, per_token_N) -> None:
+        step = self.state.global_step + 1
+        if not (self.run and self.sample_every and step % self.sample_every == 0):
+            return
+        if len(self._step_samples) >= self.samples_per_log:
+            return
+        tok = self.processing_class
+        comp_BC = inputs["completion_mask_BC"]
+        divs = per_token_N.split(pred_BT.sum(1).tolist())
+        prompt_len = inputs["input_ids"].shape[1] - comp_BC.shape[1]
+        for b in range(min(self.samples_per_log - len(self._step_samples), comp_BC.shape[0])):
+            prompt = inputs["input_ids"][b, :prompt_len][inputs["attention_mask"][b, :prompt_len].bool()]
+            comp = inputs["input_ids"][b, prompt_len:][comp_BC[b].bool()]
+            self._step_samples.append({
+                "step": step,
+                "prompt": tok.decode(prompt),
+                "tokens": tok.convert_ids_to_tokens(comp.tolist()),
+                "divergence": [round(float(d), 5) for d in divs[b]],
+                "answer": (inputs.get("answers") or [None] * (b + 1))[b],
+            })  # fmt: skip
+
+    # ---- clipping, non-finite steps, logging ---------------------------------------------------
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        value = float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        self.last_grad_norm = value
+        if not math.isfinite(value) and self.first_nonfinite_step is None:
+            self.first_nonfinite_step = self.state.global_step + 1
+        return grad_norm
+
+    def create_optimizer(self, model=None):
+        opt = super().create_optimizer(model)
+        step = opt.step
+
+        def guarded_step(*args, **kwargs):
+            # A non-finite gradient must never reach the weights: skip the update, the run then stops.
+            if math.isfinite(self.last_grad_norm):
+                return step(*args, **kwargs)
+            return None
+
+        opt.step = guarded_step
+        return opt
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and "grad_norm" in logs:
+            logs.update(self._step_metrics(logs))
+        super().log(logs, start_time)
+
+    def _step_metrics(self, logs: dict) -> dict:
+        sums = self.stats.as_tensor(self.args.device)
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        seqs, toks, trunc, ent = sums.tolist()
+        elapsed = max(time.time() - self.stats.started, 1e-9)
+        max_norm = self.args.max_grad_norm
+        record = {
+            "step": self.state.global_step,
+            "loss": logs["loss"],
+            "grad_norm": logs["grad_norm"],
+            "clipped": bool(max_norm and math.isfinite(max_norm) and logs["grad_norm"] > max_norm),
+            "lr": logs.get("learning_rate"),
+            "completion_length": toks / max(seqs, 1),
+            "truncated_fraction": trunc / max(seqs, 1),
+            "entropy": ent / max(toks, 1),
+            "tokens_per_s": toks / elapsed,
+            "completion_tokens": toks,
+        }
+        if self.run and self.args.process_index == 0:
+            self.run.log(record)
+            for s in self._step_samples:
+                self.run.log(s, "samples.jsonl")
+        self._step_samples = []
+        return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
+
+
+class GradientDump(TrainerCallback):
+    """Debugging aid: save the step's accumulated (pre-clip, cross-process averaged) gradient on rank 0."""
+
+    def __init__(self, path: str, at_step: int = 1):
+        self.path, self.at_step = path, at_step
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.at_step and args.process_index == 0:
+            grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+            torch.save(grads, self.path)
+
+
+class _NonFiniteStop(TrainerCallback):
+    def __init__(self, trainer: DistillTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.first_nonfinite_step is not None:
+            control.should_training_stop = True
+            control.should_save = False  # keep the last good checkpoint as the newest one
+        return control

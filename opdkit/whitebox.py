@@ -1,0 +1,264 @@
+"""White-box on-policy distillation, the job behind notebooks/02_whitebox.ipynb.
+
+    python -m opdkit.whitebox --mode tiny                                    # CPU, ~2 minutes
+    torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
+    accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
+
+`prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
+written; `run` creates the run directory and launches `train_process` in every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+from opdkit import data, evaluate, tiny
+from opdkit.config import ConfigError, WhiteboxConfig, load_config
+from opdkit.launch import default_num_processes, launch, under_external_launcher
+from opdkit.runs import RunDir, print0
+from opdkit.tiny import task
+from opdkit.trainer import DistillTrainer, check_tokenizers
+
+JOB = "02_whitebox"
+
+
+@dataclass
+class Prepared:
+    cfg: WhiteboxConfig
+    mode: str
+    tokenizer: object
+    train: object  # datasets.Dataset of prompts
+    eval_messages: list
+    eval_answers: list
+    dropped: int
+    first_prompt: str
+
+
+def load_tokenizer(name: str):
+    tok = AutoTokenizer.from_pretrained(tiny.resolve(name), padding_side="left")
+    if tok.pad_token is None:
+        raise ValueError(f"the tokenizer of {name} has no pad token; set one (e.g. its EOS) before distilling.")
+    return tok
+
+
+def is_tiny(cfg) -> bool:
+    return cfg.dataset_path == "tiny"
+
+
+def eval_set(cfg) -> tuple[list, list]:
+    """Held-out prompts and answers: tiny problems from the held-out seed, else rows after the subset."""
+    if cfg.eval_size == 0:
+        return [], []
+    if is_tiny(cfg):
+        probs = task.heldout_problems(cfg.eval_size)
+        return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
+    n = cfg.subset_size + cfg.eval_size if cfg.subset_size > 0 else -1
+    ds = data.load_prompts(cfg.dataset_path, cfg.dataset_split, n, cfg.seed)
+    start = cfg.subset_size if cfg.subset_size > 0 else max(0, len(ds) - cfg.eval_size)
+    rows = ds.select(range(start, min(len(ds), start + cfg.eval_size)))
+    return list(rows["messages"]), list(rows["answer"])
+
+
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
+    cfg = load_config(JOB, mode, overrides)
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    prompts = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    msgs, answers = eval_set(cfg)
+    return Prepared(cfg, mode, tok, prompts, msgs, answers, dropped, data.format_first_prompt(prompts, collator, tok))
+
+
+def check_fn(cfg):
+    if is_tiny(cfg):
+        return lambda completion, answer: task.extract_answer(completion) == answer
+    return evaluate.boxed_match
+
+
+def sharded_accuracy(model, tok, messages, answers, cfg, world: int, rank: int) -> float | None:
+    """Greedy accuracy with the evaluation set split across processes and the counts summed."""
+    if not messages:
+        return None
+    mine = list(range(rank, len(messages), world))
+    correct = 0.0
+    if mine:
+        comps = evaluate.greedy_completions(
+            model, tok, [messages[i] for i in mine],
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+            enable_thinking=cfg.enable_thinking,
+        )  # fmt: skip
+        check = check_fn(cfg)
+        correct = float(sum(check(c, answers[i]) for c, i in zip(comps, mine)))
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor([correct], dtype=torch.float64, device=next(model.parameters()).device)
+        dist.all_reduce(t)
+        correct = t.item()
+    return correct / len(messages)
+
+
+def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> TrainingArguments:
+    """The original's TrainingArguments, field for field; max_grad_norm 0 means never clip."""
+    return TrainingArguments(
+        output_dir=str(run_path / "checkpoints"),
+        remove_unused_columns=False,
+        learning_rate=cfg.learning_rate,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio
+        weight_decay=cfg.weight_decay,
+        adam_beta2=cfg.adam_beta2,
+        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        bf16=cfg.bf16,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        logging_steps=cfg.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be replaced by the running mean
+        save_strategy="steps",
+        save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
+        save_total_limit=cfg.save_total_limit,
+        report_to=cfg.report_to,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
+    )
+
+
+def train_process(
+    cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None, callbacks: list | None = None
+) -> None:
+    """What every process runs: load models, evaluate, distil, evaluate, save, summarise."""
+    t0 = time.time()
+    cfg = WhiteboxConfig(**cfg_dict)
+    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
+    run = RunDir.attach(run_path)
+    args = training_arguments(cfg, run.path)  # initialises the process group in multi-process runs
+    world, rank = args.world_size, args.process_index
+    run.write_env(world_size=world)
+    tok = prep.tokenizer
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve(cfg.student_model), dtype=torch.float32)
+    teacher_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve(cfg.teacher_model), dtype=teacher_dtype)
+    student.to(args.device)
+    teacher.to(args.device)
+    print0(f"student {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M params, teacher "
+           f"{sum(p.numel() for p in teacher.parameters()) / 1e6:.2f}M, {world} process(es) on {args.device}")  # fmt: skip
+
+    acc = lambda m: sharded_accuracy(m, tok, prep.eval_messages, prep.eval_answers, cfg, world, rank)  # noqa: E731
+    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
+    teacher_acc = acc(teacher)
+    if before is None:
+        before = acc(student)
+    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
+
+    trainer = DistillTrainer(
+        model=student,
+        args=args,
+        train_dataset=prep.train,
+        data_collator=data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking),
+        processing_class=tok,
+        teacher_model=teacher,
+        teacher_tokenizer=load_tokenizer(cfg.teacher_model),
+        beta=cfg.beta,
+        kl_temperature=cfg.kl_temperature,
+        gen_temperature=cfg.gen_temperature,
+        gen_top_p=cfg.gen_top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        loss_chunk_size=cfg.loss_chunk_size,
+        sample_every=cfg.sample_every,
+        run=run,
+        rollout_seed=cfg.seed,
+        save_rollouts=cfg.save_rollouts,
+        callbacks=callbacks,
+    )
+    if resumed:
+        _truncate_metrics(run, trainer)
+    trainer.train(resume_from_checkpoint=True if resumed else None)
+    trainer.save_model(str(run.path / "model"))
+    if rank == 0:
+        tok.save_pretrained(run.path / "model")
+    after = acc(trainer.accelerator.unwrap_model(trainer.model))
+    summary = {
+        "student_accuracy_before": before,
+        "student_accuracy_after": after,
+        "teacher_accuracy": teacher_acc,
+        "steps": trainer.state.global_step,
+        "first_nonfinite_step": trainer.first_nonfinite_step,
+        "prompts_dropped": prep.dropped,
+        "world_size": world,
+        "wall_time_s": round(time.time() - t0, 1),
+        "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
+    }
+    run.write_summary(summary)
+    print0(f"accuracy after: student {after}; run directory {run.path}")
+
+
+def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
+    """Drop records logged after the checkpoint we resume from, so the log has each step once."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(run.path / "checkpoints"))
+    step = int(Path(last).name.split("-")[-1])
+    if run.writer:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            kept = [r for r in run.read_jsonl(name) if r.get("step", 0) <= step]
+            (run.path / name).write_text("".join(__import__("json").dumps(r) + "\n" for r in kept))
+
+
+def run(
+    mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None, callbacks: list | None = None
+) -> RunDir:
+    """Prepare, create the run directory, launch the processes; returns the run directory.
+
+    `callbacks` (transformers `TrainerCallback`s) are handed to the trainer in every process."""
+    prep = prepared or prepare(mode, overrides)
+    cfg = prep.cfg
+    print0(prep.first_prompt)
+    if under_external_launcher():
+        if not cfg.run_dir:
+            raise ConfigError(
+                "under torchrun / accelerate launch every process must write to one folder: pass "
+                "--set run_dir=PATH."
+            )
+        run_dir = RunDir.create(cfg, job=JOB, mode=mode) if int(os.environ["RANK"]) == 0 else RunDir.attach(cfg.run_dir)
+    else:
+        run_dir = RunDir.create(cfg, job=JOB, mode=mode)
+    n = default_num_processes(cfg.num_processes)
+    cfg_dict = dataclasses.asdict(cfg)
+    # In-process runs reuse the prepared data; forked processes prepare their own (cheap) copy.
+    local = n <= 1 or under_external_launcher()
+    launch(train_process, (cfg_dict, mode, str(run_dir.path), prep if local else None, callbacks), n, run_dir.path)
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="White-box on-policy distillation (opdkit 02_whitebox).")
+    p.add_argument("--mode", default="tiny", help="preset in params/02_whitebox/")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+    a = p.parse_args(argv)
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
+    run(a.mode, overrides)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""ipywidgets views for JupyterLab; headless runs keep the static figures drawn beside them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opdkit.plots import sample_html
+
+
+def sample_browser(samples: Sequence[dict], per_page: int = 4):
+    """A slider over logged steps showing that step's completions coloured by per-token divergence."""
+    import ipywidgets as w
+
+    steps = sorted({s["step"] for s in samples})
+    if not steps:
+        return w.HTML("<i>no samples logged</i>")
+    out = w.HTML()
+    vmax = max(max(s["divergence"] + [1e-9]) for s in samples)
+
+    def show(change=None):
+        step = steps[slider.value]
+        rows = [s for s in samples if s["step"] == step][:per_page]
+        out.value = "".join(sample_html(s, vmax) for s in rows)
+
+    slider = w.IntSlider(value=len(steps) - 1, min=0, max=len(steps) - 1, description="sample #",
+                         readout=False, continuous_update=False)  # fmt: skip
+    label = w.Label()
+    slider.observe(lambda c: (show(), setattr(label, "value", f"step {steps[slider.value]}")), names="value")
+    label.value = f"step {steps[slider.value]}"
+    show()
+    return w.VBox([w.HBox([slider, label]), out])

