@@ -91,21 +91,32 @@ class WhiteboxConfig(RunFields):
 class SaveGradConfig(RunFields):
     """Proxy-student gradient for antidistillation sampling (01_save_grad)."""
 
-    teacher_model: str = _f("tiny:teacher", "teacher that writes the holdout traces")
-    proxy_model: str = _f("tiny:student", "proxy student whose gradient is saved")
-    dataset_path: str = _f("tiny", "holdout prompts (same formats as 02_whitebox)")
-    dataset_split: str = _f("train", "split to read")
-    subset_size: int = _f(256, "holdout prompts used; -1 means all", min=-1)
-    holdout_fraction: float = _f(1.0, "fraction of the dataset kept as holdout (its tail after a seeded shuffle)", min=0.0, max=1.0)
-    traces_path: str = _f("", "existing traces (a datasets folder or file) instead of generating them")
-    trace_column: str = _f("messages", "column of traces_path holding the chat messages with the answer")
-    max_prompt_length: int = _f(512, "longer prompts are dropped", min=1)
-    max_new_tokens: int = _f(512, "trace length budget", min=1)
-    enable_thinking: bool = _f(False, "passed to the chat template")
-    gen_temperature: float = _f(0.0, "teacher sampling temperature for traces; 0 is greedy", min=0.0)
-    gen_batch_size: int = _f(64, "prompts per generation batch", min=1)
-    normalization: str = _f("trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all tokens", choices=("trace", "token"))
-    batch_size: int = _f(8, "traces per backward pass (does not change the result)", min=1)
+    teacher_model: str = _f("tiny:teacher", "teacher that writes the holdout traces: folder, hub name, or tiny:teacher")
+    proxy_model: str = _f("tiny:student", "proxy student whose gradient is saved: folder, hub name, or tiny:student")
+    dataset_path: str = _f("tiny", "holdout prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
+    holdout_fraction: float = _f(
+        1.0, "the holdout is this fraction of the dataset, its tail after a shuffle by seed (tiny: its own problem stream)",
+        min=0.0, max=1.0,
+    )  # fmt: skip
+    subset_size: int = _f(256, "holdout prompts used, the first of the holdout; -1 means all", min=-1)
+    system_prompt: str = _f("", "system message put before every holdout prompt; empty for none")
+    traces_path: str = _f("", "existing traces (a datasets folder or data file) instead of generating them")
+    trace_column: str = _f(
+        "messages", "column of traces_path: chat messages ending with the assistant's answer, or the answer text next to a prompt column"
+    )  # fmt: skip
+    max_prompt_length: int = _f(512, "longer holdout prompts are dropped (and counted)", min=1)
+    max_new_tokens: int = _f(512, "trace length budget: tokens the teacher writes at most", min=1)
+    max_length: int = _f(0, "cap on prompt plus trace tokens, as the ADS pipeline's max_length; 0 means no cap", min=0)
+    enable_thinking: bool = _f(False, "passed to the chat templates (Qwen3 thinking mode)")
+    gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
+    gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
+    gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
+    normalization: str = _f(
+        "trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
+        choices=("trace", "token"),
+    )  # fmt: skip
+    batch_size: int = _f(8, "traces per backward pass, per process (the result does not depend on it)", min=1)
     bf16: bool = _f(False, "bf16 teacher for generation (GPU); the proxy always runs in fp32")
 
 

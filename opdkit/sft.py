@@ -56,11 +56,12 @@ def _mask_from_prefix(tokenizer, messages, ids, enable_thinking) -> list[int]:
             "the completion cannot be located; use a template with {% generation %} markers."
         )
     # The template may append text after the assistant's end-of-turn token (e.g. a newline): the
-    # completion ends at the last EOS.
+    # completion ends at the last EOS or other special token. Not only the EOS: a base model's
+    # tokenizer (Qwen2.5-3B: EOS <|endoftext|>) may use a chat template whose turns end with <|im_end|>.
+    stops = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
     end = len(ids)
-    eos = tokenizer.eos_token_id
-    if eos in ids[n:]:
-        end = n + max(i for i, t in enumerate(ids[n:]) if t == eos) + 1
+    if any(t in stops for t in ids[n:]):
+        end = n + max(i for i, t in enumerate(ids[n:]) if t in stops) + 1
     return [0] * n + [1] * (end - n) + [0] * (len(ids) - end)
 
 

@@ -1,0 +1,145 @@
+"""Configuration: presets, notebook parameter cells, and the files that must agree."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opdkit import config
+from opdkit.config import ConfigError, load_config
+from opdkit.notebook import notebook_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def all_presets():
+    return [(job, mode) for job in config.JOBS for mode in config.available_modes(job)]
+
+
+@pytest.mark.parametrize("job,mode", all_presets())
+def test_every_preset_loads_and_validates(job, mode):
+    cfg = load_config(job, mode)
+    assert isinstance(cfg, config.JOBS[job])
+
+
+def test_every_job_has_a_tiny_default():
+    for job in config.JOBS:
+        assert config.DEFAULT_MODE in config.available_modes(job), job
+
+
+def test_full_whitebox_preset_is_the_original_configuration():
+    cfg = load_config("02_whitebox", "full")
+    expected = dict(
+        student_model="Qwen/Qwen3-0.6B", teacher_model="Qwen/Qwen3-4B",
+        dataset_path="data/dapo-math-17k-unique.parquet", subset_size=1000, seed=42,
+        max_prompt_length=1024, max_new_tokens=1024, enable_thinking=False, beta=1.0,
+        kl_temperature=1.0, gen_temperature=1.0, gen_top_p=1.0, learning_rate=1e-6,
+        per_device_train_batch_size=4, gradient_accumulation_steps=4, num_train_epochs=1.0,
+        max_steps=-1, max_grad_norm=1.0, bf16=True, logging_steps=1, save_steps=100,
+        save_total_limit=2, report_to="none",
+    )  # fmt: skip
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    sanity, noclip = load_config("02_whitebox", "sanity"), load_config("02_whitebox", "noclip")
+    assert sanity.max_steps == 50 and sanity.learning_rate == 1e-6
+    assert (noclip.max_steps, noclip.max_grad_norm, noclip.learning_rate) == (15, 1e9, 5e-6)
+
+
+def test_unknown_mode_lists_valid_modes():
+    with pytest.raises(ConfigError, match=r"unknown mode 'nope'.*tiny"):
+        load_config("02_whitebox", "nope")
+
+
+def test_unknown_key_names_offender_and_suggests():
+    with pytest.raises(ConfigError, match=r"'learning_rat'.*Did you mean 'learning_rate'"):
+        load_config("02_whitebox", "tiny", {"learning_rat": 1e-3})
+
+
+def test_range_checks_name_the_field():
+    with pytest.raises(ConfigError, match="beta=1.5"):
+        load_config("02_whitebox", "tiny", {"beta": 1.5})
+    with pytest.raises(ConfigError, match="normalization"):
+        load_config("01_save_grad", "tiny", {"normalization": "batch"})
+
+
+def test_overrides_are_coerced_and_none_keeps_preset():
+    cfg = load_config("02_whitebox", "tiny", {"learning_rate": 1, "max_steps": "7", "beta": None})
+    assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+    assert cfg.max_steps == 7 and cfg.beta == load_config("02_whitebox", "tiny").beta
+
+
+def test_extends_inherits_and_overrides(tmp_path):
+    (tmp_path / "02_whitebox").mkdir()
+    (tmp_path / "02_whitebox" / "a.yaml").write_text("max_steps: 5\nbeta: 0.5\n")
+    (tmp_path / "02_whitebox" / "b.yaml").write_text("extends: a\nbeta: 0.0\n")
+    cfg = load_config("02_whitebox", "b", params_dir=tmp_path)
+    assert (cfg.max_steps, cfg.beta) == (5, 0.0)
+
+
+def test_every_field_has_help():
+    for cls in config.JOBS.values():
+        for f in fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_notebook_parameters_reject_unknown_names():
+    with pytest.raises(ConfigError, match="bogus"):
+        notebook_parameters("02_whitebox", {"mode": "tiny", "bogus": 1})
+    mode, over = notebook_parameters("02_whitebox", {"mode": "full", "learning_rate": None, "In": []})
+    assert mode == "full" and over == {"learning_rate": None}
+
+
+def _cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+def _job_of(path: Path) -> str:
+    return path.stem
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_clean_with_one_parameters_cell(path):
+    cells = _cells(path)
+    assert not any(c.get("outputs") for c in cells), "commit notebooks without outputs"
+    assert not any(c.get("execution_count") for c in cells), "commit notebooks without execution counts"
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in config.JOBS], ids=lambda p: p.name)
+def test_notebook_parameters_are_fields_and_documented(path):
+    cell = next(c for c in _cells(path) if "parameters" in c.get("metadata", {}).get("tags", []))
+    source = "".join(cell["source"])
+    tree = ast.parse(source)
+    names = [n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)]
+    assert len(names) == len(tree.body), "every parameter is an annotated assignment"
+    valid = set(config.field_names(path.stem)) | config.NOTEBOOK_ONLY
+    assert set(names) <= valid, set(names) - valid
+    assert {"mode", "run_dir"} <= set(names)
+    for line in source.splitlines():
+        comment = line.split("#", 1)[1] if "#" in line else ""
+        assert comment.strip(), f"parameter without a comment: {line}"
+        assert "=" not in comment, f"papermill's parser breaks on '=' in a comment: {line}"
+    mode_line = next(line for line in source.splitlines() if line.startswith("mode"))
+    assert re.search(r'"tiny"', mode_line), "the default mode is the tiny preset"
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.split(r"[<>=!~ ]", d)[0].lower() for d in project["dependencies"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = {re.split(r"[<>=!~ ]", d)[0].lower() for d in env["dependencies"] if isinstance(d, str)}
+    conda = {"torch" if n == "pytorch" else n for n in conda} - {"python", "pip"}
+    assert conda == names
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text()

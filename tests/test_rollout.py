@@ -1,0 +1,79 @@
+"""Rollouts: completion masks, positions under left padding, sampling settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opdkit import rollout, tiny
+
+
+def test_completion_mask_stops_after_first_eos_even_when_pad_is_eos():
+    eos = 7
+    ids = torch.tensor([[1, 2, 7, 7, 7], [1, 7, 3, 7, 7], [1, 2, 3, 4, 5]])
+    assert rollout.completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert rollout.completion_mask(ids, [9, 7]).tolist()[1] == [1, 1, 0, 0, 0]
+
+
+def test_position_ids_follow_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert rollout.position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def student_and_tok():
+    tok = AutoTokenizer.from_pretrained(tiny.resolve("tiny:tokenizer"), padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), tok
+
+
+def test_rescoring_with_mask_positions_reproduces_generation_scores(student_and_tok):
+    """Re-scoring a left-padded batch must see exactly the logits `generate` sampled from."""
+    model, tok = student_and_tok
+    msgs = [[{"role": "user", "content": "7+5"}], [{"role": "user", "content": "358+467"}]]
+    ids, mask = rollout.encode_prompts(tok, msgs)
+    assert mask[0, 0] == 0, "the shorter prompt is left-padded"
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)  # fmt: skip
+    gen_logits = torch.stack(out.logits, dim=1)  # B x 6 x V
+    full = out.sequences
+    attn = torch.cat([mask, torch.ones_like(full[:, ids.shape[1] :])], dim=1)
+    P = ids.shape[1]
+    with torch.no_grad():
+        good = model(input_ids=full, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+    torch.testing.assert_close(good[:, P - 1 : P + 5], gen_logits, atol=1e-4, rtol=1e-4)
+    # (Qwen3's RoPE is relative, so a constant shift of a row's positions happens to be invisible;
+    # models with absolute positions are not so forgiving, hence positions from the mask.)
+
+
+def test_sample_masks_after_eos_and_reports_truncation(student_and_tok):
+    model, tok = student_and_tok
+    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 8)
+    torch.manual_seed(0)
+    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       max_new_tokens=3)  # fmt: skip
+    assert r.truncated_B(tok.eos_token_id).all(), "3 tokens cannot finish a scratchpad"
+    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       max_new_tokens=40)  # fmt: skip
+    comp, cmask = r.completion_ids_BC, r.completion_mask_BC
+    for row, m in zip(comp, cmask):
+        n = int(m.sum())
+        if n < comp.shape[1]:
+            assert row[n - 1] == tok.eos_token_id and (row[n:] == tok.pad_token_id).all()
+    assert (r.attention_mask_BT[:, ids.shape[1] :] == cmask).all()
+
+
+def test_sampling_does_not_truncate_to_top_k(student_and_tok, monkeypatch):
+    """generate's default top_k=50 would silently bias on-policy samples; sample() passes top_k=0."""
+    model, tok = student_and_tok
+    seen = {}
+    orig = model.generate
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(model, "generate", spy)
+    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "1+1"}]])
+    rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=2)
+    assert seen["top_k"] == 0 and seen["top_p"] == 1.0 and seen["do_sample"] and seen["use_cache"]

@@ -1,0 +1,99 @@
+"""The tiny world: task, tokenizer, shipped models, and the recipe that rebuilt them."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opdkit import evaluate, tiny
+from opdkit.tiny import build, task
+
+
+def test_scratchpads_are_valid_and_varied():
+    rng = random.Random(0)
+    p = task.Problem(358, 467)
+    pads = {task.scratchpad(p, rng) for _ in range(200)}
+    assert len(pads) > 10, "column order must vary"
+    assert all(task.is_valid_scratchpad(p, s) for s in pads)
+    assert task.scratchpad(p) == "8+7=15,5+6+1=12,3+4+1=8;825"
+    assert task.is_correct(p, "8+7=15,6+5+1=12,1+3+4=8;825")
+    assert not task.is_valid_scratchpad(p, "8+7=15,5+6=11,3+4+1=8;825")
+    assert task.extract_answer("no answer") is None
+
+
+def test_final_carry_makes_four_digits():
+    p = task.Problem(999, 999)
+    assert task.scratchpad(p).endswith(";1998")
+    assert len(task.scratchpad(p)) + 1 <= task.MAX_COMPLETION_TOKENS
+
+
+def test_heldout_problems_are_deterministic():
+    assert task.heldout_problems(5) == task.heldout_problems(5)
+    assert task.heldout_problems(5) != task.problems(5, seed=1)
+
+
+def test_shipped_tokenizer_round_trips_and_has_no_bos():
+    tok = AutoTokenizer.from_pretrained(tiny.resolve("tiny:tokenizer"))
+    assert tok.bos_token is None and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    text = "8+7=15,5+6+1=12;825"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "2+1=3;3"}],
+        tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+    )  # fmt: skip
+    ids, mask = enc["input_ids"], enc["assistant_masks"]
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "2+1=3;3<|im_end|>"
+
+
+def test_shipped_models_are_small_qwen3_folders():
+    total = sum(f.stat().st_size for f in tiny.ASSETS.rglob("*.safetensors"))
+    assert total <= 10 * 2**20, f"tiny world weights are {total / 2**20:.1f} MB"
+    for part in ("teacher", "student"):
+        model = AutoModelForCausalLM.from_pretrained(tiny.resolve(f"tiny:{part}"))
+        assert model.config.model_type == "qwen3"
+
+
+def test_unknown_tiny_part_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="tiny:teacher, tiny:student"):
+        tiny.resolve("tiny:professor")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(tiny.resolve("tiny:tokenizer"), padding_side="left")
+
+
+def test_teacher_is_accurate_and_student_is_not(tok):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    t_acc = evaluate.tiny_accuracy(teacher, tok, n=500)
+    s_acc = evaluate.tiny_accuracy(student, tok, n=500)
+    recorded = json.loads((tiny.ASSETS / "recipe.json").read_text())
+    assert t_acc >= 0.95 and s_acc <= 0.30, (t_acc, s_acc)
+    assert t_acc == recorded["teacher_heldout_accuracy"] and s_acc == recorded["student_heldout_accuracy"]
+
+
+def test_teacher_scratchpads_are_valid_and_vary_under_sampling(tok):
+    from opdkit import rollout
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    p = task.Problem(358, 467)
+    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": p.prompt}]] * 32)
+    torch.manual_seed(0)
+    r = rollout.sample(teacher, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       max_new_tokens=task.MAX_COMPLETION_TOKENS)  # fmt: skip
+    comps = rollout.decode_completions(tok, r)
+    assert sum(task.is_valid_scratchpad(p, c) for c in comps) >= 28
+    assert len(set(comps)) >= 4, "the teacher spreads probability over column orders"
+
+
+def test_recipe_runs_a_few_steps(tmp_path):
+    rec = build.build_tiny_world(tmp_path, teacher_steps=3, student_steps=2, eval_every=2)
+    for part in ("tokenizer", "teacher", "student"):
+        assert (tmp_path / part).is_dir()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "teacher").config.model_type == "qwen3"
+    assert set(rec) >= {"teacher_heldout_accuracy", "student_heldout_accuracy", "build_seconds"}

@@ -1,0 +1,278 @@
+"""White-box OPD end to end on the tiny world: the gradient against a direct computation with TRL's
+loss, batch-shape and process-count invariance, resume, non-finite steps, the full preset's code path
+on stand-in models, and the cheap errors that must come before any heavy work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from opdkit import losses, rollout, tiny, whitebox
+from opdkit.config import ConfigError
+from opdkit.trainer import GradientDump, TokenizerMismatch
+
+# Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
+# different batch shapes see the same completions.
+FIXED = dict(
+    max_steps=1, eval_size=0, sample_every=0, save_steps=0, max_grad_norm=0.0, save_rollouts=True,
+    gen_temperature=0.001, subset_size=64,
+)  # fmt: skip
+
+
+def run_tiny(tmp_path: Path, name: str, callbacks=None, **overrides):
+    over = {**FIXED, "run_dir": str(tmp_path / name), **overrides}
+    return whitebox.run("tiny", over, callbacks=callbacks)
+
+
+def direct_gradient(run_path: Path, beta: float = 1.0) -> dict[str, torch.Tensor]:
+    """The step's gradient computed from scratch: full logits, TRL's loss over all completion tokens."""
+    from trl.experimental.gkd import GKDTrainer
+
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    s_rows, t_rows = [], []
+    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
+        for mb in torch.load(f):
+            ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
+            pos = rollout.position_ids_from_mask(attn)
+            P = ids.shape[1] - comp.shape[1]
+            s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            sel = comp.bool()
+            s_rows.append(s_logits[:, P - 1 : -1][sel])
+            t_rows.append(t_logits[:, P - 1 : -1][sel])
+    s, t = torch.cat(s_rows)[None], torch.cat(t_rows)[None]
+    loss = GKDTrainer.generalized_jsd_loss(s, t, labels=torch.zeros(s.shape[:2], dtype=torch.long), beta=beta)
+    loss.backward()
+    return {n: p.grad for n, p in student.named_parameters()}
+
+
+def assert_grads_close(a: dict, b: dict, rtol=2e-4):
+    assert a.keys() == b.keys()
+    for name in a:
+        scale = b[name].abs().max().item() + 1e-12
+        err = (a[name] - b[name]).abs().max().item() / scale
+        assert err < rtol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("batch,accum", [(4, 1), (2, 2), (1, 4)])
+def test_step_gradient_equals_direct_trl_computation(tmp_path, batch, accum):
+    dump = tmp_path / "grad.pt"
+    run = run_tiny(tmp_path, "r", [GradientDump(str(dump))], per_device_train_batch_size=batch,
+                   gradient_accumulation_steps=accum)  # fmt: skip
+    assert_grads_close(torch.load(dump), direct_gradient(run.path))
+
+
+def test_batch_shape_does_not_change_the_gradient(tmp_path):
+    grads = []
+    for batch, accum in [(4, 1), (2, 2)]:
+        dump = tmp_path / f"g{batch}.pt"
+        run_tiny(tmp_path, f"r{batch}", [GradientDump(str(dump))], per_device_train_batch_size=batch,
+                 gradient_accumulation_steps=accum)  # fmt: skip
+        grads.append(torch.load(dump))
+    assert completions(tmp_path / "r4") == completions(tmp_path / "r2"), "same completions, batched differently"
+    assert_grads_close(grads[0], grads[1], rtol=1e-4)
+
+
+def completions(run_path: Path) -> list[list[int]]:
+    rows = []
+    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
+        for mb in torch.load(f):
+            P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
+            rows += [ids[P:][m.bool()].tolist() for ids, m in zip(mb["input_ids"], mb["completion_mask_BC"])]
+    return rows
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_give_the_same_first_update(tmp_path):
+    common = {**FIXED, "per_device_train_batch_size": 2}
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit import whitebox
+        from opdkit.trainer import GradientDump
+        over = {common!r}
+        whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
+                     callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    dump_one = tmp_path / "one.pt"
+    run_tiny(tmp_path, "one", [GradientDump(str(dump_one))], per_device_train_batch_size=4)
+    two, one = torch.load(tmp_path / "two.pt"), torch.load(dump_one)
+    assert len(list((tmp_path / "two" / "rollouts").glob("*.pt"))) == 2
+    assert_grads_close(two, direct_gradient(tmp_path / "two"))
+    assert_grads_close(two, one, rtol=1e-4)
+    env = json.loads((tmp_path / "two" / "env.json").read_text())
+    assert env["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_failing_rank_traceback_reaches_the_caller(tmp_path):
+    script = textwrap.dedent(f"""
+        from opdkit import whitebox
+        whitebox.run("tiny", {{"run_dir": {str(tmp_path / "r")!r}, "num_processes": 2, "max_steps": 1,
+                               "eval_size": 0, "student_model": "tiny:student", "loss_chunk_size": 1,
+                               "beta": 1.0, "kl_temperature": 1.0, "per_device_train_batch_size": 2,
+                               "teacher_model": {str(tmp_path / "missing")!r}}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "missing" in proc.stderr
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _InterruptAt:
+    """A TrainerCallback that dies like a killed job after `step` optimizer steps."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            raise _Interrupt(f"killed after step {self.step}")
+
+
+def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
+    over = dict(max_steps=4, save_steps=2, max_grad_norm=1.0, gen_temperature=1.0, save_rollouts=False)
+    unbroken = run_tiny(tmp_path, "unbroken", **over)
+    with pytest.raises(_Interrupt):
+        run_tiny(tmp_path, "broken", [_InterruptAt(3)], **over)
+    resumed = run_tiny(tmp_path, "broken", resume=True, **over)
+    a, b = unbroken.read_jsonl(), resumed.read_jsonl()
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "grad_norm", "completion_length", "entropy"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5), (ra["step"], key)
+    sd_a = AutoModelForCausalLM.from_pretrained(unbroken.path / "model").state_dict()
+    sd_b = AutoModelForCausalLM.from_pretrained(resumed.path / "model").state_dict()
+    for k in sd_a:
+        torch.testing.assert_close(sd_a[k], sd_b[k])
+
+
+def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = losses.chunked_divergence
+
+    def poisoned(*a, **kw):
+        out = real(*a, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third optimizer step (one micro-batch per step)
+            out.sum = out.sum * float("nan")
+        return out
+
+    monkeypatch.setattr("opdkit.trainer.losses.chunked_divergence", poisoned)
+    run = run_tiny(tmp_path, "nan", max_steps=5, save_steps=1, max_grad_norm=1.0, save_rollouts=False)
+    summary = run.read_summary()
+    assert summary["first_nonfinite_step"] == 3
+    assert summary["status"].startswith("stopped")
+    final = AutoModelForCausalLM.from_pretrained(run.path / "model").state_dict()
+    good = AutoModelForCausalLM.from_pretrained(run.path / "checkpoints" / "checkpoint-2").state_dict()
+    for k, v in final.items():
+        assert torch.isfinite(v).all(), k
+        torch.testing.assert_close(v, good[k])
+    assert not (run.path / "checkpoints" / "checkpoint-3").exists()
+    records = run.read_jsonl()
+    assert records[-1]["step"] == 3 and records[-1]["grad_norm"] is None
+
+
+def test_metrics_have_the_promised_fields(tmp_path):
+    run = run_tiny(tmp_path, "m", max_steps=2, sample_every=1, save_rollouts=False, gen_temperature=1.0)
+    rec = run.read_jsonl()[-1]
+    for key in ("step", "loss", "grad_norm", "clipped", "lr", "completion_length", "truncated_fraction",
+                "entropy", "tokens_per_s"):  # fmt: skip
+        assert key in rec, key
+    samples = run.read_jsonl("samples.jsonl")
+    assert samples and len(samples[0]["tokens"]) == len(samples[0]["divergence"])
+    assert (run.path / "config.yaml").exists() and (run.path / "env.json").exists()
+    assert (run.path / "model" / "model.safetensors").exists()
+
+
+# ---- the full preset's code path on stand-ins -----------------------------------------------------
+
+
+def _standin(path: Path, tokenizer, vocab_rows: int, hidden: int, seed: int) -> str:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab_rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_standins(tmp_path_factory, qwen3_tokenizer):
+    d = tmp_path_factory.mktemp("standins")
+    # Qwen3-0.6B and -4B pad the 151,669-token vocabulary to 151,936 rows; the teacher here pads
+    # differently on purpose, which the loss must handle by comparing only real tokens.
+    student = _standin(d / "student", qwen3_tokenizer, 151936, 32, 0)
+    teacher = _standin(d / "teacher", qwen3_tokenizer, 152064, 48, 1)
+    return student, teacher
+
+
+def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parquet):
+    student, teacher = qwen3_standins
+    over = dict(student_model=student, teacher_model=teacher, dataset_path=str(dapo_parquet), subset_size=8,
+                eval_size=2, max_steps=2, max_new_tokens=8, max_prompt_length=300, bf16=False,
+                per_device_train_batch_size=2, gradient_accumulation_steps=2, save_steps=0,
+                run_dir=str(tmp_path / "full"), loss_chunk_size=5)  # fmt: skip
+    prep = whitebox.prepare("full", over)
+    assert prep.first_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    run = whitebox.run("full", over, prepared=prep)
+    summary = run.read_summary()
+    assert summary["steps"] == 2 and summary["status"] == "done"
+    assert len(run.read_jsonl()) == 2
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((run.path / "config.yaml").read_text())))
+    assert cfg["learning_rate"] == 1e-6 and cfg["gradient_accumulation_steps"] == 2
+
+
+# ---- cheap errors first ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        ({"dataset_path": "data/nope.parquet"}, FileNotFoundError, "nope.parquet"),
+        ({"max_prompt_length": 5}, ValueError, "max_prompt_length"),
+        ({"subset_size": 0}, ValueError, "subset"),
+        ({"bogus": 1}, ConfigError, "bogus"),
+    ],
+)
+def test_cheap_errors_before_anything_is_written(tmp_path, overrides, error, match):
+    run_dir = tmp_path / "never"
+    with pytest.raises(error, match=match):
+        whitebox.run("tiny", {"run_dir": str(run_dir), **overrides})
+    assert not run_dir.exists()
+
+
+def test_vocabulary_mismatch_is_caught_before_loading_models(tmp_path, qwen3_standins):
+    with pytest.raises(TokenizerMismatch, match="tokenizer"):
+        whitebox.run("tiny", {"run_dir": str(tmp_path / "x"), "teacher_model": qwen3_standins[1]})
+    assert not (tmp_path / "x").exists()
+
+
+def test_unknown_mode(tmp_path):
+    with pytest.raises(ConfigError, match="valid modes"):
+        whitebox.run("huge", {"run_dir": str(tmp_path / "x")})
+
+
+def test_non_empty_run_dir_is_never_silently_reused(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="not empty"):
+        whitebox.run("tiny", {"run_dir": str(tmp_path / "used")})
