@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html as _html
 import math
+import re
 from collections.abc import Sequence
 
 import matplotlib
@@ -66,6 +67,12 @@ def accuracy_bars(run: RunDir, summary: dict | None = None):
     return fig
 
 
+def prompt_label(prompt: str, width: int = 40) -> str:
+    """The prompt without template tokens, shortened from the left: enough to recognise the problem."""
+    text = " ".join(re.sub(r"<\|[^|]*\|>|\b(user|assistant|system)\n", " ", prompt).split())
+    return text if len(text) <= width else "…" + text[-width:]
+
+
 def _colour(value: float, vmax: float) -> str:
     """White (0) to red (vmax) background for a token's divergence."""
     a = 0.0 if vmax <= 0 else min(1.0, max(0.0, value) / vmax)
@@ -81,7 +88,7 @@ def sample_html(sample: dict, vmax: float | None = None) -> str:
         f"{_html.escape(tok.replace(chr(10), '⏎'))}</span>"
         for tok, d in zip(sample["tokens"], divs)
     )
-    head = _html.escape(sample["prompt"].replace("\n", " ")[-80:])
+    head = _html.escape(prompt_label(sample["prompt"], 80))
     return (
         f'<div style="margin:4px 0"><b>step {sample["step"]}</b> <span style="color:#666">{head}</span>'
         f"<br>{spans} <span style='color:#666'>(max {max(divs + [0]):.3f})</span></div>"
@@ -105,8 +112,9 @@ def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled com
     cmap = plt.get_cmap("Reds")
     for i, s in enumerate(rows):
         y = 1 - (i + 0.5) / max(1, len(rows))
-        ax.text(0.0, y, f"step {s['step']}", fontsize=8, va="center", family="monospace", transform=ax.transAxes)
-        x = 0.08
+        label = f"step {s['step']}  {prompt_label(s['prompt'], 18)}"
+        ax.text(0.0, y, label, fontsize=8, va="center", family="monospace", transform=ax.transAxes)
+        x = 0.2
         for tok, d in zip(s["tokens"], s["divergence"]):
             t = tok.replace("\n", "⏎")
             ax.text(x, y, t, fontsize=9, va="center", family="monospace", transform=ax.transAxes,
