@@ -68,6 +68,8 @@ class WhiteboxConfig(RunFields):
     learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", min=0.0)
     lr_scheduler_type: str = _f("constant", "transformers scheduler name: constant, linear, cosine, ...")
     warmup_ratio: float = _f(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
+    optim: str = _f("adamw_torch_fused", "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the original), sgd, ...")
+    optim_args: str = _f("", "extra optimizer arguments, e.g. momentum=0.9 for sgd")
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
     adam_beta2: float = _f(0.999, "AdamW beta2", min=0.0, max=1.0)
     per_device_train_batch_size: int = _f(4, "prompts per process per micro-batch", min=1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -96,10 +97,11 @@ def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tupl
     carry label -100 and contribute exactly zero, whatever the batch looks like.
     """
     logits_BTV = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logits_BTV = logits_BTV[:, :-1].float()
-    labels_BT = batch["labels"][:, 1:]
-    loss_BT = F.cross_entropy(logits_BTV.transpose(1, 2), labels_BT, ignore_index=IGNORE, reduction="none")
-    return loss_BT.sum(dim=1), (labels_BT != IGNORE).sum(dim=1)
+    # Position t predicts token t+1: shift the labels, not the logits, whose shifted copy would be the
+    # largest tensor of the step at a 151k vocabulary. The last position predicts nothing (-100).
+    labels_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
+    loss_N = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE, reduction="none")
+    return loss_N.view_as(labels_BT).sum(dim=1), (labels_BT != IGNORE).sum(dim=1)
 
 
 def trace_weights(n_tokens_B: torch.Tensor, normalization: str, total_traces: int, total_tokens: int) -> torch.Tensor:
@@ -209,29 +211,32 @@ def mean_completion_grad(
     Every process passes the same `rows`; each computes the traces of its shard, then the `.grad`s are
     summed across processes. Returns ({parameter name: gradient}, {traces, tokens, loss, grad_norm}).
     """
-    lengths = [len(r["input_ids"]) for r in rows]
     tokens = [completion_token_count(r["labels"]) for r in rows]
     _check_rows(rows, tokens, normalization)
     device = next(model.parameters()).device
-    mine = shard_by_length(lengths, rank, world)
-    model.train()
-    model.zero_grad(set_to_none=True)
-    error: NonFiniteGradient | None = None
-    try:
-        batches = make_batches(rows, mine, batch_size, pad_token_id, device)
-        n_batches = -(-len(mine) // batch_size)
-        local = accumulate_mean_grad(model, batches, normalization, len(rows), sum(tokens), progress, n_batches)
-    except NonFiniteGradient as exc:
-        error, local = exc, 0.0
+    mine = shard_by_length([len(r["input_ids"]) for r in rows], rank, world)
+    batches = make_batches(rows, mine, batch_size, pad_token_id, device)
+    local, error = _local_pass(model, batches, normalization, len(rows), sum(tokens), progress, -(-len(mine) // batch_size))
     if _any_process(error is not None, world, device):  # every process stops, not only the one that failed
         raise error or NonFiniteGradient("another process found a trace with a non-finite loss or gradient; see its error.")
     all_reduce_grads(model, world)
     named = {name: p.grad.detach() for name, p in model.named_parameters()}
     norm = global_norm(named)
-    if not torch.isfinite(torch.tensor(norm)):
+    if not math.isfinite(norm):
         raise NonFiniteGradient(f"the summed gradient is non-finite (norm {norm}) although every trace's was finite; nothing was saved.")
-    stats = {"num_traces": len(rows), "completion_tokens": sum(tokens), "loss": _sum_over_processes(local, world, device), "grad_norm": norm}
-    return named, stats
+    loss = _sum_over_processes(local, world, device)
+    return named, {"num_traces": len(rows), "completion_tokens": sum(tokens), "loss": loss, "grad_norm": norm}
+
+
+def _local_pass(model: torch.nn.Module, batches: Iterable, *args: Any) -> tuple[float, NonFiniteGradient | None]:
+    """This process's share, from fresh `.grad`s; a non-finite trace is returned, not raised, so that
+    every process can learn of it before anyone waits in a collective."""
+    model.eval()  # gradients still flow; eval only turns dropout off, so the gradient is deterministic
+    model.zero_grad(set_to_none=True)
+    try:
+        return accumulate_mean_grad(model, batches, *args), None
+    except NonFiniteGradient as exc:
+        return 0.0, exc
 
 
 def _check_rows(rows: Sequence[dict], tokens: Sequence[int], normalization: str) -> None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import datasets
 import torch
@@ -83,10 +83,9 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
         ds = data.load_prompts(data.TINY, subset_size=cfg.subset_size, seed=cfg.seed + TINY_HOLDOUT_SEED_OFFSET)
     else:
         ds = data.load_prompts(cfg.dataset_path, cfg.dataset_split, -1, cfg.seed)
-        n_holdout = round(len(ds) * cfg.holdout_fraction)
-        ds = ds.select(range(len(ds) - n_holdout, len(ds)))
-        if cfg.subset_size != -1:
-            ds = ds.select(range(min(cfg.subset_size, len(ds))))
+        start = len(ds) - round(len(ds) * cfg.holdout_fraction)
+        stop = len(ds) if cfg.subset_size == -1 else min(len(ds), start + cfg.subset_size)
+        ds = ds.select(range(start, stop)) if stop > start else ds.select([])
     if len(ds) == 0:
         raise ConfigError(
             f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
@@ -106,6 +105,8 @@ def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
             f"{cfg.traces_path!r} has no column {cfg.trace_column!r}; it has {raw.column_names}, so pass one of "
             "them as trace_column."
         )
+    if len(raw) == 0:
+        raise ConfigError(f"{cfg.traces_path!r} holds no traces; expected at least one row.")
     if cfg.subset_size != -1:
         raw = raw.select(range(min(cfg.subset_size, len(raw))))
     return [
@@ -125,7 +126,7 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
                 f"({list(data.PROMPT_COLUMNS)}); store the conversation as chat messages instead."
             )
         prompt = data._as_messages(row[prompt_col], i, prompt_col)
-        if prompt[-1]["content"].strip() and prompt[-1]["content"].strip() in value:
+        if _rendered(value, prompt[-1]["content"]):
             raise ConfigError(
                 f"row {i}: the text in {column!r} contains its own prompt (a fully rendered conversation, as the "
                 "ADS gentraces.py writes); its completion cannot be found without a hard-coded marker, so store "
@@ -136,6 +137,12 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
     if messages[-1]["role"] != "assistant":
         raise ConfigError(f"row {i} of {column!r} does not end with an assistant turn; a trace needs the answer.")
     return messages
+
+
+def _rendered(text: str, prompt: str) -> bool:
+    """Does `text` hold a whole rendered conversation: the prompt after a chat template's role markup?"""
+    at = text.find(prompt.strip()) if prompt.strip() else -1
+    return at > 0 and re.search(r"<\||<｜|\[INST\]|user", text[:at], re.IGNORECASE) is not None
 
 
 def answer_check(cfg: SaveGradConfig) -> Callable[[str, str], bool]:
@@ -168,6 +175,15 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
 
 def load_model(name: str, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+
+
+def proxy_skeleton(name: str) -> torch.nn.Module:
+    """The model's architecture without weights (meta device): enough to check a gradient's names and shapes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny.resolve(name))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module) -> list[int]:
@@ -277,7 +293,9 @@ def load_traces(run: RunDir | str | Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
-def traces_for(cfg: SaveGradConfig, prep: Prepared, run: RunDir, rank: int, world: int, device) -> list[dict]:
+def traces_for(
+    cfg: SaveGradConfig, prep: Prepared, run: RunDir, rank: int, world: int, device: torch.device
+) -> list[dict]:
     """All traces with proxy tokens, in every process: resumed from the run, supplied, or written now."""
     saved = run.path / TRACES_DIR
     if cfg.resume and saved.is_dir():
@@ -347,6 +365,18 @@ def _share_cpu(world: int, device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
+def proxy_gradient(cfg: SaveGradConfig, prep: Prepared, records: list[dict], run: RunDir, rank: int, world: int,
+                   device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """The fp32 proxy's mean gradient over all traces; a non-finite one marks the run failed, then raises."""
+    proxy = load_model(cfg.proxy_model, torch.float32, device)
+    pad = prep.proxy_tokenizer.pad_token_id
+    try:
+        return grads.mean_completion_grad(proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0)
+    except grads.NonFiniteGradient as exc:
+        run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
+        raise
+
+
 def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None) -> None:
     """What every process runs: traces, the proxy's mean gradient over all of them, files on rank 0."""
     from accelerate import PartialState  # here, not at import: nothing may touch CUDA before the fork
@@ -361,15 +391,7 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     run.write_env(world_size=world)
     records = traces_for(cfg, prep, run, rank, world, device)
     print0(f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}")
-    proxy = load_model(cfg.proxy_model, torch.float32, device)
-    pad = prep.proxy_tokenizer.pad_token_id
-    try:
-        named, stats = grads.mean_completion_grad(
-            proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, progress=rank == 0
-        )
-    except grads.NonFiniteGradient as exc:
-        run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
-        raise
+    named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
     if rank == 0:
         grads.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
     run.write_summary(summarize(records, stats, prep, world, time.time() - t0))
@@ -381,7 +403,8 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     """Prepare, create the run directory, launch the processes; returns the run directory."""
     prep = prepared or prepare(mode, overrides)
     cfg = prep.cfg
-    print0(prep.first_example)
+    if prepared is None:  # a notebook has shown it already
+        print0(prep.first_example)
     if under_external_launcher():
         if not cfg.run_dir:
             raise ConfigError(
@@ -434,7 +457,8 @@ def length_histogram(run: RunDir):
     """Histogram of the traces' completion lengths in proxy tokens (what each trace's mean runs over)."""
     lengths = completion_lengths(run)
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#37a")
+    lo, hi = min(lengths), max(lengths)
+    ax.hist(lengths, bins=range(lo, hi + 2) if hi - lo < 60 else 40, align="left", color="#37a", rwidth=0.9)
     ax.set_xlabel("completion tokens (proxy tokenizer)")
     ax.set_ylabel("traces")
     ax.set_title(f"{len(lengths)} traces, mean {sum(lengths) / len(lengths):.1f} tokens", fontsize=10)

@@ -119,6 +119,8 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> TrainingArguments
         max_steps=cfg.max_steps,
         lr_scheduler_type=cfg.lr_scheduler_type,
         warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio
+        optim=cfg.optim,
+        optim_args=cfg.optim_args or None,
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),

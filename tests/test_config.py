@@ -5,11 +5,11 @@ from __future__ import annotations
 import ast
 import json
 import re
-import tomllib
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from opdkit import config
