@@ -29,6 +29,7 @@ class Arm:
     overrides: dict
     learning_rate: float
     max_grad_norm: float
+    optimizer: str = "adamw"
 
     @property
     def clipping(self) -> bool:
@@ -61,6 +62,13 @@ def arms(cfg: ClipLessonConfig) -> list[Arm]:
             Arm("noclip-at-clip-lr", cfg.noclip_mode, {**extra, "learning_rate": clip.learning_rate},
                 clip.learning_rate, noclip.max_grad_norm),
         ]  # fmt: skip
+    if cfg.sgd_arms:
+        sgd = {**extra, "optim": "sgd", "optim_args": f"momentum={cfg.sgd_momentum}", "learning_rate": cfg.sgd_lr}
+        out += [
+            Arm("sgd-clip", cfg.clip_mode, {**sgd, "max_grad_norm": clip.max_grad_norm}, cfg.sgd_lr,
+                clip.max_grad_norm, "sgd"),
+            Arm("sgd-noclip", cfg.clip_mode, {**sgd, "max_grad_norm": 0.0}, cfg.sgd_lr, 0.0, "sgd"),
+        ]
     return out
 
 
@@ -74,6 +82,7 @@ def arm_stats(run: RunDir, arm: Arm) -> dict:
         "learning_rate": arm.learning_rate,
         "max_grad_norm_setting": arm.max_grad_norm,
         "clipping": arm.clipping,
+        "optimizer": arm.optimizer,
         "max_grad_norm": max(norms) if norms else None,
         "median_grad_norm": statistics.median(norms) if norms else None,
         "clipped_steps": sum(bool(r.get("clipped")) for r in records),
@@ -91,7 +100,7 @@ def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDi
     over = {**arm.overrides, "seed": seed, "run_dir": str(lesson.path / "arms" / f"{arm.name}-seed{seed}")}
     if cfg.num_processes:
         over["num_processes"] = cfg.num_processes
-    if cfg.eval_size >= 0:
+    if cfg.eval_size >= 0:  # -1 keeps the preset's
         over["eval_size"] = cfg.eval_size
     over["sample_every"] = 1  # the spike's completions must be there to look at
     print0(f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
@@ -112,22 +121,33 @@ def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
     """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
     cfg = load_config(JOB, mode, overrides)
     seeds = parse_seeds(cfg.seeds)
+    existing = existing_arms(cfg)  # checked before anything is written
     lesson = RunDir.create(cfg, job=JOB, mode=mode)
     results: dict[str, dict[int, dict]] = {}
-    if cfg.clip_run or cfg.noclip_run:
-        for name, path in (("clip", cfg.clip_run), ("noclip", cfg.noclip_run)):
-            if not path:
-                raise ConfigError(f"give both clip_run and noclip_run (missing {name}_run).")
-            existing = RunDir.attach(path)
-            c = _load_run_config(Path(path))
-            arm = Arm(name, c.get("mode", "?"), {}, c["learning_rate"], c["max_grad_norm"])
-            results[name] = {int(c.get("seed", 0)): arm_stats(existing, arm)}
-    else:
+    for arm, path, seed in existing:
+        results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}
+    if not existing:
         for arm in arms(cfg):
             for seed in seeds:
                 results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
     lesson.write_summary(summarise(results))
     return lesson
+
+
+def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:
+    """(arm, run directory, seed) for clip_run and noclip_run; empty when neither is given."""
+    if not (cfg.clip_run or cfg.noclip_run):
+        return []
+    pairs = (("clip", cfg.clip_run), ("noclip", cfg.noclip_run))
+    for name, path in pairs:
+        if not path:
+            raise ConfigError(f"give both clip_run and noclip_run (missing {name}_run).")
+    out = []
+    for name, path in pairs:
+        c = _load_run_config(Path(path))
+        out.append((Arm(name, c.get("mode", "?"), {}, c["learning_rate"], c["max_grad_norm"],
+                        "sgd" if c.get("optim") == "sgd" else "adamw"), path, int(c.get("seed", 0))))  # fmt: skip
+    return out
 
 
 def _load_run_config(path: Path) -> dict:
@@ -156,3 +176,58 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def arm_records(summary: dict) -> dict[str, list[dict]]:
+    """metrics.jsonl of each arm's first seed, keyed by arm name."""
+    return {name: RunDir.attach(e["run_dir"]).read_jsonl() for name, e in summary.items()}
+
+
+def spike_samples(summary: dict, arm: str = "noclip", window: int = 1) -> tuple[int | None, list[dict]]:
+    """The arm's largest pre-clip gradient-norm step and the completions sampled around it."""
+    run = RunDir.attach(summary[arm]["run_dir"])
+    step = largest_spike(run.read_jsonl())
+    if step is None:
+        return None, []
+    near = [s for s in run.read_jsonl("samples.jsonl") if abs(s["step"] - step) <= window]
+    return step, near
+
+
+def _fmt(v, pct=False) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.0%}" if pct else f"{v:.3g}"
+
+
+def summary_table_html(summary: dict) -> str:
+    cols = ["optimizer", "learning_rate", "clipping", "median_grad_norm", "max_grad_norm", "clipped_steps",
+            "max_loss", "final_loss", "final_accuracy", "first_nonfinite_step"]  # fmt: skip
+    head = "".join(f"<th>{c}</th>" for c in ["arm", *cols])
+    rows = []
+    for name, e in summary.items():
+        cells = [_fmt(e[c], pct=c == "final_accuracy") if isinstance(e[c], float) else str(e[c]) for c in cols]
+        rows.append(f"<tr><td><b>{name}</b></td>{''.join(f'<td>{c}</td>' for c in cells)}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def explain(summary: dict) -> str:
+    """What this run showed, arm against arm, in plain sentences built from the measured numbers."""
+    lines = []
+
+    def line(a: str, b: str, what: str) -> None:
+        if a in summary and b in summary:
+            x, y = summary[a], summary[b]
+            lines.append(
+                f"- **{a} vs {b}** ({what}): final accuracy {_fmt(x['final_accuracy'], True)} vs "
+                f"{_fmt(y['final_accuracy'], True)}; peak loss {_fmt(x['max_loss'])} vs {_fmt(y['max_loss'])}; "
+                f"largest pre-clip gradient norm {_fmt(x['max_grad_norm'])} vs {_fmt(y['max_grad_norm'])}."
+            )
+
+    line("clip", "noclip", "the original's two arms: clipping and learning rate both change")
+    line("clip", "clip-at-noclip-lr", "same clipping, learning rate raised: the learning rate's share")
+    line("clip", "noclip-at-clip-lr", "same learning rate, clipping off: the clipping's share")
+    line("sgd-clip", "sgd-noclip", "SGD with momentum, same learning rate: clipping alone")
+    seeds = {n: [s.get("final_accuracy") for s in e.get("seeds", {}).values()] for n, e in summary.items()}
+    if any(len(v) > 1 for v in seeds.values()):
+        lines.append("- per seed: " + "; ".join(f"{n} {[_fmt(a, True) for a in v]}" for n, v in seeds.items()))
+    return "\n".join(lines)

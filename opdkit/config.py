@@ -126,12 +126,17 @@ class SaveGradConfig(RunFields):
 class ClipLessonConfig(RunFields):
     """Clip versus no-clip (03_clip_vs_noclip): arms built from 02_whitebox presets or runs."""
 
-    clip_mode: str = _f("tiny", "02_whitebox preset of the clipped arm")
-    noclip_mode: str = _f("tiny-noclip", "02_whitebox preset of the unclipped arm")
-    clip_run: str = _f("", "use this existing 02_whitebox run directory as the clipped arm")
-    noclip_run: str = _f("", "use this existing 02_whitebox run directory as the unclipped arm")
-    ablations: bool = _f(True, "also run clip-at-noclip-lr and noclip-at-clip-lr")
+    clip_mode: str = _f("tiny", "02_whitebox preset of the clipped arm (the original: sanity)")
+    noclip_mode: str = _f("tiny-noclip", "02_whitebox preset of the unclipped arm (the original: noclip)")
+    clip_run: str = _f("", "an existing 02_whitebox run directory to use as the clipped arm")
+    noclip_run: str = _f("", "an existing 02_whitebox run directory to use as the unclipped arm")
+    ablations: bool = _f(True, "also run clip at the noclip learning rate and noclip at the clip learning rate")
+    sgd_arms: bool = _f(False, "also run clip and noclip with SGD and momentum, an optimizer that does not bound its own step")
+    sgd_lr: float = _f(0.05, "learning rate of both SGD arms", min=0.0)
+    sgd_momentum: float = _f(0.9, "momentum of both SGD arms", min=0.0, max=1.0)
     seeds: str = _f("42", "comma-separated seeds; every arm runs once per seed")
+    max_steps: int = _f(0, "optimizer steps of every arm; 0 keeps each preset's", min=0)
+    eval_size: int = _f(-1, "held-out problems per accuracy measurement; -1 keeps each preset's", min=-1)
 
 
 JOBS: dict[str, type[RunFields]] = {

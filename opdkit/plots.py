@@ -129,7 +129,10 @@ def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled com
     return fig
 
 
-ARM_COLOURS = {"clip": "#2a7", "noclip": "#d33", "clip-at-noclip-lr": "#e90", "noclip-at-clip-lr": "#37c"}
+ARM_COLOURS = {
+    "clip": "#2a7", "noclip": "#d33", "clip-at-noclip-lr": "#e90", "noclip-at-clip-lr": "#37c",
+    "sgd-clip": "#6b4", "sgd-noclip": "#a2a",
+}
 
 
 def lesson_curves(arm_records: dict[str, list[dict]], thresholds: dict[str, float], path=None):
@@ -163,8 +166,8 @@ def lesson_accuracy(summary: dict, path=None):
         ax.bar(i, entry.get("final_accuracy") or 0, color=ARM_COLOURS.get(name, "#888"), alpha=0.8)
         accs = [s.get("final_accuracy") or 0 for s in entry.get("seeds", {}).values()]
         ax.scatter([i] * len(accs), accs, color="k", s=12, zorder=3)
-        lr, clip = entry["learning_rate"], entry["clipping"]
-        ax.text(i, -0.12, f"lr {lr:g}\n{'clip' if clip else 'no clip'}", ha="center", va="top", fontsize=8)
+        lr, clip, opt = entry["learning_rate"], entry["clipping"], entry.get("optimizer", "adamw")
+        ax.text(i, -0.12, f"{opt}\nlr {lr:g}\n{'clip' if clip else 'no clip'}", ha="center", va="top", fontsize=8)
     before = next((e.get("accuracy_before") for e in summary.values() if e.get("accuracy_before") is not None), None)
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before ({before:.0%})")

@@ -29,3 +29,26 @@ def sample_browser(samples: Sequence[dict], per_page: int = 4):
     label.value = f"step {steps[slider.value]}"
     show()
     return w.VBox([w.HBox([slider, label]), out])
+
+
+def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
+    """A slider over steps showing every arm's completions at that step, side by side in rows."""
+    import ipywidgets as w
+
+    steps = sorted({s["step"] for samples in arm_samples.values() for s in samples})
+    if not steps:
+        return w.HTML("<i>no samples logged</i>")
+    vmax = max(max(s["divergence"] + [1e-9]) for samples in arm_samples.values() for s in samples)
+    out = w.HTML()
+    slider = w.SelectionSlider(options=steps, value=steps[0], description="step", continuous_update=False)
+
+    def show(change=None):
+        parts = []
+        for name, samples in arm_samples.items():
+            rows = [s for s in samples if s["step"] == slider.value][:per_arm]
+            parts.append(f"<h4 style='margin:6px 0 0 0'>{name}</h4>" + "".join(sample_html(s, vmax) for s in rows))
+        out.value = "".join(parts)
+
+    slider.observe(show, names="value")
+    show()
+    return w.VBox([slider, out])

@@ -42,3 +42,13 @@ def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
     text = out.read_text()
     assert "bogus" in text and "ConfigError" in text
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_clip_lesson_notebook_runs_headless(tmp_path):
+    run_dir = tmp_path / "lesson"
+    execute("03_clip_vs_noclip.ipynb", tmp_path, run_dir=str(run_dir), max_steps=6, eval_size=20)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) == {"clip", "noclip", "clip-at-noclip-lr", "noclip-at-clip-lr", "sgd-clip", "sgd-noclip"}
+    for fig in ("loss_and_grad_norm", "final_accuracy", "spike_samples"):
+        assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig

@@ -1,0 +1,71 @@
+"""The clip-vs-noclip lesson: arm composition, the phenomenon on several seeds, existing runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from opdkit import cliplesson, whitebox
+from opdkit.config import ConfigError, load_config
+
+
+def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
+    cfg = load_config("03_clip_vs_noclip", "tiny")
+    arms = {a.name: a for a in cliplesson.arms(cfg)}
+    clip, noclip = load_config("02_whitebox", "tiny"), load_config("02_whitebox", "tiny-noclip")
+    assert noclip.learning_rate == pytest.approx(5 * clip.learning_rate), "noclip is lr x5, as the original"
+    assert arms["clip"].clipping and not arms["noclip"].clipping
+    assert (arms["clip-at-noclip-lr"].learning_rate, arms["clip-at-noclip-lr"].clipping) == (noclip.learning_rate, True)
+    assert (arms["noclip-at-clip-lr"].learning_rate, arms["noclip-at-clip-lr"].clipping) == (clip.learning_rate, False)
+    sgd = [arms["sgd-clip"], arms["sgd-noclip"]]
+    assert sgd[0].learning_rate == sgd[1].learning_rate and sgd[0].clipping and not sgd[1].clipping
+    assert sgd[0].overrides["optim"] == "sgd"
+
+
+def test_full_lesson_compares_sanity_with_noclip():
+    cfg = load_config("03_clip_vs_noclip", "full")
+    arms = {a.name: a for a in cliplesson.arms(cfg)}
+    assert set(arms) == {"clip", "noclip"}
+    assert (arms["clip"].mode, arms["noclip"].mode) == ("sanity", "noclip")
+    assert (arms["clip"].learning_rate, arms["noclip"].learning_rate) == (1e-6, 5e-6)
+
+
+def test_seeds_are_parsed_with_clear_errors():
+    assert cliplesson.parse_seeds("1, 2,3") == [1, 2, 3]
+    with pytest.raises(ConfigError, match="comma-separated"):
+        cliplesson.parse_seeds("a,b")
+
+
+@pytest.mark.slow
+def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
+    """The original's phenomenon, for real: no smoothing, no cherry-picked seed."""
+    lesson = cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "seeds": "1,2,3", "ablations": False,
+                                     "sgd_arms": False, "max_steps": 60, "eval_size": 150})  # fmt: skip
+    s = lesson.read_summary()
+    for seed in (1, 2, 3):
+        clip, noclip = s["clip"]["seeds"][seed], s["noclip"]["seeds"][seed]
+        assert noclip["max_loss"] > 2 * clip["max_loss"], seed
+        assert noclip["final_accuracy"] < clip["final_accuracy"], seed
+        assert clip["max_loss"] < 2.5 and clip["final_loss"] < clip["max_loss"] / 2, seed
+        assert clip["clipped_steps"] > 0 and noclip["clipped_steps"] == 0
+
+
+def test_existing_runs_can_be_the_arms(tmp_path):
+    base = {"max_steps": 2, "eval_size": 8, "sample_every": 1, "save_steps": 0}
+    c = whitebox.run("tiny", {**base, "run_dir": str(tmp_path / "c")})
+    n = whitebox.run("tiny-noclip", {**base, "run_dir": str(tmp_path / "n")})
+    lesson = cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(c.path),
+                                     "noclip_run": str(n.path)})  # fmt: skip
+    s = lesson.read_summary()
+    assert set(s) == {"clip", "noclip"}
+    for arm in s.values():
+        assert set(arm) >= {"max_grad_norm", "median_grad_norm", "clipped_steps", "max_loss", "final_loss",
+                            "final_accuracy", "first_nonfinite_step", "learning_rate", "clipping"}  # fmt: skip
+    assert s["clip"]["clipping"] and not s["noclip"]["clipping"]
+    assert "clip vs noclip" in cliplesson.explain(s)
+    step, near = cliplesson.spike_samples(s, "noclip")
+    assert step in (1, 2) and near
+
+
+def test_missing_partner_run_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="noclip_run"):
+        cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(tmp_path)})
