@@ -13,6 +13,9 @@ TORCH_SPEC ?= torch==2.13.0
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
+# The tiny world's models are too small to gain from several threads, and tests run processes side
+# by side: one thread each is faster on a laptop and far faster on a shared 2-core machine.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test test-fast install bench lint clean-runs
 
