@@ -139,10 +139,84 @@ class ClipLessonConfig(RunFields):
     eval_size: int = _f(-1, "held-out problems per accuracy measurement; -1 keeps each preset's", min=-1)
 
 
+@dataclass
+class AntidistillationConfig(RunFields):
+    """Antidistillation sampling and its trade-off (04_antidistill): a λ sweep of ADS beside a temperature
+    sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT."""
+
+    teacher_model: str = _f("tiny:teacher", "teacher that writes the training traces: folder, hub name, or tiny:teacher")
+    proxy_model: str = _f("tiny:student", "proxy student the gradient belongs to (shares the teacher's tokenizer)")
+    student_model: str = _f("tiny:student", "student distilled at every point, afresh each time: folder, hub name, or tiny:student")
+    student_tokenizer: str = _f("", "the student's tokenizer (and chat template) if not its own folder's, e.g. an -Instruct sibling")
+    student_init: str = _f(
+        "pretrained", "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
+        choices=("pretrained", "scratch"),
+    )  # fmt: skip
+    grads_run: str = _f("", "a 01_save_grad run directory with grads.safetensors; empty runs 01_save_grad inside this run")
+    grads_mode: str = _f("tiny", "01_save_grad preset run when grads_run is empty (with this teacher, proxy and seed)")
+    dataset_path: str = _f("tiny", "training prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
+    subset_size: int = _f(512, "training prompts the teacher answers at every point (the head of the seed-shuffled dataset)", min=1)
+    system_prompt: str = _f("", "system message put before every prompt; empty for none")
+    eval_dataset_path: str = _f("", "evaluation prompts for the distilled students; empty: the tiny held-out problems")
+    eval_dataset_split: str = _f("test", "split of eval_dataset_path")
+    eval_size: int = _f(300, "evaluation problems per distilled student; -1 means all of eval_dataset_path", min=-1)
+    max_prompt_length: int = _f(512, "longer prompts are dropped (and counted)", min=1)
+    max_new_tokens: int = _f(40, "trace length budget: tokens the teacher writes at most", min=1)
+    eval_max_new_tokens: int = _f(0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0)
+    enable_thinking: bool = _f(False, "passed to the chat templates (Qwen3 thinking mode)")
+    lams: list = _f((0.0, 0.02, 0.04, 0.06, 0.08, 0.1), "ADS sweep: the λ values, each at every ads_temperatures value")
+    ads_temperatures: list = _f((1.0,), "temperatures the ADS sweep runs at")
+    temperatures: list = _f((1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures")
+    top_p: float = _f(1.0, "nucleus applied after the ADS term and the temperature, at every point", min=1e-3, max=1.0)
+    eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
+    ads_method: str = _f(
+        "fd", "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
+        choices=("fd", "jvp"),
+    )  # fmt: skip
+    gen_batch_size: int = _f(256, "prompts per generation batch", min=1)
+    repeats: int = _f(1, "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted", min=1)
+    sft_max_steps: int = _f(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
+    sft_epochs: float = _f(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
+    sft_batch_size: int = _f(64, "traces per optimizer step", min=1)
+    sft_micro_batch_size: int = _f(0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0)
+    sft_learning_rate: float = _f(3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0)
+    sft_weight_decay: float = _f(0.0, "AdamW weight decay of the students' SFT", min=0.0)
+    sft_warmup_ratio: float = _f(0.05, "fraction of SFT steps spent warming up", min=0.0, max=0.999)
+    sft_max_length: int = _f(0, "traces longer than this many student tokens are cut; 0 means no cap", min=0)
+    bf16: bool = _f(False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32")
+    gradient_checkpointing: bool = _f(False, "recompute the student's activations in backward to save memory")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("lams", "ads_temperatures", "temperatures"):
+            setattr(self, name, _float_list(name, getattr(self, name)))
+        if not self.lams and not self.temperatures:
+            raise ConfigError("lams and temperatures are both empty; give at least one sweep point.")
+        if self.lams and not self.ads_temperatures:
+            raise ConfigError("lams is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0].")
+        negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
+        if negative:
+            raise ConfigError(f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy).")
+
+
+def _float_list(name: str, value: Any) -> list[float]:
+    """A sweep as a list of floats, from a YAML/papermill list or a comma-separated string."""
+    if isinstance(value, str):
+        value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+    if isinstance(value, (int, float)):
+        value = [value]
+    try:
+        return [float(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} must be a list of numbers, e.g. [0.0, 0.05, 0.1] or '0,0.05,0.1'.") from None
+
+
 JOBS: dict[str, type[RunFields]] = {
     "01_save_grad": SaveGradConfig,
     "02_whitebox": WhiteboxConfig,
     "03_clip_vs_noclip": ClipLessonConfig,
+    "04_antidistill": AntidistillationConfig,
 }
 DEFAULT_MODE = "tiny"
 NOTEBOOK_ONLY = {"mode"}  # notebook parameters that are not config fields

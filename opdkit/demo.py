@@ -26,6 +26,18 @@ def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
     return executed, run_dir, time.time() - t0
 
 
+def _headline(summary: dict) -> dict:
+    """Scalar entries as they are; per-arm entries (dicts) reduced to their final accuracy."""
+    out = {}
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            if "final_accuracy" in v:
+                out[f"{k}.final_accuracy"] = v["final_accuracy"]
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("notebooks", nargs="+", type=Path)
@@ -49,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}  ({secs:.0f} s)\n  executed notebook: {executed}")
         summary = run_dir / "summary.json"
         if summary.exists():
-            headline = {k: v for k, v in json.loads(summary.read_text()).items() if not isinstance(v, (dict, list))}
+            headline = _headline(json.loads(summary.read_text()))
             print(f"  summary: {json.dumps(headline)[:400]}")
         for fig in sorted(run_dir.glob("figures/*.png")):
             print(f"  figure: {fig}")

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -106,9 +105,10 @@ def chunked_divergence(
 ) -> DivergenceOutput:
     """Summed per-token divergence from final (post-norm) hidden states and bias-free lm_head weights.
 
-    Peak memory is a handful (about 6) of chunk_size x V float32 temporaries, in the forward and the
-    backward pass, instead of several N x V ones; the price is running both heads' matmuls again in
-    the backward pass. Gradient reaches the student's hidden states and head weight; the teacher's inputs are detached.
+    Peak memory is two chunk_size x V float32 buffers (plus the head's float32 gradient in the
+    backward pass) instead of several N x V tensors;
+    the price is running both heads' matmuls again in the backward pass. Gradient reaches the
+    student's hidden states and head weight; the teacher's inputs are detached.
     """
     _check_hparams(beta, temperature)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -130,50 +130,187 @@ def chunked_divergence(
                 f"from the {name} hidden states; pass model.lm_head.weight and the final-norm hidden states"
             )
     vocab = _shared_vocab_size(student_head_weight_VH.shape[0], teacher_head_weight_VH.shape[0], vocab_size)
-
-    student_w_VH = student_head_weight_VH[:vocab]
-    teacher_w_VH = teacher_head_weight_VH[:vocab].detach()
-    teacher_hidden_NH = teacher_hidden_NH.detach()
-    div_chunks, entropy_chunks = [], []
-    # An empty batch still runs one empty chunk so the sum stays attached to the student's graph:
-    # under DDP/FSDP every rank must run backward through the same parameters.
-    for start in range(0, max(n_rows, 1), chunk_size):
-        rows = slice(start, start + chunk_size)
-        # Non-reentrant checkpoint keeps only the inputs (views of tensors that exist anyway) and
-        # recomputes the chunk's logits when its gradient is needed, one chunk at a time.
-        div_C, entropy_C = checkpoint(
-            _chunk_divergence,
-            student_hidden_NH[rows],
-            student_w_VH,
-            teacher_hidden_NH[rows],
-            teacher_w_VH,
-            beta,
-            temperature,
-            use_reentrant=False,
-        )
-        div_chunks.append(div_C)
-        entropy_chunks.append(entropy_C)
-    div_N = torch.cat(div_chunks)
-    return DivergenceOutput(
-        sum=div_N.sum(), per_token_N=div_N.detach(), student_entropy_N=torch.cat(entropy_chunks)
+    div_N, entropy_N = _ChunkedDivergence.apply(
+        student_hidden_NH,
+        student_head_weight_VH,
+        teacher_hidden_NH.detach(),
+        teacher_head_weight_VH.detach(),
+        _ChunkSpec(vocab, beta, temperature, chunk_size),
     )
+    # An empty batch still gives a sum attached to the student's graph (its gradient is zero): under
+    # DDP/FSDP every rank must run backward through the same parameters.
+    return DivergenceOutput(sum=div_N.sum(), per_token_N=div_N.detach(), student_entropy_N=entropy_N)
 
 
-def _chunk_divergence(
-    student_hidden_CH: torch.Tensor,
-    student_w_VH: torch.Tensor,
-    teacher_hidden_CH: torch.Tensor,
-    teacher_w_VH: torch.Tensor,
-    beta: float,
-    temperature: float,
+@dataclass(frozen=True)
+class _ChunkSpec:
+    vocab: int
+    beta: float
+    temperature: float
+    chunk_size: int
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    """Per-token divergence and student entropy from hidden states, one chunk of rows at a time.
+
+    Forward keeps only each row's log-sum-exps and divergence; backward recomputes a chunk's logits
+    from the saved inputs and turns them into the logits' gradient in place, so a chunk needs two
+    chunk x V float32 buffers (autograd through the same math keeps six to eight) and elementwise
+    work runs on blocks of rows. At the ends the logits' gradient has a closed form (z: the
+    temperature-scaled student logits, p = softmax(z), q the teacher's); mixed beta differentiates
+    `_divergence_N` one block of rows at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec: _ChunkSpec):
+        heads = _Heads.build(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec)
+        n_rows = s_hidden_NH.shape[0]
+        div_N = s_hidden_NH.new_empty(n_rows, dtype=heads.softmax_dtype)
+        entropy_N, lse_s_N, lse_t_N = (
+            torch.empty_like(div_N),
+            torch.empty_like(div_N),
+            torch.empty_like(div_N),
+        )
+        for rows in heads.chunks(n_rows):
+            logp_s_CV, lse_s_N[rows] = _log_softmax_(heads.student_logits(rows), spec.temperature)
+            logp_t_CV, lse_t_N[rows] = _log_softmax_(heads.teacher_logits(rows), spec.temperature)
+            div_N[rows], entropy_N[rows] = _chunk_forward(logp_s_CV, logp_t_CV, spec.beta)
+            del logp_s_CV, logp_t_CV  # free both before the next chunk's logits exist
+        ctx.save_for_backward(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, lse_s_N, lse_t_N, div_N)
+        ctx.spec, ctx.dtypes = spec, heads.dtypes
+        ctx.mark_non_differentiable(entropy_N)
+        return div_N, entropy_N
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_div_N, _grad_entropy_N):
+        s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, lse_s_N, lse_t_N, div_N = ctx.saved_tensors
+        spec = ctx.spec
+        heads = _Heads.build(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec, ctx.dtypes)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h_NH = torch.zeros_like(s_hidden_NH) if want_h else None
+        # Accumulated in (at least) float32 over the full head, so its padding rows get an exact zero.
+        grad_w_VH = s_w_VH.new_zeros(s_w_VH.shape, dtype=heads.softmax_dtype) if want_w else None
+        for rows in heads.chunks(s_hidden_NH.shape[0]):
+            lse_s_C, lse_t_C = lse_s_N[rows].unsqueeze(1), lse_t_N[rows].unsqueeze(1)
+            logp_s_CV = heads.student_logits(rows).div_(spec.temperature).sub_(lse_s_C)
+            logp_t_CV = heads.teacher_logits(rows).div_(spec.temperature).sub_(lse_t_C)
+            grad_z_CV = _chunk_logits_grad_(logp_s_CV, logp_t_CV, div_N[rows], spec.beta)
+            del logp_s_CV, logp_t_CV  # grad_z_CV took logp_s_CV's place; logp_t_CV is free now
+            grad_z_CV.mul_((grad_div_N[rows].to(grad_z_CV.dtype) / spec.temperature).unsqueeze(1))
+            heads.accumulate_student_grads(rows, grad_z_CV.to(ctx.dtypes[0]), grad_h_NH, grad_w_VH)
+            del grad_z_CV  # before the next chunk's logits exist
+        if grad_w_VH is not None:
+            grad_w_VH = grad_w_VH.to(s_w_VH.dtype)
+        return grad_h_NH, grad_w_VH, None, None, None
+
+
+@dataclass
+class _Heads:
+    """Both heads cast once to the matmul dtype (autocast's, as `F.linear` would use, else the
+    weights'), sliced to the shared vocabulary, and the hidden rows they are applied to."""
+
+    s_hidden_NH: torch.Tensor
+    s_w_VH: torch.Tensor
+    t_hidden_NH: torch.Tensor
+    t_w_VH: torch.Tensor
+    chunk_size: int
+
+    @classmethod
+    def build(cls, s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec: _ChunkSpec, dtypes=None) -> _Heads:
+        if dtypes is None:
+            device = s_w_VH.device.type
+            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            dtypes = (autocast or s_w_VH.dtype, autocast or t_w_VH.dtype)
+        v = spec.vocab
+        return cls(
+            s_hidden_NH, s_w_VH[:v].to(dtypes[0]), t_hidden_NH, t_w_VH[:v].to(dtypes[1]), spec.chunk_size
+        )
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        return self.s_w_VH.dtype, self.t_w_VH.dtype
+
+    @property
+    def softmax_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.s_w_VH.dtype, torch.float32)
+
+    def chunks(self, n_rows: int):
+        return (slice(start, start + self.chunk_size) for start in range(0, n_rows, self.chunk_size))
+
+    def student_logits(self, rows: slice) -> torch.Tensor:
+        return _logits(self.s_hidden_NH[rows], self.s_w_VH, self.softmax_dtype)
+
+    def teacher_logits(self, rows: slice) -> torch.Tensor:
+        return _logits(self.t_hidden_NH[rows], self.t_w_VH, self.softmax_dtype)
+
+    def accumulate_student_grads(self, rows, grad_z_CV, grad_h_NH, grad_w_VH) -> None:
+        with torch.autocast(self.s_w_VH.device.type, enabled=False):
+            if grad_h_NH is not None:
+                grad_h_NH[rows] = (grad_z_CV @ self.s_w_VH).to(grad_h_NH.dtype)
+            if grad_w_VH is not None:
+                hidden_CH = self.s_hidden_NH[rows].to(grad_z_CV.dtype)
+                if grad_z_CV.dtype == grad_w_VH.dtype:
+                    grad_w_VH[: grad_z_CV.shape[1]].addmm_(grad_z_CV.T, hidden_CH)
+                else:
+                    grad_w_VH[: grad_z_CV.shape[1]] += grad_z_CV.T @ hidden_CH
+
+
+def _logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Logits as a fresh `dtype` tensor the caller may overwrite; the matmul in the weight's dtype."""
+    with torch.autocast(weight_VH.device.type, enabled=False):
+        return F.linear(hidden_CH.to(weight_VH.dtype), weight_VH).to(dtype)
+
+
+# Elementwise work runs a block of rows at a time, so exp() and product temporaries stay this many
+# rows x V instead of chunk_size x V.
+_ROW_BLOCK = 64
+
+
+def _row_blocks(n_rows: int):
+    return (slice(start, start + _ROW_BLOCK) for start in range(0, n_rows, _ROW_BLOCK))
+
+
+def _log_softmax_(logits_CV: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities computed in place, per-row log-sum-exp)."""
+    if temperature != 1.0:
+        logits_CV.div_(temperature)
+    lse_C = torch.cat([torch.logsumexp(logits_CV[b], dim=-1) for b in _row_blocks(logits_CV.shape[0])])
+    return logits_CV.sub_(lse_C.unsqueeze(1)), lse_C
+
+
+def _chunk_forward(
+    logp_s_CV: torch.Tensor, logp_t_CV: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The matmul runs in the weights' dtype, as the model's own lm_head would; the softmax math is
-    # upcast by _log_probs. Upcasting the weights instead would copy the whole V x H head per chunk.
-    logp_s_CV = _log_probs(F.linear(student_hidden_CH.to(student_w_VH.dtype), student_w_VH), temperature)
-    with torch.no_grad():
-        logp_t_CV = _log_probs(F.linear(teacher_hidden_CH.to(teacher_w_VH.dtype), teacher_w_VH), temperature)
-        entropy_C = -(logp_s_CV.exp() * logp_s_CV).sum(-1)
-    return _divergence_N(logp_s_CV, logp_t_CV, beta), entropy_C
+    """(divergence, student entropy) per row."""
+    div, entropy = [], []
+    for b in _row_blocks(logp_s_CV.shape[0]):
+        div.append(_divergence_N(logp_s_CV[b], logp_t_CV[b], beta))
+        entropy.append(-(logp_s_CV[b].exp() * logp_s_CV[b]).sum(-1))
+    return torch.cat(div), torch.cat(entropy)
+
+
+def _chunk_logits_grad_(
+    logp_s_CV: torch.Tensor, logp_t_CV: torch.Tensor, div_C: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """d divergence / d (temperature-scaled student logits) per row, written over logp_s_CV."""
+    for b in _row_blocks(logp_s_CV.shape[0]):
+        logp_s_CV[b] = _logits_grad(logp_s_CV[b], logp_t_CV[b], div_C[b], beta)
+    return logp_s_CV
+
+
+def _logits_grad(
+    logp_s_RV: torch.Tensor, logp_t_RV: torch.Tensor, div_R: torch.Tensor, beta: float
+) -> torch.Tensor:
+    if beta == 1:  # d KL(p || q) / dz = p * (log p - log q - KL)
+        return logp_s_RV.exp() * (logp_s_RV - logp_t_RV - div_R.unsqueeze(1))
+    if beta == 0:  # d KL(q || p) / dz = p - q
+        return logp_s_RV.exp() - logp_t_RV.exp()
+    with torch.enable_grad():
+        z_RV = logp_s_RV.detach().requires_grad_()  # log-probs are logits too: log_softmax(z) = z
+        div = _divergence_N(F.log_softmax(z_RV, dim=-1), logp_t_RV, beta)
+        (grad_z_RV,) = torch.autograd.grad(div.sum(), z_RV)
+    return grad_z_RV
 
 
 def _log_probs(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:

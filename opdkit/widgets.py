@@ -52,3 +52,25 @@ def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
     slider.observe(show, names="value")
     show()
     return w.VBox([slider, out])
+
+
+def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], seed: int = 0):
+    """Pick a prompt, λ and seed: the plain trace and the ADS trace drawn with the same noise, the tokens ADS
+    changed highlighted. `compare(index, lam, seed)` is `antidistill.TokenLens.compare`."""
+    import ipywidgets as w
+
+    from opdkit.plots import token_changes_html
+
+    prompt = w.Dropdown(options=[(p, i) for i, p in enumerate(prompts)], value=0, description="prompt")
+    lam = w.SelectionSlider(options=[float(v) for v in lams], value=float(lams[-1]), description="λ",
+                            continuous_update=False)  # fmt: skip
+    seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
+    out = w.HTML()
+
+    def show(change=None):
+        out.value = token_changes_html(compare(prompt.value, lam.value, seed_box.value))
+
+    for control in (prompt, lam, seed_box):
+        control.observe(show, names="value")
+    show()
+    return w.VBox([w.HBox([prompt, lam, seed_box]), out])

@@ -1,0 +1,363 @@
+"""Antidistillation sampling (ADS): the teacher's next-token logits, steered by a proxy student's gradient.
+
+    g = grads.load_grads(grads_run, proxy, tokenizer)            # 01_save_grad's mean completion gradient
+    direction = FiniteDifference(proxy, g, eps=1e-2)             # two fp32 copies, θ+εg and θ−εg
+    r = ads_sample(teacher, prompt_ids_BP, prompt_mask_BP, direction=direction, lam=0.1,
+                   temperature=1.0, top_p=0.95, eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id, max_new_tokens=40)          # a rollout.Rollout
+
+Each step the teacher samples from
+
+    softmax( top_p( (z_teacher + λ·Δ) / τ ) ),   Δ = (z_proxy(θ+εg) − z_proxy(θ−εg)) / 2ε ≈ ∂/∂ε z_proxy(θ+εg)|ε=0
+
+where z are next-token logits, θ the proxy's weights and g the saved gradient. `JVP` computes the same
+Δ exactly, with `torch.func.jvp` in direction g (no KV cache: for checks and small models).
+
+Why positive λ is *anti*-distillation (the sign, from first principles). g = ∇θ ℓ(θ), where ℓ is the
+proxy's mean completion NLL on held-out teacher traces, i.e. how badly a student that distils the
+teacher still does. A student that distils a sampled token v takes one step on −log p(v | prefix):
+θ' = θ + η ∇θ log p(v). Its held-out loss then changes by
+
+    ℓ(θ') − ℓ(θ) ≈ η · g·∇θ log p(v) = η · (g·∇θ z_v − Σ_u p(u) g·∇θ z_u) = η · (Δ_v − E_p[Δ]),
+
+because log p(v) = z_v − logsumexp(z) and g·∇θ z_v = Δ_v is the directional derivative above. So the
+tokens with the largest Δ are those whose distillation *raises* the student's held-out loss most;
+adding +λΔ with λ > 0 up-weights them. (The −E_p[Δ] term is the same for every token and cancels in
+the softmax, which is why logits, not log-probabilities, may be differenced.) The ADS reference code
+adds +λ(z(θ+εg) − z(θ−εg))/2ε with g the gradient of the NLL, the same convention. tests/test_ads.py
+checks the sign numerically: one SGD step of the proxy on each candidate token, the held-out loss
+measured before and after.
+
+Pitfalls this module exists for:
+- the perturbation εg is tiny next to the weights (RMS ~1e-3 of them in the tiny world at ε=1e-2):
+  in bf16 (8 bits of mantissa) most of θ±εg rounds back to θ, and Δ is noise. Both copies are kept in
+  fp32 whatever the proxy was loaded in (the reference casts them back to fp16);
+- the order of operations: λΔ is added to the *raw* teacher logits, then temperature, then top-p, as
+  the reference does. transformers 5.24 applies `generate(logits_processor=...)` before its own
+  temperature / top-p warpers, but that order is an implementation detail (`_get_logits_processor`):
+  `ads_sample` therefore puts temperature and top-p into its own processor list, after the ADS term,
+  and calls `generate` with temperature 1, top_p 1, top_k 0, so the order does not depend on it;
+- each perturbed proxy keeps its own KV cache; the first call of a `generate` feeds the whole
+  left-padded prompt with positions from its attention mask (as `generate` does), every later call
+  feeds only the newest token at the next position;
+- teacher and proxy must share a tokenizer (ids index the same tokens); where one model pads its
+  vocabulary beyond the other's, only the shared ids get the ADS term.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from opdkit import rollout
+
+METHODS = ("fd", "jvp")
+
+
+class Direction(Protocol):
+    """Δ_BV, the derivative of the proxy's next-token logits along g, for a batch being generated."""
+
+    def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor: ...
+
+    def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor: ...
+
+
+def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    names = {n for n, _ in model.named_parameters()}
+    missing, extra = sorted(names - set(grads)), sorted(set(grads) - names)
+    if missing or extra:
+        raise ValueError(
+            f"the gradient does not fit the proxy: {len(missing)} parameter(s) without a gradient (e.g. "
+            f"{missing[:2]}), {len(extra)} gradient(s) without a parameter (e.g. {extra[:2]}); load it with "
+            "opdkit.grads.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it belongs to."
+        )
+
+
+def perturbed_copy(proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], scale: float) -> torch.nn.Module:
+    """An fp32, eval-mode, gradient-free copy of `proxy` with weights θ + scale·g (added in fp32)."""
+    _check_grads(proxy, grads)
+    model = copy.deepcopy(proxy).float().eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(grads[name].to(p.device, torch.float32), alpha=scale)
+    return model
+
+
+def rounded_away_fraction(weight: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> float:
+    """Fraction of the entries of `weight + delta` that round back to `weight` when stored in `dtype`."""
+    w = weight.detach().float()
+    return float(((w + delta.float()).to(dtype) == w.to(dtype)).float().mean())
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; use whichever this model's forward takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _last_logits(model: torch.nn.Module, **kwargs) -> torch.Tensor:
+    return model(**kwargs, logits_to_keep=1).logits[:, -1, :].float()
+
+
+class _CachedProxy:
+    """One proxy run incrementally: the whole (left-padded) prompt first, then one token per step."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.kwarg = _cache_kwarg(model)
+        self.cache: DynamicCache | None = None
+        self.mask_BT: torch.Tensor | None = None
+        self.next_pos_B1: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        self.cache = DynamicCache(config=self.model.config)
+        self.mask_BT = attention_mask_BT.long()
+        pos_BT = rollout.position_ids_from_mask(self.mask_BT)
+        self.next_pos_B1 = pos_BT[:, -1:] + 1
+        return _last_logits(self.model, input_ids=input_ids_BT, attention_mask=self.mask_BT,
+                            position_ids=pos_BT, use_cache=True, **{self.kwarg: self.cache})  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("step() before start(): feed the prompt first.")
+        self.mask_BT = torch.cat([self.mask_BT, torch.ones_like(new_ids_B1)], dim=1)
+        logits = _last_logits(self.model, input_ids=new_ids_B1, attention_mask=self.mask_BT,
+                              position_ids=self.next_pos_B1, use_cache=True, **{self.kwarg: self.cache})  # fmt: skip
+        self.next_pos_B1 = self.next_pos_B1 + 1
+        return logits
+
+
+class FiniteDifference:
+    """Δ = (z(θ+εg) − z(θ−εg)) / 2ε from two fp32 proxy copies, each with its own KV cache."""
+
+    def __init__(self, proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], eps: float = 1e-2):
+        if not eps > 0:
+            raise ValueError(f"eps={eps} must be positive: it is the finite-difference step along g.")
+        self.eps = eps
+        self.plus = _CachedProxy(perturbed_copy(proxy, grads, eps))
+        self.minus = _CachedProxy(perturbed_copy(proxy, grads, -eps))
+
+    def _diff(self, z_plus: torch.Tensor, z_minus: torch.Tensor) -> torch.Tensor:
+        return (z_plus - z_minus) / (2 * self.eps)
+
+    def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        return self._diff(self.plus.start(input_ids_BT, attention_mask_BT), self.minus.start(input_ids_BT, attention_mask_BT))
+
+    def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
+        return self._diff(self.plus.step(new_ids_B1), self.minus.step(new_ids_B1))
+
+    @torch.no_grad()
+    def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        """Δ_BTV at every position, from scratch (no cache)."""
+        pos = rollout.position_ids_from_mask(attention_mask_BT)
+        z = [m.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=pos).logits.float()
+             for m in (self.plus, self.minus)]  # fmt: skip
+        return self._diff(*z)
+
+
+class JVP:
+    """Δ = g·∇θ z(θ) exactly, by forward-mode differentiation (`torch.func.jvp`) of the fp32 proxy.
+
+    No KV cache: every step re-runs the whole prefix, so this is for checks and small models.
+    """
+
+    def __init__(self, proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor]):
+        _check_grads(proxy, grads)
+        self.model = copy.deepcopy(proxy).float().eval().requires_grad_(False)
+        if hasattr(self.model, "set_attn_implementation"):
+            self.model.set_attn_implementation("eager")  # forward-mode AD through plain matmuls and softmax
+        self.params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self.tangents = {n: grads[n].to(p.device, torch.float32) for n, p in self.params.items()}
+        self.ids_BT: torch.Tensor | None = None
+        self.mask_BT: torch.Tensor | None = None
+
+    def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        """Δ_BTV at every position."""
+        pos = rollout.position_ids_from_mask(attention_mask_BT)
+
+        def logits(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            kwargs = {"input_ids": input_ids_BT, "attention_mask": attention_mask_BT, "position_ids": pos}
+            return torch.func.functional_call(self.model, params, (), kwargs).logits.float()
+
+        with torch.no_grad():
+            _, tangent = torch.func.jvp(logits, (self.params,), (self.tangents,))
+        return tangent
+
+    def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        self.ids_BT, self.mask_BT = input_ids_BT, attention_mask_BT.long()
+        return self.full(self.ids_BT, self.mask_BT)[:, -1, :]
+
+    def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
+        if self.ids_BT is None:
+            raise RuntimeError("step() before start(): feed the prompt first.")
+        self.ids_BT = torch.cat([self.ids_BT, new_ids_B1], dim=1)
+        self.mask_BT = torch.cat([self.mask_BT, torch.ones_like(new_ids_B1)], dim=1)
+        return self.full(self.ids_BT, self.mask_BT)[:, -1, :]
+
+
+def make_direction(method: str, proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], eps: float) -> Direction:
+    if method == "fd":
+        return FiniteDifference(proxy, grads, eps)
+    if method == "jvp":
+        return JVP(proxy, grads)
+    raise ValueError(f"method={method!r} is not one of {list(METHODS)}.")
+
+
+class ADSLogitsProcessor(LogitsProcessor):
+    """Adds λ·Δ to the teacher's raw next-token logits; one instance per `generate` call (per batch).
+
+    `prompt_mask_BP` is the attention mask of the left-padded prompts that `generate` starts from. The
+    first call runs the proxies on the whole prompt; each later call on the newest token only. With
+    λ = 0 the scores pass through untouched (and the proxies are never run).
+    """
+
+    def __init__(self, direction: Direction, lam: float, prompt_mask_BP: torch.Tensor):
+        self.direction, self.lam, self.prompt_mask_BP = direction, float(lam), prompt_mask_BP
+        self.seen: int | None = None
+        self.last_delta_BV: torch.Tensor | None = None
+
+    def delta(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        t = input_ids_BT.shape[1]
+        if t == self.prompt_mask_BP.shape[1]:
+            d = self.direction.start(input_ids_BT, self.prompt_mask_BP.to(input_ids_BT.device))
+        elif self.seen is not None and t == self.seen + 1:
+            d = self.direction.step(input_ids_BT[:, -1:])
+        else:
+            raise RuntimeError(
+                f"ADSLogitsProcessor got {t} tokens after {self.seen}; it follows one generate call token by "
+                "token, so make a new processor for each batch."
+            )
+        self.seen = t
+        return d
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.lam == 0.0:
+            return scores
+        d = self.delta(input_ids)
+        self.last_delta_BV = d
+        v = min(scores.shape[-1], d.shape[-1])
+        out = scores.float().clone()
+        out[:, :v] += self.lam * d[:, :v].to(out.device)
+        return out
+
+
+def warpers(temperature: float, top_p: float) -> list[LogitsProcessor]:
+    """Temperature, then top-p: what `generate` would add for do_sample, in the order the reference uses."""
+    out: list[LogitsProcessor] = []
+    if temperature > 0 and temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out
+
+
+def ads_processors(
+    direction: Direction | None, lam: float, prompt_mask_BP: torch.Tensor, temperature: float, top_p: float
+) -> LogitsProcessorList:
+    """ADS term, then temperature, then top-p (no warpers when greedy): the whole chain `ads_sample` uses."""
+    if lam != 0 and direction is None:
+        raise ValueError(f"lam={lam} needs a direction (FiniteDifference or JVP); only lam=0 samples without one.")
+    procs = LogitsProcessorList()
+    if lam != 0:
+        procs.append(ADSLogitsProcessor(direction, lam, prompt_mask_BP))
+    if temperature > 0:
+        procs.extend(warpers(temperature, top_p))
+    return procs
+
+
+def ads_sample(
+    teacher: PreTrainedModel,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    *,
+    direction: Direction | None,
+    lam: float,
+    temperature: float,
+    top_p: float,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    max_new_tokens: int,
+) -> rollout.Rollout:
+    """Sample the teacher with ADS (λ·Δ, then temperature, then top-p); temperature 0 is greedy on z + λΔ.
+
+    λ = 0 gives exactly `rollout.sample(teacher, ..., temperature=temperature, top_p=top_p)`: the same
+    processors in the same order, so the same tokens for the same seed. `direction` may be None only then.
+    """
+    procs = ads_processors(direction, lam, prompt_mask_BP, temperature, top_p)
+    return rollout.sample(
+        teacher, prompt_ids_BP, prompt_mask_BP, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, do_sample=temperature > 0,
+        logits_processor=procs,
+    )  # fmt: skip
+
+
+def _warp(logits_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The same temperature and top-p as `ads_sample` (none when greedy), on one row of logits."""
+    out = logits_V[None].float()
+    if temperature > 0:
+        for w in warpers(temperature, top_p):
+            out = w(None, out)
+    return out[0]
+
+
+@torch.no_grad()
+def coupled_sample(
+    teacher: PreTrainedModel,
+    direction: Direction | None,
+    prompt_ids: list[int],
+    *,
+    lam: float,
+    temperature: float,
+    top_p: float,
+    eos_token_id: int | list[int],
+    max_new_tokens: int,
+    seed: int = 0,
+) -> list[dict]:
+    """One ADS completion, and at every step the token plain sampling would have drawn with the same noise.
+
+    Both distributions are sampled by Gumbel-max with one shared noise draw per step, so a step differs only
+    where ADS moved the argmax; the trace continues with the ADS token. Returns per step: `token`,
+    `plain_token`, `p_ads` (ADS probability of `token`), `p_plain` (plain probability of `token`),
+    `p_plain_choice` (plain probability of `plain_token`). λ = 0 gives plain sampling itself.
+    """
+    dev = next(teacher.parameters()).device
+    ids_1P = torch.tensor([prompt_ids], device=dev)
+    mask_1P = torch.ones_like(ids_1P)
+    eos = set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    lm = _CachedProxy(teacher)
+    z_V = lm.start(ids_1P, mask_1P)[0]
+    d_V = direction.start(ids_1P, mask_1P)[0] if lam else None
+    gen = torch.Generator().manual_seed(seed)
+    steps: list[dict] = []
+    for _ in range(max_new_tokens):
+        plain_V = _warp(z_V, temperature, top_p)
+        ads_V = z_V.clone()
+        if d_V is not None:
+            v = min(len(ads_V), len(d_V))
+            ads_V[:v] += lam * d_V[:v].to(ads_V.device)
+        ads_V = _warp(ads_V, temperature, top_p)
+        noise_V = _gumbel(len(z_V), gen).to(dev) if temperature > 0 else torch.zeros_like(z_V)
+        a, b = int((ads_V + noise_V).argmax()), int((plain_V + noise_V).argmax())
+        p_ads, p_plain = ads_V.softmax(-1), plain_V.softmax(-1)
+        steps.append({"token": a, "plain_token": b, "p_ads": float(p_ads[a]), "p_plain": float(p_plain[a]),
+                      "p_plain_choice": float(p_plain[b])})  # fmt: skip
+        if a in eos:
+            break
+        new_11 = torch.tensor([[a]], device=dev)
+        z_V = lm.step(new_11)[0]
+        d_V = direction.step(new_11)[0] if d_V is not None else None
+    return steps
+
+
+def _gumbel(n: int, gen: torch.Generator) -> torch.Tensor:
+    u = torch.rand(n, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    return (-torch.log(-torch.log(u))).float()
