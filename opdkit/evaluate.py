@@ -37,8 +37,21 @@ def normalize_math_answer(ans: str) -> str:
     return ans.replace("dfrac", "frac").replace("tfrac", "frac")
 
 
+_ANSWER_LINE = re.compile(r"Answer:\s*(.+?)\s*$", re.MULTILINE)
+
+
+def extract_math_answer(text: str) -> str | None:
+    r"""The last ``\boxed{...}``, else the last ``Answer: ...`` line (the DAPO-Math-17k format)."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(text)
+    return lines[-1] if lines else None
+
+
 def boxed_match(completion: str, ground_truth: str) -> bool:
-    got = extract_boxed(completion)
+    """Exact match after light normalisation of the boxed (or `Answer:`) answer."""
+    got = extract_math_answer(completion)
     return got is not None and normalize_math_answer(got) == normalize_math_answer(str(ground_truth))
 
 

@@ -96,6 +96,7 @@ def sharded_accuracy(model, tok, messages, answers, cfg, world: int, rank: int) 
         comps = evaluate.greedy_completions(
             model, tok, [messages[i] for i in mine],
             max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+            batch_size=cfg.eval_batch_size,
             enable_thinking=cfg.enable_thinking,
         )  # fmt: skip
         check = check_fn(cfg)

@@ -77,3 +77,31 @@ def test_sampling_does_not_truncate_to_top_k(student_and_tok, monkeypatch):
     ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "1+1"}]])
     rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=2)
     assert seen["top_k"] == 0 and seen["top_p"] == 1.0 and seen["do_sample"] and seen["use_cache"]
+
+
+def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok):
+    """Checkpointing turns the cache off in training mode; sample() generates in eval mode, then restores."""
+    model, tok = student_and_tok
+    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 4)
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=12)
+    torch.manual_seed(0)
+    plain = rollout.sample(model, ids, mask, **kw).input_ids_BT
+    model.gradient_checkpointing_enable()
+    model.train()
+    seen = {}
+    orig = model.generate
+
+    def spy(*a, **k):
+        seen["training"] = model.training
+        return orig(*a, **k)
+
+    model.generate = spy
+    try:
+        torch.manual_seed(0)
+        again = rollout.sample(model, ids, mask, **kw).input_ids_BT
+    finally:
+        del model.generate
+        model.gradient_checkpointing_disable()
+    assert seen["training"] is False and model.training
+    model.eval()
+    assert torch.equal(plain, again)

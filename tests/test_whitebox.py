@@ -276,3 +276,10 @@ def test_non_empty_run_dir_is_never_silently_reused(tmp_path):
     (tmp_path / "used" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ConfigError, match="not empty"):
         whitebox.run("tiny", {"run_dir": str(tmp_path / "used")})
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
+    dump = tmp_path / "grad.pt"
+    run = run_tiny(tmp_path, "gc", [GradientDump(str(dump))], per_device_train_batch_size=2,
+                   gradient_accumulation_steps=2, gradient_checkpointing=True)  # fmt: skip
+    assert_grads_close(torch.load(dump), direct_gradient(run.path))
