@@ -9,14 +9,13 @@ thing each, so the lesson can say how much of a blow-up is clipping and how much
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from opdkit import whitebox
-from opdkit.config import ClipLessonConfig, ConfigError, load_config
+from opdkit.config import ClipLessonConfig, ConfigError, load_config, parse_cli
 from opdkit.runs import RunDir, print0
 
 JOB = "03_clip_vs_noclip"
@@ -164,20 +163,6 @@ def largest_spike(records: list[dict]) -> int | None:
     return max(finite, key=lambda r: r["grad_norm"])["step"] if finite else None
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Clip vs noclip lesson (opdkit 03_clip_vs_noclip).")
-    p.add_argument("--mode", default="tiny")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    import yaml
-
-    print(run(a.mode, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}).path)
-
-
-if __name__ == "__main__":
-    main()
-
-
 def arm_records(summary: dict) -> dict[str, list[dict]]:
     """metrics.jsonl of each arm's first seed, keyed by arm name."""
     return {name: RunDir.attach(e["run_dir"]).read_jsonl() for name, e in summary.items()}
@@ -231,3 +216,12 @@ def explain(summary: dict) -> str:
     if any(len(v) > 1 for v in seeds.values()):
         lines.append("- per seed: " + "; ".join(f"{n} {[_fmt(a, True) for a in v]}" for n, v in seeds.items()))
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    mode, overrides = parse_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", argv)
+    print(run(mode, overrides).path)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,6 @@ with `opdkit.grads.load_grads(run_dir, proxy, tokenizer)`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -37,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 import opdkit
 from opdkit import data, evaluate, grads, rollout, sft, tiny
-from opdkit.config import ConfigError, SaveGradConfig, load_config
+from opdkit.config import ConfigError, SaveGradConfig, load_config, parse_cli
 from opdkit.launch import default_num_processes, launch, under_external_launcher
 from opdkit.plots import plt
 from opdkit.runs import RunDir, print0
@@ -502,14 +501,8 @@ def _numel(shape: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Proxy-student gradient for antidistillation (opdkit 01_save_grad).")
-    p.add_argument("--mode", default="tiny", help="preset in params/01_save_grad/")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
-    a = p.parse_args(argv)
-    import yaml
-
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
-    run(a.mode, overrides)
+    mode, overrides = parse_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", argv)
+    run(mode, overrides)
 
 
 if __name__ == "__main__":

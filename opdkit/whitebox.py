@@ -10,7 +10,6 @@ written; `run` creates the run directory and launches `train_process` in every p
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from opdkit import data, evaluate, tiny
-from opdkit.config import ConfigError, WhiteboxConfig, load_config
+from opdkit.config import ConfigError, WhiteboxConfig, load_config, parse_cli
 from opdkit.launch import default_num_processes, launch, under_external_launcher
 from opdkit.runs import RunDir, print0
 from opdkit.tiny import task
@@ -253,14 +252,8 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="White-box on-policy distillation (opdkit 02_whitebox).")
-    p.add_argument("--mode", default="tiny", help="preset in params/02_whitebox/")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
-    a = p.parse_args(argv)
-    import yaml
-
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
-    run(a.mode, overrides)
+    mode, overrides = parse_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", argv)
+    run(mode, overrides)
 
 
 if __name__ == "__main__":
