@@ -69,6 +69,8 @@ class Direction(Protocol):
 
     def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor: ...
 
+    def to(self, device: torch.device | str) -> Direction: ...
+
 
 def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
     names = {n for n, _ in model.named_parameters()}
@@ -106,8 +108,8 @@ def _last_logits(model: torch.nn.Module, **kwargs) -> torch.Tensor:
     return model(**kwargs, logits_to_keep=1).logits[:, -1, :].float()
 
 
-class _CachedProxy:
-    """One proxy run incrementally: the whole (left-padded) prompt first, then one token per step."""
+class _CachedLM:
+    """A causal LM run incrementally with its own KV cache: the whole (left-padded) prompt, then one token per step."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -143,8 +145,8 @@ class FiniteDifference:
         if not eps > 0:
             raise ValueError(f"eps={eps} must be positive: it is the finite-difference step along g.")
         self.eps = eps
-        self.plus = _CachedProxy(perturbed_copy(proxy, grads, eps))
-        self.minus = _CachedProxy(perturbed_copy(proxy, grads, -eps))
+        self.plus = _CachedLM(perturbed_copy(proxy, grads, eps))
+        self.minus = _CachedLM(perturbed_copy(proxy, grads, -eps))
 
     def _diff(self, z_plus: torch.Tensor, z_minus: torch.Tensor) -> torch.Tensor:
         return (z_plus - z_minus) / (2 * self.eps)
@@ -154,6 +156,13 @@ class FiniteDifference:
 
     def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
         return self._diff(self.plus.step(new_ids_B1), self.minus.step(new_ids_B1))
+
+    def to(self, device: torch.device | str) -> FiniteDifference:
+        """Move both copies (e.g. off the GPU while a student trains); the caches are dropped."""
+        for m in (self.plus, self.minus):
+            m.model.to(device)
+            m.cache = None
+        return self
 
     @torch.no_grad()
     def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -191,6 +200,12 @@ class JVP:
         with torch.no_grad():
             _, tangent = torch.func.jvp(logits, (self.params,), (self.tangents,))
         return tangent
+
+    def to(self, device: torch.device | str) -> JVP:
+        self.model.to(device)
+        self.params = {n: p.detach() for n, p in self.model.named_parameters()}
+        self.tangents = {n: t.to(device) for n, t in self.tangents.items()}
+        return self
 
     def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         self.ids_BT, self.mask_BT = input_ids_BT, attention_mask_BT.long()
@@ -333,7 +348,7 @@ def coupled_sample(
     ids_1P = torch.tensor([prompt_ids], device=dev)
     mask_1P = torch.ones_like(ids_1P)
     eos = set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
-    lm = _CachedProxy(teacher)
+    lm = _CachedLM(teacher)
     z_V = lm.start(ids_1P, mask_1P)[0]
     d_V = direction.start(ids_1P, mask_1P)[0] if lam else None
     gen = torch.Generator().manual_seed(seed)

@@ -165,8 +165,12 @@ class AntidistillationConfig(RunFields):
     max_new_tokens: int = _f(40, "trace length budget: tokens the teacher writes at most", min=1)
     eval_max_new_tokens: int = _f(0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0)
     enable_thinking: bool = _f(False, "passed to the chat templates (Qwen3 thinking mode)")
-    lams: list = _f((0.0, 0.02, 0.04, 0.06, 0.08, 0.1), "ADS sweep: the λ values, each at every ads_temperatures value")
-    ads_temperatures: list = _f((1.0,), "temperatures the ADS sweep runs at")
+    lams: list = _f((0.0, 0.05, 0.08, 0.11), "ADS sweep: the λ values, each at every ads_temperatures value")
+    answer_lams: list = _f(
+        (0.015, 0.03, 0.045), "a second ADS sweep whose gradient is the proxy's NLL on the answer tokens only (tiny: after ';', "
+        "else from the last \\boxed), computed here from the gradient run's traces; empty skips it",
+    )  # fmt: skip
+    ads_temperatures: list = _f((1.0,), "temperatures the ADS sweeps run at")
     temperatures: list = _f((1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures")
     top_p: float = _f(1.0, "nucleus applied after the ADS term and the temperature, at every point", min=1e-3, max=1.0)
     eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
@@ -189,12 +193,12 @@ class AntidistillationConfig(RunFields):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("lams", "ads_temperatures", "temperatures"):
+        for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
             setattr(self, name, _float_list(name, getattr(self, name)))
-        if not self.lams and not self.temperatures:
-            raise ConfigError("lams and temperatures are both empty; give at least one sweep point.")
-        if self.lams and not self.ads_temperatures:
-            raise ConfigError("lams is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0].")
+        if not (self.lams or self.answer_lams or self.temperatures):
+            raise ConfigError("lams, answer_lams and temperatures are all empty; give at least one sweep point.")
+        if (self.lams or self.answer_lams) and not self.ads_temperatures:
+            raise ConfigError("an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0].")
         negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
         if negative:
             raise ConfigError(f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy).")

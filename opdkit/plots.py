@@ -191,14 +191,20 @@ def _accuracy_xy(points: Sequence[dict]) -> tuple[list[float], list[float]]:
     return [p["teacher_accuracy"] for p in kept], [p["student_accuracy"] for p in kept]
 
 
+ADS_LABELS = {"ads": "ADS", "ads-answer": "ADS, answer-token gradient"}
+
+
 def tradeoff_curves(summary: dict) -> dict[str, list[dict]]:
-    """The lines of the trade-off figure: the temperature sweep (by τ) and one ADS sweep (by λ) per ADS
-    temperature, each ADS line starting at its λ = 0 point when that was run."""
+    """The lines of the trade-off figure: the temperature sweep (by τ) and one line per ADS method and ADS
+    temperature (by λ), each ADS line starting at the λ = 0 point of its temperature when that was run."""
     points = summary["points"]
     curves = {"temperature": sorted((p for p in points if p["lam"] == 0), key=lambda p: p["temperature"])}
-    for tau in sorted({p["temperature"] for p in points if p["lam"] != 0}):
-        line = [p for p in points if p["temperature"] == tau]
-        curves[f"ADS (τ={tau:g})"] = sorted(line, key=lambda p: p["lam"])
+    methods = dict.fromkeys(p["method"] for p in points if p["lam"] != 0)
+    for method in methods:
+        for tau in sorted({p["temperature"] for p in points if p["method"] == method}):
+            start = [p for p in points if p["lam"] == 0 and p["temperature"] == tau]
+            line = sorted((p for p in points if p["method"] == method and p["temperature"] == tau), key=lambda p: p["lam"])
+            curves[f"{ADS_LABELS.get(method, method)} (τ={tau:g})"] = start + line
     return curves
 
 
@@ -226,6 +232,11 @@ def tradeoff(summary: dict, path=None, title: str = ""):
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
     ax.plot([0, 1], [0, 1], color="#ccc", lw=0.8, zorder=0)
+    xs = [p["teacher_accuracy"] for p in summary["points"] if p.get("teacher_accuracy") is not None]
+    ys = [p["student_accuracy"] for p in summary["points"]] + ([before] if before is not None else [])
+    if xs:
+        ax.set_xlim(max(0.0, min(xs) - 0.05), min(1.0, max(xs) + 0.05))
+        ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.02, max(ys) + 0.08))
     ax.set_xlabel("teacher accuracy (its training traces)")
     ax.set_ylabel("distilled student accuracy (held out)")
     ax.set_title(title or "antidistillation sampling vs temperature sampling", fontsize=10)
@@ -255,7 +266,8 @@ def token_changes_html(c: dict) -> str:
     n = sum(t["changed"] for t in c["tokens"])
     plain = _html.escape(c["plain_completion"])
     return (
-        f'<div style="margin:6px 0"><b>{_html.escape(c["prompt"])}</b> · λ {c["lam"]:g} · τ {c["temperature"]:g} · '
+        f'<div style="margin:6px 0"><b>{_html.escape(c["prompt"])}</b> · {ADS_LABELS.get(c.get("method", "ads"), "ADS")} '
+        f'λ {c["lam"]:g} · τ {c["temperature"]:g} · '
         f'seed {c["seed"]} · {n} token(s) changed<br>'
         f'<span style="color:#666">plain&nbsp;</span><span style="font-family:monospace">{plain}</span>'
         f'{_verdict(c["plain_correct"])}<br>'
@@ -272,7 +284,8 @@ def token_changes_figure(comparisons: Sequence[dict], path=None, title: str = "t
     ax.axis("off")
     for i, c in enumerate(rows):
         y = 1 - (i + 0.5) / max(1, len(rows))
-        ax.text(0.0, y + 0.12 / len(rows), f"{prompt_label(c['prompt'], 16)}  λ={c['lam']:g}", fontsize=8,
+        tag = "answer-grad " if c.get("method") == "ads-answer" else ""
+        ax.text(0.0, y + 0.12 / len(rows), f"{prompt_label(c['prompt'], 16)}  {tag}λ={c['lam']:g}", fontsize=8,
                 family="monospace", va="center", transform=ax.transAxes)  # fmt: skip
         ax.text(0.2, y + 0.15 / len(rows), f"plain: {c['plain_completion']}{_verdict(c['plain_correct'])}",
                 fontsize=8, family="monospace", va="center", color="#555", transform=ax.transAxes)  # fmt: skip
@@ -284,12 +297,35 @@ def token_changes_figure(comparisons: Sequence[dict], path=None, title: str = "t
             box = dict(boxstyle="square,pad=0.1", fc="#f0a040", ec="none") if t["changed"] else None
             ax.text(x, y - 0.12 / len(rows), s, fontsize=8, family="monospace", va="center", bbox=box,
                     transform=ax.transAxes)  # fmt: skip
-            x += 0.0075 * max(1, len(s))
+            x += 0.0068 * max(1, len(s))
             if x > 0.97:
                 break
         ax.text(min(x + 0.01, 0.98), y - 0.12 / len(rows), _verdict(c["correct"]).strip(), fontsize=8,
                 va="center", transform=ax.transAxes)  # fmt: skip
     ax.set_title(f"{title} (orange: a token plain sampling would not have drawn with the same noise)", fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def tradeoff_loss(summary: dict, path=None):
+    """Teacher accuracy (x) against the distilled students' NLL on the gradient's held-out traces (y): the
+    objective ADS steers by. Higher at the same x: ADS moved the students where its gradient points."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (label, line) in enumerate(tradeoff_curves(summary).items()):
+        is_temp = label == "temperature"
+        kept = [p for p in line if p.get("teacher_accuracy") is not None and p.get("student_holdout_loss") is not None]
+        colour = TEMPERATURE_COLOUR if is_temp else ADS_COLOURS[(i - 1) % len(ADS_COLOURS)]
+        ax.plot([p["teacher_accuracy"] for p in kept], [p["student_holdout_loss"] for p in kept],
+                "o-" if is_temp else "s-", color=colour, label=label, lw=1.4, ms=5)  # fmt: skip
+    before = summary.get("student_holdout_loss_before")
+    if before is not None:
+        ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.3f})")
+    ax.set_xlabel("teacher accuracy (its training traces)")
+    ax.set_ylabel("distilled student's NLL on held-out teacher traces")
+    ax.set_title("the proxy objective ADS steers by", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)

@@ -97,6 +97,7 @@ def sharded_accuracy(model, tok, messages, answers, cfg, world: int, rank: int) 
             max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
             batch_size=cfg.eval_batch_size,
             enable_thinking=cfg.enable_thinking,
+            progress=rank == 0,
         )  # fmt: skip
         check = check_fn(cfg)
         correct = float(sum(check(c, answers[i]) for c, i in zip(comps, mine)))

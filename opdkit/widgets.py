@@ -54,9 +54,10 @@ def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
     return w.VBox([slider, out])
 
 
-def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], seed: int = 0):
-    """Pick a prompt, λ and seed: the plain trace and the ADS trace drawn with the same noise, the tokens ADS
-    changed highlighted. `compare(index, lam, seed)` is `antidistill.TokenLens.compare`."""
+def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], methods: Sequence[str] = ("ads",),
+                       seed: int = 0):  # fmt: skip
+    """Pick a prompt, λ, gradient and seed: the plain trace and the ADS trace drawn with the same noise, the
+    tokens ADS changed highlighted. `compare(index, lam, seed, method)` is `antidistill.TokenLens.compare`."""
     import ipywidgets as w
 
     from opdkit.plots import token_changes_html
@@ -64,13 +65,14 @@ def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], s
     prompt = w.Dropdown(options=[(p, i) for i, p in enumerate(prompts)], value=0, description="prompt")
     lam = w.SelectionSlider(options=[float(v) for v in lams], value=float(lams[-1]), description="λ",
                             continuous_update=False)  # fmt: skip
+    method = w.Dropdown(options=list(methods), value=methods[0], description="gradient")
     seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
     out = w.HTML()
 
     def show(change=None):
-        out.value = token_changes_html(compare(prompt.value, lam.value, seed_box.value))
+        out.value = token_changes_html(compare(prompt.value, lam.value, seed_box.value, method.value))
 
-    for control in (prompt, lam, seed_box):
+    for control in (prompt, lam, method, seed_box):
         control.observe(show, names="value")
     show()
-    return w.VBox([w.HBox([prompt, lam, seed_box]), out])
+    return w.VBox([w.HBox([prompt, lam]), w.HBox([method, seed_box]), out])
