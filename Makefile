@@ -39,6 +39,10 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# Benchmarks against TRL and the ADS scripts (about 25 minutes on 2 CPU cores); see bench/README.md.
+bench: install
+	$(PY) -m bench.run --out runs/bench $(BENCH_ARGS)
+
 lint: install
 	$(PY) -m ruff check opdkit tests
 

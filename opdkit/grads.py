@@ -99,7 +99,7 @@ def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tupl
     logits_BTV = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     # Position t predicts token t+1: shift the labels, not the logits, whose shifted copy would be the
     # largest tensor of the step at a 151k vocabulary. The last position predicts nothing (-100).
-    labels_BT = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
+    labels_BT = shifted_labels(batch["labels"])
     loss_N = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE, reduction="none")
     return loss_N.view_as(labels_BT).sum(dim=1), (labels_BT != IGNORE).sum(dim=1)
 
@@ -129,18 +129,108 @@ def accumulate_mean_grad(
     the mean loss. Raises NonFiniteGradient naming the trace whose loss or gradient is inf or NaN."""
     objective = 0.0
     for batch in tqdm(batches, total=num_batches, desc="proxy gradient", disable=not progress):
-        loss_sum_B, n_tokens_B = token_losses(model, batch)
+        n_tokens_B = (shifted_labels(batch["labels"]) != IGNORE).sum(dim=1)
+        weights_B = trace_weights(n_tokens_B, normalization, total_traces, total_tokens)
+        loss_sum_B, loss = weighted_completion_loss(model, batch, weights_B)
         bad = ~torch.isfinite(loss_sum_B.detach())
         if bad.any():
             trace = int(batch["trace_ids"][bad.nonzero()[0, 0].item()])
             raise NonFiniteGradient(_nonfinite_message(trace, "loss"))
-        weights_B = trace_weights(n_tokens_B, normalization, total_traces, total_tokens).to(loss_sum_B.dtype)
-        loss = (loss_sum_B * weights_B).sum()
         loss.backward()
         objective += loss.item()
         if not _grads_finite(model):
             raise NonFiniteGradient(_nonfinite_message(_first_nonfinite_trace(model, batch), "gradient"))
     return objective
+
+
+def shifted_labels(labels_BT: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts (position t predicts token t+1); the last predicts nothing."""
+    return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE)
+
+
+def weighted_completion_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], weights_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion-token loss per trace, detached; sum over traces of weight x that, to backward).
+
+    The cross-entropy runs from the final hidden states of completion positions only, a chunk of rows
+    at a time, and the head's gradient is formed in the same pass (`_HeadCrossEntropy`): no B x T x V
+    logits exist. Models whose head is not a plain bias-free linear map go through full logits.
+    """
+    if not _plain_head(model):
+        loss_sum_B, _ = token_losses(model, batch)
+        return loss_sum_B.detach(), (loss_sum_B * weights_B.to(loss_sum_B.dtype)).sum()
+    no_logits = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=no_logits,
+                output_hidden_states=True)  # fmt: skip
+    labels_BT = shifted_labels(batch["labels"])
+    keep_BT = labels_BT != IGNORE
+    trace_N = keep_BT.nonzero()[:, 0]
+    loss_N, loss = _HeadCrossEntropy.apply(
+        out.hidden_states[-1][keep_BT], model.get_output_embeddings().weight, labels_BT[keep_BT],
+        weights_B.to(trace_N.device)[trace_N],
+    )  # fmt: skip
+    loss_sum_B = torch.zeros(len(weights_B), dtype=loss_N.dtype, device=loss_N.device).index_add_(0, trace_N, loss_N)
+    return loss_sum_B, loss
+
+
+def _plain_head(model: torch.nn.Module) -> bool:
+    """True when logits are exactly final_hidden @ head.weight.T (no bias, scale or soft-capping)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    cfg = getattr(model, "config", None)
+    scaled = any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                   "logits_scaling", "output_multiplier"))  # fmt: skip
+    return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
+
+
+# Rows of one cross-entropy chunk: about this many bytes of float32 logits (256 MiB: 441 rows at Qwen's 151,936).
+_CHUNK_BYTES = 2**28
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of hidden_NH @ weight_VH.T against targets_N, and sum(weight_N * loss_N).
+
+    The row weights are known before backward, so each chunk's logits become their gradient in place
+    (softmax - one-hot, times the row weight) right after the loss is read off, and the hidden states'
+    and the head's gradients are formed then: one chunk x V buffer and three matmuls per chunk, as
+    autograd would run, without keeping or recomputing logits. Backward only scales them by the
+    incoming gradient of the weighted sum (a scalar).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, row_weight_N):
+        dtype = torch.promote_types(weight_VH.dtype, torch.float32)
+        loss_N = torch.empty(hidden_NH.shape[0], dtype=dtype, device=hidden_NH.device)
+        grad_h_NH = torch.zeros(hidden_NH.shape, dtype=dtype, device=hidden_NH.device)
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=dtype, device=weight_VH.device)
+        w_VH = weight_VH.to(dtype)
+        rows = max(1, _CHUNK_BYTES // (4 * weight_VH.shape[0]))
+        for start in range(0, hidden_NH.shape[0], rows):
+            c = slice(start, start + rows)
+            h_CH = hidden_NH[c].to(dtype)
+            logits_CV = F.linear(h_CH, w_VH)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            target_C = targets_N[c].unsqueeze(1)
+            loss_N[c] = lse_C - logits_CV.gather(1, target_C).squeeze(1)
+            grad_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()  # softmax, in place
+            grad_CV.scatter_add_(1, target_C, torch.full_like(target_C, -1, dtype=dtype))
+            grad_CV.mul_(row_weight_N[c].to(dtype).unsqueeze(1))
+            grad_h_NH[c] = grad_CV @ w_VH
+            grad_w_VH.addmm_(grad_CV.T, h_CH)
+            del logits_CV, grad_CV
+        ctx.grads = (grad_h_NH.to(hidden_NH.dtype), grad_w_VH.to(weight_VH.dtype))
+        ctx.mark_non_differentiable(loss_N)
+        return loss_N, (loss_N * row_weight_N.to(dtype)).sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _grad_loss_N, grad_loss):
+        grad_h_NH, grad_w_VH = ctx.grads
+        del ctx.grads  # so autograd can take these tensors over instead of copying them
+        if grad_loss.item() != 1.0:
+            grad_h_NH.mul_(grad_loss)
+            grad_w_VH.mul_(grad_loss)
+        return grad_h_NH, grad_w_VH, None, None
 
 
 def _nonfinite_message(trace: int, what: str) -> str:

@@ -446,3 +446,29 @@ def test_notebook_runs(tmp_path, monkeypatch):
         assert (run_dir / name).exists(), name
     assert {p.name for p in (run_dir / "figures").iterdir()} >= {"completion_lengths.png", "grad_norm_by_layer.png"}
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
+
+
+def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
+    """The fused head cross-entropy against autograd on full logits, with chunks of 3 rows and an
+    upstream gradient that is not 1."""
+    monkeypatch.setattr(grads, "_CHUNK_BYTES", 3 * 4 * 11)
+    gen = torch.Generator().manual_seed(3)
+    hidden_NH = torch.randn(8, 5, generator=gen, dtype=torch.float64).requires_grad_()
+    weight_VH = torch.randn(11, 5, generator=gen, dtype=torch.float64).requires_grad_()
+    targets_N, row_weight_N = torch.randint(0, 11, (8,), generator=gen), torch.rand(8, generator=gen, dtype=torch.float64)
+    loss_N, loss = grads._HeadCrossEntropy.apply(hidden_NH, weight_VH, targets_N, row_weight_N)
+    expected_N = F.cross_entropy(hidden_NH @ weight_VH.T, targets_N, reduction="none")
+    expected = torch.autograd.grad(2.5 * (expected_N * row_weight_N).sum(), (hidden_NH, weight_VH))
+    (2.5 * loss).backward()
+    torch.testing.assert_close(loss_N, expected_N.detach())
+    assert not loss_N.requires_grad
+    torch.testing.assert_close(hidden_NH.grad, expected[0])
+    torch.testing.assert_close(weight_VH.grad, expected[1])
+
+
+def test_heads_that_are_not_plain_use_full_logits(rows, monkeypatch):
+    model = _proxy()
+    assert grads._plain_head(model)
+    monkeypatch.setattr(grads, "_plain_head", lambda m: False)
+    named, _ = grads.mean_completion_grad(model, rows, "token", 4, pad_token_id=0)
+    assert _rel_err(named, _reference(_proxy(), rows, "token")) <= TOL

@@ -294,3 +294,49 @@ def test_chunked_peak_memory_is_about_one_chunk(memory_inputs) -> None:
     assert naive >= 4 * LOGITS_BYTES
     assert chunked < 8 * chunk_logits_bytes + head_grad_bytes
     assert chunked < naive / 8
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_chunked_peak_memory_is_two_chunk_buffers(beta: float) -> None:
+    """The backward pass turns a chunk's recomputed log-probs into the logits' gradient in place, and
+    elementwise work runs on blocks of rows: about two chunk x V buffers plus the head's gradient,
+    however many chunks there are."""
+    n_rows, vocab, hidden, chunk = 1024, 4096, 16, 256
+    gen = torch.Generator().manual_seed(15)
+    s_hidden_NH = torch.randn(n_rows, hidden, generator=gen).requires_grad_()
+    s_w_VH = (0.1 * torch.randn(vocab, hidden, generator=gen)).requires_grad_()
+    t_hidden_NH, t_w_VH = (
+        torch.randn(n_rows, hidden, generator=gen),
+        0.1 * torch.randn(vocab, hidden, generator=gen),
+    )
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        chunked_divergence(
+            s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, beta=beta, chunk_size=chunk
+        ).sum.backward()
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for record in sorted(records, key=lambda e: e.start_ns()):
+        live += record.nbytes()
+        peak = max(peak, live)
+    assert peak < 3 * chunk * vocab * 4 + vocab * hidden * 4
+
+
+def test_chunked_under_autocast_uses_bfloat16_matmuls_and_scales_with_the_upstream_gradient() -> None:
+    s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = (t.detach().float() for t in _heads(vocab=23))
+    s_hidden_NH.requires_grad_()
+    s_w_VH.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # What autograd gives for the same math on full logits, with F.linear under autocast.
+        s_logits_NV = torch.nn.functional.linear(s_hidden_NH, s_w_VH[:23])
+        t_logits_NV = torch.nn.functional.linear(t_hidden_NH, t_w_VH[:23])
+        expected_N = per_token_divergence(s_logits_NV, t_logits_NV, beta=1.0, temperature=0.7)
+        out = chunked_divergence(
+            s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, beta=1.0, temperature=0.7, vocab_size=23, chunk_size=3
+        )
+    assert s_logits_NV.dtype == torch.bfloat16
+    grads = torch.autograd.grad(2.5 * expected_N.sum(), (s_hidden_NH, s_w_VH))
+    (2.5 * out.sum).backward()
+    torch.testing.assert_close(out.per_token_N, expected_N.detach())
+    assert s_w_VH.grad.dtype == torch.float32
+    torch.testing.assert_close(s_hidden_NH.grad, grads[0], rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(s_w_VH.grad, grads[1], rtol=2e-2, atol=1e-3)

