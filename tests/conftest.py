@@ -87,3 +87,14 @@ def dapo_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("dapo") / "dapo-math-17k-mini.parquet"
     datasets.Dataset.from_list(rows).to_parquet(str(path))
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models: intra-op threads cost more than they save, and spin (up to 100x slower) on a busy CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

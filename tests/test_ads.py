@@ -19,13 +19,6 @@ from opdkit.tiny import task
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads cost more than they save and spin on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -28,13 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: intra-op threads cost more than they save and spin (100x slower) on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _proxy(path: str = "tiny:student") -> torch.nn.Module:

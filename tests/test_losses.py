@@ -11,13 +11,6 @@ from opdkit.losses import chunked_divergence, generalized_jsd, per_token_diverge
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These ops are tiny: intra-op threads cost more than they save and spin (100x slower) on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _logits(
