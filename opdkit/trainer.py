@@ -170,8 +170,9 @@ class DistillTrainer(Trainer):
         fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, logits_to_keep=no_logits,
                    output_hidden_states=True, use_cache=False)  # fmt: skip
         s_hidden_NH = model(**fwd).hidden_states[-1][pred_BT]
-        with torch.no_grad():
-            t_hidden_NH = self.teacher(**fwd).hidden_states[-1][pred_BT]
+        with torch.no_grad():  # the backbone alone: no other layer's output is kept
+            t_fwd = {k: v for k, v in fwd.items() if k not in ("logits_to_keep", "output_hidden_states")}
+            t_hidden_NH = self.teacher.base_model(**t_fwd).last_hidden_state[pred_BT]
         student = self.accelerator.unwrap_model(model)
         out = losses.chunked_divergence(
             s_hidden_NH,
