@@ -47,13 +47,11 @@ Pitfalls this module exists for:
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from opdkit import rollout
 
@@ -99,9 +97,7 @@ def rounded_away_fraction(weight: torch.Tensor, delta: torch.Tensor, dtype: torc
     return float(((w + delta.float()).to(dtype) == w.to(dtype)).float().mean())
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.24 renamed `past_key_values` to `cache`; use whichever this model's forward takes."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_cache_kwarg = rollout.cache_kwarg
 
 
 def _last_logits(model: torch.nn.Module, **kwargs) -> torch.Tensor:
@@ -265,14 +261,7 @@ class ADSLogitsProcessor(LogitsProcessor):
         return out
 
 
-def warpers(temperature: float, top_p: float) -> list[LogitsProcessor]:
-    """Temperature, then top-p: what `generate` would add for do_sample, in the order the reference uses."""
-    out: list[LogitsProcessor] = []
-    if temperature > 0 and temperature != 1.0:
-        out.append(TemperatureLogitsWarper(temperature))
-    if top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    return out
+warpers = rollout.warpers  # temperature, then top-p, as `rollout.sample` applies them
 
 
 def ads_processors(

@@ -5,16 +5,20 @@ Pitfalls this module exists for:
   padded row relative to `generate`; re-scoring uses `position_ids_from_mask`, as `generate` does;
 - the completion ends at the first EOS *inclusive*; when pad == eos (Qwen's base models), the padding
   after it must not count, which is why the mask is built from the first EOS, not from `!= pad`;
-- `generate` defaults to top_k=50 from the model's generation config; on-policy sampling must not
-  silently truncate the student's distribution, so `top_k=0` is passed explicitly.
+- `model.generate` mixes the checkpoint's `generation_config` into sampling (top_k=50 by default,
+  repetition penalties, ...), which would make "on-policy" samples come from another distribution;
+  `sample` is a plain KV-cached decoding loop that applies only what it is asked to.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch.distributed as dist
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
 
 
 @dataclass
@@ -92,6 +96,16 @@ def left_pad(
     return out.to(device), mask.to(device)
 
 
+def warpers(temperature: float, top_p: float) -> list[LogitsProcessor]:
+    """Temperature, then top-p (transformers' own warpers, in `generate`'s order); nothing for T = 1, top-p = 1."""
+    out: list[LogitsProcessor] = []
+    if temperature > 0 and temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out
+
+
 @torch.no_grad()
 def sample(
     model: PreTrainedModel,
@@ -105,30 +119,26 @@ def sample(
     top_p: float = 1.0,
     do_sample: bool = True,
     synced_gpus: bool = False,
-    logits_processor=None,
+    logits_processor: list | None = None,
 ) -> Rollout:
-    """Sample completions with the model's KV cache (also when training uses gradient checkpointing).
+    """Sample completions token by token with the model's KV cache (also under gradient checkpointing).
 
-    `synced_gpus=True` keeps every rank stepping until all ranks are done, so ranks whose
-    completions end early do not leave a sharded (FSDP) model waiting in a collective.
+    The next token is drawn from softmax(processed logits): `logits_processor` (if any), then temperature
+    and top-p; `do_sample=False` takes the argmax instead. Nothing else touches the distribution: unlike
+    `model.generate`, no top-k, repetition penalty or other setting from the checkpoint's
+    `generation_config` sneaks in, so on-policy samples really come from the policy. For the same seed
+    the tokens are those of `generate(..., top_k=0)` on a model without such settings (tested), at less
+    per-token overhead. `synced_gpus=True` keeps every rank calling the model until all ranks are done,
+    so ranks whose completions end early do not leave a sharded (FSDP) model waiting in a collective.
     """
     was_training = model.training
     model.eval()
-    kwargs = dict(do_sample=do_sample, max_new_tokens=max_new_tokens, use_cache=True)
-    if do_sample:
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(
-        input_ids=prompt_ids_BP,
-        attention_mask=prompt_mask_BP,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        synced_gpus=synced_gpus,
-        logits_processor=logits_processor,
-        **kwargs,
-    )
-    model.train(was_training)
+    try:
+        out = _decode(model, prompt_ids_BP, prompt_mask_BP, eos_token_id, pad_token_id, max_new_tokens,
+                      list(logits_processor or []) + (warpers(temperature, top_p) if do_sample else []),
+                      do_sample, synced_gpus)  # fmt: skip
+    finally:
+        model.train(was_training)
     prompt_len = prompt_ids_BP.shape[1]
     comp_mask = completion_mask(out[:, prompt_len:], eos_token_id)
     # Positions past the first EOS become padding, so pad == eos cannot leak into the completion.
@@ -139,6 +149,47 @@ def sample(
         completion_mask_BC=comp_mask,
         prompt_len=prompt_len,
     )
+
+
+def _decode(model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced):
+    """Prompt + up to `max_new_tokens` tokens; rows that ended continue with padding until all rows end."""
+    seq_BT, mask_BT = ids_BP, mask_BP
+    pos_BT = position_ids_from_mask(mask_BP)
+    cache = {cache_kwarg(model): DynamicCache(config=model.config)}
+    done_B = torch.zeros(ids_BP.shape[0], dtype=torch.bool, device=ids_BP.device)
+    step_ids, step_pos = ids_BP, pos_BT
+    for i in range(max_new_tokens):
+        logits_BV = model(input_ids=step_ids, attention_mask=mask_BT, position_ids=step_pos, **cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1, :].float()  # fmt: skip
+        if not done_B.all():  # (all done here only under `synced`: this rank keeps the others company)
+            for proc in processors:
+                logits_BV = proc(seq_BT, logits_BV)
+            if do_sample:
+                next_B = torch.multinomial(torch.softmax(logits_BV, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_B = logits_BV.argmax(dim=-1)
+            next_B = torch.where(done_B, pad_token_id, next_B)
+            seq_BT = torch.cat([seq_BT, next_B[:, None]], dim=1)
+            done_B = done_B | _is_eos(next_B, eos_token_id)
+        if i == max_new_tokens - 1 or not _anyone_running(done_B, synced):
+            break
+        mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
+        step_ids, step_pos = seq_BT[:, -1:], step_pos[:, -1:] + 1
+    return seq_BT
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; use whichever this model's forward takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _anyone_running(done_B: torch.Tensor, synced: bool) -> bool:
+    running = (~done_B).any()
+    if synced and dist.is_available() and dist.is_initialized():
+        flag = running.to(torch.float32).reshape(1)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+    return bool(running)
 
 
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:

@@ -63,20 +63,56 @@ def test_sample_masks_after_eos_and_reports_truncation(student_and_tok):
     assert (r.attention_mask_BT[:, ids.shape[1] :] == cmask).all()
 
 
-def test_sampling_does_not_truncate_to_top_k(student_and_tok, monkeypatch):
-    """generate's default top_k=50 would silently bias on-policy samples; sample() passes top_k=0."""
+def _mixed_prompts(tok, n=6):
+    contents = ["7+5", "358+467", "12+990", "1+1", "999+999", "40+2"]
+    return rollout.encode_prompts(tok, [[{"role": "user", "content": c}] for c in contents[:n]])
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,do_sample", [(1.0, 1.0, True), (0.7, 1.0, True), (1.3, 0.8, True), (1.0, 1.0, False)]
+)
+def test_sample_draws_the_tokens_generate_draws_without_top_k(student_and_tok, temperature, top_p, do_sample):
+    """Same seed, same tokens as `generate(top_k=0)`: the loop samples exactly the policy's distribution."""
     model, tok = student_and_tok
-    seen = {}
-    orig = model.generate
+    ids, mask = _mixed_prompts(tok)
+    assert mask[:, 0].min() == 0, "some prompts are left-padded"
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}
+    torch.manual_seed(3)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, do_sample=do_sample, **sampling)  # fmt: skip
+    torch.manual_seed(3)
+    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       max_new_tokens=30, temperature=temperature, top_p=top_p, do_sample=do_sample)  # fmt: skip
+    ref_comp = ref[:, ids.shape[1] :]
+    ref_mask = rollout.completion_mask(ref_comp, tok.eos_token_id)
+    assert r.completion_ids_BC.shape == ref_comp.shape
+    assert torch.equal(r.completion_mask_BC, ref_mask)
+    assert torch.equal(r.completion_ids_BC[ref_mask.bool()], ref_comp[ref_mask.bool()])
 
-    def spy(*a, **kw):
-        seen.update(kw)
-        return orig(*a, **kw)
 
-    monkeypatch.setattr(model, "generate", spy)
-    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "1+1"}]])
-    rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=2)
-    assert seen["top_k"] == 0 and seen["top_p"] == 1.0 and seen["do_sample"] and seen["use_cache"]
+def test_checkpoint_generation_config_does_not_leak_into_sampling(student_and_tok):
+    """A checkpoint's top_k / repetition penalty changes `generate`'s samples, never `sample`'s."""
+    model, tok = student_and_tok
+    ids, mask = _mixed_prompts(tok)
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=30)
+
+    def both():
+        torch.manual_seed(5)
+        ours = rollout.sample(model, ids, mask, **kw).input_ids_BT
+        torch.manual_seed(5)
+        theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, **kw)
+        return ours, theirs
+
+    plain_ours, plain_theirs = both()
+    cfg = model.generation_config
+    saved = (cfg.top_k, cfg.repetition_penalty)
+    cfg.top_k, cfg.repetition_penalty = 3, 3.0
+    try:
+        ours, theirs = both()
+    finally:
+        cfg.top_k, cfg.repetition_penalty = saved
+    assert torch.equal(ours, plain_ours)
+    assert not torch.equal(theirs, plain_theirs), "generate does pick up the checkpoint's settings"
 
 
 def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok):
@@ -89,19 +125,20 @@ def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok)
     model.gradient_checkpointing_enable()
     model.train()
     seen = {}
-    orig = model.generate
+    orig = model.forward
 
     def spy(*a, **k):
-        seen["training"] = model.training
+        seen.setdefault("training", model.training)
+        seen.setdefault("cache", k.get("use_cache"))
         return orig(*a, **k)
 
-    model.generate = spy
+    model.forward = spy
     try:
         torch.manual_seed(0)
         again = rollout.sample(model, ids, mask, **kw).input_ids_BT
     finally:
-        del model.generate
+        del model.forward
         model.gradient_checkpointing_disable()
-    assert seen["training"] is False and model.training
+    assert seen["training"] is False and seen["cache"] is True and model.training
     model.eval()
     assert torch.equal(plain, again)
