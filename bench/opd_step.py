@@ -7,8 +7,9 @@ for random Qwen3s and stand-ins of the published sizes), the same tiny-task prom
 (temperature 1, top-p 1, no top-k), reverse KL (beta 1), AdamW, constant learning rate, clipping at
 1.0, float32, no gradient checkpointing, one process. Each optimizer step samples one completion per
 prompt with the student's KV cache, scores it with both models and steps once. After `warmup` steps,
-`steps` steps are timed; completion tokens are counted by the same wrapper around the student's
-`generate` on both sides (up to and including the first EOS), so tokens/s means the same thing.
+`steps` steps are timed; completion tokens (up to and including the first EOS) are counted with the
+same mask from what each side's sampler returns (TRL: `generate`, opdkit: `rollout.sample`), so
+tokens/s means the same thing.
 """
 
 from __future__ import annotations
@@ -30,27 +31,43 @@ def default_params(quick: bool = False) -> dict[str, Any]:
     return dict(models="tiny", batch=64, max_new_tokens=40, warmup=2, steps=10, lr=1e-3, seed=0)
 
 
-class GenerateCounter:
-    """Wraps `model.generate` to count completion tokens (up to and including the first EOS)."""
+class TokenCounter:
+    """Counts the completion tokens (up to and including the first EOS) each side's sampler returns.
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int):
-        self.tokens = 0
-        self.calls = 0
-        self._generate = model.generate
-        self._eos = eos_token_id
-        model.generate = self  # an instance attribute: both trainers call model.generate(...)
+    TRL samples with `model.generate` (wrapped on the student instance); opdkit with
+    `opdkit.rollout.sample` (wrapped in its module). Both counts use `rollout.completion_mask`.
+    """
 
-    def __call__(self, *args, **kwargs):
+    def __init__(self, side: str, model: torch.nn.Module, eos_token_id: int):
         from opdkit import rollout
 
-        out = self._generate(*args, **kwargs)
-        prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
-        self.tokens += int(rollout.completion_mask(out[:, prompt_len:], self._eos).sum())
+        self.tokens, self.calls, self._eos = 0, 0, eos_token_id
+        if side == "trl":
+            generate = model.generate
+
+            def counted_generate(*args, **kwargs):
+                out = generate(*args, **kwargs)
+                prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+                self._count(rollout.completion_mask(out[:, prompt_len:], self._eos))
+                return out
+
+            model.generate = counted_generate  # an instance attribute: TRL calls model.generate(...)
+        else:
+            sample = rollout.sample
+
+            def counted_sample(*args, **kwargs):
+                r = sample(*args, **kwargs)
+                self._count(r.completion_mask_BC)
+                return r
+
+            rollout.sample = counted_sample  # DistillTrainer calls rollout.sample(...); one side per process
+
+    def _count(self, mask: torch.Tensor) -> None:
+        self.tokens += int(mask.sum())
         self.calls += 1
-        return out
 
 
-def _clock_callback(counter: GenerateCounter, warmup: int):
+def _clock_callback(counter: TokenCounter, warmup: int):
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
@@ -218,7 +235,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
     prompts = data.load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
-    counter = GenerateCounter(student, tok.eos_token_id)
+    counter = TokenCounter(side, student, tok.eos_token_id)
     clock = _clock_callback(counter, p["warmup"])
     build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer}[side]
     with tempfile.TemporaryDirectory() as out_dir:
@@ -230,7 +247,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
         "tokens_per_s": tokens / wall,
         "step_s": wall / p["steps"],
         "tokens_per_step": tokens / p["steps"],
-        "generate_calls": counter.calls,
+        "sampler_calls": counter.calls,
         "params_student": sum(x.numel() for x in student.parameters()),
         "params_teacher": sum(x.numel() for x in teacher.parameters()),
     }
