@@ -31,58 +31,90 @@ def default_params(quick: bool = False) -> dict[str, Any]:
     return dict(models="tiny", batch=64, max_new_tokens=40, warmup=2, steps=10, lr=1e-3, seed=0)
 
 
-class TokenCounter:
-    """Counts the completion tokens (up to and including the first EOS) each side's sampler returns.
+class StepProbe:
+    """Counts completion tokens and times the phases of each side's step, with the same wrappers.
 
-    TRL samples with `model.generate` (wrapped on the student instance); opdkit with
-    `opdkit.rollout.sample` (wrapped in its module). Both counts use `rollout.completion_mask`.
+    Tokens (up to and including the first EOS, `rollout.completion_mask`) come from what the
+    sampler returns: TRL samples with `model.generate` (wrapped on the student instance), opdkit with
+    `opdkit.rollout.sample` (wrapped in its module). Phases: the sampler, the teacher's backbone
+    forward and the student's backbone forward outside sampling (both trainers call `base_model`);
+    the rest of a step is the backward, the divergence, the optimizer and bookkeeping.
     """
 
-    def __init__(self, side: str, model: torch.nn.Module, eos_token_id: int):
+    PHASES = ("sample", "teacher_forward", "student_forward")
+
+    def __init__(self, side: str, student: torch.nn.Module, teacher: torch.nn.Module, eos_token_id: int):
         from opdkit import rollout
 
         self.tokens, self.calls, self._eos = 0, 0, eos_token_id
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._sampling = False
         if side == "trl":
-            generate = model.generate
+            generate = student.generate
 
             def counted_generate(*args, **kwargs):
-                out = generate(*args, **kwargs)
+                out = self._timed("sample", generate, *args, **kwargs)
                 prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
                 self._count(rollout.completion_mask(out[:, prompt_len:], self._eos))
                 return out
 
-            model.generate = counted_generate  # an instance attribute: TRL calls model.generate(...)
+            student.generate = counted_generate  # an instance attribute: TRL calls model.generate(...)
         else:
             sample = rollout.sample
 
             def counted_sample(*args, **kwargs):
-                r = sample(*args, **kwargs)
+                r = self._timed("sample", sample, *args, **kwargs)
                 self._count(r.completion_mask_BC)
                 return r
 
             rollout.sample = counted_sample  # DistillTrainer calls rollout.sample(...); one side per process
+        for name, model in (("teacher_forward", teacher), ("student_forward", student)):
+            backbone = model.base_model
+            forward = backbone.forward
+
+            def timed_forward(*args, _name=name, _forward=forward, **kwargs):
+                if self._sampling:
+                    return _forward(*args, **kwargs)
+                return self._timed(_name, _forward, *args, **kwargs)
+
+            backbone.forward = timed_forward
+
+    def _timed(self, name: str, fn, *args, **kwargs):
+        sampling = name == "sample"
+        self._sampling |= sampling
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - t0
+            self._sampling &= not sampling
 
     def _count(self, mask: torch.Tensor) -> None:
         self.tokens += int(mask.sum())
         self.calls += 1
 
+    def snapshot(self) -> tuple[float, int, dict[str, float]]:
+        return time.perf_counter(), self.tokens, dict(self.seconds)
 
-def _clock_callback(counter: TokenCounter, warmup: int):
+
+def _clock_callback(probe: StepProbe, warmup: int):
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
-        """Time and tokens from the end of the last warm-up step to the end of the last step."""
+        """Time, tokens and phase times at the end of the last warm-up step and of the last step."""
 
         def __init__(self):
-            self.marks: dict[str, float] = {}
+            self.marks: dict[str, tuple] = {}
 
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the step's kernels belong to the step
-            now = (time.perf_counter(), counter.tokens)
+            now = probe.snapshot()
             if state.global_step == warmup:
-                self.marks["t0"], self.marks["tok0"] = now
-            self.marks["t1"], self.marks["tok1"] = now
+                self.marks["start"] = now
+            self.marks["end"] = now
 
     return Clock()
 
@@ -235,19 +267,22 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
     prompts = data.load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
-    counter = TokenCounter(side, student, tok.eos_token_id)
-    clock = _clock_callback(counter, p["warmup"])
+    probe = StepProbe(side, student, teacher, tok.eos_token_id)
+    clock = _clock_callback(probe, p["warmup"])
     build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer}[side]
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build(p, tok, student, teacher, prompts, out_dir, clock)
         trainer.train()
-    m = clock.marks
-    wall, tokens = m["t1"] - m["t0"], m["tok1"] - m["tok0"]
+    (t0, tok0, ph0), (t1, tok1, ph1) = clock.marks["start"], clock.marks["end"]
+    wall, tokens = t1 - t0, tok1 - tok0
+    phases = {k: (ph1[k] - ph0[k]) / p["steps"] for k in StepProbe.PHASES}
+    phases["rest"] = wall / p["steps"] - sum(phases.values())
     return {
         "tokens_per_s": tokens / wall,
         "step_s": wall / p["steps"],
         "tokens_per_step": tokens / p["steps"],
-        "sampler_calls": counter.calls,
+        "phase_s": {k: round(v, 5) for k, v in phases.items()},
+        "sampler_calls": probe.calls,
         "params_student": sum(x.numel() for x in student.parameters()),
         "params_teacher": sum(x.numel() for x in teacher.parameters()),
     }
