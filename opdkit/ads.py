@@ -33,12 +33,11 @@ Pitfalls this module exists for:
   in bf16 (8 bits of mantissa) most of θ±εg rounds back to θ, and Δ is noise. Both copies are kept in
   fp32 whatever the proxy was loaded in (the reference casts them back to fp16);
 - the order of operations: λΔ is added to the *raw* teacher logits, then temperature, then top-p, as
-  the reference does. transformers 5.24 applies `generate(logits_processor=...)` before its own
-  temperature / top-p warpers, but that order is an implementation detail (`_get_logits_processor`):
-  `ads_sample` therefore puts temperature and top-p into its own processor list, after the ADS term,
-  and calls `generate` with temperature 1, top_p 1, top_k 0, so the order does not depend on it;
-- each perturbed proxy keeps its own KV cache; the first call of a `generate` feeds the whole
-  left-padded prompt with positions from its attention mask (as `generate` does), every later call
+  the reference does. `ads_sample` puts temperature and top-p into its own processor list, after the
+  ADS term, and calls `rollout.sample` with temperature 1 and top-p 1, which applies the list in
+  order and nothing else (no top-k, nothing from the checkpoint's generation config);
+- each perturbed proxy keeps its own KV cache; the first processor call of a batch feeds the whole
+  left-padded prompt with positions from its attention mask (as the sampler does), every later call
   feeds only the newest token at the next position;
 - teacher and proxy must share a tokenizer (ids index the same tokens); where one model pads its
   vocabulary beyond the other's, only the shared ids get the ADS term.
@@ -224,9 +223,9 @@ def make_direction(method: str, proxy: torch.nn.Module, grads: Mapping[str, torc
 
 
 class ADSLogitsProcessor(LogitsProcessor):
-    """Adds λ·Δ to the teacher's raw next-token logits; one instance per `generate` call (per batch).
+    """Adds λ·Δ to the teacher's raw next-token logits; one instance per sampled batch.
 
-    `prompt_mask_BP` is the attention mask of the left-padded prompts that `generate` starts from. The
+    `prompt_mask_BP` is the attention mask of the left-padded prompts that sampling starts from. The
     first call runs the proxies on the whole prompt; each later call on the newest token only. With
     λ = 0 the scores pass through untouched (and the proxies are never run).
     """
@@ -244,7 +243,7 @@ class ADSLogitsProcessor(LogitsProcessor):
             d = self.direction.step(input_ids_BT[:, -1:])
         else:
             raise RuntimeError(
-                f"ADSLogitsProcessor got {t} tokens after {self.seen}; it follows one generate call token by "
+                f"ADSLogitsProcessor got {t} tokens after {self.seen}; it follows one sampled batch token by "
                 "token, so make a new processor for each batch."
             )
         self.seen = t
