@@ -80,6 +80,11 @@ class WhiteboxConfig(RunFields):
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this; 0 turns clipping off", min=0.0)
     bf16: bool = _f(False, "bf16 mixed precision for the student, bf16 weights for the teacher (GPU)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    parallelism: str = _f(
+        "ddp", "how several processes hold the student: ddp replicates it; fsdp shards it with FSDP2 (accelerate), "
+        "for students too big to replicate; one process ignores it. The frozen teacher is always replicated",
+        choices=("ddp", "fsdp"),
+    )  # fmt: skip
     loss_chunk_size: int = _f(1024, "completion tokens per chunk of the divergence", min=1)
     logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
     sample_every: int = _f(10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0)

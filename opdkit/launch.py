@@ -33,6 +33,11 @@ def under_external_launcher() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launched_world_size() -> int:
+    """Processes of this run, as the launcher (notebook_launcher, torchrun, accelerate) announced them."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class RankFailed(RuntimeError):
     pass
 

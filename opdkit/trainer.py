@@ -5,9 +5,10 @@ One optimizer step:
    each prompt with its KV cache, and the completion tokens of the whole step are counted across
    processes (N);
 2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
-   positions `generate` used, and sums the per-token divergence over completion tokens from the final
+   positions the sampler used, and sums the per-token divergence over completion tokens from the final
    hidden states in chunks (`losses.chunked_divergence`), divided by N; so batch size x gradient
-   accumulation x processes never changes the gradient;
+   accumulation x processes never changes the gradient. The student's part (backbone and head) runs
+   as the wrapped student's forward, so DDP's and FSDP's hooks enclose it (`sharding.call_inside_forward`);
 3. `Trainer` clips (`max_grad_norm`) and steps; a non-finite gradient skips the step and ends the run
    with the last good weights.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
-from opdkit import losses, rollout
+from opdkit import losses, rollout, sharding
 from opdkit.runs import RunDir
 
 
@@ -58,6 +59,31 @@ def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokeni
                 "the model and tokenizer do not belong together."
             )
     return vocab
+
+
+def student_divergence(
+    student: PreTrainedModel,
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    t_hidden_NH: torch.Tensor,
+    teacher_head_VH: torch.Tensor,
+    **divergence,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The student's part of the loss: its backbone over `fwd`, the final hidden states where
+    `pred_BT` marks a predicted completion token, and `losses.chunked_divergence` against the teacher's
+    with the student's own head weight: (summed divergence, per-token divergence, student entropy).
+
+    Run it as the student's forward (`sharding.call_inside_forward`): under FSDP the head weight (tied
+    to the embedding in Qwen3-0.6B) is whole only there. A tuple of tensors, not a dataclass, so that
+    the wrapper finds the output it hooks the backward pass on.
+    """
+    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
+    s_head_VH = student.get_output_embeddings().weight
+    # The backbone runs under the caller's autocast; the heads' matmuls in their weights' dtypes (the
+    # float32 student under DDP, FSDP's bf16 compute copy under its mixed precision).
+    with torch.autocast(s_hidden_NH.device.type, enabled=False):
+        out = losses.chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, teacher_head_VH, **divergence)
+    return out.sum, out.per_token_N, out.student_entropy_N
 
 
 @dataclass
@@ -108,10 +134,18 @@ class DistillTrainer(Trainer):
         self.run, self.rollout_seed, self.save_rollouts = run, rollout_seed, save_rollouts
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
         self.stats = StepStats()
-        self.last_grad_norm = float("nan")
+        self.last_grad_norm: float | None = None  # None: no step measured yet
         self.first_nonfinite_step: int | None = None
         self._step_samples: list[dict] = []
         self.add_callback(_NonFiniteStop(self))
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        plugin_args = self.args.fsdp_plugin_args
+        if plugin_args and sharding.treat_cpu_processes_as_fsdp(self.accelerator, plugin_args):
+            self.is_fsdp_enabled = True
+        if self.is_fsdp_enabled:
+            sharding.keep_fp32_outputs(self.accelerator.state.fsdp_plugin)
 
     # ---- rollout -------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -166,26 +200,24 @@ class DistillTrainer(Trainer):
         # The hidden state at t predicts token t+1: completion token j is predicted at P-1+j.
         pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
         pred_BT[:, prompt_len - 1 : prompt_len - 1 + comp_BC.shape[1]] = comp_BC.bool()
-        no_logits = torch.empty(0, dtype=torch.long, device=ids_BT.device)
-        fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, logits_to_keep=no_logits,
-                   output_hidden_states=True, use_cache=False)  # fmt: skip
-        s_hidden_NH = model(**fwd).hidden_states[-1][pred_BT]
+        fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
         with torch.no_grad():  # the backbone alone: no other layer's output is kept
-            t_fwd = {k: v for k, v in fwd.items() if k not in ("logits_to_keep", "output_hidden_states")}
-            t_hidden_NH = self.teacher.base_model(**t_fwd).last_hidden_state[pred_BT]
+            t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
         student = self.accelerator.unwrap_model(model)
-        out = losses.chunked_divergence(
-            s_hidden_NH,
-            student.get_output_embeddings().weight,
-            t_hidden_NH,
-            self.teacher.get_output_embeddings().weight,
-            beta=self.beta,
-            temperature=self.kl_temperature,
-            vocab_size=self.vocab_size,
-            chunk_size=self.loss_chunk_size,
-        )
+
+        def student_part(**fwd):
+            return student_divergence(
+                student, fwd, pred_BT, t_hidden_NH, self.teacher.get_output_embeddings().weight,
+                beta=self.beta, temperature=self.kl_temperature, vocab_size=self.vocab_size,
+                chunk_size=self.loss_chunk_size,
+            )  # fmt: skip
+
+        # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
+        with self.accelerator.autocast():
+            div_sum, per_token_N, entropy_N = sharding.call_inside_forward(model, student, student_part, **fwd)
+        out = losses.DivergenceOutput(sum=div_sum, per_token_N=per_token_N, student_entropy_N=entropy_N)
         n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
-        # DDP averages gradients over processes, so each process's share is scaled back up.
+        # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
         loss = out.sum / n * self.args.world_size
         self.stats.entropy_sum += out.student_entropy_N.sum().item()
         self._keep_samples(inputs, pred_BT, out.per_token_N)
@@ -214,7 +246,8 @@ class DistillTrainer(Trainer):
 
     # ---- clipping, non-finite steps, logging ---------------------------------------------------
     def _get_grad_norm(self, model, grad_norm=None):
-        grad_norm = super()._get_grad_norm(model, grad_norm)
+        # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.
+        grad_norm = sharding.full_tensor(super()._get_grad_norm(model, grad_norm))
         value = float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
         self.last_grad_norm = value
         if not math.isfinite(value) and self.first_nonfinite_step is None:
@@ -227,7 +260,9 @@ class DistillTrainer(Trainer):
 
         def guarded_step(*args, **kwargs):
             # A non-finite gradient must never reach the weights: skip the update, the run then stops.
-            if math.isfinite(self.last_grad_norm):
+            # Before any measured step the optimizer must step: loading a sharded optimizer state
+            # (FSDP resume) first creates the state with one zero-lr step.
+            if self.last_grad_norm is None or math.isfinite(self.last_grad_norm):
                 return step(*args, **kwargs)
             return None
 
@@ -267,14 +302,22 @@ class DistillTrainer(Trainer):
 
 
 class GradientDump(TrainerCallback):
-    """Debugging aid: save the step's accumulated (pre-clip, cross-process averaged) gradient on rank 0."""
+    """Debugging aid: save the gradient the optimizer is about to apply at `at_step` (accumulated,
+    averaged over processes, gathered to full tensors under FSDP; clipped if clipping is on) on rank 0."""
 
     def __init__(self, path: str, at_step: int = 1):
         self.path, self.at_step = path, at_step
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if state.global_step + 1 == self.at_step and args.process_index == 0:
-            grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if state.global_step + 1 != self.at_step:
+            return
+        # Every rank takes part: gathering a sharded gradient is a collective.
+        grads = {
+            n: sharding.full_tensor(p.grad).detach().cpu().clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        if args.process_index == 0:
             torch.save(grads, self.path)
 
 

@@ -2,6 +2,7 @@
 
     python -m opdkit.whitebox --mode tiny                                    # CPU, ~2 minutes
     torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
+    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # the student sharded (FSDP2)
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
 
 `prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
@@ -20,9 +21,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-from opdkit import data, evaluate, tiny
+from opdkit import data, evaluate, sharding, tiny
 from opdkit.config import ConfigError, WhiteboxConfig, load_config, parse_cli
-from opdkit.launch import default_num_processes, launch, under_external_launcher
+from opdkit.launch import default_num_processes, launch, launched_world_size, under_external_launcher
 from opdkit.runs import RunDir, print0
 from opdkit.tiny import task
 from opdkit.trainer import DistillTrainer, check_tokenizers
@@ -140,6 +141,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> TrainingArguments
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
+        **sharding.fsdp_arguments(cfg.parallelism, launched_world_size()),
     )
 
 
@@ -154,6 +156,8 @@ def train_process(
     args = training_arguments(cfg, run.path)  # initialises the process group in multi-process runs
     world, rank = args.world_size, args.process_index
     run.write_env(world_size=world)
+    if cfg.parallelism == "fsdp" and world == 1:
+        print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     tok = prep.tokenizer
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve(cfg.student_model), dtype=torch.float32)
     teacher_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -198,7 +202,7 @@ def train_process(
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
-    after = acc(trainer.accelerator.unwrap_model(trainer.model))
+    after = acc(trained_student(trainer, run.path / "model"))
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
@@ -212,6 +216,16 @@ def train_process(
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}; run directory {run.path}")
+
+
+def trained_student(trainer: DistillTrainer, saved: Path):
+    """The student to evaluate after training. A sharded one is replaced by the saved full model on
+    every rank: each rank generates for its own share of prompts, so sharded layers, whose every
+    forward is a collective, would wait on ranks that have stopped."""
+    if not trainer.is_fsdp_enabled:
+        return trainer.accelerator.unwrap_model(trainer.model)
+    trainer.accelerator.wait_for_everyone()  # rank 0 has written model/
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).to(trainer.args.device)
 
 
 def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
