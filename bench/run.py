@@ -44,7 +44,7 @@ class Bench:
 
 def _p1(samples: dict, params: dict, threads: int) -> list[Figure]:
     setup = {**params, "threads": threads, "tokens_per_step": _medians(samples, "tokens_per_step"),
-             "step_s": _medians(samples, "step_s")}  # fmt: skip
+             "step_s": _medians(samples, "step_s"), "phase_s": _phase_medians(samples)}  # fmt: skip
     return [ratio_figure("P1", "OPD optimizer-step throughput vs TRL DistillationTrainer", samples,
                          key="tokens_per_s", metric="completion tokens/s", target=1.5, higher_is_better=True,
                          baseline=opd_step.BASELINE, setup=setup, sides=("opdkit", "trl"))]  # fmt: skip
@@ -74,6 +74,14 @@ def _medians(samples: dict, key: str) -> dict[str, float]:
     from bench.common import median
 
     return {side: median(runs, key) for side, runs in samples.items()}
+
+
+def _phase_medians(samples: dict) -> dict[str, dict[str, float]]:
+    """Per side, the median seconds per step of each timed phase (sampler, teacher, student, rest)."""
+    import statistics
+
+    return {side: {k: statistics.median(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}
+            for side, runs in samples.items() if runs and "phase_s" in runs[0]}  # fmt: skip
 
 
 BENCHES = {

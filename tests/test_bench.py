@@ -54,6 +54,11 @@ def test_both_sides_do_the_same_work(quick_results):
     p1, p2 = quick_results["figures"]["P1"]["setup"], quick_results["figures"]["P2"]["setup"]
     assert p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
     assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl"], rel=1e-5)
+    for side in ("opdkit", "trl"):  # every phase was seen on both sides, and they add up to the step
+        phases = p1["phase_s"][side]
+        assert sorted(phases) == ["rest", "sample", "student_forward", "teacher_forward"]
+        assert all(phases[k] > 0 for k in ("sample", "teacher_forward", "student_forward"))
+        assert sum(phases.values()) == pytest.approx(p1["step_s"][side], abs=1e-4)
 
 
 def test_only_updates_its_figures(tmp_path):
