@@ -51,6 +51,7 @@ class _Traced:
 
     def __call__(self, *args):
         try:
+            _rebuild_thread_pool_after_fork()
             return self.fn(*args)
         except BaseException:
             rank = os.environ.get("RANK", "0")
@@ -59,6 +60,19 @@ class _Traced:
             (self.error_dir / f"rank{rank}.txt").write_text(text)
             print(f"[rank {rank}] failed:\n{text}", file=sys.__stderr__, flush=True)
             raise
+
+
+def _rebuild_thread_pool_after_fork() -> None:
+    """In a forked process, let torch rebuild its intra-op thread pool once, on this thread.
+
+    After a fork torch drops the parent's pool and the next `set_num_threads` call rebuilds it; when
+    several threads make that first call at once, as transformers' weight loader does when it converts
+    dtypes in a thread pool, one of them can see no pool ("Invalid thread pool!"), about one forked
+    process in two here. One call here, before any other thread exists, settles it.
+    """
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) -> None:
