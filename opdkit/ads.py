@@ -96,9 +96,6 @@ def rounded_away_fraction(weight: torch.Tensor, delta: torch.Tensor, dtype: torc
     return float(((w + delta.float()).to(dtype) == w.to(dtype)).float().mean())
 
 
-_cache_kwarg = rollout.cache_kwarg
-
-
 def _last_logits(model: torch.nn.Module, **kwargs) -> torch.Tensor:
     return model(**kwargs, logits_to_keep=1).logits[:, -1, :].float()
 
@@ -108,7 +105,7 @@ class _CachedLM:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.kwarg = _cache_kwarg(model)
+        self.kwarg = rollout.cache_kwarg(model)
         self.cache: DynamicCache | None = None
         self.mask_BT: torch.Tensor | None = None
         self.next_pos_B1: torch.Tensor | None = None
@@ -260,9 +257,6 @@ class ADSLogitsProcessor(LogitsProcessor):
         return out
 
 
-warpers = rollout.warpers  # temperature, then top-p, as `rollout.sample` applies them
-
-
 def ads_processors(
     direction: Direction | None, lam: float, prompt_mask_BP: torch.Tensor, temperature: float, top_p: float
 ) -> LogitsProcessorList:
@@ -273,7 +267,7 @@ def ads_processors(
     if lam != 0:
         procs.append(ADSLogitsProcessor(direction, lam, prompt_mask_BP))
     if temperature > 0:
-        procs.extend(warpers(temperature, top_p))
+        procs.extend(rollout.warpers(temperature, top_p))
     return procs
 
 
@@ -307,7 +301,7 @@ def _warp(logits_V: torch.Tensor, temperature: float, top_p: float) -> torch.Ten
     """The same temperature and top-p as `ads_sample` (none when greedy), on one row of logits."""
     out = logits_V[None].float()
     if temperature > 0:
-        for w in warpers(temperature, top_p):
+        for w in rollout.warpers(temperature, top_p):
             out = w(None, out)
     return out[0]
 
