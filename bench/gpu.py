@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from bench import opd_step  # noqa: E402
-from bench.common import alternate, median  # noqa: E402
+from bench import opd_step
+from bench.common import median
+from bench.runner import alternate
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -94,9 +91,9 @@ def student_config(a: argparse.Namespace):
 
 
 def _tokenizer(a: argparse.Namespace):
-    from opdkit import whitebox
+    from opdkit.models import load_tokenizer
 
-    return whitebox.load_tokenizer(a.student or opd_step.qwen3_tokenizer_dir())
+    return load_tokenizer(a.student or opd_step.qwen3_tokenizer_dir())
 
 
 def student_model(a: argparse.Namespace) -> torch.nn.Module:

@@ -138,21 +138,22 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
     """
     from transformers import AutoModelForCausalLM
 
-    from opdkit import tiny, whitebox
+    from opdkit import tiny
+    from opdkit.models import load_tokenizer
 
     spec, seed = p["models"], p["seed"]
     t_dtype = getattr(torch, p.get("teacher_dtype", "float32"))
     if spec in ("tiny", "paths"):
         s_name, t_name = ("tiny:student", "tiny:teacher") if spec == "tiny" else (p["student_path"], p["teacher_path"])
-        tok = whitebox.load_tokenizer(s_name)
+        tok = load_tokenizer(s_name)
         student = AutoModelForCausalLM.from_pretrained(tiny.resolve(s_name), dtype=torch.float32)
         return tok, student, AutoModelForCausalLM.from_pretrained(tiny.resolve(t_name), dtype=t_dtype)
     if spec.startswith("random:"):
-        tok = whitebox.load_tokenizer("tiny:student")
+        tok = load_tokenizer("tiny:student")
         (sh, sl), (th, tl) = (map(int, part.split(",")) for part in spec.removeprefix("random:").split("/"))
         return tok, random_qwen3(tok, sh, sl, seed), random_qwen3(tok, th, tl, seed + 1)
     if spec.startswith("standin:"):
-        tok = whitebox.load_tokenizer(qwen3_tokenizer_dir())
+        tok = load_tokenizer(qwen3_tokenizer_dir())
         s_size, t_size = spec.removeprefix("standin:").split("/")
         device = p.get("device", "cpu")
         student = qwen3_standin(tok, s_size, seed, device, torch.float32)
@@ -230,16 +231,14 @@ def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
 
 
 def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback):
-    from transformers import TrainingArguments
-
     from opdkit import data
-    from opdkit.trainer import DistillTrainer
+    from opdkit.trainer import DistillTrainer, OPDArguments
 
+    args = OPDArguments(**_common_args(p, out_dir), beta=1.0, kl_temperature=1.0, gen_temperature=1.0,
+                        gen_top_p=1.0, max_new_tokens=p["max_new_tokens"])  # fmt: skip
     return DistillTrainer(
-        model=student, args=TrainingArguments(**_common_args(p, out_dir)), train_dataset=prompts,
-        data_collator=data.PromptCollator(tok, max_prompt_length=1024), processing_class=tok,
-        teacher_model=teacher, beta=1.0, kl_temperature=1.0, gen_temperature=1.0, gen_top_p=1.0,
-        max_new_tokens=p["max_new_tokens"], rollout_seed=p["seed"], callbacks=[callback],
+        model=student, args=args, train_dataset=prompts, processing_class=tok, teacher_model=teacher,
+        data_collator=data.PromptCollator(tok, max_prompt_length=1024), callbacks=[callback],
     )  # fmt: skip
 
 

@@ -18,78 +18,11 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python bench/run.py` as well as `python -m bench.run`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import loss_memory, opd_step, save_grad  # noqa: E402
-from bench.common import Figure, alternate, ratio_figure  # noqa: E402
-
-FIGURES = ("P1", "P2", "P3", "P4")
-
-
-@dataclass
-class Bench:
-    """One fresh-process benchmark and the figures made from its runs."""
-
-    worker: str
-    module: object
-    sides: tuple[str, str]
-    threads: int
-    figures: Callable[[dict, dict, int], list[Figure]]
-
-
-def _p1(samples: dict, params: dict, threads: int) -> list[Figure]:
-    setup = {**params, "threads": threads, "tokens_per_step": _medians(samples, "tokens_per_step"),
-             "step_s": _medians(samples, "step_s"), "phase_s": _phase_medians(samples)}  # fmt: skip
-    return [ratio_figure("P1", "OPD optimizer-step throughput vs TRL DistillationTrainer", samples,
-                         key="tokens_per_s", metric="completion tokens/s", target=1.5, higher_is_better=True,
-                         baseline=opd_step.BASELINE, setup=setup, sides=("opdkit", "trl"))]  # fmt: skip
-
-
-def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
-    setup = {**params, "threads": threads, "chunk_size": "default", "wall_s": _medians(samples, "wall_s"),
-             "loss": _medians(samples, "loss")}  # fmt: skip
-    return [ratio_figure("P2", "Divergence-stage peak memory vs full logits + TRL loss", samples,
-                         key="peak_gb", metric="peak RSS above baseline, GB", target=0.25, higher_is_better=False,
-                         baseline=loss_memory.BASELINE, setup=setup, sides=("opdkit", "trl"))]  # fmt: skip
-
-
-def _p34(samples: dict, params: dict, threads: int) -> list[Figure]:
-    setup = {**params, "threads": threads, "params_m": samples["opdkit"][0]["params_m"],
-             "completion_tokens": samples["opdkit"][0]["completion_tokens"], "wall_s": _medians(samples, "wall_s")}  # fmt: skip
-    common = dict(baseline=save_grad.BASELINE, setup=setup, sides=("opdkit", "ads"))
-    return [
-        ratio_figure("P3", "Gradient saving peak memory vs the ADS original", samples, key="peak_rss_gb",
-                     metric="peak RSS above baseline, GB", target=0.75, higher_is_better=False, **common),
-        ratio_figure("P4", "Gradient saving throughput vs the ADS original", samples, key="tokens_per_s",
-                     metric="completion tokens/s", target=1.3, higher_is_better=True, **common),
-    ]  # fmt: skip
-
-
-def _medians(samples: dict, key: str) -> dict[str, float]:
-    from bench.common import median
-
-    return {side: median(runs, key) for side, runs in samples.items()}
-
-
-def _phase_medians(samples: dict) -> dict[str, dict[str, float]]:
-    """Per side, the median seconds per step of each timed phase (sampler, teacher, student, rest)."""
-    import statistics
-
-    return {side: {k: statistics.median(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}
-            for side, runs in samples.items() if runs and "phase_s" in runs[0]}  # fmt: skip
-
-
-BENCHES = {
-    "P1": Bench("p1_opd_step", opd_step, ("opdkit", "trl"), 1, _p1),
-    "P2": Bench("p2_loss_memory", loss_memory, ("opdkit", "trl"), 2, _p2),
-    "P3": Bench("p34_save_grad", save_grad, ("opdkit", "ads"), 1, _p34),
-}
-BENCHES["P4"] = BENCHES["P3"]  # one set of runs gives both
+from bench.common import Figure
+from bench.registry import BENCHES, FIGURES, Bench
+from bench.runner import alternate
 
 
 def run(only: list[str], reps: int, quick: bool, log=print, in_process: bool = False) -> list[Figure]:
@@ -101,7 +34,7 @@ def run(only: list[str], reps: int, quick: bool, log=print, in_process: bool = F
         if bench in done:
             continue
         done.append(bench)
-        params = bench.module.default_params(quick)
+        params = bench.module().default_params(quick)
         log(f"{bench.worker}: {reps} alternating run(s) per side, OMP_NUM_THREADS={bench.threads}")
         samples = alternate(bench.worker, bench.sides, params, reps, bench.threads, log=log, in_process=in_process)
         figures += [f for f in bench.figures(samples, params, bench.threads) if f.figure in only]

@@ -2,26 +2,25 @@
 
     python -m bench.worker p1_opd_step opdkit '{"models": "tiny", "batch": 4, ...}'
 
-`bench.common.run_worker` starts this; run it by hand to debug one side of one benchmark.
+`bench.runner.run_worker` starts this; run it by hand to debug one side of one benchmark.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from typing import Any
 
-from bench.common import RESULT_PREFIX
+from bench.registry import WORKERS
 
-MODULES = {"p1_opd_step": "bench.opd_step", "p2_loss_memory": "bench.loss_memory", "p34_save_grad": "bench.save_grad"}
+RESULT_PREFIX = "BENCH_RESULT "  # how the result line is marked for `bench.runner.run_worker`
 
 
 def measure(bench: str, side: str, params: dict) -> dict[str, Any]:
     """Run one side of one benchmark here, with `params["threads"]` intra-op threads."""
-    if bench not in MODULES:
-        raise ValueError(f"unknown benchmark {bench!r}; expected one of {list(MODULES)}")
-    module = importlib.import_module(MODULES[bench])
+    if bench not in WORKERS:
+        raise ValueError(f"unknown benchmark {bench!r}; expected one of {list(WORKERS)}")
+    module = WORKERS[bench].module()
     if side not in module.SIDES:
         raise ValueError(f"side {side!r} is not one of {module.SIDES} for {bench}")
     import torch
@@ -32,7 +31,7 @@ def measure(bench: str, side: str, params: dict) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 3:
-        raise SystemExit(f"usage: python -m bench.worker {{{','.join(MODULES)}}} SIDE PARAMS_JSON")
+        raise SystemExit(f"usage: python -m bench.worker {{{','.join(WORKERS)}}} SIDE PARAMS_JSON")
     print(RESULT_PREFIX + json.dumps(measure(argv[0], argv[1], json.loads(argv[2]))), flush=True)
 
 

@@ -1,6 +1,6 @@
 """Antidistillation sampling (ADS): the teacher's next-token logits, steered by a proxy student's gradient.
 
-    g = grads.load_grads(grads_run, proxy, tokenizer)            # 01_save_grad's mean completion gradient
+    g = gradfile.load_grads(grads_run, proxy, tokenizer)            # 01_save_grad's mean completion gradient
     direction = FiniteDifference(proxy, g, eps=1e-2)             # two fp32 copies, θ+εg and θ−εg
     r = ads_sample(teacher, prompt_ids_BP, prompt_mask_BP, direction=direction, lam=0.1,
                    temperature=1.0, top_p=0.95, eos_token_id=tok.eos_token_id,
@@ -76,7 +76,7 @@ def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         raise ValueError(
             f"the gradient does not fit the proxy: {len(missing)} parameter(s) without a gradient (e.g. "
             f"{missing[:2]}), {len(extra)} gradient(s) without a parameter (e.g. {extra[:2]}); load it with "
-            "opdkit.grads.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it belongs to."
+            "opdkit.gradfile.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it belongs to."
         )
 
 

@@ -3,7 +3,7 @@
     cfg = load_config("02_whitebox", mode="tiny", overrides={"learning_rate": 1e-3})
 
 Every field carries `help` text and is range-checked in `__post_init__`. Presets live in
-`params/<notebook>/<mode>.yaml` (keys are field names; `extends: <mode>` inherits another preset).
+`opdkit/params/<notebook>/<mode>.yaml` (keys are field names; `extends: <mode>` inherits another preset).
 Unknown modes and unknown keys stop the run before anything is written, with an error that names the
 offender and lists what is valid.
 """
@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
+# Presets ship inside the package (package data), so a plain `pip install .` finds them too.
+PARAMS_DIR = Path(str(resources.files("opdkit") / "params"))
 
 
 class ConfigError(ValueError):
@@ -313,12 +315,16 @@ def to_dict(cfg: Any) -> dict:
 
 
 def parse_cli(job: str, description: str, argv: list[str] | None = None) -> tuple[str, dict]:
-    """`--mode M --set key=value ...` (values parsed as YAML) for the jobs' `python -m` entry points."""
+    """`--mode M --set key=value ...` (values parsed as YAML) for the jobs' `python -m` entry points;
+    `--help` lists every field with its default and help text."""
     import argparse
 
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(
+        description=description, epilog="fields (--set NAME=VALUE), with their defaults before any preset:\n"
+        + help_text(job), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--mode", default=DEFAULT_MODE, help=f"preset in params/{job}/: {', '.join(available_modes(job))}")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)")
     a = p.parse_args(argv)
     bad = [s for s in a.set if "=" not in s]
     if bad:
@@ -330,5 +336,5 @@ def help_text(job: str) -> str:
     """One line per field: name, default, help; what `papermill --help-notebook` cannot show in full."""
     lines = []
     for f in fields(job_class(job)):
-        lines.append(f"{f.name:30s} {f.default!r:>16}  {f.metadata['help']}")
+        lines.append(f"  {f.name:28s} {f.default!r:>16}  {f.metadata['help']}")
     return "\n".join(lines)

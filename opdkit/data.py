@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from opdkit import rollout
-from opdkit.evaluate import extract_boxed
+from opdkit.answers import extract_boxed
 from opdkit.tiny import task
 
 TINY = "tiny"
@@ -72,7 +72,7 @@ def load_prompts(path: str, split: str = "train", subset_size: int = -1, seed: i
         )
     if path == TINY:
         return _tiny_prompts(TINY_DEFAULT_SIZE if subset_size == -1 else subset_size, seed)
-    ds = _load_raw(path, split)
+    ds = load_raw(path, split)
     prompt_col = _prompt_column(ds, path)
     if len(ds) == 0:
         raise ValueError(
@@ -110,7 +110,7 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def _load_raw(path: str, split: str) -> datasets.Dataset:
+def load_raw(path: str, split: str) -> datasets.Dataset:
     local = Path(path).expanduser()
     if local.is_file():
         loader = FILE_LOADERS.get(local.suffix)
@@ -168,7 +168,7 @@ def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
     """Rows of any accepted layout as {"messages": prompt conversation, "answer": str}."""
     messages, answers = [], []
     for i, row in enumerate(ds):
-        convo = _as_messages(row[prompt_col], i, prompt_col)
+        convo = as_messages(row[prompt_col], i, prompt_col)
         final = convo.pop()["content"] if convo[-1]["role"] == "assistant" else None
         if not convo:
             raise ValueError(
@@ -176,11 +176,11 @@ def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
                 "conversation (at least one user message) before it."
             )
         messages.append(convo)
-        answers.append(_answer(row, final))
+        answers.append(reference_answer(row, final))
     return datasets.Dataset.from_dict({"messages": messages, "answer": answers})
 
 
-def _as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
+def as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if (
@@ -195,7 +195,7 @@ def _as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
     )
 
 
-def _answer(row: dict, assistant: str | None) -> str:
+def reference_answer(row: dict, assistant: str | None) -> str:
     """The reference answer: `answer`, then `reward_model.ground_truth`, `solution`, the assistant turn."""
     reward = row.get("reward_model")
     sources = [

@@ -1,6 +1,7 @@
 """Run a job function in 1 or N processes, from a notebook or a script.
 
     launch(train_fn, (cfg_dict, run_path), num_processes=2)
+    run = start_run(process_fn, cfg, job="02_whitebox", mode="tiny", prepared=prep)   # a job's run()
 
 N > 1 goes through accelerate's `notebook_launcher` (fork; gloo on CPU, NCCL on GPUs). Nothing may
 touch CUDA or create an Accelerator in the parent before it forks. A rank that fails writes its real
@@ -18,6 +19,10 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opdkit.runs import RunDir
 
 
 def default_num_processes(requested: int) -> int:
@@ -89,6 +94,30 @@ def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) 
         reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
         detail = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports)
         raise RankFailed(f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}") from exc
+
+
+def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> RunDir:
+    """A job's processes: create the run directory (on rank 0 only under torchrun / accelerate launch,
+    where every process must be told the same `run_dir`), then call `fn(cfg_dict, mode, run_path, prepared,
+    *extra)` in `cfg.num_processes` processes (0: every GPU). In-process runs reuse `prepared`; forked
+    processes prepare their own (cheap) copy."""
+    import dataclasses
+
+    from opdkit.config import ConfigError
+    from opdkit.runs import RunDir
+
+    if under_external_launcher():
+        if not cfg.run_dir:
+            raise ConfigError(
+                "under torchrun / accelerate launch every process must write to one folder: pass --set run_dir=PATH."
+            )
+        run = RunDir.create(cfg, job=job, mode=mode) if int(os.environ["RANK"]) == 0 else RunDir.attach(cfg.run_dir)
+    else:
+        run = RunDir.create(cfg, job=job, mode=mode)
+    n = default_num_processes(cfg.num_processes)
+    local = n <= 1 or under_external_launcher()
+    launch(fn, (dataclasses.asdict(cfg), mode, str(run.path), prepared if local else None, *extra), n, run.path)
+    return run
 
 
 def _free_port() -> int:

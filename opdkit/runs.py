@@ -1,6 +1,6 @@
 """Run directories: one folder per run, nothing silently overwritten.
 
-    run = RunDir.create(cfg, job="02_whitebox", mode="tiny")   # runs/02_whitebox/tiny-20261130-0512-ab12
+    run = RunDir.create(cfg, job="02_whitebox", mode="tiny")   # ./runs/02_whitebox/tiny-20261130-0512-ab12
     run.log({"step": 1, "loss": 0.3})                          # metrics.jsonl
     run.write_summary({...}); run.figure("loss")               # summary.json, figures/loss.png
 
@@ -12,7 +12,6 @@ job's own artifacts. Only rank 0 writes; other ranks get a RunDir whose writes d
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import secrets
@@ -27,9 +26,10 @@ from typing import Any
 import yaml
 
 from opdkit.config import ConfigError, to_dict
+from opdkit.files import atomic_write_text, json_safe, read_jsonl
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RUNS_ROOT = REPO_ROOT / "runs"
+PACKAGE_DIR = Path(__file__).resolve().parent
+RUNS_ENV = "OPDKIT_RUNS"
 PACKAGES = ("opdkit", "torch", "transformers", "accelerate", "datasets", "trl", "papermill")
 
 
@@ -43,7 +43,14 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def new_run_path(job: str, mode: str, root: Path = RUNS_ROOT) -> Path:
+def runs_root() -> Path:
+    """Where new run folders go: `$OPDKIT_RUNS` if set, else `runs/` under the working directory (never
+    next to the installed package)."""
+    return Path(os.environ.get(RUNS_ENV) or Path.cwd() / "runs")
+
+
+def new_run_path(job: str, mode: str, root: Path | None = None) -> Path:
+    root = runs_root() if root is None else root
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return root / job / f"{mode}-{stamp}-{secrets.token_hex(2)}"
 
@@ -68,25 +75,6 @@ def prepare_run_dir(path: str | Path, *, overwrite: bool = False, resume: bool =
     return path
 
 
-def json_safe(value: Any) -> Any:
-    """Floats that JSON cannot hold (nan, inf) become None; tensors and numpy scalars become numbers."""
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def env_facts(world_size: int = 1, device: str | None = None) -> dict:
     versions = {}
     for pkg in PACKAGES:
@@ -96,7 +84,7 @@ def env_facts(world_size: int = 1, device: str | None = None) -> dict:
             versions[pkg] = None
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+            ["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=5
         ).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         rev = None
@@ -123,7 +111,7 @@ class RunDir:
     writer: bool = True  # False on non-zero ranks
 
     @classmethod
-    def create(cls, cfg: Any, job: str, mode: str, root: Path = RUNS_ROOT) -> RunDir:
+    def create(cls, cfg: Any, job: str, mode: str, root: Path | None = None) -> RunDir:
         """Resolve cfg.run_dir (a new folder when empty), prepare it, write config.yaml and env.json."""
         path = Path(cfg.run_dir) if cfg.run_dir else new_run_path(job, mode, root)
         run = cls(prepare_run_dir(path, overwrite=cfg.overwrite, resume=cfg.resume))
@@ -156,8 +144,17 @@ class RunDir:
                 fh.write(json.dumps(json_safe(record)) + "\n")
 
     def read_jsonl(self, name: str = "metrics.jsonl") -> list[dict]:
-        p = self.path / name
-        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+        return read_jsonl(self.path / name)
+
+    def read_config(self, job: str | None = None) -> dict:
+        """The resolved config.yaml of this run (with `job` and `mode`); `job` checks whose run it is."""
+        path = self.path / "config.yaml"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.yaml in {self.path}; expected a run directory opdkit wrote.")
+        config = yaml.safe_load(path.read_text())
+        if job is not None and config.get("job") != job:
+            raise ConfigError(f"{self.path} is a {config.get('job')!r} run, not a {job} run.")
+        return config
 
     def write_summary(self, summary: dict) -> None:
         if self.writer:

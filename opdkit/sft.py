@@ -1,16 +1,17 @@
-"""Completion-only supervised fine-tuning: the tiny world's recipe, and a baseline for distillation.
+"""Completion-only supervised fine-tuning: the tiny world's recipe, and the students of 04_antidistill.
 
     batch = sft_batch(tokenizer, messages)            # chat-templated, labels -100 outside completions
-    loss = model(**batch).loss                        # mean over completion tokens
+    losses, history = train_sft(model, lambda step: [batch], steps=100, lr=3e-3)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 IGNORE = -100
 
@@ -79,6 +80,35 @@ def right_pad_batch(
     return {"input_ids": input_ids.to(device), "attention_mask": attn.to(device), "labels": labels.to(device)}
 
 
+def make_batches(
+    rows: Sequence[dict], indices: Sequence[int], batch_size: int, pad_token_id: int, device: torch.device | str
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Right-padded batches of consecutive `indices` (sorted by length, so padding stays small)."""
+    for s in range(0, len(indices), batch_size):
+        ids = list(indices[s : s + batch_size])
+        batch = right_pad_batch([(rows[i]["input_ids"], rows[i]["labels"]) for i in ids], pad_token_id, device)
+        yield {**batch, "trace_ids": torch.tensor(ids)}
+
+
+def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed completion-token loss per trace, completion tokens per trace), both of shape B.
+
+    Per-token cross-entropy over shifted logits with `reduction="none"`: padded and prompt positions
+    carry label -100 and contribute exactly zero, whatever the batch looks like.
+    """
+    logits_BTV = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # Position t predicts token t+1: shift the labels, not the logits, whose shifted copy would be the
+    # largest tensor of the step at a 151k vocabulary. The last position predicts nothing (-100).
+    labels_BT = shifted_labels(batch["labels"])
+    loss_N = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE, reduction="none")
+    return loss_N.view_as(labels_BT).sum(dim=1), (labels_BT != IGNORE).sum(dim=1)
+
+
+def shifted_labels(labels_BT: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts (position t predicts token t+1); the last predicts nothing."""
+    return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE)
+
+
 def sft_batch(
     tokenizer: PreTrainedTokenizerBase,
     conversations: list[list[dict]],
@@ -91,49 +121,58 @@ def sft_batch(
 
 def train_sft(
     model: PreTrainedModel,
-    next_batch: Callable[[int], dict[str, torch.Tensor]],
+    next_batch: Callable[[int], list[dict[str, torch.Tensor]]],
     steps: int,
     lr: float,
     *,
-    warmup: int = 50,
+    warmup_steps: int = 0,
     weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    max_grad_norm: float = 1.0,
+    bf16: bool = False,
     evaluate: Callable[[int], float] | None = None,
     eval_every: int = 0,
     stop_when: Callable[[float], bool] | None = None,
     desc: str = "sft",
-) -> list[dict]:
-    """AdamW with linear warmup and cosine decay; returns the evaluation history.
+) -> tuple[list[float], list[dict]]:
+    """Completion-only SFT: AdamW, linear warmup then cosine decay (transformers' schedule), gradient
+    clipping; returns (every step's loss, the evaluation history).
 
-    `next_batch(step)` builds the step's batch; every `eval_every` steps `evaluate(step)` is called
-    and training stops early once `stop_when(value)` is true.
+    `next_batch(step)` gives the step's micro-batches (right-padded, labels -100 outside completions);
+    their summed token losses are divided by all of the step's completion tokens, so the loss is the
+    token mean of the whole step whatever the micro-batch size. Every `eval_every` steps `evaluate(step)`
+    is called and training stops early once `stop_when(value)` is true. `bf16` autocasts on CUDA.
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _warmup_cosine(s, warmup, steps))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+    sched = get_cosine_schedule_with_warmup(opt, warmup_steps, steps)
+    dev = next(model.parameters()).device
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16 and dev.type == "cuda")
+    losses: list[float] = []
     history: list[dict] = []
     model.train()
-    bar = tqdm(range(steps), desc=desc)
+    bar = tqdm(range(steps), desc=desc, leave=False)
     for step in bar:
-        loss = model(**next_batch(step)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        micro = next_batch(step)
+        n_tokens = sum(int((shifted_labels(b["labels"]) != IGNORE).sum()) for b in micro)
+        total = 0.0
+        for batch in micro:
+            with autocast:
+                loss_sum_B, _ = token_losses(model, batch)
+            loss = loss_sum_B.sum() / max(n_tokens, 1)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        losses.append(total)
+        bar.set_postfix(loss=f"{total:.3f}")
         if evaluate and eval_every and (step + 1) % eval_every == 0:
             value = evaluate(step + 1)
             model.train()
-            history.append({"step": step + 1, "loss": loss.item(), "eval": value})
-            bar.set_postfix(loss=f"{loss.item():.3f}", eval=f"{value:.3f}")
+            history.append({"step": step + 1, "loss": total, "eval": value})
+            bar.set_postfix(loss=f"{total:.3f}", eval=f"{value:.3f}")
             if stop_when and stop_when(value):
                 break
     model.eval()
-    return history
-
-
-def _warmup_cosine(step: int, warmup: int, total: int) -> float:
-    import math
-
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return losses, history

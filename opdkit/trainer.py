@@ -21,31 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from opdkit import losses, rollout, sharding
+from opdkit.models import TokenizerMismatch, check_tokenizers
 from opdkit.runs import RunDir
-
-
-class TokenizerMismatch(ValueError):
-    pass
-
-
-def check_tokenizers(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
-    """Teacher and student must share vocabulary and special tokens, or token ids mean different things."""
-    if student.get_vocab() != teacher.get_vocab():
-        s, t = student.get_vocab(), teacher.get_vocab()
-        diff = sorted(set(s.items()) ^ set(t.items()))[:3]
-        raise TokenizerMismatch(
-            f"teacher and student tokenizers differ ({len(s)} vs {len(t)} tokens; e.g. {diff}); "
-            "white-box distillation needs a teacher with the student's tokenizer."
-        )
-    for name in ("eos_token", "pad_token", "bos_token"):
-        if getattr(student, name) != getattr(teacher, name):
-            raise TokenizerMismatch(
-                f"teacher and student disagree on {name}: {getattr(student, name)!r} vs "
-                f"{getattr(teacher, name)!r}; use tokenizers with the same special tokens."
-            )
 
 
 def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
@@ -86,6 +66,34 @@ def student_divergence(
     return out.sum, out.per_token_N, out.student_entropy_N
 
 
+def _arg(default, help: str, **range_):
+    return field(default=default, metadata={"help": help, **range_})
+
+
+@dataclass
+class OPDArguments(TrainingArguments):
+    """`TrainingArguments` plus on-policy distillation's own settings, as TRL's `GKDConfig` extends its
+    `SFTConfig`; `DistillTrainer` reads them from `self.args`. Rollouts are seeded by (`seed`, step, rank)."""
+
+    beta: float = _arg(1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0)
+    kl_temperature: float = _arg(1.0, "temperature both distributions are compared at", min=1e-3)
+    gen_temperature: float = _arg(1.0, "sampling temperature of the student's rollouts", min=1e-3)
+    gen_top_p: float = _arg(1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0)
+    max_new_tokens: int = _arg(128, "completion length the student samples", min=1)
+    loss_chunk_size: int = _arg(1024, "completion tokens per chunk of the divergence", min=1)
+    sample_every: int = _arg(0, "log a few sampled completions every this many steps; 0 never", min=0)
+    samples_per_log: int = _arg(4, "completions logged each time", min=1)
+    save_rollouts: bool = _arg(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("beta", "kl_temperature", "gen_temperature", "gen_top_p", "max_new_tokens", "loss_chunk_size",
+                     "sample_every", "samples_per_log"):  # fmt: skip
+            meta, value = self.__dataclass_fields__[name].metadata, getattr(self, name)
+            if ("min" in meta and value < meta["min"]) or ("max" in meta and value > meta["max"]):
+                raise ValueError(f"{name}={value!r} is outside [{meta.get('min')}, {meta.get('max')}] ({meta['help']}).")
+
+
 @dataclass
 class StepStats:
     """Per-step sums, reduced across processes when logged."""
@@ -102,36 +110,28 @@ class StepStats:
 
 
 class DistillTrainer(Trainer):
+    """White-box on-policy distillation on `Trainer`: `args` is an `OPDArguments`, `processing_class` the
+    student's tokenizer, `teacher_model` the frozen teacher (its tokenizer, if given, is checked against the
+    student's); `run` receives metrics.jsonl, samples.jsonl and rollouts/."""
+
     def __init__(
         self,
         *args,
         teacher_model: PreTrainedModel,
         teacher_tokenizer: PreTrainedTokenizerBase | None = None,
-        beta: float = 1.0,
-        kl_temperature: float = 1.0,
-        gen_temperature: float = 1.0,
-        gen_top_p: float = 1.0,
-        max_new_tokens: int = 128,
-        loss_chunk_size: int = 1024,
-        sample_every: int = 0,
-        samples_per_log: int = 4,
         run: RunDir | None = None,
-        rollout_seed: int = 0,
-        save_rollouts: bool = False,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if not isinstance(self.args, OPDArguments):
+            raise TypeError(f"DistillTrainer needs args=OPDArguments(...), got {type(self.args).__name__}.")
         tok = self.processing_class
         if tok is None:
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
         check_tokenizers(tok, teacher_tokenizer or tok)
         self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
         self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
-        self.beta, self.kl_temperature = beta, kl_temperature
-        self.gen_temperature, self.gen_top_p = gen_temperature, gen_top_p
-        self.max_new_tokens, self.loss_chunk_size = max_new_tokens, loss_chunk_size
-        self.sample_every, self.samples_per_log = sample_every, samples_per_log
-        self.run, self.rollout_seed, self.save_rollouts = run, rollout_seed, save_rollouts
+        self.run = run
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
         self.stats = StepStats()
         self.last_grad_norm: float | None = None  # None: no step measured yet
@@ -147,16 +147,15 @@ class DistillTrainer(Trainer):
         if self.is_fsdp_enabled:
             sharding.keep_fp32_outputs(self.accelerator.state.fsdp_plugin)
 
-    # ---- rollout -------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         # Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken
         # run would have, whatever the RNG history before the checkpoint.
         step = self.state.global_step
-        torch.manual_seed(self.rollout_seed * 1_000_003 + step * 7919 + self.args.process_index)
+        torch.manual_seed(self.args.seed * 1_000_003 + step * 7919 + self.args.process_index)
         self.stats = StepStats()
         samples = [self._rollout(b) for b in batches]
-        if self.save_rollouts and self.run:
+        if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
         n_local = torch.tensor(float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device)
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
@@ -171,9 +170,9 @@ class DistillTrainer(Trainer):
             batch["prompt_attention_mask"],
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.gen_temperature,
-            top_p=self.gen_top_p,
+            max_new_tokens=self.args.max_new_tokens,
+            temperature=self.args.gen_temperature,
+            top_p=self.args.gen_top_p,
             synced_gpus=self.args.world_size > 1,
         )
         self.stats.sequences += r.input_ids_BT.shape[0]
@@ -192,7 +191,6 @@ class DistillTrainer(Trainer):
         keep = [{k: v.cpu() for k, v in s.items() if isinstance(v, torch.Tensor)} for s in samples]
         torch.save(keep, folder / f"step{step:06d}-rank{self.args.process_index}.pt")
 
-    # ---- loss ----------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids_BT, attn_BT, comp_BC = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask_BC"]
         pos_BT = rollout.position_ids_from_mask(attn_BT)
@@ -208,8 +206,8 @@ class DistillTrainer(Trainer):
         def student_part(**fwd):
             return student_divergence(
                 student, fwd, pred_BT, t_hidden_NH, self.teacher.get_output_embeddings().weight,
-                beta=self.beta, temperature=self.kl_temperature, vocab_size=self.vocab_size,
-                chunk_size=self.loss_chunk_size,
+                beta=self.args.beta, temperature=self.args.kl_temperature, vocab_size=self.vocab_size,
+                chunk_size=self.args.loss_chunk_size,
             )  # fmt: skip
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
@@ -225,15 +223,16 @@ class DistillTrainer(Trainer):
 
     def _keep_samples(self, inputs, pred_BT, per_token_N) -> None:
         step = self.state.global_step + 1
-        if not (self.run and self.sample_every and step % self.sample_every == 0):
+        per_log = self.args.samples_per_log
+        if not (self.run and self.args.sample_every and step % self.args.sample_every == 0):
             return
-        if len(self._step_samples) >= self.samples_per_log:
+        if len(self._step_samples) >= per_log:
             return
         tok = self.processing_class
         comp_BC = inputs["completion_mask_BC"]
         divs = per_token_N.split(pred_BT.sum(1).tolist())
         prompt_len = inputs["input_ids"].shape[1] - comp_BC.shape[1]
-        for b in range(min(self.samples_per_log - len(self._step_samples), comp_BC.shape[0])):
+        for b in range(min(per_log - len(self._step_samples), comp_BC.shape[0])):
             prompt = inputs["input_ids"][b, :prompt_len][inputs["attention_mask"][b, :prompt_len].bool()]
             comp = inputs["input_ids"][b, prompt_len:][comp_BC[b].bool()]
             self._step_samples.append({
@@ -244,7 +243,6 @@ class DistillTrainer(Trainer):
                 "answer": (inputs.get("answers") or [None] * (b + 1))[b],
             })  # fmt: skip
 
-    # ---- clipping, non-finite steps, logging ---------------------------------------------------
     def _get_grad_norm(self, model, grad_norm=None):
         # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.
         grad_norm = sharding.full_tensor(super()._get_grad_norm(model, grad_norm))

@@ -12,8 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from opdkit import ads, antidistill, grads, plots, rollout, savegrad, sft, tiny
+from opdkit import ads, gradfile, grads, models, plots, rollout, sft, tasks, tiny, traces
 from opdkit.config import AntidistillationConfig, ConfigError, load_config
+from opdkit.jobs import antidistill, savegrad
+from opdkit.jobs.antidistill import report, steering, students
+from opdkit.jobs.antidistill import sweep as ad_sweep
+from opdkit.jobs.antidistill.lens import TokenLens
 from opdkit.tiny import task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +39,7 @@ def grads_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok():
-    return savegrad.load_tokenizer("tiny:teacher")
+    return models.load_tokenizer("tiny:teacher")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def teacher() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def g(grads_run, proxy, tok) -> dict[str, torch.Tensor]:
-    return grads.load_grads(grads_run, proxy, tok)
+    return gradfile.load_grads(grads_run, proxy, tok)
 
 
 def _prompts(tok, n: int = 6, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,22 +190,22 @@ def test_perturbations_are_kept_in_fp32_even_for_a_bf16_proxy(g):
 
 
 def test_gradient_that_does_not_fit_the_proxy_is_refused(grads_run, tok, g):
-    with pytest.raises(grads.GradsMismatch, match="does not fit this model"):
-        grads.load_grads(grads_run, _model("tiny:teacher"), tok)
+    with pytest.raises(gradfile.GradsMismatch, match="does not fit this model"):
+        gradfile.load_grads(grads_run, _model("tiny:teacher"), tok)
     with pytest.raises(ValueError, match="does not fit the proxy"):
         ads.FiniteDifference(_model("tiny:teacher"), g)
 
 
 def test_job_checks_the_gradient_before_writing_anything(grads_run, tmp_path):
     run_dir = tmp_path / "run"
-    with pytest.raises(grads.GradsMismatch):
+    with pytest.raises(gradfile.GradsMismatch):
         antidistill.run("tiny", {"grads_run": str(grads_run), "proxy_model": "tiny:teacher", "run_dir": str(run_dir)})
     assert not run_dir.exists()
     with pytest.raises(FileNotFoundError, match="grads.safetensors"):
         antidistill.prepare("tiny", {"grads_run": str(tmp_path)})
     bare = tmp_path / "bare"
     bare.mkdir()
-    for name in (grads.GRADS_FILE, grads.META_FILE):
+    for name in (gradfile.GRADS_FILE, gradfile.META_FILE):
         (bare / name).write_bytes((grads_run / name).read_bytes())
     with pytest.raises(ConfigError, match="answer_lams needs the traces"):
         antidistill.prepare("tiny", {"grads_run": str(bare)})
@@ -220,7 +224,7 @@ def test_positive_lambda_makes_a_distillation_step_raise_the_holdout_loss(grads_
     """The sign, measured: one small SGD step of the proxy on a token v changes its held-out loss by about
     η(Δ_v − E_p[Δ]); so the expected change under ADS sampling (λ > 0) exceeds plain sampling's, and λ < 0
     lowers it."""
-    rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in savegrad.load_traces(grads_run)]
+    rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in traces.load_traces(grads_run)]
     base = _holdout_loss(proxy, rows, tok.pad_token_id)
     r = _rollout(teacher, tok, seed=1)
     eta, checked = 1e-4, 0
@@ -253,7 +257,7 @@ def test_sweeps_parse_and_points_run_once():
     cfg = load_config("04_antidistill", "tiny", {"lams": "0, 0.05,0.1", "answer_lams": [0, 0.02], "ads_temperatures": [1.0],
                                                  "temperatures": [1.0, 1.5]})  # fmt: skip
     assert cfg.lams == [0.0, 0.05, 0.1]
-    points = antidistill.sweep_points(cfg)
+    points = ad_sweep.sweep_points(cfg)
     assert [p.name for p in points] == ["temperature-lam0-tau1", "ads-lam0.05-tau1", "ads-lam0.1-tau1",
                                         "ads-answer-lam0.02-tau1", "temperature-lam0-tau1.5"]  # fmt: skip
     assert [p.gradient for p in points] == [None, "completion", "completion", "answer", None]
@@ -264,13 +268,13 @@ def test_sweeps_parse_and_points_run_once():
 
 
 def test_shared_vocab_check(tok, qwen3_tokenizer):
-    antidistill.check_shared_vocab(tok, tok)
+    models.check_shared_vocab(tok, tok)
     with pytest.raises(ConfigError, match="shares the teacher's tokenizer"):
-        antidistill.check_shared_vocab(tok, qwen3_tokenizer)
+        models.check_shared_vocab(tok, qwen3_tokenizer)
 
 
 def test_batch_order_covers_every_trace_each_epoch():
-    order = antidistill.batch_order(10, 4, 5, seed=0)
+    order = students.batch_order(10, 4, 5, seed=0)
     flat = [i for step in order for i in step]
     assert len(order) == 5 and all(len(s) == 4 for s in order)
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
@@ -301,8 +305,9 @@ def test_small_tradeoff_run_writes_every_point(small_run):
             assert r["teacher_accuracy"] == sum(x["correct"] for x in records) / 24
     assert 0 <= summary["student_accuracy_before"] <= 1
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
-    assert summary["student_holdout_loss_before"] == pytest.approx(grads.read_meta(summary["grads_run"])["loss"], rel=1e-5)
+    assert summary["student_holdout_loss_before"] == pytest.approx(gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5)
     assert all(r["student_holdout_loss"] > 0 for p in points for r in p["runs"])
+    report.figures(small_run)  # the job computes; its report draws
     assert (small_run.path / "figures" / "tradeoff_holdout_loss.png").stat().st_size > 1000
     assert (small_run.path / "figures" / "tradeoff.png").stat().st_size > 1000
     assert (small_run.path / "grads").exists() is False  # grads_run given: nothing recomputed
@@ -325,7 +330,7 @@ def test_resume_reuses_finished_points(small_run, grads_run):
 
 
 def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
-    lens = antidistill.TokenLens(small_run, num_prompts=3)
+    lens = TokenLens(small_run, num_prompts=3)
     same = lens.compare(0, 0.0, seed=1)
     assert not any(t["changed"] for t in same["tokens"])
     assert same["completion"] == same["plain_completion"]
@@ -384,11 +389,11 @@ def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
            {"name": "a1", "method": "ads", "lam": 0.1, "temperature": 1.0, "teacher_accuracy": 0.7, "student_accuracy": 0.5},
            {"name": "a2", "method": "ads", "lam": 0.2, "temperature": 1.0, "teacher_accuracy": 0.3, "student_accuracy": 0.1}]  # fmt: skip
     summary = {"points": pts, "student_accuracy_before": 0.2}
-    got = {g["name"]: g for g in antidistill.gaps(summary)}
+    got = {g["name"]: g for g in report.gaps(summary)}
     assert got["a1"]["temperature_student_accuracy"] == pytest.approx(0.6)
     assert got["a1"]["gap"] == pytest.approx(-0.1)
     assert got["a2"]["gap"] is None  # below the temperature sweep's range: no extrapolation
-    text = antidistill.explain(summary)
+    text = report.explain(summary)
     assert "10.0 points lower" in text and "no comparison" in text and "mean gap -10.0 points" in text
     assert [c["temperature"] for c in plots.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
     assert [c["lam"] for c in plots.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
@@ -404,8 +409,8 @@ def test_directions_move_between_devices_unchanged(proxy, g, tok, method):
 
 def test_holdout_loss_is_skipped_without_the_gradients_traces(tmp_path, tok):
     cfg = load_config("04_antidistill", "tiny")
-    assert antidistill.holdout_rows(tmp_path, tok, cfg) == []
-    assert antidistill.holdout_loss(_model("tiny:student"), [], tok.pad_token_id, 8) is None
+    assert students.holdout_rows(tmp_path, tok, cfg) == []
+    assert students.holdout_loss(_model("tiny:student"), [], tok.pad_token_id, 8) is None
 
 
 def test_answer_labels_keep_exactly_the_answer(tok):
@@ -413,16 +418,16 @@ def test_answer_labels_keep_exactly_the_answer(tok):
     text = "8+7=15,5+6+1=12,3+4+1=8;825"
     messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
     ids, labels = sft.completion_labels(tok, messages)
-    kept = antidistill.answer_labels(tok, ids, labels, antidistill.answer_start(text, cfg))
+    kept = steering.answer_labels(tok, ids, labels, tasks.for_dataset(cfg.dataset_path).answer_start(text))
     assert tok.decode([t for t in kept if t != sft.IGNORE]) == "825" + tok.eos_token
-    assert antidistill.answer_start("no answer here", cfg) is None
+    assert tasks.for_dataset(cfg.dataset_path).answer_start("no answer here") is None
     other = load_config("04_antidistill", "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"})
-    assert antidistill.answer_start("so \\boxed{12}.", other) == 3
+    assert tasks.for_dataset(other.dataset_path).answer_start("so \\boxed{12}.") == 3
 
 
 def test_answer_gradient_is_saved_and_differs_from_the_completion_gradient(small_run, g, tok, proxy):
-    answer = grads.load_grads(small_run.path / "grads_answer", proxy, tok)
-    meta = grads.read_meta(small_run.path / "grads_answer")
+    answer = gradfile.load_grads(small_run.path / "grads_answer", proxy, tok)
+    meta = gradfile.read_meta(small_run.path / "grads_answer")
     assert meta["tokens"] == "answer" and meta["normalization"] == "trace"
     cos = sum((answer[k] * g[k]).sum() for k in g) / (grads.global_norm(answer) * grads.global_norm(g))
     assert 0.1 < float(cos) < 0.95  # related (the answer is part of the completion), not the same
@@ -430,11 +435,11 @@ def test_answer_gradient_is_saved_and_differs_from_the_completion_gradient(small
 
 
 def test_error_kinds_tell_a_slip_from_a_contradiction():
-    assert antidistill.scratchpad_answer("8+7=15,5+6+1=12,3+4+1=8;825") == "825"
-    assert antidistill.scratchpad_answer("9+9=18,9+1+1=11,5+5+1=11;1118") == "1118"
-    assert antidistill.scratchpad_answer("8+7=1x;825") is None
+    assert task.implied_answer("8+7=15,5+6+1=12,3+4+1=8;825") == "825"
+    assert task.implied_answer("9+9=18,9+1+1=11,5+5+1=11;1118") == "1118"
+    assert task.implied_answer("8+7=1x;825") is None
     recs = [{"completion": "8+7=15,5+6+1=12,3+4+1=8;825", "correct": True},  # right
             {"completion": "8+7=15,5+6+1=13,3+4+1=8;835", "correct": False},  # a slip carried through
             {"completion": "8+7=15,5+6+1=12,3+4+1=8;826", "correct": False},  # answer contradicts the working
             {"completion": "8+7=15;", "correct": False}]  # fmt: skip
-    assert antidistill.error_kinds(recs) == {"slip": 0.25, "contradiction": 0.5}
+    assert tasks.get_task("tiny").error_kinds(recs) == {"slip": 0.25, "contradiction": 0.5}

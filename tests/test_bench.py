@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # bench/ lives in the repository, not in the installed package
     sys.path.insert(0, str(REPO))
 
-from bench import common, run, save_grad  # noqa: E402
+from bench import common, run, runner, save_grad  # noqa: E402
 from bench.loss_memory import default_params as p2_params  # noqa: E402
 
 FIELDS = ("value", "target", "unit", "met", "metric", "opdkit_median", "baseline_median", "opdkit_runs",
@@ -70,10 +70,10 @@ def test_only_updates_its_figures(tmp_path):
 
 
 def test_worker_runs_in_a_fresh_process():
-    result = common.run_worker("p2_loss_memory", "opdkit", p2_params(quick=True), threads=1, timeout=300)
+    result = runner.run_worker("p2_loss_memory", "opdkit", p2_params(quick=True), threads=1, timeout=300)
     assert result["peak_gb"] >= 0 and math.isfinite(result["loss"])
-    with pytest.raises(common.WorkerFailed, match="side 'nope'"):
-        common.run_worker("p2_loss_memory", "nope", p2_params(quick=True), threads=1, timeout=300)
+    with pytest.raises(runner.WorkerFailed, match="side 'nope'"):
+        runner.run_worker("p2_loss_memory", "nope", p2_params(quick=True), threads=1, timeout=300)
 
 
 def test_ads_baseline_at_batch_size_one_is_the_trace_mean():
@@ -118,7 +118,7 @@ def test_gpu_script_smoke_runs_every_measurement(tmp_path):
 
 @pytest.mark.slow
 def test_fresh_process_run_from_the_command_line(tmp_path):
-    cmd = [sys.executable, "bench/run.py", "--quick", "--reps", "1", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "bench.run", "--quick", "--reps", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| P4 " in proc.stdout

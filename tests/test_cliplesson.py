@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from opdkit import cliplesson, whitebox
 from opdkit.config import ConfigError, load_config
+from opdkit.jobs import cliplesson, whitebox
+from opdkit.jobs.cliplesson import job as cliplesson_job
+from opdkit.jobs.cliplesson import report as cliplesson_report
 
 
 def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
@@ -30,9 +32,9 @@ def test_full_lesson_compares_sanity_with_noclip():
 
 
 def test_seeds_are_parsed_with_clear_errors():
-    assert cliplesson.parse_seeds("1, 2,3") == [1, 2, 3]
+    assert cliplesson_job.parse_seeds("1, 2,3") == [1, 2, 3]
     with pytest.raises(ConfigError, match="comma-separated"):
-        cliplesson.parse_seeds("a,b")
+        cliplesson_job.parse_seeds("a,b")
 
 
 @pytest.mark.slow
@@ -61,8 +63,8 @@ def test_existing_runs_can_be_the_arms(tmp_path):
         assert set(arm) >= {"max_grad_norm", "median_grad_norm", "clipped_steps", "max_loss", "final_loss",
                             "final_accuracy", "first_nonfinite_step", "learning_rate", "clipping"}  # fmt: skip
     assert s["clip"]["clipping"] and not s["noclip"]["clipping"]
-    assert "clip vs noclip" in cliplesson.explain(s)
-    step, near = cliplesson.spike_samples(s, "noclip")
+    assert "clip vs noclip" in cliplesson_report.explain(s)
+    step, near = cliplesson_report.spike_samples(s, "noclip")
     assert step in (1, 2) and near
 
 

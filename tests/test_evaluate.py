@@ -1,6 +1,6 @@
 """Answer extraction for math datasets."""
 
-from opdkit import evaluate
+from opdkit import answers as evaluate
 
 
 def test_boxed_extraction_handles_nesting_and_last_box():

@@ -90,7 +90,7 @@ def run_two_fsdp_processes(
         import sys, torch; torch.set_num_threads(1)
         sys.path.insert(0, {str(TESTS)!r})
         from test_fsdp import ReshardAfterEveryForward, ShardingProbe, spy_on_head_weight
-        from opdkit import whitebox
+        from opdkit.jobs import whitebox
         from opdkit.trainer import GradientDump
         spy_on_head_weight()
         callbacks = [GradientDump({str(out) + ".pt"!r}), ShardingProbe({str(out)!r})]
@@ -214,7 +214,7 @@ def test_fsdp_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch; torch.set_num_threads(1)
         from transformers import TrainerCallback
-        from opdkit import whitebox
+        from opdkit.jobs import whitebox
         from opdkit.launch import RankFailed
 
         class InterruptAt3(TrainerCallback):

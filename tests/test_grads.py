@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import data, grads, savegrad, tiny
+from opdkit import data, gradfile, grads, models, tiny, traces
 from opdkit.config import ConfigError, SaveGradConfig, load_config
+from opdkit.jobs import savegrad
+from opdkit.jobs.savegrad import holdout as savegrad_holdout
+from opdkit.jobs.savegrad import report as savegrad_report
 from opdkit.runs import RunDir
 from opdkit.sft import IGNORE, completion_labels
 from opdkit.tiny import task
@@ -140,7 +143,7 @@ def test_process_shares_sum_to_the_single_process_gradient(rows, normalization, 
 
 def test_job_gradient_equals_direct_computation_from_saved_traces(tmp_path):
     run = _run(tmp_path, "gen", subset_size=12)
-    ds = savegrad.load_traces(run)
+    ds = traces.load_traces(run)
     assert len(ds) == 12
     assert {"messages", "input_ids", "labels", "answer", "correct", "truncated"} <= set(ds.column_names)
     saved = load_file(str(run.path / "grads.safetensors"))
@@ -158,16 +161,16 @@ def test_job_gradient_equals_direct_computation_from_saved_traces(tmp_path):
     summary = run.read_summary()
     assert summary["status"] == "done"
     assert summary["teacher_accuracy"] == pytest.approx(sum(ds["correct"]) / 12)
-    assert summary["completion_tokens"] == meta["completion_tokens"] == sum(savegrad.completion_lengths(run))
+    assert summary["completion_tokens"] == meta["completion_tokens"] == sum(savegrad_report.completion_lengths(run))
 
 
 def test_saved_traces_label_exactly_the_answer(tmp_path, tiny_tokenizer):
     run = _run(tmp_path, "gen", subset_size=4)
-    for row in savegrad.load_traces(run):
+    for row in traces.load_traces(run):
         completion = [t for t in row["labels"] if t != IGNORE]
         assert tiny_tokenizer.decode(completion) == row["messages"][-1]["content"] + "<|im_end|>"
         assert row["correct"] == (task.extract_answer(row["messages"][-1]["content"]) == row["answer"])
-    assert "⟦" in savegrad.show_traces(run, n=2)
+    assert "⟦" in savegrad_report.show_traces(run, n=2)
 
 
 def test_batch_size_does_not_change_the_saved_gradient(tmp_path, traces_folder, rows):
@@ -181,8 +184,8 @@ def test_batch_size_does_not_change_the_saved_gradient(tmp_path, traces_folder, 
 _TWO_PROCESSES = """
 import sys
 import torch
+from opdkit.jobs import savegrad
 torch.set_num_threads(1)
-from opdkit import savegrad
 for norm in ("trace", "token"):
     savegrad.run("tiny", {"traces_path": sys.argv[1], "run_dir": f"{sys.argv[2]}/{norm}", "num_processes": 2,
                           "normalization": norm, "batch_size": 3})
@@ -276,7 +279,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(grads, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        grads.save_grads(tmp_path, {"w": torch.ones(2)}, {"proxy_model": "x"})
+        gradfile.save_grads(tmp_path, {"w": torch.ones(2)}, {"proxy_model": "x"})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -286,55 +289,55 @@ def saved_run(tmp_path_factory, traces_folder) -> RunDir:
 
 
 def test_load_grads_accepts_its_own_model(saved_run, tiny_tokenizer):
-    g = grads.load_grads(saved_run.path, _proxy(), tiny_tokenizer)
+    g = gradfile.load_grads(saved_run.path, _proxy(), tiny_tokenizer)
     assert _rel_err(g, load_file(str(saved_run.path / "grads.safetensors"))) == 0.0
-    grads.load_grads(saved_run.path / "grads.safetensors", _proxy())  # tokenizer from the model's folder
-    meta = grads.check_grads(saved_run.path, savegrad.proxy_skeleton("tiny:student"), tiny_tokenizer)
+    gradfile.load_grads(saved_run.path / "grads.safetensors", _proxy())  # tokenizer from the model's folder
+    meta = gradfile.check_grads(saved_run.path, models.model_skeleton("tiny:student"), tiny_tokenizer)
     assert meta["proxy_model"] == "tiny:student"
 
 
 def test_reported_figures_match_the_saved_gradient(saved_run):
     saved = load_file(str(saved_run.path / "grads.safetensors"))
     norms = {k: float(v.norm()) for k, v in saved.items()}
-    top = savegrad.largest_tensors(saved_run, k=3)
+    top = savegrad_report.largest_tensors(saved_run, k=3)
     assert [t["tensor"] for t in top] == sorted(norms, key=norms.get, reverse=True)[:3]
     for t in top:
         assert t["norm"] == pytest.approx(norms[t["tensor"]], rel=1e-6)
         assert t["shape"] == tuple(saved[t["tensor"]].shape)
-    assert sum(t["share"] for t in savegrad.largest_tensors(saved_run, k=10**6)) == pytest.approx(1.0)
-    layers = grads.norms_by_layer(grads.read_meta(saved_run.path)["tensor_norms"])
+    assert sum(t["share"] for t in savegrad_report.largest_tensors(saved_run, k=10**6)) == pytest.approx(1.0)
+    layers = grads.norms_by_layer(gradfile.read_meta(saved_run.path)["tensor_norms"])
     assert sum(v**2 for v in layers.values()) ** 0.5 == pytest.approx(saved_run.read_summary()["grad_norm"], rel=1e-5)
-    savegrad.length_histogram(saved_run)
-    savegrad.layer_norm_bars(saved_run)
+    savegrad_report.length_histogram(saved_run)
+    savegrad_report.layer_norm_bars(saved_run)
     assert {p.name for p in (saved_run.path / "figures").iterdir()} == {"completion_lengths.png", "grad_norm_by_layer.png"}
 
 
 def test_load_grads_rejects_another_model(saved_run, tiny_tokenizer):
     folder = tiny.resolve("tiny:student")
     wider = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, intermediate_size=96))
-    with pytest.raises(grads.GradsMismatch, match="other shapes.*mlp"):
-        grads.load_grads(saved_run.path, wider, tiny_tokenizer)
+    with pytest.raises(gradfile.GradsMismatch, match="other shapes.*mlp"):
+        gradfile.load_grads(saved_run.path, wider, tiny_tokenizer)
     config = AutoConfig.from_pretrained(folder, num_hidden_layers=3, layer_types=["full_attention"] * 3)
-    with pytest.raises(grads.GradsMismatch, match=r"11 parameter\(s\) have no gradient"):
-        grads.load_grads(saved_run.path, AutoModelForCausalLM.from_config(config), tiny_tokenizer)
+    with pytest.raises(gradfile.GradsMismatch, match=r"11 parameter\(s\) have no gradient"):
+        gradfile.load_grads(saved_run.path, AutoModelForCausalLM.from_config(config), tiny_tokenizer)
     with pytest.raises(FileNotFoundError, match="no saved gradient"):
-        grads.load_grads(saved_run.path / "missing", _proxy(), tiny_tokenizer)
+        gradfile.load_grads(saved_run.path / "missing", _proxy(), tiny_tokenizer)
 
 
 def test_load_grads_rejects_another_tokenizer(saved_run, tiny_tokenizer, qwen3_tokenizer):
-    with pytest.raises(grads.GradsMismatch, match="another tokenizer"):
-        grads.load_grads(saved_run.path, _proxy(), qwen3_tokenizer)
+    with pytest.raises(gradfile.GradsMismatch, match="another tokenizer"):
+        gradfile.load_grads(saved_run.path, _proxy(), qwen3_tokenizer)
     changed = AutoTokenizer.from_pretrained(tiny.resolve("tiny:tokenizer"))
     changed.chat_template = changed.chat_template.replace("assistant", "bot")
-    with pytest.raises(grads.GradsMismatch, match="another tokenizer"):
-        grads.load_grads(saved_run.path, _proxy(), changed)
+    with pytest.raises(gradfile.GradsMismatch, match="another tokenizer"):
+        gradfile.load_grads(saved_run.path, _proxy(), changed)
 
 
 def test_load_grads_explains_ddp_prefixes(tmp_path, tiny_tokenizer):
     named = {f"module.{n}": torch.zeros_like(p) for n, p in _proxy().named_parameters()}
     save_file(named, str(tmp_path / "grads.safetensors"))  # the ADS seed's names, no metadata
-    with pytest.raises(grads.GradsMismatch, match="module.*prefix"):
-        grads.load_grads(tmp_path, _proxy(), tiny_tokenizer)
+    with pytest.raises(gradfile.GradsMismatch, match="module.*prefix"):
+        gradfile.load_grads(tmp_path, _proxy(), tiny_tokenizer)
 
 
 def _qwen3_trace(thinking: bool) -> tuple[list[dict], str]:
@@ -384,8 +387,8 @@ def test_supplied_text_traces(tmp_path):
 def test_max_length_caps_prompt_plus_trace():
     prep = savegrad.prepare("tiny", {"subset_size": 6, "max_prompt_length": 40, "max_length": 45})
     ids = [data.prompt_ids(prep.teacher_tokenizer, m) for m in prep.prompts["messages"]]
-    teacher = savegrad.load_model("tiny:teacher", torch.float32, "cpu")
-    out = savegrad.generate_batch(teacher, prep.teacher_tokenizer, ids, prep.cfg)
+    teacher = models.load_model("tiny:teacher", torch.float32, "cpu")
+    out = savegrad_holdout.generate_batch(teacher, prep.teacher_tokenizer, ids, prep.cfg)
     for prompt, (text, truncated) in zip(ids, out):
         assert len(prompt) + len(prep.teacher_tokenizer.encode(text, add_special_tokens=False)) <= 45
         assert truncated
@@ -396,11 +399,11 @@ def test_max_length_caps_prompt_plus_trace():
 def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
     cfg = SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.3, subset_size=-1)
     shuffled = data.load_prompts(str(dapo_parquet), seed=cfg.seed)  # as 02_whitebox draws its prompts
-    assert list(savegrad.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]  # round(12 x 0.3)
-    tiny_holdout = savegrad.holdout_prompts(SaveGradConfig(subset_size=50))
+    assert list(savegrad_holdout.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]  # round(12 x 0.3)
+    tiny_holdout = savegrad_holdout.holdout_prompts(SaveGradConfig(subset_size=50))
     assert tiny_holdout["messages"] != data.load_prompts("tiny", subset_size=50, seed=42)["messages"]
     with pytest.raises(ConfigError, match="holdout .* is empty"):
-        savegrad.holdout_prompts(SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01))
+        savegrad_holdout.holdout_prompts(SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01))
 
 
 def test_system_prompt_comes_first():

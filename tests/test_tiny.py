@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import evaluate, tiny
+from opdkit import evaluate, tasks, tiny
 from opdkit.tiny import build, task
 
 
@@ -70,8 +70,8 @@ def tok():
 def test_teacher_is_accurate_and_student_is_not(tok):
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
-    t_acc = evaluate.tiny_accuracy(teacher, tok, n=500)
-    s_acc = evaluate.tiny_accuracy(student, tok, n=500)
+    t_acc = evaluate.task_accuracy(teacher, tok, tasks.get_task("tiny"), n=500)
+    s_acc = evaluate.task_accuracy(student, tok, tasks.get_task("tiny"), n=500)
     recorded = json.loads((tiny.ASSETS / "recipe.json").read_text())
     assert t_acc >= 0.95 and s_acc <= 0.30, (t_acc, s_acc)
     assert t_acc == recorded["teacher_heldout_accuracy"] and s_acc == recorded["student_heldout_accuracy"]

@@ -14,9 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit import losses, rollout, tiny, whitebox
+from opdkit import losses, rollout, tiny
 from opdkit.config import ConfigError
-from opdkit.trainer import GradientDump, TokenizerMismatch
+from opdkit.jobs import whitebox
+from opdkit.models import TokenizerMismatch
+from opdkit.trainer import GradientDump
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
 # different batch shapes see the same completions.
@@ -96,7 +98,7 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     common = {**FIXED, "per_device_train_batch_size": 2}
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
-        from opdkit import whitebox
+        from opdkit.jobs import whitebox
         from opdkit.trainer import GradientDump
         over = {common!r}
         whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
@@ -116,7 +118,7 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
 @pytest.mark.slow
 def test_failing_rank_traceback_reaches_the_caller(tmp_path):
     script = textwrap.dedent(f"""
-        from opdkit import whitebox
+        from opdkit.jobs import whitebox
         whitebox.run("tiny", {{"run_dir": {str(tmp_path / "r")!r}, "num_processes": 2, "max_steps": 1,
                                "eval_size": 0, "student_model": "tiny:student", "loss_chunk_size": 1,
                                "beta": 1.0, "kl_temperature": 1.0, "per_device_train_batch_size": 2,

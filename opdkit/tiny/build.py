@@ -22,8 +22,11 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from opdkit import evaluate, sft
+from opdkit.tasks import TinyTask
 from opdkit.tiny import task
 from opdkit.tiny.tokenizer import build_tokenizer
+
+TINY = TinyTask()
 
 
 @dataclass
@@ -83,21 +86,16 @@ def train_on_task(
 
     def next_batch(step: int):
         convs = [conversation(task.sample_problem(rng), rng) for _ in range(batch_size)]
-        return sft.sft_batch(tokenizer, convs)
+        return [sft.sft_batch(tokenizer, convs)]
 
     def evaluate_now(step: int) -> float:
-        return evaluate.tiny_accuracy(model, tokenizer, n=eval_n, seed=777)  # not the held-out seed
+        return evaluate.task_accuracy(model, tokenizer, TINY, n=eval_n, seed=777)  # not the held-out seed
 
-    return sft.train_sft(
-        model,
-        next_batch,
-        steps,
-        lr,
-        evaluate=evaluate_now,
-        eval_every=eval_every,
-        stop_when=stop_when,
-        desc=desc,
-    )
+    _, history = sft.train_sft(
+        model, next_batch, steps, lr, warmup_steps=50, betas=(0.9, 0.98), evaluate=evaluate_now,
+        eval_every=eval_every, stop_when=stop_when, desc=desc,
+    )  # fmt: skip
+    return history
 
 
 def build_tiny_world(
@@ -134,8 +132,8 @@ def build_tiny_world(
         "seed": seed,
         "teacher": {**asdict(TEACHER), "params": teacher.num_parameters(), "history": t_hist},
         "student": {**asdict(STUDENT), "params": student.num_parameters(), "history": s_hist},
-        "teacher_heldout_accuracy": evaluate.tiny_accuracy(teacher, tokenizer),
-        "student_heldout_accuracy": evaluate.tiny_accuracy(student, tokenizer),
+        "teacher_heldout_accuracy": evaluate.task_accuracy(teacher, tokenizer, TINY),
+        "student_heldout_accuracy": evaluate.task_accuracy(student, tokenizer, TINY),
         "build_seconds": round(time.time() - t0, 1),
     }
     (out / "recipe.json").write_text(json.dumps(record, indent=2))

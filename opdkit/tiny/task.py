@@ -85,6 +85,21 @@ def extract_answer(completion: str) -> str | None:
     return completion.rsplit(ANSWER_SEP, 1)[1].strip() or None
 
 
+def implied_answer(completion: str) -> str | None:
+    """The answer a scratchpad implies (its column sums' last digits read back, then the final carry);
+    None when the working is malformed."""
+    if ANSWER_SEP not in completion:
+        return None
+    sums = []
+    for step in completion.rsplit(ANSWER_SEP, 1)[0].split(","):
+        total = step.partition("=")[2]
+        if not total.isdigit():
+            return None
+        sums.append(int(total))
+    carry = str(sums[-1] // 10) if sums[-1] >= 10 else ""
+    return carry + "".join(str(v % 10) for v in reversed(sums))
+
+
 def is_correct(problem: Problem, completion: str) -> bool:
     """Exact match of the final answer."""
     return extract_answer(completion) == problem.answer

@@ -1,0 +1,77 @@
+"""Which tokens ADS changes, one prompt at a time, with a finished 04_antidistill run's teacher and gradient.
+
+    lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opdkit import ads, data, tasks
+from opdkit.jobs.antidistill.job import GRADS_DIR, load_run_config
+from opdkit.jobs.antidistill.steering import load_models
+from opdkit.jobs.antidistill.sweep import GRADIENTS, Prepared, device, training_prompts
+from opdkit.models import eos_ids, load_tokenizer
+from opdkit.runs import RunDir
+
+
+class TokenLens:
+    """Which tokens ADS changes, one training prompt at a time, with a finished run's teacher and gradient.
+
+        lens = TokenLens(run)
+        c = lens.compare(0, lam=0.1, seed=0)   # {"tokens": [{"text", "plain_text", "changed", ...}], ...}
+
+    ADS and plain sampling share their random noise at every step (`ads.coupled_sample`), so a token is
+    marked changed exactly where the ADS term moved the draw; the trace goes on with the ADS token.
+    """
+
+    def __init__(self, run: RunDir | str | Path, num_prompts: int = 8):
+        self.cfg, _ = load_run_config(run)
+        cfg, self.device = self.cfg, device()
+        self.tokenizer = load_tokenizer(cfg.teacher_model)
+        messages, answers = training_prompts(cfg)
+        self.messages, self.answers = messages[:num_prompts], answers[:num_prompts]
+        grads_dir = Path(cfg.grads_run) if cfg.grads_run else Path(cfg.run_dir) / GRADS_DIR
+        proxy_tok = load_tokenizer(cfg.proxy_model)
+        student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
+        self.models_task = tasks.for_dataset(cfg.dataset_path)
+        dummy = Prepared(cfg, "", self.models_task, self.tokenizer, proxy_tok, student_tok, [], [], [], [], 0, "")
+        self.models = load_models(cfg, dummy, grads_dir, self.device, RunDir.attach(cfg.run_dir))
+
+    @property
+    def labels(self) -> list[str]:
+        return [m[-1]["content"][:60] for m in self.messages]
+
+    def _trace(self, index: int, lam: float, seed: int, method: str) -> list[dict]:
+        cfg = self.cfg
+        ids = data.prompt_ids(self.tokenizer, self.messages[index], cfg.enable_thinking)
+        tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
+        direction = self.models.direction(GRADIENTS[method]) if lam else None
+        return ads.coupled_sample(
+            self.models.teacher, direction, ids, lam=lam, temperature=tau, top_p=cfg.top_p,
+            eos_token_id=eos_ids(self.tokenizer, self.models.teacher),
+            max_new_tokens=cfg.max_new_tokens, seed=seed,
+        )  # fmt: skip
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def compare(self, index: int, lam: float, seed: int = 0, method: str = "ads") -> dict:
+        """The ADS trace at λ with its changed tokens, and the plain trace drawn with the same noise; `method`
+        "ads-answer" steers by the answer-token gradient."""
+        if method not in GRADIENTS:
+            raise ValueError(f"method={method!r} is not one of {sorted(GRADIENTS)}.")
+        steps, plain = self._trace(index, lam, seed, method), self._trace(index, 0.0, seed, method)
+        tokens = [{"text": self._text(s["token"]), "plain_text": self._text(s["plain_token"]),
+                   "changed": s["token"] != s["plain_token"], "p_ads": s["p_ads"], "p_plain": s["p_plain"],
+                   "p_plain_choice": s["p_plain_choice"]} for s in steps]  # fmt: skip
+        check, answer = self.models_task.check, self.answers[index]
+        text = self.tokenizer.decode([s["token"] for s in steps], skip_special_tokens=True)
+        plain_text = self.tokenizer.decode([s["token"] for s in plain], skip_special_tokens=True)
+        return {
+            "prompt": self.labels[index], "answer": answer, "lam": lam, "seed": seed, "method": method,
+            "temperature": self.cfg.ads_temperatures[0] if self.cfg.ads_temperatures else 1.0,
+            "tokens": tokens, "completion": text, "plain_completion": plain_text,
+            "correct": check(text, answer) if answer else None,
+            "plain_correct": check(plain_text, answer) if answer else None,
+        }  # fmt: skip

@@ -1,0 +1,137 @@
+"""One point of 04_antidistill's trade-off: the teacher's traces at that point, a fresh student distilled on
+them, and both accuracies, kept in points/<name>/seed<seed>/ (reused by resume=True).
+
+    result = run_point(point, prep, models, run, device)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm.auto import tqdm
+
+from opdkit import ads, data, rollout, traces
+from opdkit.config import AntidistillationConfig
+from opdkit.files import atomic_write_text, write_jsonl
+from opdkit.jobs.antidistill.steering import Models
+from opdkit.jobs.antidistill.students import (
+    distill_student,
+    fresh_student,
+    holdout_loss,
+    sft_rows,
+    student_accuracy,
+)
+from opdkit.jobs.antidistill.sweep import Point, Prepared
+from opdkit.models import eos_ids
+from opdkit.runs import RunDir, print0
+
+POINTS_DIR = "points"
+
+
+def write_traces(
+    cfg: AntidistillationConfig, prep: Prepared, models: Models, point: Point, seed: int, dev: torch.device
+) -> list[dict]:
+    """The teacher answers every training prompt at this point; each record says whether its answer is right."""
+    tok, check = prep.teacher_tokenizer, prep.task.check
+    eos = eos_ids(tok, models.teacher)
+    ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in prep.messages]
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))  # similar lengths share a batch
+    direction = models.direction(point.gradient) if point.gradient else None
+    torch.manual_seed(seed)  # the same noise at every point of a repeat: the sweeps differ only by λ and τ
+    texts: dict[int, tuple[str, bool]] = {}
+    batches = range(0, len(order), cfg.gen_batch_size)
+    for s in tqdm(batches, desc=f"traces {point.name}", leave=False):
+        batch = order[s : s + cfg.gen_batch_size]
+        prompts_BP, mask_BP = rollout.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
+        r = ads.ads_sample(
+            models.teacher, prompts_BP, mask_BP, direction=direction, lam=point.lam,
+            temperature=point.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+            max_new_tokens=cfg.max_new_tokens,
+        )  # fmt: skip
+        done = ~r.truncated_B(eos)
+        for b, (i, text) in enumerate(zip(batch, rollout.decode_completions(tok, r))):
+            texts[i] = (text, not bool(done[b]))
+    return [
+        {"messages": prep.messages[i], "completion": texts[i][0], "answer": prep.answers[i],
+         "correct": check(texts[i][0], prep.answers[i]) if prep.answers[i] else None, "truncated": texts[i][1]}
+        for i in range(len(ids))
+    ]  # fmt: skip
+
+
+def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
+    """Traces at this point, a fresh student distilled on them, both accuracies; in points/<name>/seed<seed>/."""
+    cfg, folder = prep.cfg, run.path / POINTS_DIR / point.name / f"seed{seed}"
+    if cfg.resume and (folder / "result.json").is_file():
+        print0(f"resume: reusing {folder / 'result.json'}")
+        return json.loads((folder / "result.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    records = write_traces(cfg, prep, models, point, seed, dev)
+    write_jsonl(folder / "traces.jsonl", records)
+    offload(models, dev, off=True)
+    student = fresh_student(cfg, dev, seed)
+    rows = sft_rows(records, prep.student_tokenizer, cfg)
+    losses = distill_student(student, rows, cfg, prep.student_tokenizer.pad_token_id, seed, desc=f"sft {point.name}")
+    result = {
+        "seed": seed, "teacher_accuracy": traces.accuracy(records), "student_accuracy": student_accuracy(student, prep),
+        "student_holdout_loss": holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
+                                             cfg.sft_micro_batch_size or cfg.sft_batch_size),
+        "truncated_fraction": sum(r["truncated"] for r in records) / len(records), "num_traces": len(records),
+        "errors": prep.task.error_kinds(records),
+        "sft_steps": len(losses), "final_sft_loss": losses[-1] if losses else None,
+        "seconds": round(time.time() - t0, 1),
+    }  # fmt: skip
+    run.log({"point": point.name, "seed": seed, "sft_loss": losses})
+    atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
+    del student
+    offload(models, dev, off=False)
+    return result
+
+
+def offload(models: Models, dev: torch.device, off: bool) -> None:
+    """On a GPU, teacher and proxies wait in CPU memory while a student trains (a 7B teacher, two fp32 3B
+    proxies and a 3B student with AdamW states do not fit one 80 GB GPU together); on a CPU, nothing moves."""
+    if dev.type != "cuda":
+        return
+    target = "cpu" if off else dev
+    models.teacher.to(target)
+    for direction in models.directions.values():
+        direction.to(target)
+    torch.cuda.empty_cache()
+
+
+def _mean(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _mean_errors(values: list[dict | None]) -> dict[str, float] | None:
+    kept = [v for v in values if v]
+    return {k: sum(v[k] for v in kept) / len(kept) for k in kept[0]} if kept else None
+
+
+def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
+    """The point's `repeats` runs (seeds seed, seed+1, ...) and their mean accuracies: one summary entry."""
+    cfg = prep.cfg
+    runs = [run_once(point, cfg.seed + k, prep, models, run, dev) for k in range(cfg.repeats)]
+    return {
+        **asdict(point), "name": point.name,
+        "teacher_accuracy": _mean([r["teacher_accuracy"] for r in runs]),
+        "student_accuracy": _mean([r["student_accuracy"] for r in runs]),
+        "student_holdout_loss": _mean([r.get("student_holdout_loss") for r in runs]),
+        "errors": _mean_errors([r.get("errors") for r in runs]),
+        "runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
+    }  # fmt: skip
+
+
+def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
+    """The student before any distillation, where every point starts from: accuracy and held-out loss."""
+    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, prep.cfg.seed)
+    loss = holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
+                        cfg.sft_micro_batch_size or cfg.sft_batch_size)  # fmt: skip
+    return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}
+
+

@@ -1,0 +1,112 @@
+"""The steering side of 04_antidistill: the teacher, the proxy, its gradients (01_save_grad's completion
+gradient, and the answer-token gradient computed here from the same traces) and the ADS direction in use.
+
+    models = load_models(cfg, prep, grads_dir, device, run); direction = models.direction("completion")
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from opdkit import ads, gradfile, grads, sft, tasks, traces
+from opdkit.config import AntidistillationConfig, ConfigError
+from opdkit.jobs.antidistill.students import holdout_rows
+from opdkit.jobs.antidistill.sweep import Prepared, sweep_points
+from opdkit.models import load_model
+from opdkit.runs import RunDir
+
+ANSWER_GRADS_DIR = "grads_answer"
+
+
+@dataclass
+class Models:
+    """What every point shares: the teacher, the fp32 proxy (in CPU memory) with its gradients, and the ADS
+    direction of the gradient in use (one pair of perturbed copies at a time, built when first needed)."""
+
+    teacher: torch.nn.Module
+    proxy: torch.nn.Module
+    grads: dict[str, dict[str, torch.Tensor]]  # "completion" (01_save_grad's), "answer" (answer tokens only)
+    method: str
+    eps: float
+    device: torch.device
+    holdout: list[dict]  # the gradient's holdout traces in the student's tokens (for `holdout_loss`)
+    directions: dict[str, ads.Direction] = field(default_factory=dict)
+
+    def direction(self, gradient: str) -> ads.Direction:
+        if gradient not in self.directions:
+            self.directions.clear()  # free the other gradient's copies first
+            built = ads.make_direction(self.method, self.proxy, self.grads[gradient], self.eps)
+            self.directions[gradient] = built.to(self.device)
+        return self.directions[gradient]
+
+    def grad_norms(self) -> dict[str, float]:
+        return {k: grads.global_norm(g) for k, g in self.grads.items()}
+
+
+def load_models(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, dev: torch.device,
+                run: RunDir | None = None) -> Models:  # fmt: skip
+    """Teacher on `dev`; proxy and gradients in CPU memory (the perturbed copies go to `dev` when built)."""
+    dtype = torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
+    teacher = load_model(cfg.teacher_model, dtype, dev).eval()
+    proxy = load_model(cfg.proxy_model, torch.float32, "cpu").eval()
+    named = {"completion": gradfile.load_grads(grads_dir, proxy, prep.proxy_tokenizer)}
+    if any(p.gradient == "answer" for p in sweep_points(cfg)):
+        named["answer"] = answer_gradient(cfg, proxy, prep.proxy_tokenizer, grads_dir, run)
+    holdout = holdout_rows(grads_dir, prep.student_tokenizer, cfg)
+    return Models(teacher, proxy, named, cfg.ads_method, cfg.eps, dev, holdout)
+
+
+def answer_labels(tok: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int], start: int) -> list[int]:
+    """`labels` with everything before the answer (character `start` of the completion) set to -100: the first
+    completion token whose decoded prefix reaches past `start`, found by bisection, and all after it."""
+    pos = [i for i, t in enumerate(labels) if t != sft.IGNORE]
+    lo, hi = 0, len(pos) - 1
+    while lo < hi:  # smallest j with len(decode(completion[: j + 1])) > start
+        mid = (lo + hi) // 2
+        if len(tok.decode(input_ids[pos[0] : pos[mid] + 1], skip_special_tokens=True)) > start:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [t if i >= pos[lo] else sft.IGNORE for i, t in enumerate(labels)]
+
+
+def answer_rows(held: list[dict], tok: PreTrainedTokenizerBase, task: tasks.Task) -> list[dict]:
+    """The gradient run's traces with the loss on their answer tokens only; traces without an answer are left out."""
+    rows = []
+    for t in held:
+        start = task.answer_start(t["messages"][-1]["content"])
+        if start is not None and any(x != sft.IGNORE for x in t["labels"]):
+            rows.append({"input_ids": t["input_ids"], "labels": answer_labels(tok, t["input_ids"], t["labels"], start)})
+    if not rows:
+        raise ConfigError("no trace of the gradient run has a final answer to take the answer-token gradient on; "
+                          "leave answer_lams empty.")  # fmt: skip
+    return rows
+
+
+def answer_gradient(cfg: AntidistillationConfig, proxy: torch.nn.Module, tok: PreTrainedTokenizerBase,
+                    grads_dir: Path, run: RunDir | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
+    01_save_grad), saved in grads_answer/ of this run; reused from there when it exists."""
+    saved = run.path / ANSWER_GRADS_DIR if run is not None else None
+    if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
+        return gradfile.load_grads(saved, proxy, tok)
+    if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
+        raise ConfigError(f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
+                          f"{traces.TRACES_DIR}/; use a 01_save_grad run directory or leave answer_lams empty.")  # fmt: skip
+    meta = gradfile.read_meta(grads_dir)
+    rows = answer_rows(list(traces.load_traces(grads_dir)), tok, tasks.for_dataset(cfg.dataset_path))
+    work = copy.deepcopy(proxy)
+    named, stats = grads.mean_completion_grad(work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id,
+                                              progress=True)  # fmt: skip
+    named = {k: v.detach().clone() for k, v in named.items()}
+    if saved is not None:
+        saved.mkdir(exist_ok=True)
+        gradfile.save_grads(saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)})
+    return named
+
+

@@ -1,0 +1,167 @@
+"""Clip versus no clip, the job behind notebooks/03_clip_vs_noclip.ipynb (its report: `report.py`).
+
+    python -m opdkit.cliplesson --mode tiny
+
+The original's `noclip` mode changes two things at once: clipping off and the learning rate x5.
+Every arm here is a 02_whitebox run with the same data and seed; the two ablation arms change one
+thing each, so the lesson can say how much of a blow-up is clipping and how much is learning rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from opdkit.config import ClipLessonConfig, ConfigError, load_config, parse_cli
+from opdkit.jobs import whitebox
+from opdkit.runs import RunDir, print0
+
+JOB = "03_clip_vs_noclip"
+
+
+@dataclass
+class Arm:
+    name: str
+    mode: str  # 02_whitebox preset
+    overrides: dict
+    learning_rate: float
+    max_grad_norm: float
+    optimizer: str = "adamw"
+
+    @property
+    def clipping(self) -> bool:
+        return 0 < self.max_grad_norm < 1e8
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in str(text).replace(" ", "").split(",") if s]
+    except ValueError:
+        raise ConfigError(f"seeds={text!r} must be comma-separated integers, e.g. '1,2,3'.") from None
+    if not seeds:
+        raise ConfigError("seeds is empty; give at least one seed, e.g. '42'.")
+    return seeds
+
+
+def arms(cfg: ClipLessonConfig) -> list[Arm]:
+    """clip and noclip as the presets define them; the ablations swap one setting each."""
+    clip = load_config(whitebox.JOB, cfg.clip_mode)
+    noclip = load_config(whitebox.JOB, cfg.noclip_mode)
+    extra = {"max_steps": cfg.max_steps} if cfg.max_steps else {}
+    out = [
+        Arm("clip", cfg.clip_mode, dict(extra), clip.learning_rate, clip.max_grad_norm),
+        Arm("noclip", cfg.noclip_mode, dict(extra), noclip.learning_rate, noclip.max_grad_norm),
+    ]
+    if cfg.ablations:
+        out += [
+            Arm("clip-at-noclip-lr", cfg.clip_mode, {**extra, "learning_rate": noclip.learning_rate},
+                noclip.learning_rate, clip.max_grad_norm),
+            Arm("noclip-at-clip-lr", cfg.noclip_mode, {**extra, "learning_rate": clip.learning_rate},
+                clip.learning_rate, noclip.max_grad_norm),
+        ]  # fmt: skip
+    if cfg.sgd_arms:
+        sgd = {**extra, "optim": "sgd", "optim_args": f"momentum={cfg.sgd_momentum}", "learning_rate": cfg.sgd_lr}
+        out += [
+            Arm("sgd-clip", cfg.clip_mode, {**sgd, "max_grad_norm": clip.max_grad_norm}, cfg.sgd_lr,
+                clip.max_grad_norm, "sgd"),
+            Arm("sgd-noclip", cfg.clip_mode, {**sgd, "max_grad_norm": 0.0}, cfg.sgd_lr, 0.0, "sgd"),
+        ]
+    return out
+
+
+def arm_stats(run: RunDir, arm: Arm) -> dict:
+    """The figures the summary promises, from one arm's metrics.jsonl and summary.json."""
+    records = run.read_jsonl()
+    norms = [r["grad_norm"] for r in records if r.get("grad_norm") is not None]
+    loss = [r["loss"] for r in records if r.get("loss") is not None]
+    s = run.read_summary()
+    return {
+        "learning_rate": arm.learning_rate,
+        "max_grad_norm_setting": arm.max_grad_norm,
+        "clipping": arm.clipping,
+        "optimizer": arm.optimizer,
+        "max_grad_norm": max(norms) if norms else None,
+        "median_grad_norm": statistics.median(norms) if norms else None,
+        "clipped_steps": sum(bool(r.get("clipped")) for r in records),
+        "max_loss": max(loss) if loss else None,
+        "final_loss": loss[-1] if loss else None,
+        "final_accuracy": s.get("student_accuracy_after"),
+        "accuracy_before": s.get("student_accuracy_before"),
+        "first_nonfinite_step": s.get("first_nonfinite_step"),
+        "steps": s.get("steps"),
+        "run_dir": str(run.path),
+    }
+
+
+def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
+    over = {**arm.overrides, "seed": seed, "run_dir": str(lesson.path / "arms" / f"{arm.name}-seed{seed}")}
+    if cfg.num_processes:
+        over["num_processes"] = cfg.num_processes
+    if cfg.eval_size >= 0:  # -1 keeps the preset's
+        over["eval_size"] = cfg.eval_size
+    over["sample_every"] = 1  # the spike's completions must be there to look at
+    print0(f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
+           f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}")  # fmt: skip
+    return whitebox.run(arm.mode, over)
+
+
+def summarise(results: dict[str, dict[int, dict]]) -> dict:
+    """One entry per arm: the first seed's figures, plus every seed's under `seeds`."""
+    out = {}
+    for name, by_seed in results.items():
+        first = by_seed[min(by_seed)]
+        out[name] = {**first, "seeds": by_seed}
+    return out
+
+
+def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
+    """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
+    cfg = load_config(JOB, mode, overrides)
+    seeds = parse_seeds(cfg.seeds)
+    existing = existing_arms(cfg)  # checked before anything is written
+    lesson = RunDir.create(cfg, job=JOB, mode=mode)
+    results: dict[str, dict[int, dict]] = {}
+    for arm, path, seed in existing:
+        results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}
+    if not existing:
+        for arm in arms(cfg):
+            for seed in seeds:
+                results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
+    lesson.write_summary(summarise(results))
+    return lesson
+
+
+def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:
+    """(arm, run directory, seed) for clip_run and noclip_run; empty when neither is given."""
+    if not (cfg.clip_run or cfg.noclip_run):
+        return []
+    pairs = (("clip", cfg.clip_run), ("noclip", cfg.noclip_run))
+    for name, path in pairs:
+        if not path:
+            raise ConfigError(f"give both clip_run and noclip_run (missing {name}_run).")
+    out = []
+    for name, path in pairs:
+        c = _load_run_config(Path(path))
+        out.append((Arm(name, c.get("mode", "?"), {}, c["learning_rate"], c["max_grad_norm"],
+                        "sgd" if c.get("optim") == "sgd" else "adamw"), path, int(c.get("seed", 0))))  # fmt: skip
+    return out
+
+
+def _load_run_config(path: Path) -> dict:
+    if not (path / "config.yaml").exists() or not (path / "metrics.jsonl").exists():
+        raise ConfigError(f"{path} is not a 02_whitebox run directory (no config.yaml / metrics.jsonl).")
+    return RunDir.attach(path).read_config()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from opdkit.jobs.cliplesson import report
+
+    mode, overrides = parse_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", argv)
+    lesson = run(mode, overrides)
+    report.figures(lesson)
+    print(lesson.path)
+
+
+if __name__ == "__main__":
+    main()

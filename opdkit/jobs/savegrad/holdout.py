@@ -1,0 +1,161 @@
+"""01_save_grad's traces: holdout prompts and the teacher's answers to them (or supplied traces), with the
+proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.traces`)."""
+
+from __future__ import annotations
+
+import re
+
+import datasets
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from opdkit import data, grads, rollout, tasks, traces
+from opdkit.config import ConfigError, SaveGradConfig
+from opdkit.models import eos_ids, load_model
+from opdkit.runs import RunDir, print0
+
+
+def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
+    """The task's holdout prompts (math: the tail `holdout_fraction` of the seed-shuffled dataset, first
+    `subset_size` of them; tiny: its own problem stream), with the system prompt."""
+    task = tasks.for_dataset(cfg.dataset_path)
+    ds = task.holdout_prompts(cfg.dataset_path, cfg.dataset_split, cfg.holdout_fraction, cfg.subset_size, cfg.seed)
+    if len(ds) == 0:
+        raise ConfigError(
+            f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
+            "raise holdout_fraction so that it keeps at least one prompt."
+        )
+    if not cfg.system_prompt:
+        return ds
+    system = {"role": "system", "content": cfg.system_prompt}
+    return ds.map(lambda row: {"messages": [system, *row["messages"]]}, desc="system prompt")
+
+
+def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
+    """Traces from `traces_path`: {messages ending with the assistant's answer, answer} per row."""
+    raw = data.load_raw(cfg.traces_path, cfg.dataset_split)
+    if cfg.trace_column not in raw.column_names:
+        raise ConfigError(
+            f"{cfg.traces_path!r} has no column {cfg.trace_column!r}; it has {raw.column_names}, so pass one of "
+            "them as trace_column."
+        )
+    if len(raw) == 0:
+        raise ConfigError(f"{cfg.traces_path!r} holds no traces; expected at least one row.")
+    if cfg.subset_size != -1:
+        raw = raw.select(range(min(cfg.subset_size, len(raw))))
+    return [
+        {"messages": _trace_messages(row, cfg.trace_column, i), "answer": data.reference_answer(row, None)}
+        for i, row in enumerate(raw)
+    ]
+
+
+def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
+    """A row's conversation: the column's messages, or its answer text after the row's prompt."""
+    value = row[column]
+    if isinstance(value, str):
+        prompt_col = next((c for c in data.PROMPT_COLUMNS if c != column and c in row), None)
+        if prompt_col is None:
+            raise ConfigError(
+                f"row {i}: trace_column {column!r} holds text but the row has no prompt column "
+                f"({list(data.PROMPT_COLUMNS)}); store the conversation as chat messages instead."
+            )
+        prompt = data.as_messages(row[prompt_col], i, prompt_col)
+        if _rendered(value, prompt[-1]["content"]):
+            raise ConfigError(
+                f"row {i}: the text in {column!r} contains its own prompt (a fully rendered conversation, as the "
+                "ADS gentraces.py writes); its completion cannot be found without a hard-coded marker, so store "
+                "the teacher's answer alone, or chat messages."
+            )
+        return [*prompt, {"role": "assistant", "content": value}]
+    messages = data.as_messages(value, i, column)
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"row {i} of {column!r} does not end with an assistant turn; a trace needs the answer.")
+    return messages
+
+
+def _rendered(text: str, prompt: str) -> bool:
+    """Does `text` hold a whole rendered conversation: the prompt after a chat template's role markup?"""
+    at = text.find(prompt.strip()) if prompt.strip() else -1
+    return at > 0 and re.search(r"<\||<｜|\[INST\]|user", text[:at], re.IGNORECASE) is not None
+
+
+def generate_batch(
+    teacher: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt_ids: list[list[int]], cfg: SaveGradConfig
+) -> list[tuple[str, bool]]:
+    """(completion text, truncated) per prompt; with max_length, each prompt + completion fits in it."""
+    device = next(teacher.parameters()).device
+    prompts_BP, mask_BP = rollout.left_pad(prompt_ids, tok.pad_token_id, device)
+    budget = cfg.max_new_tokens
+    if cfg.max_length:
+        budget = min(budget, cfg.max_length - min(len(x) for x in prompt_ids))
+    eos = eos_ids(tok, teacher)
+    r = rollout.sample(
+        teacher, prompts_BP, mask_BP, eos_token_id=eos, pad_token_id=tok.pad_token_id, max_new_tokens=budget,
+        temperature=cfg.gen_temperature or 1.0, top_p=cfg.gen_top_p, do_sample=cfg.gen_temperature > 0,
+    )  # fmt: skip
+    out = []
+    for b, ids in enumerate(prompt_ids):
+        keep = int(r.completion_mask_BC[b].sum())
+        if cfg.max_length:
+            keep = min(keep, cfg.max_length - len(ids))
+        completion = r.completion_ids_BC[b, :keep].tolist()
+        ended = bool(completion) and completion[-1] in eos
+        out.append((tok.decode(completion, skip_special_tokens=True), not ended))
+    return out
+
+
+@torch.no_grad()
+def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: torch.device) -> list[dict]:
+    """The teacher answers this process's share of the holdout prompts; every process gets all traces."""
+    tok = prep.teacher_tokenizer
+    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, device).eval()
+    messages = list(prep.prompts["messages"])
+    ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in messages]
+    mine = grads.shard_by_length([len(x) for x in ids], rank, world)
+    torch.manual_seed(cfg.seed + rank)
+    local: list[tuple[int, str, bool]] = []
+    for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
+        batch = mine[s : s + cfg.gen_batch_size]
+        local += [(i, *done) for i, done in zip(batch, generate_batch(teacher, tok, [ids[i] for i in batch], cfg))]
+    del teacher
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    check, answers = prep.task.check, list(prep.prompts["answer"])
+    return [
+        {"messages": [*messages[i], {"role": "assistant", "content": text}], "answer": answers[i],
+         "correct": check(text, answers[i]) if answers[i] else None, "truncated": truncated}
+        for i, text, truncated in sorted(_gather(local, world))
+    ]  # fmt: skip
+
+
+def _gather(local: list, world: int) -> list:
+    if world == 1:
+        return local
+    parts: list[list] = [[] for _ in range(world)]
+    dist.all_gather_object(parts, local)
+    return [x for part in parts for x in part]
+
+
+def supplied_records(cfg: SaveGradConfig, prep) -> list[dict]:
+    check = prep.task.check
+    return [
+        {**t, "correct": check(t["messages"][-1]["content"], t["answer"]) if t["answer"] else None, "truncated": None}
+        for t in prep.traces
+    ]
+
+
+def traces_for(cfg: SaveGradConfig, prep, run: RunDir, rank: int, world: int, device: torch.device) -> list[dict]:
+    """All traces with proxy tokens, in every process: resumed from the run, supplied, or written now."""
+    saved = run.path / traces.TRACES_DIR
+    if cfg.resume and saved.is_dir():
+        print0(f"resume: reusing the traces in {saved}")
+        return list(datasets.load_from_disk(str(saved)))
+    records = supplied_records(cfg, prep) if prep.traces is not None else teacher_traces(cfg, prep, rank, world, device)
+    records = traces.with_labels(records, prep.proxy_tokenizer, cfg.enable_thinking)
+    if rank == 0:
+        traces.save_traces(saved, records)
+    return records
+
+

@@ -1,0 +1,183 @@
+"""Proxy-student gradient for antidistillation sampling, the job behind notebooks/01_save_grad.ipynb
+(traces: `traces.py`; its report: `report.py`).
+
+    python -m opdkit.savegrad --mode tiny                                          # CPU, seconds
+    python -m opdkit.savegrad --mode full --set num_processes=4                    # one node, 4 GPUs
+    torchrun --nproc_per_node 8 -m opdkit.savegrad --mode ads-paper --set run_dir=runs/ads
+
+The teacher writes completions for holdout prompts (or `traces_path` supplies them); the proxy
+student's mean completion-only gradient on them is saved in the run directory:
+
+    traces/             datasets folder, one row per trace: messages, input_ids, labels (exactly what the
+                        gradient was computed on; -100 outside the completion), answer, correct, truncated
+    grads.safetensors   fp32 gradient; keys are the proxy's named_parameters() names (tied weights once)
+    grads.json          proxy, tokenizer fingerprint, counts, normalization, world size, norms, version, time
+
+`prepare` does everything that can fail cheaply before anything is written; `run` creates the run
+directory and launches `process` in every process. The antidistillation notebook reads the gradient
+with `opdkit.gradfile.load_grads(run_dir, proxy, tokenizer)`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+import opdkit
+from opdkit import data, gradfile, grads, tasks, tiny
+from opdkit.config import ConfigError, SaveGradConfig, load_config, parse_cli
+from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
+from opdkit.launch import start_run
+from opdkit.models import load_model, load_tokenizer
+from opdkit.runs import RunDir, print0
+from opdkit.traces import TRACES_DIR, completion_labels, format_trace
+from opdkit.traces import accuracy as teacher_accuracy
+
+JOB = "01_save_grad"
+
+
+@dataclass
+class Prepared:
+    cfg: SaveGradConfig
+    mode: str
+    task: tasks.Task
+    proxy_tokenizer: PreTrainedTokenizerBase
+    teacher_tokenizer: PreTrainedTokenizerBase | None  # None when traces_path supplies the traces
+    prompts: datasets.Dataset | None  # holdout prompts (messages, answer) for the teacher
+    traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
+    dropped: int  # holdout prompts dropped as longer than max_prompt_length
+    first_example: str  # the first prompt (or supplied trace) as the model sees it
+
+
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Resolve the config, load tokenizers and prompts (or supplied traces): every cheap failure happens here."""
+    cfg = load_config(JOB, mode, overrides)
+    if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
+        raise ConfigError(
+            f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
+            f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
+        )
+    task = tasks.for_dataset(cfg.dataset_path)
+    proxy_tok = load_tokenizer(cfg.proxy_model)
+    if cfg.traces_path:
+        traces = supplied_traces(cfg)
+        ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking, 0)
+        return Prepared(cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels))
+    teacher_tok = load_tokenizer(cfg.teacher_model)
+    prompts = holdout_prompts(cfg)
+    prompts, dropped = data.filter_long_prompts(prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    first = data.format_first_prompt(prompts, collator, teacher_tok)
+    return Prepared(cfg, mode, task, proxy_tok, teacher_tok, prompts, None, dropped, first)
+
+
+def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:
+    norms = grads.tensor_norms(named)
+    return {
+        "proxy_model": cfg.proxy_model,
+        "proxy_path": tiny.resolve(cfg.proxy_model),
+        "teacher_model": None if cfg.traces_path else cfg.teacher_model,
+        "traces": cfg.traces_path or TRACES_DIR,
+        "tokenizer_fingerprint": gradfile.tokenizer_fingerprint(prep.proxy_tokenizer),
+        "num_traces": stats["num_traces"],
+        "completion_tokens": stats["completion_tokens"],
+        "normalization": cfg.normalization,
+        "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "world_size": world,
+        "batch_size": cfg.batch_size,
+        "dtype": "float32",
+        "num_tensors": len(named),
+        "num_parameters": sum(g.numel() for g in named.values()),
+        "opdkit_version": opdkit.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tensor_norms": norms,
+        "tensor_shapes": {k: list(g.shape) for k, g in named.items()},
+    }
+
+
+def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seconds: float) -> dict:
+    lengths = [grads.completion_token_count(r["labels"]) for r in records]
+    truncated = [r["truncated"] for r in records if r.get("truncated") is not None]
+    return {
+        "status": "done",
+        "num_traces": len(records),
+        "completion_tokens": sum(lengths),
+        "mean_completion_tokens": sum(lengths) / len(lengths),
+        "teacher_accuracy": teacher_accuracy(records),
+        "truncated_fraction": sum(truncated) / len(truncated) if truncated else None,
+        "prompts_dropped": prep.dropped,
+        "normalization": prep.cfg.normalization,
+        "proxy_loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "world_size": world,
+        "batch_size": prep.cfg.batch_size,
+        "wall_time_s": round(seconds, 1),
+    }
+
+
+def _share_cpu(world: int, device: torch.device) -> None:
+    """Processes sharing one CPU split its cores instead of each spinning up a thread per core."""
+    if device.type == "cpu" and world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def proxy_gradient(cfg: SaveGradConfig, prep: Prepared, records: list[dict], run: RunDir, rank: int, world: int,
+                   device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """The fp32 proxy's mean gradient over all traces; a non-finite one marks the run failed, then raises."""
+    proxy = load_model(cfg.proxy_model, torch.float32, device)
+    pad = prep.proxy_tokenizer.pad_token_id
+    try:
+        return grads.mean_completion_grad(proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0)
+    except grads.NonFiniteGradient as exc:
+        run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
+        raise
+
+
+def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None) -> None:
+    """What every process runs: traces, the proxy's mean gradient over all of them, files on rank 0."""
+    from accelerate import PartialState  # here, not at import: nothing may touch CUDA before the fork
+
+    t0 = time.time()
+    cfg = SaveGradConfig(**cfg_dict)
+    state = PartialState(cpu=not torch.cuda.is_available())
+    world, rank, device = state.num_processes, state.process_index, state.device
+    _share_cpu(world, device)
+    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
+    run = RunDir.attach(run_path)
+    run.write_env(world_size=world)
+    records = traces_for(cfg, prep, run, rank, world, device)
+    print0(f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}")
+    named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
+    if rank == 0:
+        gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
+    run.write_summary(summarize(records, stats, prep, world, time.time() - t0))
+    print0(f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}")
+    state.wait_for_everyone()
+
+
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
+    """Prepare, create the run directory, launch the processes; returns the run directory."""
+    prep = prepared or prepare(mode, overrides)
+    if prepared is None:  # a notebook has shown it already
+        print0(prep.first_example)
+    return start_run(process, prep.cfg, JOB, mode, prep)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from opdkit.jobs.savegrad import report
+
+    mode, overrides = parse_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", argv)
+    done = run(mode, overrides)
+    if done.writer:
+        report.figures(done)
+    print0(f"run directory: {done.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""White-box on-policy distillation, the job behind notebooks/02_whitebox.ipynb (its report: `report.py`).
+
+    python -m opdkit.whitebox --mode tiny                                    # CPU, ~2 minutes
+    torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
+    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # the student sharded (FSDP2)
+    accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
+
+`prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
+written; `run` creates the run directory and launches `train_process` in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from opdkit import data, evaluate, sharding, tasks
+from opdkit.config import WhiteboxConfig, load_config, parse_cli
+from opdkit.launch import launched_world_size, start_run
+from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
+from opdkit.runs import RunDir, print0
+from opdkit.trainer import DistillTrainer, OPDArguments
+
+JOB = "02_whitebox"
+
+
+@dataclass
+class Prepared:
+    cfg: WhiteboxConfig
+    mode: str
+    task: tasks.Task
+    tokenizer: object
+    train: object  # datasets.Dataset of prompts
+    eval_messages: list
+    eval_answers: list
+    dropped: int
+    first_prompt: str
+
+
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
+    cfg = load_config(JOB, mode, overrides)
+    task = tasks.for_dataset(cfg.dataset_path)
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    prompts = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
+        cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
+    )  # fmt: skip
+    first = data.format_first_prompt(prompts, collator, tok)
+    return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
+
+
+def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | None:
+    """Greedy accuracy with the evaluation set split across processes and the counts summed."""
+    cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
+    if not messages:
+        return None
+    mine = list(range(rank, len(messages), world))
+    correct = 0.0
+    if mine:
+        comps = evaluate.greedy_completions(
+            model, tok, [messages[i] for i in mine],
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+            batch_size=cfg.eval_batch_size,
+            enable_thinking=cfg.enable_thinking,
+            progress=rank == 0,
+        )  # fmt: skip
+        correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor([correct], dtype=torch.float64, device=next(model.parameters()).device)
+        dist.all_reduce(t)
+        correct = t.item()
+    return correct / len(messages)
+
+
+def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
+    """The original's TrainingArguments, field for field, plus the distillation's own settings;
+    max_grad_norm 0 means never clip."""
+    return OPDArguments(
+        output_dir=str(run_path / "checkpoints"),
+        remove_unused_columns=False,
+        learning_rate=cfg.learning_rate,
+        per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio
+        optim=cfg.optim,
+        optim_args=cfg.optim_args or None,
+        weight_decay=cfg.weight_decay,
+        adam_beta2=cfg.adam_beta2,
+        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        bf16=cfg.bf16,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        logging_steps=cfg.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be replaced by the running mean
+        save_strategy="steps",
+        save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
+        save_total_limit=cfg.save_total_limit,
+        report_to=cfg.report_to,
+        ddp_find_unused_parameters=False,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
+        **sharding.fsdp_arguments(cfg.parallelism, launched_world_size()),
+        beta=cfg.beta,
+        kl_temperature=cfg.kl_temperature,
+        gen_temperature=cfg.gen_temperature,
+        gen_top_p=cfg.gen_top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        loss_chunk_size=cfg.loss_chunk_size,
+        sample_every=cfg.sample_every,
+        save_rollouts=cfg.save_rollouts,
+    )
+
+
+def train_process(
+    cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None, callbacks: list | None = None
+) -> None:
+    """What every process runs: load models, evaluate, distil, evaluate, save, summarise."""
+    t0 = time.time()
+    cfg = WhiteboxConfig(**cfg_dict)
+    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
+    run = RunDir.attach(run_path)
+    args = training_arguments(cfg, run.path)  # initialises the process group in multi-process runs
+    world, rank = args.world_size, args.process_index
+    run.write_env(world_size=world)
+    if cfg.parallelism == "fsdp" and world == 1:
+        print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
+    tok = prep.tokenizer
+    student = load_model(cfg.student_model, torch.float32, args.device)
+    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, args.device)
+    print0(f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
+           f"{world} process(es) on {args.device}")  # fmt: skip
+
+    acc = lambda m: sharded_accuracy(m, prep, world, rank)  # noqa: E731
+    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
+    teacher_acc = acc(teacher)
+    if before is None:
+        before = acc(student)
+    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
+
+    trainer = DistillTrainer(
+        model=student,
+        args=args,
+        train_dataset=prep.train,
+        data_collator=data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking),
+        processing_class=tok,
+        teacher_model=teacher,
+        teacher_tokenizer=load_tokenizer(cfg.teacher_model),
+        run=run,
+        callbacks=callbacks,
+    )
+    if resumed:
+        _truncate_metrics(run, trainer)
+    trainer.train(resume_from_checkpoint=True if resumed else None)
+    trainer.save_model(str(run.path / "model"))
+    if rank == 0:
+        tok.save_pretrained(run.path / "model")
+    after = acc(trained_student(trainer, run.path / "model"))
+    summary = {
+        "student_accuracy_before": before,
+        "student_accuracy_after": after,
+        "teacher_accuracy": teacher_acc,
+        "steps": trainer.state.global_step,
+        "first_nonfinite_step": trainer.first_nonfinite_step,
+        "prompts_dropped": prep.dropped,
+        "world_size": world,
+        "wall_time_s": round(time.time() - t0, 1),
+        "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
+    }
+    run.write_summary(summary)
+    print0(f"accuracy after: student {after}; run directory {run.path}")
+
+
+def trained_student(trainer: DistillTrainer, saved: Path):
+    """The student to evaluate after training. A sharded one is replaced by the saved full model on
+    every rank: each rank generates for its own share of prompts, so sharded layers, whose every
+    forward is a collective, would wait on ranks that have stopped."""
+    if not trainer.is_fsdp_enabled:
+        return trainer.accelerator.unwrap_model(trainer.model)
+    trainer.accelerator.wait_for_everyone()  # rank 0 has written model/
+    return load_model(str(saved), torch.float32, trainer.args.device)
+
+
+def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
+    """Drop records logged after the checkpoint we resume from, so the log has each step once."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(run.path / "checkpoints"))
+    step = int(Path(last).name.split("-")[-1])
+    if run.writer:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            kept = [r for r in run.read_jsonl(name) if r.get("step", 0) <= step]
+            (run.path / name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def run(
+    mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None, callbacks: list | None = None
+) -> RunDir:
+    """Prepare, create the run directory, launch the processes; returns the run directory.
+
+    `callbacks` (transformers `TrainerCallback`s) are handed to the trainer in every process."""
+    prep = prepared or prepare(mode, overrides)
+    if prepared is None:  # a notebook has shown it already
+        print0(prep.first_prompt)
+    return start_run(train_process, prep.cfg, JOB, mode, prep, callbacks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from opdkit.jobs.whitebox import report
+
+    mode, overrides = parse_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", argv)
+    done = run(mode, overrides)
+    if done.writer:
+        report.figures(done)
+    print0(f"run directory: {done.path}")
+
+
+if __name__ == "__main__":
+    main()

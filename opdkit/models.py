@@ -1,0 +1,92 @@
+"""Models and tokenizers: one loader for each, one pad policy, the stop tokens a model really uses.
+
+    tok = load_tokenizer("tiny:student")                 # or a local folder, or a hub name
+    model = load_model("tiny:teacher", torch.bfloat16, "cuda")
+    eos_ids(tok, model)                                  # [151643, 151645] for Qwen3
+
+Pitfalls this module exists for:
+- pad policy: prompts are left-padded; a tokenizer without a pad token pads with its EOS, which is safe
+  because completion masks end at the first EOS (`rollout.completion_mask`), never at `!= pad`;
+- a tokenizer without an EOS cannot end a completion: that is an error here, not a silent 1024-token run;
+- stop tokens are the tokenizer's EOS and the model's `generation_config.eos_token_id` list (Qwen3 stops
+  at both <|im_end|> and <|endoftext|>).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from opdkit import tiny
+from opdkit.config import ConfigError
+
+
+class TokenizerMismatch(ValueError):
+    pass
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """A tokenizer padding on the left; without a pad token, its EOS pads."""
+    tok = AutoTokenizer.from_pretrained(tiny.resolve(name), padding_side="left")
+    if tok.eos_token is None:
+        raise ValueError(f"the tokenizer of {name} has no EOS token, so completions cannot end; set tokenizer.eos_token.")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+
+
+def model_skeleton(name: str) -> torch.nn.Module:
+    """The model's architecture without weights (meta device): enough to check a gradient's names and shapes."""
+    config = AutoConfig.from_pretrained(tiny.resolve(name))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
+    """The tokenizer's EOS and whatever the model's generation config also stops at."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    return sorted({tokenizer.eos_token_id, *extra})
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_tokenizers(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+    """Teacher and student must share vocabulary and special tokens, or token ids mean different things."""
+    if student.get_vocab() != teacher.get_vocab():
+        s, t = student.get_vocab(), teacher.get_vocab()
+        diff = sorted(set(s.items()) ^ set(t.items()))[:3]
+        raise TokenizerMismatch(
+            f"teacher and student tokenizers differ ({len(s)} vs {len(t)} tokens; e.g. {diff}); "
+            "white-box distillation needs a teacher with the student's tokenizer."
+        )
+    for name in ("eos_token", "pad_token", "bos_token"):
+        if getattr(student, name) != getattr(teacher, name):
+            raise TokenizerMismatch(
+                f"teacher and student disagree on {name}: {getattr(student, name)!r} vs "
+                f"{getattr(teacher, name)!r}; use tokenizers with the same special tokens."
+            )
+
+
+def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokenizerBase) -> None:
+    """ADS adds the proxy's logits to the teacher's by token id: every ordinary token must have one id in both.
+
+    Special and other added tokens may differ (DeepSeek-R1-Distill-Qwen renames Qwen2.5's), as the ADS
+    reference allows.
+    """
+    special = {*teacher.all_special_tokens, *proxy.all_special_tokens, *teacher.get_added_vocab(), *proxy.get_added_vocab()}
+    t, p = teacher.get_vocab(), proxy.get_vocab()
+    wrong = sorted(k for k in set(t) & set(p) if k not in special and t[k] != p[k])
+    only = sorted(k for k in set(t) ^ set(p) if k not in special)
+    if wrong or only:
+        raise ConfigError(
+            f"the teacher's and proxy's tokenizers disagree on {len(wrong)} token ids (e.g. {wrong[:3]}) and "
+            f"{len(only)} tokens exist in one only (e.g. {only[:3]}); ADS adds the proxy's logits to the teacher's "
+            "by id, so choose a proxy that shares the teacher's tokenizer."
+        )
