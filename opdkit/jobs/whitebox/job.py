@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, evaluate, sharding, tasks
+from opdkit import data, engines, evaluate, sharding, tasks
 from opdkit.config import WhiteboxConfig, load_config, parse_cli
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
@@ -46,6 +46,7 @@ class Prepared:
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    engines.check_available(cfg.rollout_engine)
     task = tasks.for_dataset(cfg.dataset_path)
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
@@ -124,6 +125,9 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         loss_chunk_size=cfg.loss_chunk_size,
         sample_every=cfg.sample_every,
         save_rollouts=cfg.save_rollouts,
+        rollout_engine=cfg.rollout_engine,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
     )
 
 
