@@ -95,7 +95,7 @@ class WhiteboxConfig(RunFields):
     )  # fmt: skip
     vllm_gpu_memory_utilization: float = _f(
         0.3, "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, beside "
-        "the training (on CPU: the share of RAM)", min=0.01, max=1.0,
+        "the training (on CPU: the share of RAM given to its KV cache)", min=0.01, max=1.0,
     )  # fmt: skip
     logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
     sample_every: int = _f(10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0)

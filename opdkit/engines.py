@@ -123,9 +123,15 @@ class VLLMEngine:
 
         limit = getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", None)
         max_len = min(x for x in (self.max_model_len or None, limit) if x) if (self.max_model_len or limit) else None
+        memory = dict(gpu_memory_utilization=self.memory)
+        if _on_cpu():
+            # vLLM's CPU worker grants `share x RAM` minus this process's whole footprint, which here includes
+            # the trainer's: give the KV cache its share explicitly instead.
+            import psutil
+
+            memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
         return LLM(
-            model=self.model_path, dtype=self.dtype, enforce_eager=True, seed=0,
-            gpu_memory_utilization=self.memory,  # on CPU: the share of RAM for weights and KV cache
+            model=self.model_path, dtype=self.dtype, enforce_eager=True, seed=0, **memory,
             max_model_len=max_len, max_num_seqs=self.max_num_seqs,
             distributed_executor_backend="external_launcher" if self.distributed else "uni",
             skip_tokenizer_init=True,  # token ids in and out; the trainer's tokenizer is the one that counts

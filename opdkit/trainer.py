@@ -90,7 +90,7 @@ class OPDArguments(TrainingArguments):
         "process, synced with the student once per optimizer step", choices=engines.ENGINES,
     )  # fmt: skip
     vllm_gpu_memory_utilization: float = _arg(
-        0.3, "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: of RAM)",
+        0.3, "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
         min=0.01, max=1.0,
     )  # fmt: skip
     vllm_max_model_len: int = _arg(0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0)
