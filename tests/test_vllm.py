@@ -5,6 +5,9 @@ rollout, and tiny OPD through vLLM learns."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -111,7 +114,7 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     s_rows, t_rows = [], []
-    for mb in torch.load(run_path / "rollouts" / "step000001-rank0.pt"):
+    for mb in [mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]:
         ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
         pos, P = rollout.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
         s_rows.append(student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()])
@@ -121,16 +124,19 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in student.named_parameters()}
 
 
+def assert_grads_close(got: dict, want: dict, rtol: float = 2e-4) -> None:
+    assert got.keys() == want.keys()
+    for name in got:
+        err = (got[name] - want[name]).abs().max().item() / (want[name].abs().max().item() + 1e-12)
+        assert err < rtol, f"{name}: relative error {err:.2e}"
+
+
 def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp_path):
     dump = tmp_path / "grad.pt"
     run = whitebox.run("tiny", {**VLLM, "run_dir": str(tmp_path / "r"), "max_steps": 1, "max_grad_norm": 0.0,
                                 "save_rollouts": True, "subset_size": 64, "per_device_train_batch_size": 2,
                                 "gradient_accumulation_steps": 3}, callbacks=[GradientDump(str(dump))])  # fmt: skip
-    got, want = torch.load(dump), direct_gradient(run.path)
-    assert got.keys() == want.keys()
-    for name in got:
-        err = (got[name] - want[name]).abs().max().item() / (want[name].abs().max().item() + 1e-12)
-        assert err < 2e-4, f"{name}: relative error {err:.2e}"
+    assert_grads_close(torch.load(dump), direct_gradient(run.path))
     saved = torch.load(run.path / "rollouts" / "step000001-rank0.pt")
     assert [mb["input_ids"].shape[0] for mb in saved] == [2, 2, 2]
 
@@ -178,3 +184,28 @@ def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
     s = run.read_summary()
     assert s["student_accuracy_after"] - s["student_accuracy_before"] >= 0.40, s
     assert max(r["engine_logprob_gap"] for r in run.read_jsonl()) < 1e-3
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_gradient(tmp_path):
+    """One engine per rank (external_launcher); the ranks' completions differ in length, and under DDP no
+    rank waits for another while sampling."""
+    over = {**VLLM, "max_steps": 2, "max_grad_norm": 0.0, "save_rollouts": True, "subset_size": 64,
+            "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_processes": 2,
+            "run_dir": str(tmp_path / "two")}  # fmt: skip
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        from opdkit.trainer import GradientDump
+        if __name__ == "__main__":
+            whitebox.run("tiny", {over!r}, callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    (tmp_path / "two.py").write_text(script)
+    subprocess.run([sys.executable, str(tmp_path / "two.py")], check=True, timeout=600)
+    rows = [mb for f in sorted((tmp_path / "two" / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]
+    assert len(rows) == 4
+    lengths = {int(mb["completion_mask_BC"].sum(1).max()) for mb in rows}
+    assert len(lengths) > 1, "the ranks' micro-batches should end at different lengths"
+    assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
+    records = [r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
+    assert len(records) == 2
