@@ -209,3 +209,17 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
     records = [r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
     assert len(records) == 2
+
+
+def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
+    """The rollout-engine figure at toy sizes (no timing claim): both sides sample the same work."""
+    import json
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(repo))
+    from bench import run
+
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P5", "--out", str(tmp_path)])
+    p5 = json.loads((tmp_path / "results.json").read_text())["figures"]["P5"]
+    assert p5["opdkit_median"] > 0 and p5["baseline_median"] > 0
+    assert p5["setup"]["tokens"]["vllm"] == p5["setup"]["tokens"]["hf"] == 4 * 8
