@@ -5,6 +5,7 @@ rollout, and tiny OPD through vLLM learns."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -187,12 +188,13 @@ def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_gradient(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_gradient(tmp_path, parallelism):
     """One engine per rank (external_launcher); the ranks' completions differ in length, and under DDP no
-    rank waits for another while sampling."""
+    rank waits for another while sampling. Under FSDP every rank gathers the full weights for its engine."""
     over = {**VLLM, "max_steps": 2, "max_grad_norm": 0.0, "save_rollouts": True, "subset_size": 64,
             "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_processes": 2,
-            "run_dir": str(tmp_path / "two")}  # fmt: skip
+            "run_dir": str(tmp_path / "two"), "parallelism": parallelism}  # fmt: skip
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
@@ -207,14 +209,12 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     lengths = {int(mb["completion_mask_BC"].sum(1).max()) for mb in rows}
     assert len(lengths) > 1, "the ranks' micro-batches should end at different lengths"
     assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
-    records = [r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
-    assert len(records) == 2
+    records = [json.loads(r) for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
+    assert len(records) == 2 and all(r["engine_logprob_gap"] < 1e-3 for r in records), records
 
 
 def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
     """The rollout-engine figure at toy sizes (no timing claim): both sides sample the same work."""
-    import json
-
     repo = Path(__file__).resolve().parent.parent
     monkeypatch.syspath_prepend(str(repo))
     from bench import run
