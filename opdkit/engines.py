@@ -121,18 +121,20 @@ class VLLMEngine:
         from transformers import AutoConfig
         from vllm import LLM
 
-        limit = getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", None)
-        max_len = min(x for x in (self.max_model_len or None, limit) if x) if (self.max_model_len or limit) else None
+        limits = [x for x in (self.max_model_len, getattr(AutoConfig.from_pretrained(self.model_path),
+                                                           "max_position_embeddings", 0)) if x]  # fmt: skip
         memory = dict(gpu_memory_utilization=self.memory)
-        if _on_cpu():
+        cpu = _on_cpu()
+        if cpu:
             # vLLM's CPU worker grants `share x RAM` minus this process's whole footprint, which here includes
             # the trainer's: give the KV cache its share explicitly instead.
             import psutil
 
             memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
         return LLM(
-            model=self.model_path, dtype=self.dtype, enforce_eager=True, seed=0, **memory,
-            max_model_len=max_len, max_num_seqs=self.max_num_seqs,
+            model=self.model_path, dtype=self.dtype, seed=0, **memory,
+            enforce_eager=cpu,  # CUDA graphs on GPUs; on CPU compiling costs more than a run gains
+            max_model_len=min(limits) if limits else None, max_num_seqs=self.max_num_seqs,
             distributed_executor_backend="external_launcher" if self.distributed else "uni",
             skip_tokenizer_init=True,  # token ids in and out; the trainer's tokenizer is the one that counts
             generation_config="vllm", logprobs_mode="raw_logprobs",
