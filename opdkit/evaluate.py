@@ -24,7 +24,16 @@ def greedy_completions(
     batch_size: int = 256,
     enable_thinking: bool = False,
     progress: bool = False,
+    engine=None,
 ) -> list[str]:
+    """Greedy completions with the kit's loop, or with `engine` (an `engines.VLLMEngine` holding the
+    model's weights: one call, the engine batches by itself)."""
+    if engine is not None:
+        from opdkit import engines
+
+        ids, mask = rollout.encode_prompts(tokenizer, list(messages), enable_thinking)
+        greedy = engines.SamplingSettings(max_new_tokens, 0.0, 1.0, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        return rollout.decode_completions(tokenizer, engine.sample(model, ids, mask, greedy, seed=0))
     device = next(model.parameters()).device
     out: list[str] = []
     starts = range(0, len(messages), batch_size)

@@ -60,13 +60,16 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
-def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | None:
-    """Greedy accuracy with the evaluation set split across processes and the counts summed."""
+def sharded_accuracy(model, prep: Prepared, world: int, rank: int, engine=None) -> float | None:
+    """Greedy accuracy with the evaluation set split across processes and the counts summed; with a
+    vLLM `engine`, `model`'s weights are synced into it and it generates."""
     cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
     if not messages:
         return None
     mine = list(range(rank, len(messages), world))
     correct = 0.0
+    if engine is not None:
+        engine.sync(model)  # every rank: under FSDP a sync gathers
     if mine:
         comps = evaluate.greedy_completions(
             model, tok, [messages[i] for i in mine],
@@ -74,6 +77,7 @@ def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | No
             batch_size=cfg.eval_batch_size,
             enable_thinking=cfg.enable_thinking,
             progress=rank == 0,
+            engine=engine,
         )  # fmt: skip
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
@@ -127,7 +131,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_rollouts=cfg.save_rollouts,
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        vllm_max_model_len=0,  # the model's own: evaluation prompts are not cut to max_prompt_length
     )
 
 
@@ -150,15 +154,6 @@ def train_process(
     print0(f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
            f"{world} process(es) on {args.device}")  # fmt: skip
 
-    acc = lambda m: sharded_accuracy(m, prep, world, rank)  # noqa: E731
-    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
-    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
-    teacher_acc = acc(teacher)
-    if before is None:
-        before = acc(student)
-    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
-    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
-
     trainer = DistillTrainer(
         model=student,
         args=args,
@@ -170,13 +165,25 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    # With vLLM the student's greedy accuracy before and after uses the trainer's engine too (synced
+    # first); the teacher's stays on the kit's loop (it would need an engine of its own).
+    engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
+    acc = lambda m, e=None: sharded_accuracy(m, prep, world, rank, e)  # noqa: E731
+    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
+    teacher_acc = acc(teacher)
+    if before is None:
+        before = acc(student, engine)
+    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
+
     if resumed:
         _truncate_metrics(run, trainer)
     trainer.train(resume_from_checkpoint=True if resumed else None)
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
-    after = acc(trained_student(trainer, run.path / "model"))
+    after = acc(trained_student(trainer, run.path / "model"), engine)
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
