@@ -314,24 +314,6 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def parse_cli(job: str, description: str, argv: list[str] | None = None) -> tuple[str, dict]:
-    """`--mode M --set key=value ...` (values parsed as YAML) for the jobs' `python -m` entry points;
-    `--help` lists every field with its default and help text."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description=description, epilog="fields (--set NAME=VALUE), with their defaults before any preset:\n"
-        + help_text(job), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    p.add_argument("--mode", default=DEFAULT_MODE, help=f"preset in params/{job}/: {', '.join(available_modes(job))}")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)")
-    a = p.parse_args(argv)
-    bad = [s for s in a.set if "=" not in s]
-    if bad:
-        p.error(f"--set takes KEY=VALUE pairs; got {bad}")
-    return a.mode, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
-
-
 def help_text(job: str) -> str:
     """One line per field: name, default, help; what `papermill --help-notebook` cannot show in full."""
     lines = []

@@ -42,7 +42,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from opdkit import gradfile
-from opdkit.config import AntidistillationConfig, parse_cli
+from opdkit.cli import run_from_cli
+from opdkit.config import AntidistillationConfig
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.points import baseline, run_point
 from opdkit.jobs.antidistill.steering import Models, load_models
@@ -113,21 +114,18 @@ def summarize(cfg: AntidistillationConfig, results: list[dict], before: dict, gr
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    from opdkit.jobs.antidistill import report
-
-    mode, overrides = parse_cli(JOB, "Antidistillation sampling trade-off (opdkit 04_antidistill).", argv)
-    done = run(mode, overrides)
-    report.figures(done)
-    print(done.path)
-
-
-if __name__ == "__main__":
-    main()
-
-
 def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillationConfig, str]:
     """The resolved config a 04_antidistill run was made with, and its mode."""
     saved = (run if isinstance(run, RunDir) else RunDir.attach(run)).read_config(JOB)
     names = {f.name for f in fields(AntidistillationConfig)}
     return AntidistillationConfig(**{k: v for k, v in saved.items() if k in names}), saved.get("mode", "?")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from opdkit.jobs.antidistill import report
+
+    run_from_cli(JOB, "Antidistillation sampling trade-off (opdkit 04_antidistill).", run, report.figures, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from opdkit.config import ClipLessonConfig, ConfigError, load_config, parse_cli
+from opdkit.cli import run_from_cli
+from opdkit.config import ClipLessonConfig, ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.runs import RunDir, print0
 
@@ -157,10 +158,7 @@ def _load_run_config(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.cliplesson import report
 
-    mode, overrides = parse_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", argv)
-    lesson = run(mode, overrides)
-    report.figures(lesson)
-    print(lesson.path)
+    run_from_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

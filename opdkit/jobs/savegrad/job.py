@@ -30,7 +30,8 @@ from transformers import PreTrainedTokenizerBase
 
 import opdkit
 from opdkit import data, gradfile, grads, tasks, tiny
-from opdkit.config import ConfigError, SaveGradConfig, load_config, parse_cli
+from opdkit.cli import run_from_cli
+from opdkit.config import ConfigError, SaveGradConfig, load_config
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.launch import start_run
 from opdkit.models import load_model, load_tokenizer
@@ -172,11 +173,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.savegrad import report
 
-    mode, overrides = parse_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", argv)
-    done = run(mode, overrides)
-    if done.writer:
-        report.figures(done)
-    print0(f"run directory: {done.path}")
+    run_from_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from opdkit import data, evaluate, sharding, tasks
-from opdkit.config import WhiteboxConfig, load_config, parse_cli
+from opdkit.cli import run_from_cli
+from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
@@ -225,11 +226,7 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.whitebox import report
 
-    mode, overrides = parse_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", argv)
-    done = run(mode, overrides)
-    if done.writer:
-        report.figures(done)
-    print0(f"run directory: {done.path}")
+    run_from_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", run, report.figures, argv)
 
 
 if __name__ == "__main__":
