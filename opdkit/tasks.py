@@ -8,8 +8,8 @@ problems, checks a completion against a reference answer, and finds where the an
 
 - `tiny`: the tiny world's 3-digit addition (`opdkit.tiny.task`): its own problem streams, exact match
   of the text after the last ';'.
-- `math`: problems with a reference answer from a dataset (GSM8K, DAPO-Math-17k): the answer in the last
-  `\\boxed{}`, else on an `Answer:` line, compared after light normalisation.
+- `math`: problems with a reference answer from a dataset (GSM8K, DAPO-Math-17k): the final answer (the
+  last `\\boxed{}` or `Answer:` line, whichever is later) judged equal by math-verify (`opdkit.mathcheck`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import datasets
 
-from opdkit import answers, data
+from opdkit import data, mathcheck
 from opdkit.config import ConfigError
 from opdkit.tiny import task as tiny_task
 
@@ -103,14 +103,16 @@ class MathTask(Task):
     name = "math"
 
     def check(self, completion: str, answer: str) -> bool:
-        return answers.boxed_match(completion, answer)
+        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5 allowed)."""
+        return mathcheck.check(completion, answer)
 
     def extract_answer(self, completion: str) -> str | None:
-        return answers.extract_math_answer(completion)
+        span = mathcheck.final_span(completion)
+        return None if span is None else span[1].strip()
 
     def answer_start(self, completion: str) -> int | None:
-        at = completion.rfind("\\boxed")
-        return None if at < 0 else at
+        span = mathcheck.final_span(completion)
+        return None if span is None else span[0]
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
         """The rows after the training subset in the same seed-shuffled order."""
