@@ -50,8 +50,12 @@ class Task:
         """`n` built-in evaluation problems (prompt conversations, reference answers)."""
         raise ConfigError(f"the {self.name} task has no built-in held-out problems; give an evaluation dataset.")
 
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        """02_whitebox's training prompts: `subset_size` of `path` (-1: all), never one of `eval_rows`'."""
+        raise NotImplementedError
+
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """Held-out problems for a run trained on the first `subset_size` prompts of `path`."""
+        """Held-out problems for a run trained on `train_prompts(...)` of the same arguments: (messages, answers)."""
         raise NotImplementedError
 
     def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
@@ -81,6 +85,9 @@ class TinyTask(Task):
         """`n` held-out problems; `seed` draws another stream (the build's own evaluation uses one)."""
         probs = tiny_task.heldout_problems(n) if seed is None else tiny_task.problems(n, seed)
         return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
+
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        return data.load_prompts(data.TINY, subset_size=subset_size, seed=seed)  # its own stream, apart from heldout
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
         return self.heldout(eval_size)
@@ -114,13 +121,28 @@ class MathTask(Task):
         span = mathcheck.final_span(completion)
         return None if span is None else span[0]
 
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        """The head of the seed-shuffled dataset: `subset_size` rows, or (-1) all but the last `eval_size`."""
+        ds, (train, _) = self._split(path, split, subset_size, eval_size, seed)
+        return ds.select(train)
+
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """The rows after the training subset in the same seed-shuffled order."""
-        n = subset_size + eval_size if subset_size > 0 else -1
-        ds = data.load_prompts(path, split, n, seed)
-        start = subset_size if subset_size > 0 else max(0, len(ds) - eval_size)
-        rows = ds.select(range(start, min(len(ds), start + eval_size)))
+        """The `eval_size` rows after the training rows in the same seed-shuffled order (fewer if the file ends)."""
+        ds, (_, held) = self._split(path, split, subset_size, eval_size, seed)
+        rows = ds.select(held)
         return list(rows["messages"]), list(rows["answer"])
+
+    @staticmethod
+    def _split(path: str, split: str, subset_size: int, eval_size: int, seed: int) -> tuple[datasets.Dataset, tuple]:
+        """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by construction."""
+        ds = data.load_prompts(path, split, subset_size + eval_size if subset_size > 0 else -1, seed)
+        n_train = min(subset_size, len(ds)) if subset_size > 0 else len(ds) - eval_size
+        if n_train < 1 or (eval_size > 0 and n_train >= len(ds)):
+            raise ConfigError(
+                f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts and "
+                f"eval_size={eval_size} held-out ones apart from them; lower subset_size or eval_size."
+            )
+        return ds, (range(n_train), range(n_train, min(len(ds), n_train + eval_size)))
 
     def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
         """The tail `fraction` of the seed-shuffled dataset (the other jobs train on its head), first

@@ -49,7 +49,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     task = tasks.for_dataset(cfg.dataset_path)
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    prompts = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
