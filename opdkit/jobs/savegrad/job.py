@@ -35,7 +35,7 @@ from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, trace
 from opdkit.launch import start_run
 from opdkit.models import load_model, load_tokenizer
 from opdkit.runs import RunDir, print0
-from opdkit.traces import TRACES_DIR, completion_labels, format_trace
+from opdkit.traces import TRACES_DIR, completion_labels, format_trace, truncated_count
 from opdkit.traces import accuracy as teacher_accuracy
 
 JOB = "01_save_grad"
@@ -85,6 +85,7 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
         "traces": cfg.traces_path or TRACES_DIR,
         "tokenizer_fingerprint": gradfile.tokenizer_fingerprint(prep.proxy_tokenizer),
         "num_traces": stats["num_traces"],
+        "truncated_traces": stats["truncated_traces"],  # their labels end where the teacher stopped, no end of turn
         "completion_tokens": stats["completion_tokens"],
         "normalization": cfg.normalization,
         "loss": stats["loss"],
@@ -107,6 +108,7 @@ def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seco
     return {
         "status": "done",
         "num_traces": len(records),
+        "truncated_traces": stats["truncated_traces"],
         "completion_tokens": sum(lengths),
         "mean_completion_tokens": sum(lengths) / len(lengths),
         "teacher_accuracy": teacher_accuracy(records),
@@ -154,6 +156,7 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     records = traces_for(cfg, prep, run, rank, world, device)
     print0(f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}")
     named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
+    stats = {**stats, "truncated_traces": truncated_count(records)}
     if rank == 0:
         gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
     run.write_summary(summarize(records, stats, prep, world, time.time() - t0))
