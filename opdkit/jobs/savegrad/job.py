@@ -55,7 +55,8 @@ class Prepared:
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, load tokenizers and prompts (or supplied traces): every cheap failure happens here."""
+    """Resolve the config, then the prompts (or supplied traces), then the tokenizers, in the original's order
+    (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
     if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
         raise ConfigError(
@@ -63,13 +64,13 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
             f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
         )
     task = tasks.for_dataset(cfg.dataset_path)
-    proxy_tok = load_tokenizer(cfg.proxy_model)
     if cfg.traces_path:
         traces = supplied_traces(cfg)
+        proxy_tok = load_tokenizer(cfg.proxy_model)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking, 0)
         return Prepared(cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels))
-    teacher_tok = load_tokenizer(cfg.teacher_model)
     prompts = holdout_prompts(cfg)
+    proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
     prompts, dropped = data.filter_long_prompts(prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, teacher_tok)

@@ -44,17 +44,18 @@ class Prepared:
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
+    """Resolve the config, then the prompts, then the tokenizers, as the original does (the data file in
+    milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
     task = tasks.for_dataset(cfg.dataset_path)
-    tok = load_tokenizer(cfg.student_model)
-    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
     prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
-    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
         cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
     )  # fmt: skip
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
