@@ -34,6 +34,12 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     return model.to(dev)
 
 
+def sft_seed(cfg: AntidistillationConfig, seed: int) -> int:
+    """The SFT seed of the run with sampling seed `seed` (seed, seed+1, ... over repeats): `sft_seed` moved
+    along the same way, or `seed` itself when `sft_seed` is -1."""
+    return seed if cfg.sft_seed < 0 else cfg.sft_seed + (seed - cfg.seed)
+
+
 def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
     """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion); a
     truncated trace without the end-of-turn tokens the template would append."""
