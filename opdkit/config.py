@@ -121,6 +121,11 @@ class SaveGradConfig(RunFields):
     gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
     gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
     gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
+    proxy_tokens: str = _f(
+        "proxy", "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
+        "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy later)",
+        choices=("proxy", "teacher"),
+    )  # fmt: skip
     normalization: str = _f(
         "trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
         choices=("trace", "token"),

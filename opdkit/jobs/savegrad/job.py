@@ -33,7 +33,7 @@ from opdkit import data, gradfile, grads, tasks, tiny
 from opdkit.config import ConfigError, SaveGradConfig, load_config, parse_cli
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.launch import start_run
-from opdkit.models import load_model, load_tokenizer
+from opdkit.models import check_shared_vocab, load_model, load_tokenizer
 from opdkit.runs import RunDir, print0
 from opdkit.traces import TRACES_DIR, completion_labels, format_trace, truncated_count
 from opdkit.traces import accuracy as teacher_accuracy
@@ -64,6 +64,11 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
             f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
         )
     task = tasks.for_dataset(cfg.dataset_path)
+    if cfg.traces_path and cfg.proxy_tokens == "teacher":
+        raise ConfigError(
+            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; with "
+            "traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
+        )
     if cfg.traces_path:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
@@ -71,6 +76,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         return Prepared(cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels))
     prompts = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
+    if cfg.proxy_tokens == "teacher":
+        check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
     prompts, dropped = data.filter_long_prompts(prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, teacher_tok)
@@ -89,6 +96,7 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
         "truncated_traces": stats["truncated_traces"],  # their labels end where the teacher stopped, no end of turn
         "completion_tokens": stats["completion_tokens"],
         "normalization": cfg.normalization,
+        "proxy_tokens": cfg.proxy_tokens,
         "loss": stats["loss"],
         "grad_norm": stats["grad_norm"],
         "world_size": world,
