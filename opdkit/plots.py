@@ -177,7 +177,7 @@ def lesson_accuracy(summary: dict, path=None):
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("held-out exact match after")
+    ax.set_ylabel("held-out accuracy after")
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110, bbox_inches="tight")
