@@ -11,7 +11,8 @@ and `answer` (the reference final answer, "" when unknown). A Trainer must keep 
 
 Pitfalls this module exists for:
 - a mistyped local path must fail here, in milliseconds, not reach the Hub (or a GB model load) and
-  fail there with an unrelated message;
+  fail there with an unrelated message; a damaged file (a half-downloaded parquet) must name its path
+  (`UnreadableData`), not stop in pyarrow with "Parquet magic bytes not found";
 - the prompt must end with the chat template's own generation prompt (for Qwen3 with thinking off,
   "<|im_start|>assistant\\n" plus an empty think block), since the student continues from it: it is
   rendered by the template with `add_generation_prompt=True`, never written as a literal;
