@@ -121,6 +121,11 @@ class SaveGradConfig(RunFields):
     gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
     gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
     gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
+    proxy_tokens: str = _f(
+        "proxy", "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
+        "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy later)",
+        choices=("proxy", "teacher"),
+    )  # fmt: skip
     normalization: str = _f(
         "trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
         choices=("trace", "token"),
@@ -167,7 +172,7 @@ class AntidistillationConfig(RunFields):
     system_prompt: str = _f("", "system message put before every prompt; empty for none")
     eval_dataset_path: str = _f("", "evaluation prompts for the distilled students; empty: the tiny held-out problems")
     eval_dataset_split: str = _f("test", "split of eval_dataset_path")
-    eval_size: int = _f(300, "evaluation problems per distilled student; -1 means all of eval_dataset_path", min=-1)
+    eval_size: int = _f(300, "evaluation problems per distilled student (at least 1); -1 means all of eval_dataset_path", min=-1)
     max_prompt_length: int = _f(512, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(40, "trace length budget: tokens the teacher writes at most", min=1)
     eval_max_new_tokens: int = _f(0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0)
@@ -179,13 +184,22 @@ class AntidistillationConfig(RunFields):
     )  # fmt: skip
     ads_temperatures: list = _f((1.0,), "temperatures the ADS sweeps run at")
     temperatures: list = _f((1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures")
-    top_p: float = _f(1.0, "nucleus applied after the ADS term and the temperature, at every point", min=1e-3, max=1.0)
+    top_k: int = _f(0, "keep the k most likely tokens after the ADS term and the temperature, before top-p; 0 is off "
+                    "(the ADS reference: 50, transformers' default)", min=0)
+    top_p: float = _f(1.0, "nucleus applied after the ADS term, the temperature and top-k, at every point", min=1e-3, max=1.0)
+    grad_scale: float = _f(
+        1.0, "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose saved "
+        "gradient is 1/8 of the mean (DDP already averages over its 8 processes and the reference divides again)",
+        min=0.0,
+    )  # fmt: skip
     eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
     ads_method: str = _f(
         "fd", "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
         choices=("fd", "jvp"),
     )  # fmt: skip
     gen_batch_size: int = _f(256, "prompts per generation batch", min=1)
+    sft_seed: int = _f(-1, "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
+                       "reference distils with seed 69", min=-1)
     repeats: int = _f(1, "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted", min=1)
     sft_max_steps: int = _f(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
     sft_epochs: float = _f(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
@@ -202,6 +216,9 @@ class AntidistillationConfig(RunFields):
         super().__post_init__()
         for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
             setattr(self, name, _float_list(name, getattr(self, name)))
+        if self.eval_size == 0:
+            raise ConfigError("eval_size=0 leaves every distilled student unmeasured, and the trade-off is their accuracy; "
+                              "give a positive number of evaluation problems, or -1 for all of eval_dataset_path.")  # fmt: skip
         if not (self.lams or self.answer_lams or self.temperatures):
             raise ConfigError("lams, answer_lams and temperatures are all empty; give at least one sweep point.")
         if (self.lams or self.answer_lams) and not self.ads_temperatures:

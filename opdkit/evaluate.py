@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit import rollout
+from opdkit.models import eos_ids
 
 
 @torch.no_grad()
@@ -25,7 +26,10 @@ def greedy_completions(
     enable_thinking: bool = False,
     progress: bool = False,
 ) -> list[str]:
+    """Greedy completions of `messages`, each ending at the first stop token: the tokenizer's EOS or one of
+    the model's generation config (`models.eos_ids`)."""
     device = next(model.parameters()).device
+    stop = eos_ids(tokenizer, model)
     out: list[str] = []
     starts = range(0, len(messages), batch_size)
     for s in tqdm(starts, desc="evaluating", disable=not progress, leave=False):
@@ -36,7 +40,7 @@ def greedy_completions(
             model,
             ids,
             mask,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop,
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
             do_sample=False,

@@ -47,7 +47,8 @@ def model_skeleton(name: str) -> torch.nn.Module:
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
-    """The tokenizer's EOS and whatever the model's generation config also stops at."""
+    """The tokenizer's EOS and whatever the model's generation config also stops at (a DDP-wrapped model's too)."""
+    model = getattr(model, "module", model)
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
     return sorted({tokenizer.eos_token_id, *extra})

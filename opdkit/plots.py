@@ -61,7 +61,9 @@ def accuracy_bars(run: RunDir, summary: dict | None = None):
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center")
     ax.set_ylim(0, 1.1)
-    ax.set_ylabel("held-out exact match")
+    ax.set_ylabel("held-out accuracy")
+    if s.get("accuracy_precision"):
+        ax.set_title(f"greedy, decoded at {s['accuracy_precision']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(run.figure("accuracy"), dpi=110)
     return fig
@@ -175,7 +177,7 @@ def lesson_accuracy(summary: dict, path=None):
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("held-out exact match after")
+    ax.set_ylabel("held-out accuracy after")
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110, bbox_inches="tight")

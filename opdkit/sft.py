@@ -39,6 +39,22 @@ def completion_labels(
     return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
 
 
+def without_end_of_turn(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int]
+) -> tuple[list[int], list[int]]:
+    """A truncated completion as the teacher wrote it: the end-of-turn tokens the chat template appends after
+    the completion (Qwen's <|im_end|>, an EOS) are cut, with everything after them, so no loss target is a
+    token the teacher never wrote. Unchanged when nothing is labelled."""
+    stops = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
+    labelled = [k for k, t in enumerate(labels) if t != IGNORE]
+    if not labelled:
+        return ids, labels
+    end = labelled[-1]
+    while end >= labelled[0] and labels[end] in stops:
+        end -= 1
+    return ids[: end + 1], labels[: end + 1]
+
+
 def _mask_from_prefix(tokenizer, messages, ids, enable_thinking) -> list[int]:
     """Mask for templates without generation markers: everything after the rendered prompt."""
     if not messages or messages[-1]["role"] != "assistant":

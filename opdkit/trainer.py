@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from opdkit import losses, rollout, sharding
-from opdkit.models import TokenizerMismatch, check_tokenizers
+from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
 from opdkit.runs import RunDir
 
 
@@ -130,6 +130,9 @@ class DistillTrainer(Trainer):
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
         check_tokenizers(tok, teacher_tokenizer or tok)
         self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
+        # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
+        # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
+        self.stop_ids = eos_ids(tok, self.model)
         self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
         self.run = run
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
@@ -168,7 +171,7 @@ class DistillTrainer(Trainer):
             model,
             batch["prompts"],
             batch["prompt_attention_mask"],
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.stop_ids,
             pad_token_id=tok.pad_token_id,
             max_new_tokens=self.args.max_new_tokens,
             temperature=self.args.gen_temperature,
@@ -177,7 +180,7 @@ class DistillTrainer(Trainer):
         )
         self.stats.sequences += r.input_ids_BT.shape[0]
         self.stats.completion_tokens += r.completion_mask_BC.sum().item()
-        self.stats.truncated += r.truncated_B(tok.eos_token_id).sum().item()
+        self.stats.truncated += r.truncated_B(self.stop_ids).sum().item()
         return {
             "input_ids": r.input_ids_BT,
             "attention_mask": r.attention_mask_BT,

@@ -107,6 +107,8 @@ def summarize(cfg: AntidistillationConfig, results: list[dict], before: dict, gr
         "eps": cfg.eps,
         "ads_method": cfg.ads_method,
         "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "grad_scale": cfg.grad_scale,
         "num_traces": len(prep.messages),
         "prompts_dropped": prep.dropped,
         "eval_size": len(prep.eval_messages),

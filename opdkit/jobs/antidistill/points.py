@@ -22,6 +22,7 @@ from opdkit.jobs.antidistill.students import (
     fresh_student,
     holdout_loss,
     sft_rows,
+    sft_seed,
     student_accuracy,
 )
 from opdkit.jobs.antidistill.sweep import Point, Prepared
@@ -49,7 +50,7 @@ def write_traces(
         r = ads.ads_sample(
             models.teacher, prompts_BP, mask_BP, direction=direction, lam=point.lam,
             temperature=point.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
         )  # fmt: skip
         done = ~r.truncated_B(eos)
         for b, (i, text) in enumerate(zip(batch, rollout.decode_completions(tok, r))):
@@ -72,9 +73,10 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     records = write_traces(cfg, prep, models, point, seed, dev)
     write_jsonl(folder / "traces.jsonl", records)
     offload(models, dev, off=True)
-    student = fresh_student(cfg, dev, seed)
+    student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
-    losses = distill_student(student, rows, cfg, prep.student_tokenizer.pad_token_id, seed, desc=f"sft {point.name}")
+    losses = distill_student(student, rows, cfg, prep.student_tokenizer.pad_token_id, sft_seed(cfg, seed),
+                             desc=f"sft {point.name}")  # fmt: skip
     result = {
         "seed": seed, "teacher_accuracy": traces.accuracy(records), "student_accuracy": student_accuracy(student, prep),
         "student_holdout_loss": holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
@@ -129,7 +131,7 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
 
 def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
     """The student before any distillation, where every point starts from: accuracy and held-out loss."""
-    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, prep.cfg.seed)
+    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, sft_seed(prep.cfg, prep.cfg.seed))
     loss = holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
                         cfg.sft_micro_batch_size or cfg.sft_batch_size)  # fmt: skip
     return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}

@@ -34,13 +34,22 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     return model.to(dev)
 
 
+def sft_seed(cfg: AntidistillationConfig, seed: int) -> int:
+    """The SFT seed of the run with sampling seed `seed` (seed, seed+1, ... over repeats): `sft_seed` moved
+    along the same way, or `seed` itself when `sft_seed` is -1."""
+    return seed if cfg.sft_seed < 0 else cfg.sft_seed + (seed - cfg.seed)
+
+
 def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
-    """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion)."""
+    """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion); a
+    truncated trace without the end-of-turn tokens the template would append."""
     rows = []
     for rec in records:
         ids, labels = sft.completion_labels(
             tok, [*rec["messages"], {"role": "assistant", "content": rec["completion"]}], cfg.enable_thinking
         )
+        if rec.get("truncated"):  # the teacher never ended this turn: the student is not taught to end it
+            ids, labels = sft.without_end_of_turn(tok, ids, labels)
         if cfg.sft_max_length:
             ids, labels = ids[: cfg.sft_max_length], labels[: cfg.sft_max_length]
         if any(t != sft.IGNORE for t in labels):

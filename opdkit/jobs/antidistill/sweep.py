@@ -112,19 +112,20 @@ def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerB
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, tokenizers, prompts and the gradient's fit: every cheap failure happens here."""
+    """Resolve the config, then the prompts, then the tokenizers, then the gradient's fit to the proxy, in the
+    original's order (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
     task = tasks.for_dataset(cfg.dataset_path)
+    messages, answers = training_prompts(cfg)
+    eval_messages, eval_answers = eval_prompts(cfg, task)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     proxy_tok = load_tokenizer(cfg.proxy_model)
     student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
     check_shared_vocab(teacher_tok, proxy_tok)
     check_grads_run(cfg, proxy_tok)
-    messages, answers = training_prompts(cfg)
     messages, answers, dropped = _drop_long(messages, answers, teacher_tok, cfg)
     if not messages:
         raise ConfigError(f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it.")
-    eval_messages, eval_answers = eval_prompts(cfg, task)
     first = teacher_tok.decode(data.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
     return Prepared(cfg, mode, task, teacher_tok, proxy_tok, student_tok, messages, answers, eval_messages, eval_answers,
                     dropped, first)  # fmt: skip

@@ -45,39 +45,48 @@ class Prepared:
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
+    """Resolve the config, then the prompts, then the tokenizers, as the original does (the data file in
+    milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
     task = tasks.for_dataset(cfg.dataset_path)
-    tok = load_tokenizer(cfg.student_model)
-    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    prompts = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
-    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
-    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
         cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
     )  # fmt: skip
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
+def accuracy_precision(cfg: WhiteboxConfig) -> str:
+    """How every accuracy of the run decodes: the precision the student samples its rollouts at."""
+    return "bf16 autocast" if cfg.bf16 else "fp32"
+
+
 def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | None:
-    """Greedy accuracy with the evaluation set split across processes and the counts summed."""
+    """Greedy accuracy with the evaluation set split across processes and the counts summed. Every model
+    decodes under the same autocast (`accuracy_precision`), so before and after compare one precision."""
     cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
     if not messages:
         return None
     mine = list(range(rank, len(messages), world))
     correct = 0.0
+    device = next(model.parameters()).device
     if mine:
-        comps = evaluate.greedy_completions(
-            model, tok, [messages[i] for i in mine],
-            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-            batch_size=cfg.eval_batch_size,
-            enable_thinking=cfg.enable_thinking,
-            progress=rank == 0,
-        )  # fmt: skip
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            comps = evaluate.greedy_completions(
+                model, tok, [messages[i] for i in mine],
+                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                batch_size=cfg.eval_batch_size,
+                enable_thinking=cfg.enable_thinking,
+                progress=rank == 0,
+            )  # fmt: skip
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
-        t = torch.tensor([correct], dtype=torch.float64, device=next(model.parameters()).device)
+        t = torch.tensor([correct], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         correct = t.item()
     return correct / len(messages)
@@ -154,7 +163,8 @@ def train_process(
     if before is None:
         before = acc(student)
     print0(f"accuracy before: teacher {teacher_acc}, student {before}")
-    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
+    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc,
+                       "accuracy_precision": accuracy_precision(cfg), "status": "training"})  # fmt: skip
 
     trainer = DistillTrainer(
         model=student,
@@ -178,6 +188,7 @@ def train_process(
         "student_accuracy_before": before,
         "student_accuracy_after": after,
         "teacher_accuracy": teacher_acc,
+        "accuracy_precision": accuracy_precision(cfg),  # all three accuracies decode at it
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
@@ -194,7 +205,8 @@ def trained_student(trainer: DistillTrainer, saved: Path):
     every rank: each rank generates for its own share of prompts, so sharded layers, whose every
     forward is a collective, would wait on ranks that have stopped."""
     if not trainer.is_fsdp_enabled:
-        return trainer.accelerator.unwrap_model(trainer.model)
+        # Without accelerate's autocast wrapper: `sharded_accuracy` applies the one precision of the run.
+        return trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     trainer.accelerator.wait_for_everyone()  # rank 0 has written model/
     return load_model(str(saved), torch.float32, trainer.args.device)
 
