@@ -96,6 +96,25 @@ def test_notebook_parameters_reject_unknown_names():
     assert mode == "full" and over == {"learning_rate": None}
 
 
+def test_notebook_parameters_come_from_the_parameters_cell_not_globals():
+    params = 'mode: str = "tiny"  # preset\nmax_steps: int = 5  # steps\nseed: int = None  # seed'
+    config_cell = 'mode, overrides = notebook_parameters("02_whitebox", globals())'
+    first_run = ["", params, config_cell, "scratch = 1"]
+    namespace = {"In": first_run, "mode": "tiny", "max_steps": 5, "seed": None, "scratch": 1, "cfg": object()}
+    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 5, "seed": None})
+    # Run all again with max_steps edited and seed deleted: the globals still hold both old values.
+    edited = 'mode: str = "tiny"\nmax_steps: int = 7\nlearning_rate = 2 * 1e-3'
+    namespace["In"] = first_run + [edited, config_cell]
+    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 7, "learning_rate": 2e-3})
+    # papermill's injected cell runs after the parameters cell and wins; an unknown name is refused.
+    injected = "# Parameters\nmax_steps = 3\nmode = \"full\"\n"
+    namespace["In"] = first_run + [params, injected, config_cell]
+    assert notebook_parameters("02_whitebox", namespace) == ("full", {"max_steps": 3, "seed": None})
+    namespace["In"] = first_run + [params, injected + "bogus = 1\n", config_cell]
+    with pytest.raises(ConfigError, match="bogus"):
+        notebook_parameters("02_whitebox", namespace)
+
+
 def _cells(path):
     return json.loads(path.read_text())["cells"]
 

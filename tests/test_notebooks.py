@@ -9,6 +9,7 @@ from pathlib import Path
 
 import papermill as pm
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "notebooks"
@@ -52,3 +53,29 @@ def test_clip_lesson_notebook_runs_headless(tmp_path):
     assert set(summary) == {"clip", "noclip", "clip-at-noclip-lr", "noclip-at-clip-lr", "sgd-clip", "sgd-noclip"}
     for fig in ("loss_and_grad_norm", "final_accuracy", "spike_samples"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
+
+
+@pytest.mark.slow
+def test_run_all_twice_in_one_kernel_reads_the_parameters_cell(tmp_path):
+    """As in JupyterLab: Run All, edit the parameters cell, Run All again in the same kernel. The first
+    run's variables and a scratch variable are no parameters; an edited value takes effect and a
+    deleted line falls back to the preset."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NB / "01_save_grad.ipynb", as_version=4)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    nb.cells.append(nbformat.v4.new_code_cell("scratch = 1  # a user's own variable"))
+    client = NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": str(NB)}}, timeout=600)
+    first, second = tmp_path / "first", tmp_path / "second"
+    with client.setup_kernel():
+        params.source = f'mode: str = "tiny"\nrun_dir: str = "{first}"\nsubset_size: int = 8\nbatch_size: int = 2'
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+        params.source = f'mode: str = "tiny"\nrun_dir: str = "{second}"\nsubset_size: int = 6'
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+    cfg1 = yaml.safe_load((first / "config.yaml").read_text())
+    cfg2 = yaml.safe_load((second / "config.yaml").read_text())
+    assert (cfg1["subset_size"], cfg1["batch_size"]) == (8, 2)
+    assert (cfg2["subset_size"], cfg2["batch_size"]) == (6, 8)  # 8: the tiny preset's
