@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 from dataclasses import fields
@@ -143,9 +144,14 @@ def test_notebook_parameters_are_fields_and_documented(path):
     assert set(names) <= valid, set(names) - valid
     assert {"mode", "run_dir"} <= set(names)
     for line in source.splitlines():
+        if line.startswith("#"):  # a commented-out field a GPU user sets, or a heading for them
+            name = re.match(r"#\s*(\w+)\s*:\s*\w+\s*=", line)
+            assert name is None or name.group(1) in valid, f"commented-out {line!r} is no field"
+            continue
         comment = line.split("#", 1)[1] if "#" in line else ""
         assert comment.strip(), f"parameter without a comment: {line}"
         assert "=" not in comment, f"papermill's parser breaks on '=' in a comment: {line}"
+    assert re.search(r"^# \w+: \w+ = ", source, re.M), "show the fields a GPU user sets, commented out"
     mode_line = next(line for line in source.splitlines() if line.startswith("mode"))
     assert re.search(r'"tiny"', mode_line), "the default mode is the tiny preset"
 
@@ -162,3 +168,16 @@ def test_environment_yml_matches_pyproject():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert "make test" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("module", ["savegrad", "whitebox", "cliplesson", "antidistill"])
+def test_cli_help_lists_every_field_with_default_and_help(module, capsys):
+    job = importlib.import_module(f"opdkit.jobs.{module}.job")
+    with pytest.raises(SystemExit) as exit_:
+        job.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for f in fields(config.job_class(job.JOB)):
+        line = next((ln for ln in out.splitlines() if ln.split()[:1] == [f.name]), None)
+        assert line is not None, f"{f.name} missing from --help"
+        assert repr(f.default) in line and f.metadata["help"][:30] in line, line
