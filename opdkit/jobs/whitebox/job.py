@@ -100,7 +100,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5: the new name of gradient_checkpointing
         bf16=cfg.bf16,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -185,7 +185,7 @@ def train_process(
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
-    print0(f"accuracy after: student {after}; run directory {run.path}")
+    print0(f"accuracy after: student {after}")
 
 
 def trained_student(trainer: DistillTrainer, saved: Path):
