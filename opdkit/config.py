@@ -61,6 +61,8 @@ class WhiteboxConfig(RunFields):
     eval_size: int = _f(500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0)
     eval_max_new_tokens: int = _f(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
     eval_batch_size: int = _f(64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1)
+    eval_steps: int = _f(0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0)
+    eval_steps_size: int = _f(100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1)
     max_prompt_length: int = _f(1024, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(1024, "completion length the student samples", min=1)
     enable_thinking: bool = _f(False, "passed to the chat template (Qwen3 thinking mode)")

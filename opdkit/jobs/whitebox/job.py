@@ -25,7 +25,7 @@ from opdkit.config import WhiteboxConfig, load_config, parse_cli
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
-from opdkit.trainer import DistillTrainer, OPDArguments
+from opdkit.trainer import DistillTrainer, OPDArguments, StepAccuracy
 
 JOB = "02_whitebox"
 
@@ -59,9 +59,11 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
-def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | None:
-    """Greedy accuracy with the evaluation set split across processes and the counts summed."""
-    cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
+def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | None = None) -> float | None:
+    """Greedy accuracy with the evaluation set (its first `limit` problems) split across processes and
+    the counts summed."""
+    cfg, tok = prep.cfg, prep.tokenizer
+    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     if not messages:
         return None
     mine = list(range(rank, len(messages), world))
@@ -166,6 +168,8 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    if cfg.eval_steps and prep.eval_messages:
+        add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
     if resumed:
         _truncate_metrics(run, trainer)
     trainer.train(resume_from_checkpoint=True if resumed else None)
@@ -186,6 +190,15 @@ def train_process(
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}")
+
+
+def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
+    """Accuracy while training. Not under FSDP: every rank generates for its own share of prompts, and
+    sharded layers, whose every forward is a collective, would wait on ranks that have stopped."""
+    if trainer.is_fsdp_enabled:
+        print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
+        return
+    trainer.add_callback(StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log))
 
 
 def trained_student(trainer: DistillTrainer, saved: Path):
