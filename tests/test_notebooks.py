@@ -30,6 +30,28 @@ def test_whitebox_notebook_runs_headless(tmp_path):
     assert summary["steps"] == 12 and summary["student_accuracy_after"] is not None
     for fig in ("training_curves", "accuracy", "samples"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
+    run_cell = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
+    assert "<table" not in json.dumps(run_cell), "transformers' growing step table is replaced by plain logs"
+    assert "'loss'" in json.dumps(run_cell) and "FutureWarning" not in json.dumps(run_cell)
+
+
+def _cell_outputs(path: Path, needle: str) -> list[dict]:
+    nb = json.loads(path.read_text())
+    return next(c["outputs"] for c in nb["cells"] if needle in "".join(c["source"]))
+
+
+@pytest.mark.slow
+def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypatch):
+    """OPDKIT_LIVE=1 stands for a kernel started by JupyterLab: one progress bar and one display of the
+    curves, updated in place, with the accuracy measured every eval_steps."""
+    monkeypatch.setenv("OPDKIT_LIVE", "1")
+    run_dir = tmp_path / "run"
+    execute("02_whitebox.ipynb", tmp_path, run_dir=str(run_dir), max_steps=4, eval_size=16, eval_steps=2,
+            eval_steps_size=8, sample_every=2)  # fmt: skip
+    outputs = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 1 and images[0].get("metadata") is not None
+    assert "<table" not in json.dumps(outputs) and "'loss'" not in json.dumps(outputs)
 
 
 def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):

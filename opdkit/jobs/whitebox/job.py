@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, evaluate, sharding, tasks
+from opdkit import data, evaluate, live, sharding, tasks
 from opdkit.config import WhiteboxConfig, load_config, parse_cli
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
@@ -168,6 +168,7 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
     if cfg.eval_steps and prep.eval_messages:
         add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
     if resumed:
