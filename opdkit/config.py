@@ -42,6 +42,10 @@ class RunFields:
     num_processes: int = _f(
         0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
     )
+    report_to: str = _f(
+        "none", "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "
+        "(local-first; pip install opdkit[track]) or wandb", choices=("none", "tensorboard", "trackio", "wandb"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -95,7 +99,6 @@ class WhiteboxConfig(RunFields):
     save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
     save_steps: int = _f(100, "checkpoint every this many steps; 0 only at the end", min=0)
     save_total_limit: int = _f(2, "checkpoints kept", min=1)
-    report_to: str = _f("none", "transformers integrations to report to (none, wandb, tensorboard)")
 
 
 @dataclass

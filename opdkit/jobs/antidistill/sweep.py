@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, gradfile, tasks, traces
+from opdkit import data, gradfile, tasks, traces, tracking
 from opdkit.config import AntidistillationConfig, ConfigError, load_config
 from opdkit.models import check_shared_vocab, load_tokenizer, model_skeleton
 
@@ -114,6 +114,7 @@ def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerB
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, tokenizers, prompts and the gradient's fit: every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     proxy_tok = load_tokenizer(cfg.proxy_model)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, evaluate, live, sharding, tasks
+from opdkit import data, evaluate, live, sharding, tasks, tracking
 from opdkit.config import WhiteboxConfig, load_config, parse_cli
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
@@ -46,6 +46,7 @@ class Prepared:
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
@@ -113,6 +114,8 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
         save_total_limit=cfg.save_total_limit,
         report_to=cfg.report_to,
+        project=tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
+        run_name=f"{JOB}/{run_path.name}",
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
@@ -168,6 +171,7 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    tracking.report_samples(trainer, cfg.report_to, run)
     live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
     if cfg.eval_steps and prep.eval_messages:
         add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
