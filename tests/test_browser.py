@@ -144,13 +144,15 @@ def busy(page) -> bool:
     return kernel_status(page) != "Idle" or any("*" in p for p in prompts)
 
 
-def run_all(page, timeout: float) -> float:
+def run_all(page, timeout: float, while_busy=None) -> float:
     """Run > Run All Cells; wait for busy, then for idle with no [*] prompt left (for 1 s: Idle flickers
-    between queued cells). Returns the seconds it took."""
+    between queued cells). `while_busy(page)` runs once the kernel is busy. Returns the seconds it took."""
     t0 = time.time()
     menu(page, "Run", "Run All Cells")
     with contextlib.suppress(TimeoutError):  # a run faster than the poll shows no busy state
         wait_until(page, lambda: busy(page), 15, "busy after Run All", poll=0.05)
+    if while_busy:
+        while_busy(page)
     wait_until(page, lambda: not busy(page), timeout, "idle after Run All")
     page.wait_for_timeout(1000)
     wait_until(page, lambda: not busy(page), timeout, "idle after Run All (confirmed)")
@@ -190,6 +192,21 @@ def newest_config(runs: Path, job: str) -> dict:
     return yaml.safe_load((newest / "config.yaml").read_text())
 
 
+def live_figure_while_training(shots: Path):
+    """02's training cell shows the curves (an image) and a progress bar before the run is over."""
+
+    def watch(page):
+        cell = page.locator(CODE_CELL).filter(has_text="whitebox.run(")
+        wait_until(page, lambda: cell.locator(".jp-OutputArea-output img").count() == 1, 240, "a live figure")
+        running = "*" in cell.locator(INPUT_PROMPT).inner_text()
+        cell.scroll_into_view_if_needed()
+        page.screenshot(path=str(shots / "02_live_figure.png"), full_page=False)
+        assert running, "the figure came only after training"
+        assert cell.locator(".progress-bar").count() >= 1, cell.inner_html()[:3000]
+
+    return watch
+
+
 def move_slider_and_read(page) -> tuple[tuple[str, str], tuple[str, str]]:
     """02's sample browser: the slider starts at the last logged step; Home goes to the first."""
     handle = page.locator(".widget-slider .noUi-handle").first
@@ -221,7 +238,7 @@ def test_every_notebook_in_jupyterlab(tmp_path):
             if name == "04_antidistill":  # the gradient of the 01 run above, instead of a new one
                 short = {**short, "grads_run": str(max((runs / "01_save_grad").iterdir(), key=os.path.getmtime))}
             set_parameters(page, short)
-            timings[name] = run_all(page, 420)
+            timings[name] = run_all(page, 420, live_figure_while_training(shots) if name == "02_whitebox" else None)
             page.screenshot(path=str(shots / f"{name}.png"), full_page=False)
             assert saved_errors(page, base, path) == [], name
             if name == "01_save_grad":  # edit a value, Run All again in the same kernel

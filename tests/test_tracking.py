@@ -67,6 +67,7 @@ def test_save_grad_sends_its_summary_and_a_traces_table(tmp_path, fake_trackio):
     assert fake_trackio.finished == 1 and run.read_summary()["status"] == "done"
 
 
+@pytest.mark.slow
 def test_antidistill_sends_every_point_and_a_points_table(tmp_path, fake_trackio):
     grads = savegrad.run("tiny", {"subset_size": 8, "run_dir": str(tmp_path / "g")})
     antidistill.run("tiny", {"grads_run": str(grads.path), "lams": [0.0, 0.1], "answer_lams": [], "temperatures": [],
