@@ -74,7 +74,7 @@ def _accuracy_references(ax, summary: dict) -> None:
     if summary.get("student_accuracy_before") is not None:
         ax.plot([0], [summary["student_accuracy_before"]], "s", color="#bbb", label="student before")
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="best")
 
 
 def _summary_or_empty(run: RunDir) -> dict:
