@@ -42,6 +42,10 @@ class RunFields:
     num_processes: int = _f(
         0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
     )
+    report_to: str = _f(
+        "none", "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "
+        "(local-first; pip install opdkit[track]) or wandb", choices=("none", "tensorboard", "trackio", "wandb"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -61,6 +65,8 @@ class WhiteboxConfig(RunFields):
     eval_size: int = _f(500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0)
     eval_max_new_tokens: int = _f(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
     eval_batch_size: int = _f(64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1)
+    eval_steps: int = _f(0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0)
+    eval_steps_size: int = _f(100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1)
     max_prompt_length: int = _f(1024, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(1024, "completion length the student samples", min=1)
     enable_thinking: bool = _f(False, "passed to the chat template (Qwen3 thinking mode)")
@@ -93,7 +99,6 @@ class WhiteboxConfig(RunFields):
     save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
     save_steps: int = _f(100, "checkpoint every this many steps; 0 only at the end", min=0)
     save_total_limit: int = _f(2, "checkpoints kept", min=1)
-    report_to: str = _f("none", "transformers integrations to report to (none, wandb, tensorboard)")
 
 
 @dataclass

@@ -83,7 +83,13 @@ def _rebuild_thread_pool_after_fork() -> None:
 def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) -> None:
     """Call `fn(*args)` in `num_processes` processes (in this one when 1 or under torchrun)."""
     if num_processes <= 1 or under_external_launcher():
-        fn(*args)
+        import torch
+
+        threads = torch.get_num_threads()  # jobs may lower it for small models: give the caller's back
+        try:
+            fn(*args)
+        finally:
+            torch.set_num_threads(threads)
         return
     from accelerate import notebook_launcher
 

@@ -14,6 +14,8 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -35,8 +37,24 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+# Below this size a model's matmuls are too small to gain from several CPU threads; on a shared or
+# busy machine the threads' spin-waits make them slower instead (measured: 02 tiny took 3x longer
+# headless with 2 threads than with 1 on 2 busy cores; see README, "Watching a run").
+SMALL_MODEL_PARAMS = 20_000_000
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+    one_thread_for_small_models(model)
+    return model
+
+
+def one_thread_for_small_models(model: torch.nn.Module) -> None:
+    """One torch thread for a small model on the CPU, unless the user chose a count (OMP_NUM_THREADS), as a
+    JupyterLab kernel's user has usually not. `launch.launch` restores the caller's count afterwards."""
+    device = next(model.parameters()).device
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and num_params(model) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
 
 
 def model_skeleton(name: str) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -273,6 +274,8 @@ class DistillTrainer(Trainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:
             logs.update(self._step_metrics(logs))
+        elif "eval_accuracy" in logs and self.run and self.args.process_index == 0:
+            self.run.log({"step": self.state.global_step, "eval_accuracy": logs["eval_accuracy"]})
         super().log(logs, start_time)
 
     def _step_metrics(self, logs: dict) -> dict:
@@ -320,6 +323,29 @@ class GradientDump(TrainerCallback):
         }
         if args.process_index == 0:
             torch.save(grads, self.path)
+
+
+class StepAccuracy(TrainerCallback):
+    """Every `every` optimizer steps, `measure(model)` (greedy accuracy on a held-out slice, all processes
+    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers)."""
+
+    def __init__(self, measure: Callable, every: int, log: Callable[[dict], None]):
+        self.measure, self.every, self.log = measure, every, log
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.every or state.global_step % self.every:
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            value = self.measure(model)
+        finally:
+            model.train(was_training)
+        if value is not None:
+            should_log = control.should_log  # logging resets it, and the step's own record is still due
+            self.log({"eval_accuracy": value})
+            control.should_log = should_log
+        return control
 
 
 class _NonFiniteStop(TrainerCallback):

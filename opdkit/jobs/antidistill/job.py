@@ -41,9 +41,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from opdkit import gradfile
+from opdkit import gradfile, tracking
 from opdkit.cli import run_from_cli
-from opdkit.config import AntidistillationConfig
+from opdkit.config import AntidistillationConfig, to_dict
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.points import baseline, run_point
 from opdkit.jobs.antidistill.steering import Models, load_models
@@ -80,14 +80,22 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     before = baseline(prep, models, dev)
     print0(f"{len(points)} points, {len(prep.messages)} traces each; student before distillation: "
            f"{before['student_accuracy_before']:.3f}")  # fmt: skip
+    tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
+    tracker.log(before, step=0)
     results = []
-    for point in tqdm(points, desc="trade-off points"):
+    for i, point in enumerate(tqdm(points, desc="trade-off points")):
         results.append(run_point(point, prep, models, run, dev))
         run.log(results[-1])
+        tracker.log({k: results[-1].get(k) for k in TRACKED}, step=i + 1)
         print0(_line(results[-1]))
     summary = summarize(cfg, results, before, grads_dir, models, prep, time.time() - t0)
     run.write_summary(summary)
+    tracker.table("points", [{"name": r["name"], **{k: r.get(k) for k in TRACKED}} for r in results])
+    tracker.finish()
     return run
+
+
+TRACKED = ("lam", "temperature", "teacher_accuracy", "student_accuracy", "student_holdout_loss")
 
 
 def _line(r: dict) -> str:

@@ -29,7 +29,7 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     return model.to(dev)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, gradfile, tasks, traces
+from opdkit import data, gradfile, tasks, traces, tracking
 from opdkit.config import AntidistillationConfig, ConfigError, load_config
 from opdkit.models import check_shared_vocab, load_tokenizer, model_skeleton
 
@@ -115,6 +115,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, then the prompts, then the tokenizers, then the gradient's fit to the proxy, in the
     original's order (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
     messages, answers = training_prompts(cfg)
     eval_messages, eval_answers = eval_prompts(cfg, task)

@@ -29,9 +29,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import data, gradfile, grads, tasks, tiny
+from opdkit import data, gradfile, grads, tasks, tiny, tracking
 from opdkit.cli import run_from_cli
-from opdkit.config import ConfigError, SaveGradConfig, load_config
+from opdkit.config import ConfigError, SaveGradConfig, load_config, to_dict
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.launch import start_run
 from opdkit.models import check_shared_vocab, load_model, load_tokenizer
@@ -59,6 +59,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, then the prompts (or supplied traces), then the tokenizers, in the original's order
     (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
         raise ConfigError(
             f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
@@ -169,9 +170,20 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     stats = {**stats, "truncated_traces": truncated_count(records)}
     if rank == 0:
         gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
-    run.write_summary(summarize(records, stats, prep, world, time.time() - t0))
+    summary = summarize(records, stats, prep, world, time.time() - t0)
+    run.write_summary(summary)
+    track(cfg, run, summary, records)
     print0(f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}")
     state.wait_for_everyone()
+
+
+def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], rows: int = 32) -> None:
+    """The summary's numbers and the first `rows` traces as a table, to the `report_to` tracker (rank 0)."""
+    tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
+    tracker.log(summary, step=0)
+    tracker.table("traces", [{"prompt": r["messages"][-2]["content"], "trace": r["messages"][-1]["content"],
+                              "answer": r.get("answer"), "correct": r.get("correct")} for r in records[:rows]])  # fmt: skip
+    tracker.finish()
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, evaluate, sharding, tasks
+from opdkit import data, evaluate, live, sharding, tasks, tracking
 from opdkit.cli import run_from_cli
 from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
-from opdkit.trainer import DistillTrainer, OPDArguments
+from opdkit.trainer import DistillTrainer, OPDArguments, StepAccuracy
 
 JOB = "02_whitebox"
 
@@ -48,6 +48,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, then the prompts, then the tokenizers, as the original does (the data file in
     milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
     prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
@@ -66,10 +67,12 @@ def accuracy_precision(cfg: WhiteboxConfig) -> str:
     return "bf16 autocast" if cfg.bf16 else "fp32"
 
 
-def sharded_accuracy(model, prep: Prepared, world: int, rank: int) -> float | None:
-    """Greedy accuracy with the evaluation set split across processes and the counts summed. Every model
-    decodes under the same autocast (`accuracy_precision`), so before and after compare one precision."""
-    cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
+def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | None = None) -> float | None:
+    """Greedy accuracy with the evaluation set (its first `limit` problems) split across processes and the
+    counts summed. Every model decodes under the same autocast (`accuracy_precision`), so before and after
+    compare one precision."""
+    cfg, tok = prep.cfg, prep.tokenizer
+    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     if not messages:
         return None
     mine = list(range(rank, len(messages), world))
@@ -110,7 +113,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5: the new name of gradient_checkpointing
         bf16=cfg.bf16,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -121,6 +124,8 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
         save_total_limit=cfg.save_total_limit,
         report_to=cfg.report_to,
+        project=tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
+        run_name=f"{JOB}/{run_path.name}",
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
@@ -177,6 +182,10 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    tracking.report_samples(trainer, cfg.report_to, run)
+    live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
+    if cfg.eval_steps and prep.eval_messages:
+        add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
     if resumed:
         _truncate_metrics(run, trainer)
     trainer.train(resume_from_checkpoint=True if resumed else None)
@@ -197,7 +206,16 @@ def train_process(
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
-    print0(f"accuracy after: student {after}; run directory {run.path}")
+    print0(f"accuracy after: student {after}")
+
+
+def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
+    """Accuracy while training. Not under FSDP: every rank generates for its own share of prompts, and
+    sharded layers, whose every forward is a collective, would wait on ranks that have stopped."""
+    if trainer.is_fsdp_enabled:
+        print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
+        return
+    trainer.add_callback(StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log))
 
 
 def trained_student(trainer: DistillTrainer, saved: Path):
