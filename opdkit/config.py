@@ -94,6 +94,15 @@ class WhiteboxConfig(RunFields):
         choices=("ddp", "fsdp"),
     )  # fmt: skip
     loss_chunk_size: int = _f(1024, "completion tokens per chunk of the divergence", min=1)
+    rollout_engine: str = _f(
+        "hf", "what samples the student's rollouts, all of an optimizer step's prompts in one call: hf, the kit's "
+        "KV-cached loop; vllm, a vLLM engine colocated in every process (install the vllm extra), synced with "
+        "the student once per step", choices=("hf", "vllm"),
+    )  # fmt: skip
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, beside "
+        "the training (on CPU: the share of RAM given to its KV cache)", min=0.01, max=1.0,
+    )  # fmt: skip
     logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
     sample_every: int = _f(10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0)
     save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")

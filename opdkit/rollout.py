@@ -34,6 +34,7 @@ class Rollout:
     attention_mask_BT: torch.Tensor  # 1 on real prompt tokens and on completion tokens up to EOS
     completion_mask_BC: torch.Tensor  # 1 on completion tokens up to and including the first EOS
     prompt_len: int  # P: columns that hold the (padded) prompt
+    logprobs_BC: torch.Tensor | None = None  # an engine's log p of each sampled token (raw, T = 1), 0 elsewhere
 
     @property
     def completion_ids_BC(self) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """`DistillTrainer`: white-box on-policy distillation on transformers' `Trainer`.
 
 One optimizer step:
-1. `get_batch_samples` pulls the step's prompt micro-batches, the student samples a completion for
-   each prompt with its KV cache, and the completion tokens of the whole step are counted across
-   processes (N);
+1. `get_batch_samples` pulls the step's prompt micro-batches; the rollout engine (`rollout_engine`: the
+   kit's KV-cached loop, or vLLM colocated in this process with the student's weights synced first)
+   samples a completion for every prompt of the step in one call; the result is cut back into the
+   micro-batches, and the completion tokens of the whole step are counted across processes (N);
 2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
    positions the sampler used, and sums the per-token divergence over completion tokens from the final
    hidden states in chunks (`losses.chunked_divergence`), divided by N; so batch size x gradient
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
-from opdkit import losses, rollout, sharding
+from opdkit import engines, losses, rollout, sharding
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
 from opdkit.runs import RunDir
 
@@ -85,14 +86,25 @@ class OPDArguments(TrainingArguments):
     sample_every: int = _arg(0, "log a few sampled completions every this many steps; 0 never", min=0)
     samples_per_log: int = _arg(4, "completions logged each time", min=1)
     save_rollouts: bool = _arg(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
+    rollout_engine: str = _arg(
+        "hf", "what samples the rollouts: hf, the kit's KV-cached loop; vllm, a vLLM engine colocated in every "
+        "process, synced with the student once per optimizer step", choices=engines.ENGINES,
+    )  # fmt: skip
+    vllm_gpu_memory_utilization: float = _arg(
+        0.3, "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
+        min=0.01, max=1.0,
+    )  # fmt: skip
+    vllm_max_model_len: int = _arg(0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0)
 
     def __post_init__(self):
         super().__post_init__()
         for name in ("beta", "kl_temperature", "gen_temperature", "gen_top_p", "max_new_tokens", "loss_chunk_size",
-                     "sample_every", "samples_per_log"):  # fmt: skip
+                     "sample_every", "samples_per_log", "vllm_gpu_memory_utilization", "vllm_max_model_len"):  # fmt: skip
             meta, value = self.__dataclass_fields__[name].metadata, getattr(self, name)
             if ("min" in meta and value < meta["min"]) or ("max" in meta and value > meta["max"]):
                 raise ValueError(f"{name}={value!r} is outside [{meta.get('min')}, {meta.get('max')}] ({meta['help']}).")
+        if self.rollout_engine not in engines.ENGINES:
+            raise ValueError(f"rollout_engine={self.rollout_engine!r} is not one of {list(engines.ENGINES)}.")
 
 
 @dataclass
@@ -103,10 +115,12 @@ class StepStats:
     completion_tokens: float = 0.0
     truncated: float = 0.0
     entropy_sum: float = 0.0
+    gap_sum: float = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
+    gap_tokens: float = 0.0
     started: float = field(default_factory=time.time)
 
     def as_tensor(self, device) -> torch.Tensor:
-        vals = [self.sequences, self.completion_tokens, self.truncated, self.entropy_sum]
+        vals = [self.sequences, self.completion_tokens, self.truncated, self.entropy_sum, self.gap_sum, self.gap_tokens]
         return torch.tensor(vals, dtype=torch.float64, device=device)
 
 
@@ -141,6 +155,7 @@ class DistillTrainer(Trainer):
         self.last_grad_norm: float | None = None  # None: no step measured yet
         self.first_nonfinite_step: int | None = None
         self._step_samples: list[dict] = []
+        self._engine: engines.HFEngine | engines.VLLMEngine | None = None
         self.add_callback(_NonFiniteStop(self))
 
     def create_accelerator_and_postprocess(self):
@@ -153,35 +168,59 @@ class DistillTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        # Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken
-        # run would have, whatever the RNG history before the checkpoint.
         step = self.state.global_step
-        torch.manual_seed(self.args.seed * 1_000_003 + step * 7919 + self.args.process_index)
+        engine = self.engine()  # built (a vLLM engine: tens of seconds) before the step's clock starts
         self.stats = StepStats()
-        samples = [self._rollout(b) for b in batches]
+        samples = self._rollout_step(engine, batches, step) if batches else []
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
         n_local = torch.tensor(float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device)
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
         return samples, n_global.clamp(min=1.0)
 
-    def _rollout(self, batch: dict) -> dict:
+    def engine(self) -> engines.HFEngine | engines.VLLMEngine:
+        """The rollout engine, built at the first rollout."""
+        if self._engine is None:
+            a = self.args
+            if a.rollout_engine == "hf":
+                # Only a sharded student's forward is a collective that ranks must enter together.
+                self._engine = engines.make_engine("hf", synced=self.is_fsdp_enabled and a.world_size > 1)
+            else:
+                student = self.accelerator.unwrap_model(self.model)
+                self._engine = engines.make_engine(
+                    "vllm", model_path=student.config.name_or_path, dtype="bfloat16" if a.bf16 else "float32",
+                    gpu_memory_utilization=a.vllm_gpu_memory_utilization, max_model_len=a.vllm_max_model_len,
+                    distributed=a.world_size > 1,
+                )  # fmt: skip
+        return self._engine
+
+    def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
+        """All of the step's prompts sampled in one engine call, then cut back into the micro-batches.
+        Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken run would
+        have, whatever the RNG history before the checkpoint."""
         tok = self.processing_class
         model = self.accelerator.unwrap_model(self.model)
-        r = rollout.sample(
-            model,
-            batch["prompts"],
-            batch["prompt_attention_mask"],
-            eos_token_id=self.stop_ids,
-            pad_token_id=tok.pad_token_id,
-            max_new_tokens=self.args.max_new_tokens,
-            temperature=self.args.gen_temperature,
-            top_p=self.args.gen_top_p,
-            synced_gpus=self.args.world_size > 1,
-        )
+        # Once per optimizer step, so also before the first rollout after a resume.
+        engine.sync(model)
+        settings = engines.SamplingSettings(
+            max_new_tokens=self.args.max_new_tokens, temperature=self.args.gen_temperature, top_p=self.args.gen_top_p,
+            eos_token_ids=self.stop_ids, pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
+        ids_BP, mask_BP = engines.concat_prompts(batches, tok.pad_token_id)
+        seed = self.args.seed * 1_000_003 + step * 7919 + self.args.process_index
+        whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
+        parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
+        return [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
+
+    def _sample_dict(self, r: rollout.Rollout, batch: dict, model) -> dict:
         self.stats.sequences += r.input_ids_BT.shape[0]
         self.stats.completion_tokens += r.completion_mask_BC.sum().item()
         self.stats.truncated += r.truncated_B(self.stop_ids).sum().item()
+        if r.logprobs_BC is not None:
+            with self.accelerator.autocast():
+                gap, n = engines.logprob_gap(model, r)
+            self.stats.gap_sum += gap
+            self.stats.gap_tokens += n
         return {
             "input_ids": r.input_ids_BT,
             "attention_mask": r.attention_mask_BT,
@@ -282,7 +321,7 @@ class DistillTrainer(Trainer):
         sums = self.stats.as_tensor(self.args.device)
         if self.args.world_size > 1 and dist.is_initialized():
             dist.all_reduce(sums)
-        seqs, toks, trunc, ent = sums.tolist()
+        seqs, toks, trunc, ent, gap, gap_toks = sums.tolist()
         elapsed = max(time.time() - self.stats.started, 1e-9)
         max_norm = self.args.max_grad_norm
         record = {
@@ -296,6 +335,8 @@ class DistillTrainer(Trainer):
             "entropy": ent / max(toks, 1),
             "tokens_per_s": toks / elapsed,
             "completion_tokens": toks,
+            # Mean |log p_engine - log p_student| of the sampled tokens: a stale or wrong weight sync shows here.
+            "engine_logprob_gap": gap / gap_toks if gap_toks else None,
         }
         if self.run and self.args.process_index == 0:
             self.run.log(record)

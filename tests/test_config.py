@@ -48,6 +48,7 @@ def test_full_whitebox_preset_is_the_original_configuration():
         save_total_limit=2, report_to="none",
     )  # fmt: skip
     assert {k: getattr(cfg, k) for k in expected} == expected
+    assert cfg.rollout_engine == "vllm", "full runs sample through vLLM (the kit's loop: -p rollout_engine hf)"
     sanity, noclip = load_config("02_whitebox", "sanity"), load_config("02_whitebox", "noclip")
     assert sanity.max_steps == 50 and sanity.learning_rate == 1e-6
     assert (noclip.max_steps, noclip.max_grad_norm, noclip.learning_rate) == (15, 1e9, 5e-6)

@@ -245,7 +245,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
     over = dict(student_model=student, teacher_model=teacher, dataset_path=str(dapo_parquet), subset_size=8,
                 eval_size=2, max_steps=2, max_new_tokens=8, max_prompt_length=300, bf16=False,
                 per_device_train_batch_size=2, gradient_accumulation_steps=2, save_steps=0,
-                run_dir=str(tmp_path / "full"), loss_chunk_size=5)  # fmt: skip
+                run_dir=str(tmp_path / "full"), loss_chunk_size=5, rollout_engine="hf")  # fmt: skip
     prep = whitebox.prepare("full", over)
     assert prep.first_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     run = whitebox.run("full", over, prepared=prep)

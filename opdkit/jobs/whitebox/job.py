@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, evaluate, live, sharding, tasks, tracking
+from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
 from opdkit.cli import run_from_cli
 from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
@@ -49,6 +49,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
     tracking.check_report_to(cfg.report_to)
+    engines.check_available(cfg.rollout_engine)
     task = tasks.for_dataset(cfg.dataset_path)
     prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
@@ -139,6 +140,9 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         loss_chunk_size=cfg.loss_chunk_size,
         sample_every=cfg.sample_every,
         save_rollouts=cfg.save_rollouts,
+        rollout_engine=cfg.rollout_engine,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
     )
 
 

