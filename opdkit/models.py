@@ -72,6 +72,24 @@ def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = 
     return sorted({tokenizer.eos_token_id, *extra})
 
 
+def checkpointing_argument(enabled: bool) -> dict[str, bool]:
+    """TrainingArguments' activation-checkpointing switch under its name in this transformers: 5.24 renamed
+    `gradient_checkpointing` (now deprecated, with a FutureWarning) to `activation_checkpointing`; the vLLM
+    CPU build pins an earlier 5.x."""
+    from transformers import TrainingArguments
+
+    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+    return {name: enabled}
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward, by the method's name in this transformers (see above)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
+
+
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

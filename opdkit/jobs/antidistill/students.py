@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 from opdkit import evaluate, sft, tiny, traces
 from opdkit.config import AntidistillationConfig
 from opdkit.jobs.antidistill.sweep import Prepared
+from opdkit.models import enable_activation_checkpointing
 from opdkit.runs import print0
 
 HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
@@ -29,7 +30,7 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
         model.config.use_cache = False
     return model.to(dev)
 

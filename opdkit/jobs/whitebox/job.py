@@ -24,7 +24,7 @@ from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
 from opdkit.cli import run_from_cli
 from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
-from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
+from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
 from opdkit.trainer import DistillTrainer, OPDArguments, StepAccuracy
 
@@ -114,7 +114,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
-        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5: the new name of gradient_checkpointing
+        **checkpointing_argument(cfg.gradient_checkpointing),
         bf16=cfg.bf16,
         seed=cfg.seed,
         data_seed=cfg.seed,
