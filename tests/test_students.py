@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from opdkit import sft
 from opdkit.config import load_config
@@ -91,3 +92,37 @@ def test_merged_save_reloads_as_a_plain_model(tok, tmp_path):
     again = students.load_student(cfg, tmp_path, 1, torch.device("cpu"))
     for a, b in zip(merged.parameters(), again.parameters()):
         torch.testing.assert_close(a, b)
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monkeypatch):
+    cfg = _cfg(sft_save_steps=2, student_lora_r=4)
+    rows = students.sft_rows(_records(), tok, cfg)
+    whole = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2,
+                                     tmp_path / "whole")  # fmt: skip
+
+    class Interrupted(sft.CompletionSFTTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_callback(_StopAt(2))
+
+    monkeypatch.setattr(students, "CompletionSFTTrainer", Interrupted)
+    first = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2,
+                                     tmp_path / "cut")  # fmt: skip
+    assert first.state.global_step == 2 and (tmp_path / "cut" / "sft" / "checkpoint-2").is_dir()
+    monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
+    resumed_cfg = _cfg(sft_save_steps=2, student_lora_r=4, resume=True)
+    second = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2,
+                                      tmp_path / "cut")  # fmt: skip
+    assert [r["step"] for r in second.step_log()] == [3, 4]
+    assert [r["loss"] for r in second.step_log()] == pytest.approx([r["loss"] for r in whole.step_log()][2:], rel=1e-5)
+    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -25,7 +25,9 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
     points/<name>/error.txt               the traceback of a point that failed (the other points go on)
     points/<name>/seed<seed>/traces.jsonl prompt, completion, answer, correct, truncated per training prompt
     points/<name>/seed<seed>/result.json  that run's accuracies, losses, error kinds (reused by resume=True)
-    points/<name>/seed<seed>/metrics.jsonl the student's SFT log: step, loss (and grad_norm, learning_rate)
+    points/<name>/seed<seed>/metrics.jsonl the student's SFT log: step, loss, grad_norm, learning_rate
+    points/<name>/seed<seed>/student/     the distilled student (`student_save`: LoRA adapter, or model)
+    points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`) and tracker logs
     baseline.json                         the student before distillation, the gradients' norms
     metrics.jsonl                         one record per point, plus the students' SFT losses (`sft_loss`)
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,

@@ -1,6 +1,10 @@
 """The students of 04_antidistill: a fresh one per point, distilled on the point's traces by completion-only
-SFT on transformers' `Trainer` (optionally LoRA through peft), saved, then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces
-(the objective ADS steers by).
+SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0), saved,
+then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
+objective ADS steers by).
+
+    trainer = distill_student(fresh_student(cfg, dev, seed), rows, cfg, tok, seed, folder)
+    model = keep_student(trainer.model, cfg, tok, folder)       # saved in folder/student/, LoRA merged
 """
 
 from __future__ import annotations
