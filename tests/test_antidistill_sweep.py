@@ -75,3 +75,10 @@ def test_two_processes_give_one_process_summary_and_a_failure_waits_for_resume(g
     records = [json.loads(line) for line in (two.path / "metrics.jsonl").read_text().splitlines()]
     assert [r["name"] for r in records if "name" in r] == [p["name"] for p in expected["points"]]
     assert all(len(r["sft_loss"]) == 3 for r in records if "sft_loss" in r)
+
+
+def test_explain_names_the_failed_points():
+    from opdkit.jobs.antidistill import report
+
+    summary = {"points": [], "failed_points": [{"name": "ads-lam0.1-tau1", "error": "Traceback ...\nRuntimeError: boom\n"}]}
+    assert "ads-lam0.1-tau1 failed** (RuntimeError: boom)" in report.explain(summary)

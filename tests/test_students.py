@@ -126,3 +126,16 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
     assert [r["loss"] for r in second.step_log()] == pytest.approx([r["loss"] for r in whole.step_log()][2:], rel=1e-5)
     for a, b in zip(whole.model.parameters(), second.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_sft_metrics_and_final_scores_reach_report_to(tok, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _cfg(report_to="tensorboard", sft_max_steps=3)
+    rows = students.sft_rows(_records(8), tok, cfg)
+    trainer = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path)
+    trainer.log({"student_accuracy": 0.25})  # what run_once sends after evaluating (the writer flushes)
+    (events,) = {p.parent for p in (tmp_path / "sft").rglob("events.out.tfevents*")}
+    scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/grad_norm", "train/learning_rate", "train/student_accuracy"} <= set(scalars)
