@@ -8,7 +8,9 @@ summary is gathered from those folders afterwards.
 
 A point's result does not depend on the process it ran in (its seeds are the point's, the student is fresh),
 so N processes give the summary one process gives. A point that raises is written down with its traceback
-(`points/<name>/error.txt`, and in the summary) and its process goes on with the next point.
+(`points/<name>/error.txt`, and in the summary) and its process goes on with the next point (CUDA's
+out-of-memory error included). A process that dies outright (killed) ends the launch: the points finished by
+then are kept, the others are reported with the launcher's message, and `resume=True` runs them.
 """
 
 from __future__ import annotations
