@@ -225,6 +225,19 @@ class AntidistillationConfig(RunFields):
     sft_max_length: int = _f(0, "traces longer than this many student tokens are cut; 0 means no cap", min=0)
     bf16: bool = _f(False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32")
     gradient_checkpointing: bool = _f(False, "recompute the student's activations in backward to save memory")
+    student_lora_r: int = _f(0, "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight", min=0)
+    student_lora_alpha: float = _f(0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0)
+    student_lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
+    student_lora_target_modules: list = _f(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "modules of the student that get a LoRA adapter (names, or [all-linear])",
+    )  # fmt: skip
+    student_save: str = _f(
+        "adapter", "what of each distilled student is kept in points/<name>/seed<seed>/student/: adapter (the LoRA "
+        "adapter; without LoRA the whole model), merged (the model with the adapter merged in), none",
+        choices=("adapter", "merged", "none"),
+    )  # fmt: skip
+    sft_save_steps: int = _f(0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -240,6 +253,7 @@ class AntidistillationConfig(RunFields):
         negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
         if negative:
             raise ConfigError(f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy).")
+        self.student_lora_target_modules = _name_list("student_lora_target_modules", self.student_lora_target_modules)
 
 
 def _float_list(name: str, value: Any) -> list[float]:
@@ -252,6 +266,14 @@ def _float_list(name: str, value: Any) -> list[float]:
         return [float(v) for v in value]
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} must be a list of numbers, e.g. [0.0, 0.05, 0.1] or '0,0.05,0.1'.") from None
+
+
+def _name_list(name: str, value: Any) -> list[str]:
+    """Module names as a list of strings, from a YAML/papermill list or a comma-separated string."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"{name}={value!r} must be a list of module names, e.g. [q_proj, v_proj] or 'q_proj,v_proj'.")
+    return [n.strip() for n in names]
 
 
 JOBS: dict[str, type[RunFields]] = {

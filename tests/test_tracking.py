@@ -73,7 +73,8 @@ def test_antidistill_sends_every_point_and_a_points_table(tmp_path, fake_trackio
     antidistill.run("tiny", {"grads_run": str(grads.path), "lams": [0.0, 0.1], "answer_lams": [], "temperatures": [],
                              "subset_size": 16, "eval_size": 8, "sft_max_steps": 2, "report_to": "trackio",
                              "run_dir": str(tmp_path / "a")})  # fmt: skip
-    steps = [step for step, m in fake_trackio.logs if "student_accuracy" in m]
+    # The job's own rows carry the point's lam (each student's Trainer also reports its SFT and final scores).
+    steps = [step for step, m in fake_trackio.logs if "student_accuracy" in m and "lam" in m]
     assert steps == [1, 2]
     table = next(m["points"] for _, m in fake_trackio.logs if "points" in m)
     assert [row[0] for row in table.data] == ["ads-lam0-t1", "ads-lam0.1-t1"] or len(table.data) == 2

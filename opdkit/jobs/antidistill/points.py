@@ -21,6 +21,7 @@ from opdkit.jobs.antidistill.students import (
     distill_student,
     fresh_student,
     holdout_loss,
+    keep_student,
     sft_rows,
     sft_seed,
     student_accuracy,
@@ -75,19 +76,24 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     offload(models, dev, off=True)
     student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
-    losses = distill_student(student, rows, cfg, prep.student_tokenizer.pad_token_id, sft_seed(cfg, seed),
-                             desc=f"sft {point.name}")  # fmt: skip
+    trainer = distill_student(student, rows, cfg, prep.student_tokenizer, sft_seed(cfg, seed), folder,
+                              f"{point.name}-seed{seed}")  # fmt: skip
+    student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
+    steps = trainer.step_log()
     result = {
         "seed": seed, "teacher_accuracy": traces.accuracy(records), "student_accuracy": student_accuracy(student, prep),
         "student_holdout_loss": holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
                                              cfg.sft_micro_batch_size or cfg.sft_batch_size),
         "truncated_fraction": sum(r["truncated"] for r in records) / len(records), "num_traces": len(records),
         "errors": prep.task.error_kinds(records),
-        "sft_steps": len(losses), "final_sft_loss": losses[-1] if losses else None,
+        "sft_steps": trainer.state.global_step, "final_sft_loss": steps[-1]["loss"] if steps else None,
         "seconds": round(time.time() - t0, 1),
     }  # fmt: skip
-    run.log({"point": point.name, "seed": seed, "sft_loss": losses})
+    trainer.log({k: result[k] for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
+                 if result[k] is not None})  # to report_to, after the SFT steps  # fmt: skip
+    write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
+    del trainer
     del student
     offload(models, dev, off=False)
     return result

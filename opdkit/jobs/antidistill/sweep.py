@@ -6,6 +6,7 @@ before anything is written (config, tokenizers, prompts, the gradient's fit).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
     check_shared_vocab(teacher_tok, proxy_tok)
     check_grads_run(cfg, proxy_tok)
+    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
+        raise ConfigError("student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft).")
     messages, answers, dropped = _drop_long(messages, answers, teacher_tok, cfg)
     if not messages:
         raise ConfigError(f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it.")
