@@ -3,6 +3,7 @@ and tensorboard for real when installed)."""
 
 from __future__ import annotations
 
+import contextvars
 import importlib.machinery
 import importlib.util
 import os
@@ -18,13 +19,22 @@ from opdkit.jobs import antidistill, savegrad
 from opdkit.tracking import Tracker, check_report_to
 
 
+class _Config(dict):
+    def update(self, values, allow_val_change=False):  # trackio's run config, as transformers calls it
+        super().update(values)
+
+
 class FakeTrackio(types.ModuleType):
-    """Records what a job sends to `trackio`."""
+    """Records what a job sends to `trackio` (also through transformers' trackio integration)."""
 
     def __init__(self):
         super().__init__("trackio")
         self.__spec__ = importlib.machinery.ModuleSpec("trackio", None)
+        self.__version__ = "0.43.0"
         self.inits, self.logs, self.finished = [], [], 0
+        self.config = _Config()
+        self.context_vars = types.SimpleNamespace(current_space_id=contextvars.ContextVar("space", default=None),
+                                                  current_project=contextvars.ContextVar("project", default=None))  # fmt: skip
 
     def init(self, project, name=None, config=None, **_):
         self.inits.append((project, name, config))
