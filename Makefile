@@ -36,7 +36,7 @@ export OMP_NUM_THREADS ?= 1
 	@touch $@
 
 install: $(ENV_READY)
-	@$(PY) -c "import opdkit, pytest, papermill, trl" 2>/dev/null || { \
+	@$(PY) -c "import opdkit, pytest, papermill, trl, peft" 2>/dev/null || { \
 	  $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"; \
 	  $(PY) -m pip install -q -e ".[dev]"; }
 

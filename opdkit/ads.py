@@ -8,7 +8,7 @@
 
 Each step the teacher samples from
 
-    softmax( top_p( (z_teacher + λ·Δ) / τ ) ),   Δ = (z_proxy(θ+εg) − z_proxy(θ−εg)) / 2ε ≈ ∂/∂ε z_proxy(θ+εg)|ε=0
+    softmax( top_p( top_k( (z_teacher + λ·Δ) / τ ) ) ),   Δ = (z_proxy(θ+εg) − z_proxy(θ−εg)) / 2ε ≈ ∂/∂ε z_proxy(θ+εg)|ε=0
 
 where z are next-token logits, θ the proxy's weights and g the saved gradient. `JVP` computes the same
 Δ exactly, with `torch.func.jvp` in direction g (no KV cache: for checks and small models).
@@ -258,16 +258,18 @@ class ADSLogitsProcessor(LogitsProcessor):
 
 
 def ads_processors(
-    direction: Direction | None, lam: float, prompt_mask_BP: torch.Tensor, temperature: float, top_p: float
+    direction: Direction | None, lam: float, prompt_mask_BP: torch.Tensor, temperature: float, top_p: float,
+    top_k: int = 0,
 ) -> LogitsProcessorList:
-    """ADS term, then temperature, then top-p (no warpers when greedy): the whole chain `ads_sample` uses."""
+    """ADS term, then temperature, top-k and top-p (no warpers when greedy): the whole chain `ads_sample` uses,
+    in the order of transformers' `generate` with a custom logits processor (the ADS reference's)."""
     if lam != 0 and direction is None:
         raise ValueError(f"lam={lam} needs a direction (FiniteDifference or JVP); only lam=0 samples without one.")
     procs = LogitsProcessorList()
     if lam != 0:
         procs.append(ADSLogitsProcessor(direction, lam, prompt_mask_BP))
     if temperature > 0:
-        procs.extend(rollout.warpers(temperature, top_p))
+        procs.extend(rollout.warpers(temperature, top_p, top_k))
     return procs
 
 
@@ -283,13 +285,14 @@ def ads_sample(
     eos_token_id: int | list[int],
     pad_token_id: int,
     max_new_tokens: int,
+    top_k: int = 0,
 ) -> rollout.Rollout:
     """Sample the teacher with ADS (λ·Δ, then temperature, then top-p); temperature 0 is greedy on z + λΔ.
 
     λ = 0 gives exactly `rollout.sample(teacher, ..., temperature=temperature, top_p=top_p)`: the same
     processors in the same order, so the same tokens for the same seed. `direction` may be None only then.
     """
-    procs = ads_processors(direction, lam, prompt_mask_BP, temperature, top_p)
+    procs = ads_processors(direction, lam, prompt_mask_BP, temperature, top_p, top_k)
     return rollout.sample(
         teacher, prompt_ids_BP, prompt_mask_BP, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, do_sample=temperature > 0,
@@ -297,11 +300,11 @@ def ads_sample(
     )  # fmt: skip
 
 
-def _warp(logits_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The same temperature and top-p as `ads_sample` (none when greedy), on one row of logits."""
+def _warp(logits_V: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """The same temperature, top-k and top-p as `ads_sample` (none when greedy), on one row of logits."""
     out = logits_V[None].float()
     if temperature > 0:
-        for w in rollout.warpers(temperature, top_p):
+        for w in rollout.warpers(temperature, top_p, top_k):
             out = w(None, out)
     return out[0]
 
@@ -318,6 +321,7 @@ def coupled_sample(
     eos_token_id: int | list[int],
     max_new_tokens: int,
     seed: int = 0,
+    top_k: int = 0,
 ) -> list[dict]:
     """One ADS completion, and at every step the token plain sampling would have drawn with the same noise.
 
@@ -336,12 +340,12 @@ def coupled_sample(
     gen = torch.Generator().manual_seed(seed)
     steps: list[dict] = []
     for _ in range(max_new_tokens):
-        plain_V = _warp(z_V, temperature, top_p)
+        plain_V = _warp(z_V, temperature, top_p, top_k)
         ads_V = z_V.clone()
         if d_V is not None:
             v = min(len(ads_V), len(d_V))
             ads_V[:v] += lam * d_V[:v].to(ads_V.device)
-        ads_V = _warp(ads_V, temperature, top_p)
+        ads_V = _warp(ads_V, temperature, top_p, top_k)
         noise_V = _gumbel(len(z_V), gen).to(dev) if temperature > 0 else torch.zeros_like(z_V)
         a, b = int((ads_V + noise_V).argmax()), int((plain_V + noise_V).argmax())
         p_ads, p_plain = ads_V.softmax(-1), plain_V.softmax(-1)

@@ -1,13 +1,12 @@
-"""Final answers in math completions: the last \\boxed{}, else an `Answer:` line, lightly normalised.
+"""Final answers in worked solutions: the content of the last \\boxed{}.
 
-    extract_math_answer(r"... so \\boxed{42}.")   # "42"
+    extract_boxed(r"... so \\boxed{42}.")   # "42"
 
-The `math` task (`opdkit.tasks`) checks completions with these.
+Reference answers are read with this (`opdkit.data.final_answer`); completions are judged by
+`opdkit.mathcheck` (math-verify), which the `math` task (`opdkit.tasks`) uses.
 """
 
 from __future__ import annotations
-
-import re
 
 
 def extract_boxed(text: str) -> str | None:
@@ -24,29 +23,3 @@ def extract_boxed(text: str) -> str | None:
         if depth == 0:
             return text[i + 1 : j].strip()
     return None
-
-
-def normalize_math_answer(ans: str) -> str:
-    """Light normalisation for exact match: no spaces, no ``$``, no trailing ``.0``; ``\\frac`` kept."""
-    ans = ans.strip().strip("$").replace(" ", "").replace("\\!", "").rstrip(".")
-    ans = re.sub(r"\\text\{(.*?)\}", r"\1", ans)
-    ans = re.sub(r"^(-?\d+)\.0+$", r"\1", ans)
-    return ans.replace("dfrac", "frac").replace("tfrac", "frac")
-
-
-_ANSWER_LINE = re.compile(r"Answer:\s*(.+?)\s*$", re.MULTILINE)
-
-
-def extract_math_answer(text: str) -> str | None:
-    r"""The last ``\boxed{...}``, else the last ``Answer: ...`` line (the DAPO-Math-17k format)."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return boxed
-    lines = _ANSWER_LINE.findall(text)
-    return lines[-1] if lines else None
-
-
-def boxed_match(completion: str, ground_truth: str) -> bool:
-    """Exact match after light normalisation of the boxed (or `Answer:`) answer."""
-    got = extract_math_answer(completion)
-    return got is not None and normalize_math_answer(got) == normalize_math_answer(str(ground_truth))

@@ -42,6 +42,10 @@ class RunFields:
     num_processes: int = _f(
         0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
     )
+    report_to: str = _f(
+        "none", "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "
+        "(local-first; pip install opdkit[track]) or wandb", choices=("none", "tensorboard", "trackio", "wandb"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -61,6 +65,8 @@ class WhiteboxConfig(RunFields):
     eval_size: int = _f(500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0)
     eval_max_new_tokens: int = _f(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
     eval_batch_size: int = _f(64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1)
+    eval_steps: int = _f(0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0)
+    eval_steps_size: int = _f(100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1)
     max_prompt_length: int = _f(1024, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(1024, "completion length the student samples", min=1)
     enable_thinking: bool = _f(False, "passed to the chat template (Qwen3 thinking mode)")
@@ -102,7 +108,6 @@ class WhiteboxConfig(RunFields):
     save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
     save_steps: int = _f(100, "checkpoint every this many steps; 0 only at the end", min=0)
     save_total_limit: int = _f(2, "checkpoints kept", min=1)
-    report_to: str = _f("none", "transformers integrations to report to (none, wandb, tensorboard)")
 
 
 @dataclass
@@ -130,6 +135,11 @@ class SaveGradConfig(RunFields):
     gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
     gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
     gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
+    proxy_tokens: str = _f(
+        "proxy", "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
+        "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy later)",
+        choices=("proxy", "teacher"),
+    )  # fmt: skip
     normalization: str = _f(
         "trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
         choices=("trace", "token"),
@@ -176,7 +186,7 @@ class AntidistillationConfig(RunFields):
     system_prompt: str = _f("", "system message put before every prompt; empty for none")
     eval_dataset_path: str = _f("", "evaluation prompts for the distilled students; empty: the tiny held-out problems")
     eval_dataset_split: str = _f("test", "split of eval_dataset_path")
-    eval_size: int = _f(300, "evaluation problems per distilled student; -1 means all of eval_dataset_path", min=-1)
+    eval_size: int = _f(300, "evaluation problems per distilled student (at least 1); -1 means all of eval_dataset_path", min=-1)
     max_prompt_length: int = _f(512, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(40, "trace length budget: tokens the teacher writes at most", min=1)
     eval_max_new_tokens: int = _f(0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0)
@@ -188,13 +198,22 @@ class AntidistillationConfig(RunFields):
     )  # fmt: skip
     ads_temperatures: list = _f((1.0,), "temperatures the ADS sweeps run at")
     temperatures: list = _f((1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures")
-    top_p: float = _f(1.0, "nucleus applied after the ADS term and the temperature, at every point", min=1e-3, max=1.0)
+    top_k: int = _f(0, "keep the k most likely tokens after the ADS term and the temperature, before top-p; 0 is off "
+                    "(the ADS reference: 50, transformers' default)", min=0)
+    top_p: float = _f(1.0, "nucleus applied after the ADS term, the temperature and top-k, at every point", min=1e-3, max=1.0)
+    grad_scale: float = _f(
+        1.0, "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose saved "
+        "gradient is 1/8 of the mean (DDP already averages over its 8 processes and the reference divides again)",
+        min=0.0,
+    )  # fmt: skip
     eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
     ads_method: str = _f(
         "fd", "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
         choices=("fd", "jvp"),
     )  # fmt: skip
     gen_batch_size: int = _f(256, "prompts per generation batch", min=1)
+    sft_seed: int = _f(-1, "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
+                       "reference distils with seed 69", min=-1)
     repeats: int = _f(1, "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted", min=1)
     sft_max_steps: int = _f(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
     sft_epochs: float = _f(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
@@ -206,11 +225,27 @@ class AntidistillationConfig(RunFields):
     sft_max_length: int = _f(0, "traces longer than this many student tokens are cut; 0 means no cap", min=0)
     bf16: bool = _f(False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32")
     gradient_checkpointing: bool = _f(False, "recompute the student's activations in backward to save memory")
+    student_lora_r: int = _f(0, "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight", min=0)
+    student_lora_alpha: float = _f(0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0)
+    student_lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
+    student_lora_target_modules: list = _f(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "modules of the student that get a LoRA adapter (names, or [all-linear])",
+    )  # fmt: skip
+    student_save: str = _f(
+        "adapter", "what of each distilled student is kept in points/<name>/seed<seed>/student/: adapter (the LoRA "
+        "adapter; without LoRA the whole model), merged (the model with the adapter merged in), none",
+        choices=("adapter", "merged", "none"),
+    )  # fmt: skip
+    sft_save_steps: int = _f(0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
             setattr(self, name, _float_list(name, getattr(self, name)))
+        if self.eval_size == 0:
+            raise ConfigError("eval_size=0 leaves every distilled student unmeasured, and the trade-off is their accuracy; "
+                              "give a positive number of evaluation problems, or -1 for all of eval_dataset_path.")  # fmt: skip
         if not (self.lams or self.answer_lams or self.temperatures):
             raise ConfigError("lams, answer_lams and temperatures are all empty; give at least one sweep point.")
         if (self.lams or self.answer_lams) and not self.ads_temperatures:
@@ -218,6 +253,7 @@ class AntidistillationConfig(RunFields):
         negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
         if negative:
             raise ConfigError(f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy).")
+        self.student_lora_target_modules = _name_list("student_lora_target_modules", self.student_lora_target_modules)
 
 
 def _float_list(name: str, value: Any) -> list[float]:
@@ -230,6 +266,14 @@ def _float_list(name: str, value: Any) -> list[float]:
         return [float(v) for v in value]
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} must be a list of numbers, e.g. [0.0, 0.05, 0.1] or '0,0.05,0.1'.") from None
+
+
+def _name_list(name: str, value: Any) -> list[str]:
+    """Module names as a list of strings, from a YAML/papermill list or a comma-separated string."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"{name}={value!r} must be a list of module names, e.g. [q_proj, v_proj] or 'q_proj,v_proj'.")
+    return [n.strip() for n in names]
 
 
 JOBS: dict[str, type[RunFields]] = {
@@ -321,24 +365,6 @@ def _coerce(name: str, value: Any, type_: str) -> Any:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def parse_cli(job: str, description: str, argv: list[str] | None = None) -> tuple[str, dict]:
-    """`--mode M --set key=value ...` (values parsed as YAML) for the jobs' `python -m` entry points;
-    `--help` lists every field with its default and help text."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description=description, epilog="fields (--set NAME=VALUE), with their defaults before any preset:\n"
-        + help_text(job), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    p.add_argument("--mode", default=DEFAULT_MODE, help=f"preset in params/{job}/: {', '.join(available_modes(job))}")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)")
-    a = p.parse_args(argv)
-    bad = [s for s in a.set if "=" not in s]
-    if bad:
-        p.error(f"--set takes KEY=VALUE pairs; got {bad}")
-    return a.mode, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
 
 
 def help_text(job: str) -> str:

@@ -11,7 +11,8 @@ and `answer` (the reference final answer, "" when unknown). A Trainer must keep 
 
 Pitfalls this module exists for:
 - a mistyped local path must fail here, in milliseconds, not reach the Hub (or a GB model load) and
-  fail there with an unrelated message;
+  fail there with an unrelated message; a damaged file (a half-downloaded parquet) must name its path
+  (`UnreadableData`), not stop in pyarrow with "Parquet magic bytes not found";
 - the prompt must end with the chat template's own generation prompt (for Qwen3 with thinking off,
   "<|im_start|>assistant\\n" plus an empty think block), since the student continues from it: it is
   rendered by the template with `add_generation_prompt=True`, never written as a literal;
@@ -110,7 +111,13 @@ def _looks_local(path: str) -> bool:
     )
 
 
+class UnreadableData(ValueError):
+    """A local data file or folder exists but cannot be read as what its name says it is."""
+
+
 def load_raw(path: str, split: str) -> datasets.Dataset:
+    """The rows of a local file or folder, else of a Hub dataset. A missing local path fails here without
+    any download; an unreadable one (a corrupt parquet, a half-written download) names its path."""
     local = Path(path).expanduser()
     if local.is_file():
         loader = FILE_LOADERS.get(local.suffix)
@@ -119,19 +126,33 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
                 f"cannot read {path!r}: its type {local.suffix!r} is not one of {sorted(FILE_LOADERS)}; "
                 "convert it (e.g. Dataset.from_csv(...).to_parquet(...)) or save it with save_to_disk."
             )
-        if _is_empty_file(local):
+        if _readable(path, lambda: _is_empty_file(local), f"a {local.suffix} file"):
             raise ValueError(f"{path!r} holds no rows; expected at least one prompt, so check the file.")
-        return loader(str(local))
+        return _readable(path, lambda: loader(str(local)), f"a {local.suffix} file")
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
-            return _pick_split(datasets.load_from_disk(str(local)), split, path)
-        return datasets.load_dataset(str(local), split=split)  # a folder of data files
+            saved = _readable(path, lambda: datasets.load_from_disk(str(local)), "a datasets save_to_disk folder")
+            return _pick_split(saved, split, path)
+        return _readable(path, lambda: datasets.load_dataset(str(local), split=split), "a folder of data files")
     if _looks_local(path):
         raise FileNotFoundError(
             f"no file or folder at {path!r} (resolved to {local.resolve()}); expected a local "
             f"{'/'.join(FILE_LOADERS)} file or a save_to_disk folder, so check the path and working directory."
         )
     return datasets.load_dataset(path, split=split)
+
+
+def _readable(path: str, read, expected: str):
+    """`read()`, with any failure to parse reported as this path's, with what it was expected to be."""
+    try:
+        return read()
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as exc:
+        if isinstance(exc, (FileNotFoundError, UnreadableData)):
+            raise
+        raise UnreadableData(
+            f"cannot read {path!r} as {expected} ({type(exc).__name__}: {exc}); the file is damaged or is not "
+            "what its name says: re-create it (e.g. python -m opdkit.prepare_data) or point to another."
+        ) from exc
 
 
 def _is_empty_file(local: Path) -> bool:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit import rollout
+from opdkit.models import eos_ids
 
 
 @torch.no_grad()
@@ -24,17 +25,11 @@ def greedy_completions(
     batch_size: int = 256,
     enable_thinking: bool = False,
     progress: bool = False,
-    engine=None,
 ) -> list[str]:
-    """Greedy completions with the kit's loop, or with `engine` (an `engines.VLLMEngine` holding the
-    model's weights: one call, the engine batches by itself)."""
-    if engine is not None:
-        from opdkit import engines
-
-        ids, mask = rollout.encode_prompts(tokenizer, list(messages), enable_thinking)
-        greedy = engines.SamplingSettings(max_new_tokens, 0.0, 1.0, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-        return rollout.decode_completions(tokenizer, engine.sample(model, ids, mask, greedy, seed=0))
+    """Greedy completions of `messages`, each ending at the first stop token: the tokenizer's EOS or one of
+    the model's generation config (`models.eos_ids`)."""
     device = next(model.parameters()).device
+    stop = eos_ids(tokenizer, model)
     out: list[str] = []
     starts = range(0, len(messages), batch_size)
     for s in tqdm(starts, desc="evaluating", disable=not progress, leave=False):
@@ -45,7 +40,7 @@ def greedy_completions(
             model,
             ids,
             mask,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop,
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
             do_sample=False,

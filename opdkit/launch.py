@@ -83,16 +83,26 @@ def _rebuild_thread_pool_after_fork() -> None:
 def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) -> None:
     """Call `fn(*args)` in `num_processes` processes (in this one when 1 or under torchrun)."""
     if num_processes <= 1 or under_external_launcher():
-        fn(*args)
+        import torch
+
+        threads = torch.get_num_threads()  # jobs may lower it for small models: give the caller's back
+        try:
+            fn(*args)
+        finally:
+            torch.set_num_threads(threads)
         return
     from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState
 
+    # An earlier run in this process (a Trainer, one process) leaves accelerate's state behind, and the
+    # launcher refuses to start while it exists; the launched processes build their own.
+    AcceleratorState._reset_state(reset_partial_state=True)
     error_dir = Path(run_path) / "errors"
     try:
         notebook_launcher(_Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port()))
     except BaseException as exc:
         reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
-        detail = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports)
+        detail = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports) or f"{type(exc).__name__}: {exc}"
         raise RankFailed(f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}") from exc
 
 

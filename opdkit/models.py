@@ -14,6 +14,8 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -35,8 +37,24 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+# Below this size a model's matmuls are too small to gain from several CPU threads; on a shared or
+# busy machine the threads' spin-waits make them slower instead (measured: 02 tiny took 3x longer
+# headless with 2 threads than with 1 on 2 busy cores; see README, "Watching a run").
+SMALL_MODEL_PARAMS = 20_000_000
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+    one_thread_for_small_models(model)
+    return model
+
+
+def one_thread_for_small_models(model: torch.nn.Module) -> None:
+    """One torch thread for a small model on the CPU, unless the user chose a count (OMP_NUM_THREADS), as a
+    JupyterLab kernel's user has usually not. `launch.launch` restores the caller's count afterwards."""
+    device = next(model.parameters()).device
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and num_params(model) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
 
 
 def model_skeleton(name: str) -> torch.nn.Module:
@@ -47,10 +65,29 @@ def model_skeleton(name: str) -> torch.nn.Module:
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
-    """The tokenizer's EOS and whatever the model's generation config also stops at."""
+    """The tokenizer's EOS and whatever the model's generation config also stops at (a DDP-wrapped model's too)."""
+    model = getattr(model, "module", model)
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
     return sorted({tokenizer.eos_token_id, *extra})
+
+
+def checkpointing_argument(enabled: bool) -> dict[str, bool]:
+    """TrainingArguments' activation-checkpointing switch under its name in this transformers: 5.24 renamed
+    `gradient_checkpointing` (now deprecated, with a FutureWarning) to `activation_checkpointing`; the vLLM
+    CPU build pins an earlier 5.x."""
+    from transformers import TrainingArguments
+
+    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+    return {name: enabled}
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward, by the method's name in this transformers (see above)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable()
 
 
 def num_params(model: torch.nn.Module) -> int:

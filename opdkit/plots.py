@@ -1,6 +1,6 @@
 """Figures and HTML views of a run directory; each figure is also saved under `figures/`.
 
-    fig = training_curves(run)                    # loss, pre-clip grad norm, length, entropy
+    fig = training_curves(run)                    # loss, pre-clip grad norm, length, entropy, accuracy
     html = samples_html(run.read_jsonl("samples.jsonl")[-4:])
 """
 
@@ -26,30 +26,59 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
 
 
 def training_curves(run: RunDir, max_grad_norm: float | None = None, title: str = ""):
-    """Four panels from metrics.jsonl: loss, pre-clip gradient norm (log), completion length, entropy."""
-    records = run.read_jsonl()
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
-    panels = [
-        ("loss", "divergence per token"),
-        ("grad_norm", "pre-clip gradient norm"),
-        ("completion_length", "mean completion length"),
-        ("entropy", "student entropy (nats/token)"),
-    ]
+    """Panels from metrics.jsonl: loss, pre-clip gradient norm (log), completion length, entropy, and the
+    held-out accuracy measured while training (`eval_accuracy` rows), if any."""
+    fig = draw_training_curves(run.read_jsonl(), max_grad_norm, title, _summary_or_empty(run))
+    fig.savefig(run.figure("training_curves"), dpi=110)
+    return fig
+
+
+CURVE_PANELS = [
+    ("loss", "divergence per token"),
+    ("grad_norm", "pre-clip gradient norm"),
+    ("completion_length", "mean completion length"),
+    ("entropy", "student entropy (nats/token)"),
+]
+
+
+def draw_training_curves(records: list[dict], max_grad_norm: float | None = None, title: str = "",
+                         summary: dict | None = None, fig=None):  # fmt: skip
+    """The training curves of `records` on `fig` (cleared; a new one if None); the live view redraws with it."""
+    panels = CURVE_PANELS + ([("eval_accuracy", "held-out accuracy")] if _series(records, "eval_accuracy")[0] else [])
+    if fig is None:
+        fig = plt.figure(figsize=(4 * len(panels), 3.2))
+    fig.clear()
+    axes = fig.subplots(1, len(panels))
     for ax, (key, label) in zip(axes, panels):
         x, y = _series(records, key)
-        ax.plot(x, y, lw=1.2)
+        ax.plot(x, y, lw=1.2, marker="o" if key == "eval_accuracy" else None, ms=3)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("optimizer step")
-        if key == "grad_norm":
+        if key == "grad_norm" and y:
             ax.set_yscale("log")
             if max_grad_norm and math.isfinite(max_grad_norm) and max_grad_norm < 1e8:
                 ax.axhline(max_grad_norm, color="red", ls="--", lw=1, label=f"clip at {max_grad_norm:g}")
                 ax.legend(fontsize=8)
+        if key == "eval_accuracy":
+            _accuracy_references(ax, summary or {})
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(run.figure("training_curves"), dpi=110)
     return fig
+
+
+def _accuracy_references(ax, summary: dict) -> None:
+    ax.set_ylim(-0.02, 1.02)
+    if summary.get("teacher_accuracy") is not None:
+        ax.axhline(summary["teacher_accuracy"], color="#37a", ls="--", lw=1, label="teacher")
+    if summary.get("student_accuracy_before") is not None:
+        ax.plot([0], [summary["student_accuracy_before"]], "s", color="#bbb", label="student before")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+
+
+def _summary_or_empty(run: RunDir) -> dict:
+    return run.read_summary() if (run.path / "summary.json").is_file() else {}
 
 
 def accuracy_bars(run: RunDir, summary: dict | None = None):
@@ -61,7 +90,9 @@ def accuracy_bars(run: RunDir, summary: dict | None = None):
     for b, v in zip(bars, vals):
         ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center")
     ax.set_ylim(0, 1.1)
-    ax.set_ylabel("held-out exact match")
+    ax.set_ylabel("held-out accuracy")
+    if s.get("accuracy_precision"):
+        ax.set_title(f"greedy, decoded at {s['accuracy_precision']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(run.figure("accuracy"), dpi=110)
     return fig
@@ -175,7 +206,7 @@ def lesson_accuracy(summary: dict, path=None):
         ax.legend(fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("held-out exact match after")
+    ax.set_ylabel("held-out accuracy after")
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110, bbox_inches="tight")

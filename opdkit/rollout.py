@@ -18,7 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.generation.logits_process import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass
@@ -97,11 +102,14 @@ def left_pad(
     return out.to(device), mask.to(device)
 
 
-def warpers(temperature: float, top_p: float) -> list[LogitsProcessor]:
-    """Temperature, then top-p (transformers' own warpers, in `generate`'s order); nothing for T = 1, top-p = 1."""
+def warpers(temperature: float, top_p: float, top_k: int = 0) -> list[LogitsProcessor]:
+    """Temperature, then top-k, then top-p (transformers' own warpers, in `generate`'s order); nothing for
+    T = 1, top-k = 0 (off), top-p = 1."""
     out: list[LogitsProcessor] = []
     if temperature > 0 and temperature != 1.0:
         out.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
     if top_p < 1.0:
         out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
     return out

@@ -1,17 +1,29 @@
-"""Completion-only supervised fine-tuning: the tiny world's recipe, and the students of 04_antidistill.
+"""Completion-only supervised fine-tuning: `train_sft`, a plain loop with early stopping (the tiny world's
+recipe), and `CompletionSFTTrainer`, the same objective on transformers' `Trainer` (the students of
+04_antidistill: checkpoints, LoRA through peft, `report_to`).
 
     batch = sft_batch(tokenizer, messages)            # chat-templated, labels -100 outside completions
     losses, history = train_sft(model, lambda step: [batch], steps=100, lr=3e-3)
+    trainer = CompletionSFTTrainer(model=m, args=TrainingArguments(...), train_dataset=rows, order=order,
+                                   pad_token_id=tok.pad_token_id); trainer.train(); trainer.step_losses
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from transformers import (
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    get_cosine_schedule_with_warmup,
+)
+from transformers.trainer_callback import ProgressCallback
 
 IGNORE = -100
 
@@ -37,6 +49,22 @@ def completion_labels(
     if not any(mask):
         mask = _mask_from_prefix(tokenizer, messages, ids, enable_thinking)
     return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+
+
+def without_end_of_turn(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int]
+) -> tuple[list[int], list[int]]:
+    """A truncated completion as the teacher wrote it: the end-of-turn tokens the chat template appends after
+    the completion (Qwen's <|im_end|>, an EOS) are cut, with everything after them, so no loss target is a
+    token the teacher never wrote. Unchanged when nothing is labelled."""
+    stops = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
+    labelled = [k for k, t in enumerate(labels) if t != IGNORE]
+    if not labelled:
+        return ids, labels
+    end = labelled[-1]
+    while end >= labelled[0] and labels[end] in stops:
+        end -= 1
+    return ids[: end + 1], labels[: end + 1]
 
 
 def _mask_from_prefix(tokenizer, messages, ids, enable_thinking) -> list[int]:
@@ -176,3 +204,87 @@ def train_sft(
                 break
     model.eval()
     return losses, history
+
+
+class StepBatches(torch.utils.data.Sampler):
+    """A batch sampler that yields each step's rows in micro-batches of at most `micro` rows, in the order
+    given (`order[step]`, e.g. 04_antidistill's `batch_order`), so the Trainer sees exactly the kit's batches."""
+
+    def __init__(self, order: Sequence[Sequence[int]], micro: int):
+        self.batches = [list(idx[s : s + micro]) for idx in order for s in range(0, len(idx), micro)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class CompletionSFTTrainer(Trainer):
+    """Completion-only SFT on transformers' `Trainer`, the same objective as `train_sft`: each optimizer step's
+    summed completion-token losses divided by all of the step's completion tokens (`num_items_in_batch`), so
+    the loss is the token mean of the step whatever the micro-batch size; rows in the order of `order`
+    (per step, row indices of `train_dataset`, a list of {input_ids, labels}) in micro-batches of
+    `args.per_device_train_batch_size`, with `args.gradient_accumulation_steps` = micro-batches per step.
+
+    Differences from `train_sft`: the Trainer's AdamW leaves biases and norm weights undecayed (as TRL's
+    SFTTrainer, the ADS reference's), and `bf16` is the Trainer's mixed precision. `step_losses` holds every
+    step's loss unrounded; checkpoints, `report_to`, LoRA (a peft model) are the Trainer's own."""
+
+    def __init__(self, *args, order: Sequence[Sequence[int]], pad_token_id: int, **kwargs):
+        kwargs.setdefault("data_collator", functools.partial(_collate, pad_token_id=pad_token_id))
+        super().__init__(*args, **kwargs)
+        micro = self.args.per_device_train_batch_size
+        if any(-(-len(idx) // micro) != self.args.gradient_accumulation_steps for idx in order):
+            raise ValueError(f"every step must have gradient_accumulation_steps={self.args.gradient_accumulation_steps} "
+                             f"micro-batches of up to {micro} rows; set it to ceil(step rows / micro-batch rows).")  # fmt: skip
+        self.order, self.step_losses, self._step_loss = order, [], 0.0
+        self.model_accepts_loss_kwargs = True  # compute_loss divides by num_items_in_batch itself
+        self.add_callback(_StepLoss(self))
+        if self.pop_callback(ProgressCallback):  # the bar without a printed dict per step
+            self.add_callback(_QuietProgress())
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        sampler = StepBatches(self.order, self.args.per_device_train_batch_size)
+        loader = torch.utils.data.DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator)
+        return self.accelerator.prepare(loader)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        n_tokens = sum(int((shifted_labels(b["labels"]) != IGNORE).sum()) for b in batches)
+        return batches, torch.tensor(max(n_tokens, 1), device=device)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss_sum_B, n_B = token_losses(model, inputs)
+        n = num_items_in_batch if num_items_in_batch is not None else n_B.sum().clamp(min=1)
+        loss = loss_sum_B.sum() / n
+        self._step_loss += loss.item()
+        return (loss, None) if return_outputs else loss
+
+    def step_log(self) -> list[dict]:
+        """One record per optimizer step: step, loss (unrounded), grad_norm, learning_rate."""
+        logged = {r["step"]: r for r in self.state.log_history if "loss" in r}
+        first = self.state.global_step - len(self.step_losses) + 1
+        return [{"step": first + i, "loss": loss, "grad_norm": logged.get(first + i, {}).get("grad_norm"),
+                 "learning_rate": logged.get(first + i, {}).get("learning_rate")}
+                for i, loss in enumerate(self.step_losses)]  # fmt: skip
+
+
+class _StepLoss(TrainerCallback):
+    """Keeps the step's summed micro-batch losses (the step's token-mean loss) when the step ends."""
+
+    def __init__(self, trainer: CompletionSFTTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.step_losses.append(self.trainer._step_loss)
+        self.trainer._step_loss = 0.0
+
+
+class _QuietProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+def _collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    return right_pad_batch([(r["input_ids"], r["labels"]) for r in rows], pad_token_id)

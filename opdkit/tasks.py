@@ -8,8 +8,8 @@ problems, checks a completion against a reference answer, and finds where the an
 
 - `tiny`: the tiny world's 3-digit addition (`opdkit.tiny.task`): its own problem streams, exact match
   of the text after the last ';'.
-- `math`: problems with a reference answer from a dataset (GSM8K, DAPO-Math-17k): the answer in the last
-  `\\boxed{}`, else on an `Answer:` line, compared after light normalisation.
+- `math`: problems with a reference answer from a dataset (GSM8K, DAPO-Math-17k): the final answer (the
+  last `\\boxed{}` or `Answer:` line, whichever is later) judged equal by math-verify (`opdkit.mathcheck`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import datasets
 
-from opdkit import answers, data
+from opdkit import data, mathcheck
 from opdkit.config import ConfigError
 from opdkit.tiny import task as tiny_task
 
@@ -50,8 +50,12 @@ class Task:
         """`n` built-in evaluation problems (prompt conversations, reference answers)."""
         raise ConfigError(f"the {self.name} task has no built-in held-out problems; give an evaluation dataset.")
 
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        """02_whitebox's training prompts: `subset_size` of `path` (-1: all), never one of `eval_rows`'."""
+        raise NotImplementedError
+
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """Held-out problems for a run trained on the first `subset_size` prompts of `path`."""
+        """Held-out problems for a run trained on `train_prompts(...)` of the same arguments: (messages, answers)."""
         raise NotImplementedError
 
     def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
@@ -82,6 +86,9 @@ class TinyTask(Task):
         probs = tiny_task.heldout_problems(n) if seed is None else tiny_task.problems(n, seed)
         return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
 
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        return data.load_prompts(data.TINY, subset_size=subset_size, seed=seed)  # its own stream, apart from heldout
+
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
         return self.heldout(eval_size)
 
@@ -103,22 +110,39 @@ class MathTask(Task):
     name = "math"
 
     def check(self, completion: str, answer: str) -> bool:
-        return answers.boxed_match(completion, answer)
+        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5 allowed)."""
+        return mathcheck.check(completion, answer)
 
     def extract_answer(self, completion: str) -> str | None:
-        return answers.extract_math_answer(completion)
+        span = mathcheck.final_span(completion)
+        return None if span is None else span[1].strip()
 
     def answer_start(self, completion: str) -> int | None:
-        at = completion.rfind("\\boxed")
-        return None if at < 0 else at
+        span = mathcheck.final_span(completion)
+        return None if span is None else span[0]
+
+    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+        """The head of the seed-shuffled dataset: `subset_size` rows, or (-1) all but the last `eval_size`."""
+        ds, (train, _) = self._split(path, split, subset_size, eval_size, seed)
+        return ds.select(train)
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """The rows after the training subset in the same seed-shuffled order."""
-        n = subset_size + eval_size if subset_size > 0 else -1
-        ds = data.load_prompts(path, split, n, seed)
-        start = subset_size if subset_size > 0 else max(0, len(ds) - eval_size)
-        rows = ds.select(range(start, min(len(ds), start + eval_size)))
+        """The `eval_size` rows after the training rows in the same seed-shuffled order (fewer if the file ends)."""
+        ds, (_, held) = self._split(path, split, subset_size, eval_size, seed)
+        rows = ds.select(held)
         return list(rows["messages"]), list(rows["answer"])
+
+    @staticmethod
+    def _split(path: str, split: str, subset_size: int, eval_size: int, seed: int) -> tuple[datasets.Dataset, tuple]:
+        """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by construction."""
+        ds = data.load_prompts(path, split, subset_size + eval_size if subset_size > 0 else -1, seed)
+        n_train = min(subset_size, len(ds)) if subset_size > 0 else len(ds) - eval_size
+        if n_train < 1 or (eval_size > 0 and n_train >= len(ds)):
+            raise ConfigError(
+                f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts and "
+                f"eval_size={eval_size} held-out ones apart from them; lower subset_size or eval_size."
+            )
+        return ds, (range(n_train), range(n_train, min(len(ds), n_train + eval_size)))
 
     def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
         """The tail `fraction` of the seed-shuffled dataset (the other jobs train on its head), first

@@ -22,20 +22,30 @@ TRACES_DIR = "traces"
 COLUMNS = ("messages", "input_ids", "labels", "answer", "correct", "truncated")
 
 
-def completion_labels(tok: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool, i: int):
+def completion_labels(tok: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool, i: int,
+                      truncated: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
+    """(input_ids, labels) of trace `i` in `tok`'s chat template; a `truncated` trace (the teacher ran out of
+    tokens) keeps no end-of-turn target the template would append (`sft.without_end_of_turn`)."""
     try:
-        return sft.completion_labels(tok, messages, enable_thinking)
+        ids, labels = sft.completion_labels(tok, messages, enable_thinking)
     except ValueError as exc:
         raise ValueError(f"trace {i}: {exc}") from exc
+    return sft.without_end_of_turn(tok, ids, labels) if truncated else (ids, labels)
 
 
 def with_labels(records: list[dict], tok: PreTrainedTokenizerBase, enable_thinking: bool) -> list[dict]:
-    """Each trace with `tok`'s `input_ids` and `labels` (-100 outside the completion) added."""
+    """Each trace with `tok`'s `input_ids` and `labels` (-100 outside the completion) added; a truncated one
+    ends where the teacher stopped writing."""
     out = []
     for i, rec in enumerate(tqdm(records, desc="tokenizing traces", leave=False, disable=len(records) < 1000)):
-        ids, labels = completion_labels(tok, rec["messages"], enable_thinking, i)
+        ids, labels = completion_labels(tok, rec["messages"], enable_thinking, i, bool(rec.get("truncated")))
         out.append({**rec, "input_ids": ids, "labels": labels})
     return out
+
+
+def truncated_count(records: list[dict]) -> int:
+    """Traces the teacher did not finish (supplied traces, whose ending is unknown, count as finished)."""
+    return sum(bool(r.get("truncated")) for r in records)
 
 
 def save_traces(path: Path, records: list[dict]) -> None:

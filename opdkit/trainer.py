@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from opdkit import engines, losses, rollout, sharding
-from opdkit.models import TokenizerMismatch, check_tokenizers
+from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
 from opdkit.runs import RunDir
 
 
@@ -144,6 +145,9 @@ class DistillTrainer(Trainer):
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
         check_tokenizers(tok, teacher_tokenizer or tok)
         self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
+        # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
+        # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
+        self.stop_ids = eos_ids(tok, self.model)
         self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
         self.run = run
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
@@ -200,7 +204,7 @@ class DistillTrainer(Trainer):
         engine.sync(model)
         settings = engines.SamplingSettings(
             max_new_tokens=self.args.max_new_tokens, temperature=self.args.gen_temperature, top_p=self.args.gen_top_p,
-            eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+            eos_token_ids=self.stop_ids, pad_token_id=tok.pad_token_id,
         )  # fmt: skip
         ids_BP, mask_BP = engines.concat_prompts(batches, tok.pad_token_id)
         seed = self.args.seed * 1_000_003 + step * 7919 + self.args.process_index
@@ -209,10 +213,9 @@ class DistillTrainer(Trainer):
         return [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
 
     def _sample_dict(self, r: rollout.Rollout, batch: dict, model) -> dict:
-        eos = self.processing_class.eos_token_id
         self.stats.sequences += r.input_ids_BT.shape[0]
         self.stats.completion_tokens += r.completion_mask_BC.sum().item()
-        self.stats.truncated += r.truncated_B(eos).sum().item()
+        self.stats.truncated += r.truncated_B(self.stop_ids).sum().item()
         if r.logprobs_BC is not None:
             with self.accelerator.autocast():
                 gap, n = engines.logprob_gap(model, r)
@@ -310,6 +313,8 @@ class DistillTrainer(Trainer):
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if "loss" in logs and "grad_norm" in logs:
             logs.update(self._step_metrics(logs))
+        elif "eval_accuracy" in logs and self.run and self.args.process_index == 0:
+            self.run.log({"step": self.state.global_step, "eval_accuracy": logs["eval_accuracy"]})
         super().log(logs, start_time)
 
     def _step_metrics(self, logs: dict) -> dict:
@@ -359,6 +364,29 @@ class GradientDump(TrainerCallback):
         }
         if args.process_index == 0:
             torch.save(grads, self.path)
+
+
+class StepAccuracy(TrainerCallback):
+    """Every `every` optimizer steps, `measure(model)` (greedy accuracy on a held-out slice, all processes
+    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers)."""
+
+    def __init__(self, measure: Callable, every: int, log: Callable[[dict], None]):
+        self.measure, self.every, self.log = measure, every, log
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.every or state.global_step % self.every:
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            value = self.measure(model)
+        finally:
+            model.train(was_training)
+        if value is not None:
+            should_log = control.should_log  # logging resets it, and the step's own record is still due
+            self.log({"eval_accuracy": value})
+            control.should_log = should_log
+        return control
 
 
 class _NonFiniteStop(TrainerCallback):

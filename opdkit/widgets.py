@@ -1,10 +1,28 @@
-"""ipywidgets views for JupyterLab; headless runs keep the static figures drawn beside them."""
+"""ipywidgets views for JupyterLab; headless runs keep the static figures drawn beside them.
+
+An error in a control's callback would otherwise go to the browser's log console only: each view has an
+Output area under its controls where the traceback is shown instead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 
 from opdkit.plots import sample_html
+
+
+def reporting(out, fn: Callable) -> Callable:
+    """`fn` as a widget callback whose exceptions are printed into the Output widget `out`."""
+
+    def callback(change=None):
+        out.outputs = ()
+        try:
+            fn(change)
+        except Exception:
+            out.append_stderr(traceback.format_exc())
+
+    return callback
 
 
 def sample_browser(samples: Sequence[dict], per_page: int = 4):
@@ -24,11 +42,12 @@ def sample_browser(samples: Sequence[dict], per_page: int = 4):
 
     slider = w.IntSlider(value=len(steps) - 1, min=0, max=len(steps) - 1, description="sample #",
                          readout=False, continuous_update=False)  # fmt: skip
-    label = w.Label()
-    slider.observe(lambda c: (show(), setattr(label, "value", f"step {steps[slider.value]}")), names="value")
+    label, errors = w.Label(), w.Output()
+    slider.observe(reporting(errors, lambda c: (setattr(label, "value", f"step {steps[slider.value]}"), show())),
+                   names="value")  # fmt: skip
     label.value = f"step {steps[slider.value]}"
     show()
-    return w.VBox([w.HBox([slider, label]), out])
+    return w.VBox([w.HBox([slider, label]), out, errors])
 
 
 def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
@@ -49,9 +68,10 @@ def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
             parts.append(f"<h4 style='margin:6px 0 0 0'>{name}</h4>" + "".join(sample_html(s, vmax) for s in rows))
         out.value = "".join(parts)
 
-    slider.observe(show, names="value")
+    errors = w.Output()
+    slider.observe(reporting(errors, show), names="value")
     show()
-    return w.VBox([slider, out])
+    return w.VBox([slider, out, errors])
 
 
 def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], methods: Sequence[str] = ("ads",),
@@ -72,7 +92,8 @@ def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], m
     def show(change=None):
         out.value = token_changes_html(compare(prompt.value, lam.value, seed_box.value, method.value))
 
+    errors = w.Output()
     for control in (prompt, lam, method, seed_box):
-        control.observe(show, names="value")
+        control.observe(reporting(errors, show), names="value")
     show()
-    return w.VBox([w.HBox([prompt, lam]), w.HBox([method, seed_box]), out])
+    return w.VBox([w.HBox([prompt, lam]), w.HBox([method, seed_box]), out, errors])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 from dataclasses import fields
@@ -97,6 +98,25 @@ def test_notebook_parameters_reject_unknown_names():
     assert mode == "full" and over == {"learning_rate": None}
 
 
+def test_notebook_parameters_come_from_the_parameters_cell_not_globals():
+    params = 'mode: str = "tiny"  # preset\nmax_steps: int = 5  # steps\nseed: int = None  # seed'
+    config_cell = 'mode, overrides = notebook_parameters("02_whitebox", globals())'
+    first_run = ["", params, config_cell, "scratch = 1"]
+    namespace = {"In": first_run, "mode": "tiny", "max_steps": 5, "seed": None, "scratch": 1, "cfg": object()}
+    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 5, "seed": None})
+    # Run all again with max_steps edited and seed deleted: the globals still hold both old values.
+    edited = 'mode: str = "tiny"\nmax_steps: int = 7\nlearning_rate = 2 * 1e-3'
+    namespace["In"] = first_run + [edited, config_cell]
+    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 7, "learning_rate": 2e-3})
+    # papermill's injected cell runs after the parameters cell and wins; an unknown name is refused.
+    injected = "# Parameters\nmax_steps = 3\nmode = \"full\"\n"
+    namespace["In"] = first_run + [params, injected, config_cell]
+    assert notebook_parameters("02_whitebox", namespace) == ("full", {"max_steps": 3, "seed": None})
+    namespace["In"] = first_run + [params, injected + "bogus = 1\n", config_cell]
+    with pytest.raises(ConfigError, match="bogus"):
+        notebook_parameters("02_whitebox", namespace)
+
+
 def _cells(path):
     return json.loads(path.read_text())["cells"]
 
@@ -125,9 +145,14 @@ def test_notebook_parameters_are_fields_and_documented(path):
     assert set(names) <= valid, set(names) - valid
     assert {"mode", "run_dir"} <= set(names)
     for line in source.splitlines():
+        if line.startswith("#"):  # a commented-out field a GPU user sets, or a heading for them
+            name = re.match(r"#\s*(\w+)\s*:\s*\w+\s*=", line)
+            assert name is None or name.group(1) in valid, f"commented-out {line!r} is no field"
+            continue
         comment = line.split("#", 1)[1] if "#" in line else ""
         assert comment.strip(), f"parameter without a comment: {line}"
         assert "=" not in comment, f"papermill's parser breaks on '=' in a comment: {line}"
+    assert re.search(r"^# \w+: \w+ = ", source, re.M), "show the fields a GPU user sets, commented out"
     mode_line = next(line for line in source.splitlines() if line.startswith("mode"))
     assert re.search(r'"tiny"', mode_line), "the default mode is the tiny preset"
 
@@ -144,3 +169,16 @@ def test_environment_yml_matches_pyproject():
 def test_ci_runs_the_readme_test_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert "make test" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("module", ["savegrad", "whitebox", "cliplesson", "antidistill"])
+def test_cli_help_lists_every_field_with_default_and_help(module, capsys):
+    job = importlib.import_module(f"opdkit.jobs.{module}.job")
+    with pytest.raises(SystemExit) as exit_:
+        job.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for f in fields(config.job_class(job.JOB)):
+        line = next((ln for ln in out.splitlines() if ln.split()[:1] == [f.name]), None)
+        assert line is not None, f"{f.name} missing from --help"
+        assert repr(f.default) in line and f.metadata["help"][:30] in line, line

@@ -277,7 +277,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(grads, "save_file", interrupted)
+    monkeypatch.setattr(gradfile, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gradfile.save_grads(tmp_path, {"w": torch.ones(2)}, {"proxy_model": "x"})
     assert list(tmp_path.iterdir()) == []
@@ -389,7 +389,7 @@ def test_max_length_caps_prompt_plus_trace():
     ids = [data.prompt_ids(prep.teacher_tokenizer, m) for m in prep.prompts["messages"]]
     teacher = models.load_model("tiny:teacher", torch.float32, "cpu")
     out = savegrad_holdout.generate_batch(teacher, prep.teacher_tokenizer, ids, prep.cfg)
-    for prompt, (text, truncated) in zip(ids, out):
+    for prompt, (text, truncated, _) in zip(ids, out):
         assert len(prompt) + len(prep.teacher_tokenizer.encode(text, add_special_tokens=False)) <= 45
         assert truncated
     with pytest.raises(ConfigError, match="leaves no room"):

@@ -29,3 +29,24 @@ def test_forked_ranks_can_convert_weights_in_threads(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "all ranks converted" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_small_models_run_on_one_thread_unless_omp_is_set_and_the_caller_gets_its_count_back(tmp_path, monkeypatch):
+    """A JupyterLab kernel has no OMP_NUM_THREADS: tiny models get one torch thread for the job only."""
+    import torch
+
+    from opdkit.launch import launch
+    from opdkit.models import load_model
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        seen = []
+        launch(lambda: seen.append((load_model("tiny:student"), torch.get_num_threads())[1]), (), 1, tmp_path)
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        launch(lambda: seen.append((load_model("tiny:student"), torch.get_num_threads())[1]), (), 1, tmp_path)
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)

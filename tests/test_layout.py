@@ -93,10 +93,11 @@ def test_modules_stay_small_and_main_blocks_only_call_main():
         lines = path.read_text().splitlines()
         assert len(lines) <= MAX_LINES, f"{name} has {len(lines)} lines (at most {MAX_LINES}); split it by concept"
         tree = ast.parse(path.read_text())
-        for node in tree.body:
+        for i, node in enumerate(tree.body):
             if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
                 body = [ast.unparse(n) for n in node.body]
                 assert len(body) == 1 and "main(" in body[0], f"{name}: below `if __name__ == '__main__':` {body}"
+                assert i == len(tree.body) - 1, f"{name}: code after `if __name__ == '__main__':`"
 
 
 def test_presets_ship_inside_the_package():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pm = pytest.importorskip("papermill")  # absent from .venv-vllm, which collects every test file for -m vllm
 
@@ -30,6 +31,28 @@ def test_whitebox_notebook_runs_headless(tmp_path):
     assert summary["steps"] == 12 and summary["student_accuracy_after"] is not None
     for fig in ("training_curves", "accuracy", "samples"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
+    run_cell = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
+    assert "<table" not in json.dumps(run_cell), "transformers' growing step table is replaced by plain logs"
+    assert "'loss'" in json.dumps(run_cell) and "FutureWarning" not in json.dumps(run_cell)
+
+
+def _cell_outputs(path: Path, needle: str) -> list[dict]:
+    nb = json.loads(path.read_text())
+    return next(c["outputs"] for c in nb["cells"] if needle in "".join(c["source"]))
+
+
+@pytest.mark.slow
+def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypatch):
+    """OPDKIT_LIVE=1 stands for a kernel started by JupyterLab: one progress bar and one display of the
+    curves, updated in place, with the accuracy measured every eval_steps."""
+    monkeypatch.setenv("OPDKIT_LIVE", "1")
+    run_dir = tmp_path / "run"
+    execute("02_whitebox.ipynb", tmp_path, run_dir=str(run_dir), max_steps=4, eval_size=16, eval_steps=2,
+            eval_steps_size=8, sample_every=2)  # fmt: skip
+    outputs = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 1 and images[0].get("metadata") is not None
+    assert "<table" not in json.dumps(outputs) and "'loss'" not in json.dumps(outputs)
 
 
 def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
@@ -53,3 +76,29 @@ def test_clip_lesson_notebook_runs_headless(tmp_path):
     assert set(summary) == {"clip", "noclip", "clip-at-noclip-lr", "noclip-at-clip-lr", "sgd-clip", "sgd-noclip"}
     for fig in ("loss_and_grad_norm", "final_accuracy", "spike_samples"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
+
+
+@pytest.mark.slow
+def test_run_all_twice_in_one_kernel_reads_the_parameters_cell(tmp_path):
+    """As in JupyterLab: Run All, edit the parameters cell, Run All again in the same kernel. The first
+    run's variables and a scratch variable are no parameters; an edited value takes effect and a
+    deleted line falls back to the preset."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NB / "01_save_grad.ipynb", as_version=4)
+    params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    nb.cells.append(nbformat.v4.new_code_cell("scratch = 1  # a user's own variable"))
+    client = NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": str(NB)}}, timeout=600)
+    first, second = tmp_path / "first", tmp_path / "second"
+    with client.setup_kernel():
+        params.source = f'mode: str = "tiny"\nrun_dir: str = "{first}"\nsubset_size: int = 8\nbatch_size: int = 2'
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+        params.source = f'mode: str = "tiny"\nrun_dir: str = "{second}"\nsubset_size: int = 6'
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+    cfg1 = yaml.safe_load((first / "config.yaml").read_text())
+    cfg2 = yaml.safe_load((second / "config.yaml").read_text())
+    assert (cfg1["subset_size"], cfg1["batch_size"]) == (8, 2)
+    assert (cfg2["subset_size"], cfg2["batch_size"]) == (6, 8)  # 8: the tiny preset's

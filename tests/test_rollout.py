@@ -122,7 +122,7 @@ def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok)
     kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=12)
     torch.manual_seed(0)
     plain = rollout.sample(model, ids, mask, **kw).input_ids_BT
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.train()
     seen = {}
     orig = model.forward
@@ -138,7 +138,7 @@ def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok)
         again = rollout.sample(model, ids, mask, **kw).input_ids_BT
     finally:
         del model.forward
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     assert seen["training"] is False and seen["cache"] is True and model.training
     model.eval()
     assert torch.equal(plain, again)

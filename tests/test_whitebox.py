@@ -204,6 +204,19 @@ def test_metrics_have_the_promised_fields(tmp_path):
     assert (run.path / "model" / "model.safetensors").exists()
 
 
+def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path):
+    run = run_tiny(tmp_path, "ev", max_steps=4, eval_steps=2, eval_steps_size=8, eval_size=16, save_rollouts=False)
+    evals = [r for r in run.read_jsonl() if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    assert len([r for r in run.read_jsonl() if "loss" in r]) == 4
+    from opdkit.jobs.whitebox import report
+
+    fig = report.curves(run)
+    assert len(fig.axes) == 5 and fig.axes[-1].get_title() == "held-out accuracy"
+    assert list(fig.axes[-1].lines[0].get_xdata()) == [2, 4]
+
+
 # ---- the full preset's code path on stand-ins -----------------------------------------------------
 
 

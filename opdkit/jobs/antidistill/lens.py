@@ -48,7 +48,7 @@ class TokenLens:
         tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
         direction = self.models.direction(GRADIENTS[method]) if lam else None
         return ads.coupled_sample(
-            self.models.teacher, direction, ids, lam=lam, temperature=tau, top_p=cfg.top_p,
+            self.models.teacher, direction, ids, lam=lam, temperature=tau, top_p=cfg.top_p, top_k=cfg.top_k,
             eos_token_id=eos_ids(self.tokenizer, self.models.teacher),
             max_new_tokens=cfg.max_new_tokens, seed=seed,
         )  # fmt: skip

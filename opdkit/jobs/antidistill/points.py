@@ -21,7 +21,9 @@ from opdkit.jobs.antidistill.students import (
     distill_student,
     fresh_student,
     holdout_loss,
+    keep_student,
     sft_rows,
+    sft_seed,
     student_accuracy,
 )
 from opdkit.jobs.antidistill.sweep import Point, Prepared
@@ -49,7 +51,7 @@ def write_traces(
         r = ads.ads_sample(
             models.teacher, prompts_BP, mask_BP, direction=direction, lam=point.lam,
             temperature=point.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-            max_new_tokens=cfg.max_new_tokens,
+            max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
         )  # fmt: skip
         done = ~r.truncated_B(eos)
         for b, (i, text) in enumerate(zip(batch, rollout.decode_completions(tok, r))):
@@ -72,20 +74,26 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     records = write_traces(cfg, prep, models, point, seed, dev)
     write_jsonl(folder / "traces.jsonl", records)
     offload(models, dev, off=True)
-    student = fresh_student(cfg, dev, seed)
+    student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
-    losses = distill_student(student, rows, cfg, prep.student_tokenizer.pad_token_id, seed, desc=f"sft {point.name}")
+    trainer = distill_student(student, rows, cfg, prep.student_tokenizer, sft_seed(cfg, seed), folder,
+                              f"{point.name}-seed{seed}")  # fmt: skip
+    student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
+    steps = trainer.step_log()
     result = {
         "seed": seed, "teacher_accuracy": traces.accuracy(records), "student_accuracy": student_accuracy(student, prep),
         "student_holdout_loss": holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
                                              cfg.sft_micro_batch_size or cfg.sft_batch_size),
         "truncated_fraction": sum(r["truncated"] for r in records) / len(records), "num_traces": len(records),
         "errors": prep.task.error_kinds(records),
-        "sft_steps": len(losses), "final_sft_loss": losses[-1] if losses else None,
+        "sft_steps": trainer.state.global_step, "final_sft_loss": steps[-1]["loss"] if steps else None,
         "seconds": round(time.time() - t0, 1),
     }  # fmt: skip
-    run.log({"point": point.name, "seed": seed, "sft_loss": losses})
+    trainer.log({k: result[k] for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
+                 if result[k] is not None})  # to report_to, after the SFT steps  # fmt: skip
+    write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
+    del trainer
     del student
     offload(models, dev, off=False)
     return result
@@ -129,7 +137,7 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
 
 def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
     """The student before any distillation, where every point starts from: accuracy and held-out loss."""
-    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, prep.cfg.seed)
+    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, sft_seed(prep.cfg, prep.cfg.seed))
     loss = holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
                         cfg.sft_micro_batch_size or cfg.sft_batch_size)  # fmt: skip
     return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}

@@ -72,6 +72,10 @@ def explain(summary: dict) -> str:
     """What this run measured, in sentences built from summary.json: each ADS point against the temperature
     sweep at the same teacher accuracy."""
     lines = [f"- student before distillation: {_pct(summary.get('student_accuracy_before'))}"]
+    for p in summary.get("failed_points", []):
+        last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
+        lines.append(f"- **{p['name']} failed** ({last}); its traceback is in points/{p['name']}/error.txt, and "
+                     "`resume=True` with the same run_dir runs it again.")  # fmt: skip
     for gp in gaps(summary):
         label = plots.ADS_LABELS.get(gp["method"], gp["method"])
         where = (f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
@@ -84,7 +88,7 @@ def explain(summary: dict) -> str:
                          f"{_pct(gp['temperature_student_accuracy'])}, so the ADS student is "
                          f"{abs(gp['gap']) * 100:.1f} points {verdict}.")  # fmt: skip
     lines += _error_lines(summary)
-    runs = min(len(p.get("runs", [None])) for p in summary["points"])
+    runs = min((len(p.get("runs", [None])) for p in summary["points"]), default=0)
     for method in dict.fromkeys(gp["method"] for gp in gaps(summary)):
         known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
         if known:

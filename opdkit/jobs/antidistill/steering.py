@@ -57,6 +57,8 @@ def load_models(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, de
     named = {"completion": gradfile.load_grads(grads_dir, proxy, prep.proxy_tokenizer)}
     if any(p.gradient == "answer" for p in sweep_points(cfg)):
         named["answer"] = answer_gradient(cfg, proxy, prep.proxy_tokenizer, grads_dir, run)
+    if cfg.grad_scale != 1.0:  # e.g. the ADS reference's 1/W-scaled gradient (W = 8 DDP processes)
+        named = {kind: {k: g * cfg.grad_scale for k, g in g_named.items()} for kind, g_named in named.items()}
     holdout = holdout_rows(grads_dir, prep.student_tokenizer, cfg)
     return Models(teacher, proxy, named, cfg.ads_method, cfg.eps, dev, holdout)
 

@@ -1,6 +1,10 @@
 """The students of 04_antidistill: a fresh one per point, distilled on the point's traces by completion-only
-SFT, then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces
-(the objective ADS steers by).
+SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0), saved,
+then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
+objective ADS steers by).
+
+    trainer = distill_student(fresh_student(cfg, dev, seed), rows, cfg, tok, seed, folder)
+    model = keep_student(trainer.model, cfg, tok, folder)       # saved in folder/student/, LoRA merged
 """
 
 from __future__ import annotations
@@ -10,13 +14,18 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from opdkit import evaluate, sft, tiny, traces
 from opdkit.config import AntidistillationConfig
 from opdkit.jobs.antidistill.sweep import Prepared
+from opdkit.models import enable_activation_checkpointing
 from opdkit.runs import print0
+from opdkit.sft import CompletionSFTTrainer
 
+SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
+STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenizer
 HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
 
 
@@ -29,18 +38,27 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
         model.config.use_cache = False
     return model.to(dev)
 
 
+def sft_seed(cfg: AntidistillationConfig, seed: int) -> int:
+    """The SFT seed of the run with sampling seed `seed` (seed, seed+1, ... over repeats): `sft_seed` moved
+    along the same way, or `seed` itself when `sft_seed` is -1."""
+    return seed if cfg.sft_seed < 0 else cfg.sft_seed + (seed - cfg.seed)
+
+
 def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
-    """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion)."""
+    """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion); a
+    truncated trace without the end-of-turn tokens the template would append."""
     rows = []
     for rec in records:
         ids, labels = sft.completion_labels(
             tok, [*rec["messages"], {"role": "assistant", "content": rec["completion"]}], cfg.enable_thinking
         )
+        if rec.get("truncated"):  # the teacher never ended this turn: the student is not taught to end it
+            ids, labels = sft.without_end_of_turn(tok, ids, labels)
         if cfg.sft_max_length:
             ids, labels = ids[: cfg.sft_max_length], labels[: cfg.sft_max_length]
         if any(t != sft.IGNORE for t in labels):
@@ -67,26 +85,84 @@ def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[lis
     return out
 
 
-def distill_student(
-    model: torch.nn.Module, rows: list[dict], cfg: AntidistillationConfig, pad_token_id: int, seed: int,
-    desc: str = "sft",
-) -> list[float]:
-    """Completion-only SFT (`sft.train_sft`): AdamW, linear warmup then cosine, gradient clipping at 1, the
-    step's micro-batches summed so that each step's loss is the mean over all of its completion tokens.
-    Returns the loss of every step."""
-    steps = sft_steps(cfg, len(rows))
-    dev, micro = next(model.parameters()).device, cfg.sft_micro_batch_size or cfg.sft_batch_size
-    order = batch_order(len(rows), cfg.sft_batch_size, steps, seed)
-
-    def micro_batches(step: int) -> list[dict]:
-        idx = order[step]
-        return [next(sft.make_batches(rows, idx[s : s + micro], micro, pad_token_id, dev)) for s in range(0, len(idx), micro)]
-
-    losses, _ = sft.train_sft(
-        model, micro_batches, steps, cfg.sft_learning_rate, warmup_steps=round(cfg.sft_warmup_ratio * steps),
-        weight_decay=cfg.sft_weight_decay, bf16=cfg.bf16, desc=desc,
+def training_arguments(cfg: AntidistillationConfig, folder: Path, steps: int, seed: int, dev: torch.device,
+                       name: str = "") -> TrainingArguments:  # fmt: skip
+    """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear warmup
+    steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a log record
+    every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
+    micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
+    args = TrainingArguments(
+        output_dir=str(folder / SFT_DIR), max_steps=steps, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=math.ceil(cfg.sft_batch_size / micro), learning_rate=cfg.sft_learning_rate,
+        weight_decay=cfg.sft_weight_decay, lr_scheduler_type="cosine", warmup_steps=round(cfg.sft_warmup_ratio * steps),
+        max_grad_norm=1.0, bf16=cfg.bf16 and dev.type == "cuda", seed=seed, data_seed=seed, logging_steps=1,
+        logging_nan_inf_filter=False, save_strategy="steps" if cfg.sft_save_steps else "no",
+        save_steps=cfg.sft_save_steps or steps, save_total_limit=1, report_to=cfg.report_to, run_name=name or None,
+        remove_unused_columns=False, dataloader_num_workers=0, use_cpu=dev.type != "cuda",
     )  # fmt: skip
-    return losses
+    _ = args.device
+    args._n_gpu = min(args._n_gpu, 1)  # one student, one device: never DataParallel over the node's GPUs
+    return args
+
+
+def with_lora(model: torch.nn.Module, cfg: AntidistillationConfig, seed: int) -> torch.nn.Module:
+    """The student with LoRA adapters on `student_lora_target_modules` (peft), or as it is when the rank is 0."""
+    if not cfg.student_lora_r:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.student_lora_target_modules
+    targets = targets[0] if targets == ["all-linear"] else targets  # peft's own keyword
+    lora = LoraConfig(r=cfg.student_lora_r, lora_alpha=cfg.student_lora_alpha or cfg.student_lora_r,
+                      lora_dropout=cfg.student_lora_dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    torch.manual_seed(seed)  # the adapters' initialisation
+    return get_peft_model(model, lora)
+
+
+def distill_student(model: torch.nn.Module, rows: list[dict], cfg: AntidistillationConfig,
+                    tok: PreTrainedTokenizerBase, seed: int, folder: Path, name: str = "") -> CompletionSFTTrainer:  # fmt: skip
+    """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's loss
+    the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it continues
+    from the last checkpoint in `folder`/sft/. Returns the trainer (its `step_log()`, its `model` trained)."""
+    steps = sft_steps(cfg, len(rows))
+    model = with_lora(model, cfg, seed)
+    args = training_arguments(cfg, folder, steps, seed, next(model.parameters()).device, name)
+    trainer = CompletionSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
+                                   order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
+                                   pad_token_id=tok.pad_token_id)  # fmt: skip
+    last = get_last_checkpoint(args.output_dir) if cfg.resume and Path(args.output_dir).is_dir() else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.model.eval()
+    return trainer
+
+
+def keep_student(model: torch.nn.Module, cfg: AntidistillationConfig, tok: PreTrainedTokenizerBase,
+                 folder: Path) -> torch.nn.Module:  # fmt: skip
+    """Save the trained student as `student_save` says in `folder`/student/; returns the model to evaluate (a
+    LoRA student with its adapter merged into the weights)."""
+    out, lora = folder / STUDENT_DIR, bool(cfg.student_lora_r)
+    if cfg.student_save == "adapter" or (cfg.student_save == "merged" and not lora):
+        model.save_pretrained(out)
+    if lora:
+        model = model.merge_and_unload()
+        if cfg.student_save == "merged":
+            model.save_pretrained(out)
+    if cfg.student_save != "none":
+        tok.save_pretrained(out)
+    return model
+
+
+def load_student(cfg: AntidistillationConfig, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
+    """A saved student from `folder`/student/, ready to evaluate: the model, or the fresh student (`seed`, as
+    trained) with the saved LoRA adapter merged in."""
+    path = Path(folder) / STUDENT_DIR
+    if not (path / "adapter_config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(fresh_student(cfg, dev, seed), path).merge_and_unload().eval()
 
 
 def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:

@@ -6,13 +6,14 @@ before anything is written (config, tokenizers, prompts, the gradient's fit).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, gradfile, tasks, traces
+from opdkit import data, gradfile, tasks, traces, tracking
 from opdkit.config import AntidistillationConfig, ConfigError, load_config
 from opdkit.models import check_shared_vocab, load_tokenizer, model_skeleton
 
@@ -112,19 +113,23 @@ def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerB
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, tokenizers, prompts and the gradient's fit: every cheap failure happens here."""
+    """Resolve the config, then the prompts, then the tokenizers, then the gradient's fit to the proxy, in the
+    original's order (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
+    messages, answers = training_prompts(cfg)
+    eval_messages, eval_answers = eval_prompts(cfg, task)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     proxy_tok = load_tokenizer(cfg.proxy_model)
     student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
     check_shared_vocab(teacher_tok, proxy_tok)
     check_grads_run(cfg, proxy_tok)
-    messages, answers = training_prompts(cfg)
+    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
+        raise ConfigError("student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft).")
     messages, answers, dropped = _drop_long(messages, answers, teacher_tok, cfg)
     if not messages:
         raise ConfigError(f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it.")
-    eval_messages, eval_answers = eval_prompts(cfg, task)
     first = teacher_tok.decode(data.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
     return Prepared(cfg, mode, task, teacher_tok, proxy_tok, student_tok, messages, answers, eval_messages, eval_answers,
                     dropped, first)  # fmt: skip

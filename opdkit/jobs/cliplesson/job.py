@@ -13,7 +13,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from opdkit.config import ClipLessonConfig, ConfigError, load_config, parse_cli
+from opdkit import tracking
+from opdkit.cli import run_from_cli
+from opdkit.config import ClipLessonConfig, ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
 from opdkit.runs import RunDir, print0
 
@@ -101,6 +103,7 @@ def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDi
     if cfg.eval_size >= 0:  # -1 keeps the preset's
         over["eval_size"] = cfg.eval_size
     over["sample_every"] = 1  # the spike's completions must be there to look at
+    over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
     print0(f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
            f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}")  # fmt: skip
     return whitebox.run(arm.mode, over)
@@ -118,6 +121,7 @@ def summarise(results: dict[str, dict[int, dict]]) -> dict:
 def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
     """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     seeds = parse_seeds(cfg.seeds)
     existing = existing_arms(cfg)  # checked before anything is written
     lesson = RunDir.create(cfg, job=JOB, mode=mode)
@@ -129,6 +133,10 @@ def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
             for seed in seeds:
                 results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
     lesson.write_summary(summarise(results))
+    tracker = tracking.Tracker.start(cfg.report_to, lesson, config=to_dict(cfg))
+    tracker.table("arms", [{"arm": name, **{k: v for k, v in entry.items() if k != "seeds"}}
+                           for name, entry in lesson.read_summary().items()])  # fmt: skip
+    tracker.finish()
     return lesson
 
 
@@ -157,10 +165,7 @@ def _load_run_config(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.cliplesson import report
 
-    mode, overrides = parse_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", argv)
-    lesson = run(mode, overrides)
-    report.figures(lesson)
-    print(lesson.path)
+    run_from_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, grads, rollout, tasks, traces
+from opdkit import data, grads, rollout, sft, tasks, traces
 from opdkit.config import ConfigError, SaveGradConfig
 from opdkit.models import eos_ids, load_model
 from opdkit.runs import RunDir, print0
@@ -83,8 +83,9 @@ def _rendered(text: str, prompt: str) -> bool:
 
 def generate_batch(
     teacher: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt_ids: list[list[int]], cfg: SaveGradConfig
-) -> list[tuple[str, bool]]:
-    """(completion text, truncated) per prompt; with max_length, each prompt + completion fits in it."""
+) -> list[tuple[str, bool, list[int]]]:
+    """(completion text, truncated, completion token ids with the stop token if it ended) per prompt; with
+    max_length, each prompt + completion fits in it."""
     device = next(teacher.parameters()).device
     prompts_BP, mask_BP = rollout.left_pad(prompt_ids, tok.pad_token_id, device)
     budget = cfg.max_new_tokens
@@ -102,7 +103,7 @@ def generate_batch(
             keep = min(keep, cfg.max_length - len(ids))
         completion = r.completion_ids_BC[b, :keep].tolist()
         ended = bool(completion) and completion[-1] in eos
-        out.append((tok.decode(completion, skip_special_tokens=True), not ended))
+        out.append((tok.decode(completion, skip_special_tokens=True), not ended, completion))
     return out
 
 
@@ -115,7 +116,7 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in messages]
     mine = grads.shard_by_length([len(x) for x in ids], rank, world)
     torch.manual_seed(cfg.seed + rank)
-    local: list[tuple[int, str, bool]] = []
+    local: list[tuple[int, str, bool, list[int]]] = []
     for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
         batch = mine[s : s + cfg.gen_batch_size]
         local += [(i, *done) for i, done in zip(batch, generate_batch(teacher, tok, [ids[i] for i in batch], cfg))]
@@ -125,9 +126,17 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     check, answers = prep.task.check, list(prep.prompts["answer"])
     return [
         {"messages": [*messages[i], {"role": "assistant", "content": text}], "answer": answers[i],
-         "correct": check(text, answers[i]) if answers[i] else None, "truncated": truncated}
-        for i, text, truncated in sorted(_gather(local, world))
+         "correct": check(text, answers[i]) if answers[i] else None, "truncated": truncated,
+         "teacher_ids": (ids[i], completion)}
+        for i, text, truncated, completion in sorted(_gather(local, world))
     ]  # fmt: skip
+
+
+def teacher_tokens(record: dict) -> dict:
+    """A generated trace as the teacher wrote it: its prompt ids (the teacher's chat template) then its completion
+    ids, labels on the completion only (its stop token included when it finished, nothing invented when not)."""
+    prompt, completion = record["teacher_ids"]
+    return {**record, "input_ids": [*prompt, *completion], "labels": [sft.IGNORE] * len(prompt) + list(completion)}
 
 
 def _gather(local: list, world: int) -> list:
@@ -153,7 +162,11 @@ def traces_for(cfg: SaveGradConfig, prep, run: RunDir, rank: int, world: int, de
         print0(f"resume: reusing the traces in {saved}")
         return list(datasets.load_from_disk(str(saved)))
     records = supplied_records(cfg, prep) if prep.traces is not None else teacher_traces(cfg, prep, rank, world, device)
-    records = traces.with_labels(records, prep.proxy_tokenizer, cfg.enable_thinking)
+    if cfg.proxy_tokens == "teacher":
+        records = [teacher_tokens(r) for r in records]
+    else:
+        records = traces.with_labels(records, prep.proxy_tokenizer, cfg.enable_thinking)
+    records = [{k: v for k, v in r.items() if k != "teacher_ids"} for r in records]
     if rank == 0:
         traces.save_traces(saved, records)
     return records

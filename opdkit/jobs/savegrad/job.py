@@ -29,13 +29,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import data, gradfile, grads, tasks, tiny
-from opdkit.config import ConfigError, SaveGradConfig, load_config, parse_cli
+from opdkit import data, gradfile, grads, tasks, tiny, tracking
+from opdkit.cli import run_from_cli
+from opdkit.config import ConfigError, SaveGradConfig, load_config, to_dict
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.launch import start_run
-from opdkit.models import load_model, load_tokenizer
+from opdkit.models import check_shared_vocab, load_model, load_tokenizer
 from opdkit.runs import RunDir, print0
-from opdkit.traces import TRACES_DIR, completion_labels, format_trace
+from opdkit.traces import TRACES_DIR, completion_labels, format_trace, truncated_count
 from opdkit.traces import accuracy as teacher_accuracy
 
 JOB = "01_save_grad"
@@ -55,21 +56,30 @@ class Prepared:
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, load tokenizers and prompts (or supplied traces): every cheap failure happens here."""
+    """Resolve the config, then the prompts (or supplied traces), then the tokenizers, in the original's order
+    (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
         raise ConfigError(
             f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
             f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
         )
     task = tasks.for_dataset(cfg.dataset_path)
-    proxy_tok = load_tokenizer(cfg.proxy_model)
+    if cfg.traces_path and cfg.proxy_tokens == "teacher":
+        raise ConfigError(
+            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; with "
+            "traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
+        )
     if cfg.traces_path:
         traces = supplied_traces(cfg)
+        proxy_tok = load_tokenizer(cfg.proxy_model)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking, 0)
         return Prepared(cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels))
-    teacher_tok = load_tokenizer(cfg.teacher_model)
     prompts = holdout_prompts(cfg)
+    proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
+    if cfg.proxy_tokens == "teacher":
+        check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
     prompts, dropped = data.filter_long_prompts(prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, teacher_tok)
@@ -85,8 +95,10 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
         "traces": cfg.traces_path or TRACES_DIR,
         "tokenizer_fingerprint": gradfile.tokenizer_fingerprint(prep.proxy_tokenizer),
         "num_traces": stats["num_traces"],
+        "truncated_traces": stats["truncated_traces"],  # their labels end where the teacher stopped, no end of turn
         "completion_tokens": stats["completion_tokens"],
         "normalization": cfg.normalization,
+        "proxy_tokens": cfg.proxy_tokens,
         "loss": stats["loss"],
         "grad_norm": stats["grad_norm"],
         "world_size": world,
@@ -107,6 +119,7 @@ def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seco
     return {
         "status": "done",
         "num_traces": len(records),
+        "truncated_traces": stats["truncated_traces"],
         "completion_tokens": sum(lengths),
         "mean_completion_tokens": sum(lengths) / len(lengths),
         "teacher_accuracy": teacher_accuracy(records),
@@ -154,11 +167,23 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     records = traces_for(cfg, prep, run, rank, world, device)
     print0(f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}")
     named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
+    stats = {**stats, "truncated_traces": truncated_count(records)}
     if rank == 0:
         gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
-    run.write_summary(summarize(records, stats, prep, world, time.time() - t0))
+    summary = summarize(records, stats, prep, world, time.time() - t0)
+    run.write_summary(summary)
+    track(cfg, run, summary, records)
     print0(f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}")
     state.wait_for_everyone()
+
+
+def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], rows: int = 32) -> None:
+    """The summary's numbers and the first `rows` traces as a table, to the `report_to` tracker (rank 0)."""
+    tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
+    tracker.log(summary, step=0)
+    tracker.table("traces", [{"prompt": r["messages"][-2]["content"], "trace": r["messages"][-1]["content"],
+                              "answer": r.get("answer"), "correct": r.get("correct")} for r in records[:rows]])  # fmt: skip
+    tracker.finish()
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
@@ -172,11 +197,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.savegrad import report
 
-    mode, overrides = parse_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", argv)
-    done = run(mode, overrides)
-    if done.writer:
-        report.figures(done)
-    print0(f"run directory: {done.path}")
+    run_from_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

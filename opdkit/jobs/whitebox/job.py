@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, engines, evaluate, sharding, tasks
-from opdkit.config import WhiteboxConfig, load_config, parse_cli
+from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
+from opdkit.cli import run_from_cli
+from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
-from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
+from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
-from opdkit.trainer import DistillTrainer, OPDArguments
+from opdkit.trainer import DistillTrainer, OPDArguments, StepAccuracy
 
 JOB = "02_whitebox"
 
@@ -44,44 +45,52 @@ class Prepared:
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config and check tokenizers and prompts: every cheap failure happens here."""
+    """Resolve the config, then the prompts, then the tokenizers, as the original does (the data file in
+    milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
     engines.check_available(cfg.rollout_engine)
     task = tasks.for_dataset(cfg.dataset_path)
-    tok = load_tokenizer(cfg.student_model)
-    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    prompts = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
-    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
-    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
         cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
     )  # fmt: skip
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
-def sharded_accuracy(model, prep: Prepared, world: int, rank: int, engine=None) -> float | None:
-    """Greedy accuracy with the evaluation set split across processes and the counts summed; with a
-    vLLM `engine`, `model`'s weights are synced into it and it generates."""
-    cfg, tok, messages, answers = prep.cfg, prep.tokenizer, prep.eval_messages, prep.eval_answers
+def accuracy_precision(cfg: WhiteboxConfig) -> str:
+    """How every accuracy of the run decodes: the precision the student samples its rollouts at."""
+    return "bf16 autocast" if cfg.bf16 else "fp32"
+
+
+def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | None = None) -> float | None:
+    """Greedy accuracy with the evaluation set (its first `limit` problems) split across processes and the
+    counts summed. Every model decodes under the same autocast (`accuracy_precision`), so before and after
+    compare one precision."""
+    cfg, tok = prep.cfg, prep.tokenizer
+    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     if not messages:
         return None
     mine = list(range(rank, len(messages), world))
     correct = 0.0
-    if engine is not None:
-        engine.sync(model)  # every rank: under FSDP a sync gathers
+    device = next(model.parameters()).device
     if mine:
-        comps = evaluate.greedy_completions(
-            model, tok, [messages[i] for i in mine],
-            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-            batch_size=cfg.eval_batch_size,
-            enable_thinking=cfg.enable_thinking,
-            progress=rank == 0,
-            engine=engine,
-        )  # fmt: skip
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            comps = evaluate.greedy_completions(
+                model, tok, [messages[i] for i in mine],
+                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                batch_size=cfg.eval_batch_size,
+                enable_thinking=cfg.enable_thinking,
+                progress=rank == 0,
+            )  # fmt: skip
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
-        t = torch.tensor([correct], dtype=torch.float64, device=next(model.parameters()).device)
+        t = torch.tensor([correct], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         correct = t.item()
     return correct / len(messages)
@@ -105,7 +114,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        **checkpointing_argument(cfg.gradient_checkpointing),
         bf16=cfg.bf16,
         seed=cfg.seed,
         data_seed=cfg.seed,
@@ -116,6 +125,8 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
         save_total_limit=cfg.save_total_limit,
         report_to=cfg.report_to,
+        project=tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
+        run_name=f"{JOB}/{run_path.name}",
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
@@ -131,7 +142,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_rollouts=cfg.save_rollouts,
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_max_model_len=0,  # the model's own: evaluation prompts are not cut to max_prompt_length
+        vllm_max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
     )
 
 
@@ -154,6 +165,16 @@ def train_process(
     print0(f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
            f"{world} process(es) on {args.device}")  # fmt: skip
 
+    acc = lambda m: sharded_accuracy(m, prep, world, rank)  # noqa: E731
+    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
+    teacher_acc = acc(teacher)
+    if before is None:
+        before = acc(student)
+    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc,
+                       "accuracy_precision": accuracy_precision(cfg), "status": "training"})  # fmt: skip
+
     trainer = DistillTrainer(
         model=student,
         args=args,
@@ -165,29 +186,22 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
-    # With vLLM the student's greedy accuracy before and after uses the trainer's engine too (synced
-    # first); the teacher's stays on the kit's loop (it would need an engine of its own).
-    engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
-    acc = lambda m, e=None: sharded_accuracy(m, prep, world, rank, e)  # noqa: E731
-    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
-    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
-    teacher_acc = acc(teacher)
-    if before is None:
-        before = acc(student, engine)
-    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
-    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc, "status": "training"})
-
+    tracking.report_samples(trainer, cfg.report_to, run)
+    live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
+    if cfg.eval_steps and prep.eval_messages:
+        add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
     if resumed:
         _truncate_metrics(run, trainer)
     trainer.train(resume_from_checkpoint=True if resumed else None)
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
-    after = acc(trained_student(trainer, run.path / "model"), engine)
+    after = acc(trained_student(trainer, run.path / "model"))
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
         "teacher_accuracy": teacher_acc,
+        "accuracy_precision": accuracy_precision(cfg),  # all three accuracies decode at it
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
@@ -196,7 +210,16 @@ def train_process(
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
-    print0(f"accuracy after: student {after}; run directory {run.path}")
+    print0(f"accuracy after: student {after}")
+
+
+def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
+    """Accuracy while training. Not under FSDP: every rank generates for its own share of prompts, and
+    sharded layers, whose every forward is a collective, would wait on ranks that have stopped."""
+    if trainer.is_fsdp_enabled:
+        print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
+        return
+    trainer.add_callback(StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log))
 
 
 def trained_student(trainer: DistillTrainer, saved: Path):
@@ -204,7 +227,8 @@ def trained_student(trainer: DistillTrainer, saved: Path):
     every rank: each rank generates for its own share of prompts, so sharded layers, whose every
     forward is a collective, would wait on ranks that have stopped."""
     if not trainer.is_fsdp_enabled:
-        return trainer.accelerator.unwrap_model(trainer.model)
+        # Without accelerate's autocast wrapper: `sharded_accuracy` applies the one precision of the run.
+        return trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     trainer.accelerator.wait_for_everyone()  # rank 0 has written model/
     return load_model(str(saved), torch.float32, trainer.args.device)
 
@@ -236,11 +260,7 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.whitebox import report
 
-    mode, overrides = parse_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", argv)
-    done = run(mode, overrides)
-    if done.writer:
-        report.figures(done)
-    print0(f"run directory: {done.path}")
+    run_from_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

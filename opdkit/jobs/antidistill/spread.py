@@ -1,0 +1,134 @@
+"""04_antidistill's points spread over processes, one per GPU: each process holds its own teacher and proxies
+and runs its share of the points one after another; every point keeps its result in its own folder, and the
+summary is gathered from those folders afterwards.
+
+    shares = assign(points, 4)                                   # round-robin: point i runs in process i % 4
+    launch(sweep_process, (cfg_dict, mode, run_path, grads_dir, shares, None), 4, run_path)
+    summary = gather(points, run, failure=None)
+
+A point's result does not depend on the process it ran in (its seeds are the point's, the student is fresh),
+so N processes give the summary one process gives. A point that raises is written down with its traceback
+(`points/<name>/error.txt`, and in the summary) and its process goes on with the next point (CUDA's
+out-of-memory error included). A process that dies outright (killed) ends the launch: the points finished by
+then are kept, the others are reported with the launcher's message, and `resume=True` runs them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from opdkit.files import atomic_write_text, read_jsonl
+from opdkit.jobs.antidistill.points import POINTS_DIR, baseline, offload, run_point
+from opdkit.jobs.antidistill.steering import load_models
+from opdkit.jobs.antidistill.sweep import Point, Prepared, device, prepare, sweep_points
+from opdkit.runs import RunDir, print0
+
+POINT_FILE = "point.json"  # a finished (or failed) point: its summary entry
+ERROR_FILE = "error.txt"
+BASELINE_FILE = "baseline.json"  # the student before distillation and the gradients' norms (process 0)
+# What notebook_launcher / torchrun set for torch.distributed: a sweep process trains its students alone, so
+# transformers' Trainer must not see them (it would join the processes into one data-parallel run).
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "NODE_RANK", "NPROC", "MASTER_ADDR", "MASTER_PORT",
+                "FORK_LAUNCHED")  # fmt: skip
+
+
+def point_dir(run: RunDir, point: Point) -> Path:
+    return run.path / POINTS_DIR / point.name
+
+
+def finished(run: RunDir, point: Point) -> bool:
+    f = point_dir(run, point) / POINT_FILE
+    return f.is_file() and json.loads(f.read_text()).get("status") == "done"
+
+
+def assign(points: list[Point], n: int) -> list[list[str]]:
+    """Each process's points, by name: round-robin in sweep order, so the split depends only on the list."""
+    return [[p.name for p in points[r::n]] for r in range(n)]
+
+
+def own_process() -> tuple[int, int]:
+    """(rank, world size) of this sweep process. With several, it keeps one GPU to itself (CUDA_VISIBLE_DEVICES,
+    set before anything touches CUDA) and forgets the launcher's torch.distributed settings."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[local % len(visible)] if visible else str(local)
+        for key in LAUNCHER_ENV:
+            os.environ.pop(key, None)
+    return rank, world
+
+
+def sweep_process(cfg_dict: dict, mode: str, run_path: str, grads_dir: str, shares: list[list[str]],
+                  prepared: Prepared | None = None) -> None:  # fmt: skip
+    """What every process runs: its own teacher and proxies on its own device, then its share of the points."""
+    rank, world = own_process()
+    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k != "overwrite"})
+    cfg, dev, run = prep.cfg, device(), RunDir.attach(run_path)
+    if rank == 0:
+        run.write_env(world_size=world, device=str(dev))
+    mine = [p for p in sweep_points(cfg) if p.name in set(shares[rank])]
+    models = load_models(cfg, prep, Path(grads_dir), dev, run)
+    if rank == 0 and not (run.path / BASELINE_FILE).is_file():
+        before = {**baseline(prep, models, dev), "grad_norms": models.grad_norms()}
+        atomic_write_text(run.path / BASELINE_FILE, json.dumps(before, indent=2))
+    tag = f" (process {rank} of {world})" if world > 1 else ""
+    for point in tqdm(mine, desc=f"trade-off points{tag}", position=rank if world > 1 else None):
+        result = run_point_safely(point, prep, models, run, dev)
+        print0(_line(result) + tag)
+
+
+def run_point_safely(point: Point, prep: Prepared, models, run: RunDir, dev: torch.device) -> dict:
+    """`run_point`, its entry kept in points/<name>/point.json; an exception becomes a failed entry with its
+    traceback (also in points/<name>/error.txt), and the models are put back for the next point."""
+    folder = point_dir(run, point)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ERROR_FILE).unlink(missing_ok=True)
+    try:
+        result = {**run_point(point, prep, models, run, dev), "status": "done"}
+    except Exception:
+        text = traceback.format_exc()
+        atomic_write_text(folder / ERROR_FILE, text)
+        result = {**asdict(point), "name": point.name, "status": "failed", "error": text}
+        gc.collect()
+        offload(models, dev, off=False)
+    atomic_write_text(folder / POINT_FILE, json.dumps(result, indent=2))
+    return result
+
+
+def _line(r: dict) -> str:
+    if r["status"] != "done":
+        return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
+    acc = r["teacher_accuracy"]
+    return (f"{r['name']:28s} teacher {'n/a' if acc is None else f'{acc:.3f}'}  "
+            f"student {r['student_accuracy']:.3f}  ({r['seconds']:.0f} s)")  # fmt: skip
+
+
+def gather(points: list[Point], run: RunDir, failure: str | None) -> dict:
+    """The points' entries in sweep order from their folders, the failed ones apart (with their tracebacks;
+    a point whose process died carries `failure`, the launcher's report), and the baseline; metrics.jsonl is
+    rewritten from them: one record per finished point, then each student's SFT losses (`sft_loss`)."""
+    done, failed = [], []
+    for p in points:
+        f = point_dir(run, p) / POINT_FILE
+        entry = json.loads(f.read_text()) if f.is_file() else None
+        if entry is None:
+            entry = {**asdict(p), "name": p.name, "status": "failed", "error": failure or "not run"}
+        (done if entry["status"] == "done" else failed).append(entry)
+    records = [{k: v for k, v in e.items() if k != "runs"} for e in done]
+    for e in done:
+        for r in e["runs"]:
+            steps = read_jsonl(run.path / POINTS_DIR / e["name"] / f"seed{r['seed']}" / "metrics.jsonl")
+            records.append({"point": e["name"], "seed": r["seed"], "sft_loss": [s["loss"] for s in steps if "loss" in s]})
+    atomic_write_text(run.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    before = json.loads((run.path / BASELINE_FILE).read_text()) if (run.path / BASELINE_FILE).is_file() else {}
+    return {"status": "done" if not failed else "incomplete", "points": done, "failed_points": failed, **before}

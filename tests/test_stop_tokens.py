@@ -1,0 +1,72 @@
+"""Completions end at the tokenizer's EOS or any stop token of the model's generation config, wherever a
+completion ends: greedy evaluation and the white-box trainer's rollouts (01 and 04 are tested in their own
+files). The stand-in is a tiny random Qwen3 with the real Qwen3 tokenizer (EOS <|im_end|>) and Qwen3's
+generation config, which also stops at <|endoftext|>; a hook on its head makes it write "Hi",
+<|endoftext|>, then " there" until <|im_end|>."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from opdkit import data, evaluate, models
+from opdkit.trainer import DistillTrainer, OPDArguments
+
+QWEN3_STOPS = [151645, 151643]  # Qwen3's generation_config.json: <|im_end|>, <|endoftext|>
+
+
+class Script:
+    """Forces the head's argmax through a fixed token sequence, one per forward call."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.calls = tokens, 0
+
+    def __call__(self, module, inputs, logits):
+        token = self.tokens[min(self.calls, len(self.tokens) - 1)]
+        self.calls += 1
+        out = logits.clone()
+        out[..., token] += 1e4
+        return out
+
+
+@pytest.fixture
+def standin(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    hi, there = tok.encode("Hi")[0], tok.encode(" there")[0]
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = QWEN3_STOPS
+    script = Script([hi, tok.convert_tokens_to_ids("<|endoftext|>"), there, there, there, tok.eos_token_id])
+    model.lm_head.register_forward_hook(script)
+    return model, tok, script, hi
+
+
+def test_qwen3_stop_list(standin):
+    model, tok, _, _ = standin
+    assert tok.eos_token_id == 151645 and models.eos_ids(tok, model) == sorted(QWEN3_STOPS)
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # as DDP holds the model
+    assert models.eos_ids(tok, wrapped) == sorted(QWEN3_STOPS) and models.eos_ids(tok) == [151645]
+
+
+def test_greedy_evaluation_stops_at_endoftext(standin):
+    model, tok, script, hi = standin
+    comps = evaluate.greedy_completions(model, tok, [[{"role": "user", "content": "Say hi"}]], max_new_tokens=8)
+    assert comps == [tok.decode([hi])]
+    assert script.calls == 2  # nothing was generated after <|endoftext|>
+
+
+def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
+    model, tok, _, hi = standin
+    args = OPDArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_new_tokens=8)
+    trainer = DistillTrainer(model=model, args=args, processing_class=tok, teacher_model=model,
+                             data_collator=data.PromptCollator(tok, 64))  # fmt: skip
+    batch = data.PromptCollator(tok, 64)([{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}])
+    out = trainer._rollout(batch)
+    assert out["completion_mask_BC"].tolist() == [[1, 1]]
+    assert out["input_ids"][0, -2:].tolist() == [hi, 151643]
+    assert trainer.stats.truncated == 0 and trainer.stats.completion_tokens == 2
