@@ -132,7 +132,7 @@ def test_a_plain_install_runs_from_an_unrelated_folder(tmp_path):
                           check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
     # A plain path line: the dependencies' folder joins sys.path, its own .pth files (an editable opdkit) do not.
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, wheels.glob("*.whl"))],
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", *map(str, wheels.glob("*.whl"))],
                    check=True, capture_output=True, timeout=300)  # fmt: skip
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OPDKIT_RUNS", "VIRTUAL_ENV")}
