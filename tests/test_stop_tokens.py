@@ -66,7 +66,7 @@ def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
     trainer = DistillTrainer(model=model, args=args, processing_class=tok, teacher_model=model,
                              data_collator=data.PromptCollator(tok, 64))  # fmt: skip
     batch = data.PromptCollator(tok, 64)([{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}])
-    out = trainer._rollout(batch)
+    (out,) = trainer._rollout_step(trainer.engine(), [batch], step=0)
     assert out["completion_mask_BC"].tolist() == [[1, 1]]
     assert out["input_ids"][0, -2:].tolist() == [hi, 151643]
     assert trainer.stats.truncated == 0 and trainer.stats.completion_tokens == 2

@@ -49,7 +49,6 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     milliseconds, before any download): every cheap failure happens here, before anything is written."""
     cfg = load_config(JOB, mode, overrides)
     tracking.check_report_to(cfg.report_to)
-    engines.check_available(cfg.rollout_engine)
     task = tasks.for_dataset(cfg.dataset_path)
     prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
@@ -60,6 +59,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
+    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers as the original
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
