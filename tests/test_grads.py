@@ -277,7 +277,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(grads, "save_file", interrupted)
+    monkeypatch.setattr(gradfile, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gradfile.save_grads(tmp_path, {"w": torch.ones(2)}, {"proxy_model": "x"})
     assert list(tmp_path.iterdir()) == []
