@@ -39,7 +39,9 @@ from bench.runner import alternate
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="opdkit GPU benchmarks (see the module docstring).")
     p.add_argument("--out", default="runs/bench-gpu", help="folder for results.json")
-    p.add_argument("--student", help="student checkpoint (path or hub name) instead of the Qwen3-0.6B stand-in")
+    p.add_argument(
+        "--student", help="student checkpoint (path or hub name) instead of the Qwen3-0.6B stand-in"
+    )
     p.add_argument("--teacher", help="teacher checkpoint instead of the Qwen3-4B stand-in (same tokenizer)")
     p.add_argument("--student-size", default="0.6B", choices=list(opd_step.QWEN3_SIZES), help="stand-in size")
     p.add_argument("--teacher-size", default="4B", choices=list(opd_step.QWEN3_SIZES), help="stand-in size")
@@ -52,10 +54,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--train-seq", type=int, default=2048)
     p.add_argument("--no-trl", action="store_true", help="opdkit only (skip TRL's DistillationTrainer)")
-    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM arm (opdkit with rollout_engine vllm)")
-    p.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization of the vLLM arm")
+    p.add_argument(
+        "--no-vllm", action="store_true", help="skip the vLLM arm (opdkit with rollout_engine vllm)"
+    )
+    p.add_argument(
+        "--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization of the vLLM arm"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    p.add_argument("--smoke", action="store_true", help="toy sizes on the available device, to test the script")
+    p.add_argument(
+        "--smoke", action="store_true", help="toy sizes on the available device, to test the script"
+    )
     return p.parse_args(argv)
 
 
@@ -71,8 +79,18 @@ def opd_params(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
         full_models = dict(models="paths", student_path=a.student, teacher_path=a.teacher)
     else:
         full_models = dict(models=f"standin:{a.student_size}/{a.teacher_size}")
-    full = dict(**full_models, batch=4, max_new_tokens=a.full_new_tokens, warmup=1, steps=a.full_steps, lr=1e-6,
-                seed=0, device=dev, bf16=dev == "cuda", teacher_dtype="bfloat16" if dev == "cuda" else "float32")  # fmt: skip
+    full = dict(
+        **full_models,
+        batch=4,
+        max_new_tokens=a.full_new_tokens,
+        warmup=1,
+        steps=a.full_steps,
+        lr=1e-6,
+        seed=0,
+        device=dev,
+        bf16=dev == "cuda",
+        teacher_dtype="bfloat16" if dev == "cuda" else "float32",
+    )
     if a.smoke:
         tiny.update(batch=4, max_new_tokens=4, warmup=1, steps=1)
         full.update(models="random:64,2/128,2", max_new_tokens=4, steps=1)
@@ -87,9 +105,18 @@ def student_config(a: argparse.Namespace):
         return AutoConfig.from_pretrained(a.student)
     tok = _tokenizer(a)
     if a.smoke:
-        return Qwen3Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=32, intermediate_size=192, pad_token_id=tok.pad_token_id,
-                           eos_token_id=tok.eos_token_id, tie_word_embeddings=True)  # fmt: skip
+        return Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=192,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=True,
+        )
     return opd_step.qwen3_config(tok, a.student_size)
 
 
@@ -134,8 +161,14 @@ def decode_tokens_per_s(a: argparse.Namespace, model: torch.nn.Module, tok) -> d
 
     def once() -> int:
         with autocast:
-            r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                               max_new_tokens=new)  # fmt: skip
+            r = rollout.sample(
+                model,
+                ids,
+                mask,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                max_new_tokens=new,
+            )
         return int(r.completion_mask_BC.sum())
 
     once()
@@ -144,7 +177,12 @@ def decode_tokens_per_s(a: argparse.Namespace, model: torch.nn.Module, tok) -> d
     tokens = once()
     _sync()
     wall = time.perf_counter() - t0
-    return {"decode_tokens_per_s": tokens / wall, "decode_batch": batch, "decode_new_tokens": tokens, "decode_s": wall}
+    return {
+        "decode_tokens_per_s": tokens / wall,
+        "decode_batch": batch,
+        "decode_new_tokens": tokens,
+        "decode_s": wall,
+    }
 
 
 def train_step_mfu(a: argparse.Namespace, model: torch.nn.Module, peak_flops: float) -> dict[str, float]:
@@ -167,8 +205,13 @@ def train_step_mfu(a: argparse.Namespace, model: torch.nn.Module, peak_flops: fl
             times.append(time.perf_counter() - t0)
     n = sum(p.numel() for p in model.parameters())
     step = statistics.median(times)
-    return {"train_step_s": step, "train_tokens": batch * seq, "params": n,
-            "train_tflops": 6 * n * batch * seq / step / 1e12, "mfu": 6 * n * batch * seq / step / peak_flops}  # fmt: skip
+    return {
+        "train_step_s": step,
+        "train_tokens": batch * seq,
+        "params": n,
+        "train_tflops": 6 * n * batch * seq / step / 1e12,
+        "mfu": 6 * n * batch * seq / step / peak_flops,
+    }
 
 
 def vllm_arm(a: argparse.Namespace) -> bool:
@@ -187,19 +230,35 @@ def opd_runs(a: argparse.Namespace, params: dict[str, dict]) -> dict[str, dict]:
         print(f"OPD step, {name}: {p['models']}", flush=True)
         p = {**p, "vllm_memory": a.vllm_memory}
         samples = alternate("p1_opd_step", sides, p, a.reps, threads=8 if device() == "cuda" else 1)
-        out[name] = {side: {"tokens_per_s": median(runs, "tokens_per_s"), "step_s": median(runs, "step_s"),
-                            "tokens_per_step": median(runs, "tokens_per_step")} for side, runs in samples.items()}  # fmt: skip
+        out[name] = {
+            side: {
+                "tokens_per_s": median(runs, "tokens_per_s"),
+                "step_s": median(runs, "step_s"),
+                "tokens_per_step": median(runs, "tokens_per_step"),
+            }
+            for side, runs in samples.items()
+        }
         if "trl" in samples:
-            out[name]["ratio_opdkit_over_trl"] = out[name]["opdkit"]["tokens_per_s"] / out[name]["trl"]["tokens_per_s"]
+            out[name]["ratio_opdkit_over_trl"] = (
+                out[name]["opdkit"]["tokens_per_s"] / out[name]["trl"]["tokens_per_s"]
+            )
         if "opdkit-vllm" in samples:
-            out[name]["ratio_vllm_over_hf"] = out[name]["opdkit-vllm"]["tokens_per_s"] / out[name]["opdkit"]["tokens_per_s"]
+            out[name]["ratio_vllm_over_hf"] = (
+                out[name]["opdkit-vllm"]["tokens_per_s"] / out[name]["opdkit"]["tokens_per_s"]
+            )
     return out
 
 
 def plan(a: argparse.Namespace) -> dict[str, Any]:
     cfg = student_config(a)
-    return {"device": device(), "opd": opd_params(a), "student_params": param_count(cfg),
-            "peak_tflops": a.peak_tflops, "smoke": a.smoke, "vllm_arm": vllm_arm(a)}  # fmt: skip
+    return {
+        "device": device(),
+        "opd": opd_params(a),
+        "student_params": param_count(cfg),
+        "peak_tflops": a.peak_tflops,
+        "smoke": a.smoke,
+        "vllm_arm": vllm_arm(a),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -228,15 +287,21 @@ def summary(r: dict) -> str:
     def cell(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = ["| measurement | opdkit (HF loop) | opdkit (vLLM) | TRL | opdkit / TRL | vLLM / HF |",
-             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| measurement | opdkit (HF loop) | opdkit (vLLM) | TRL | opdkit / TRL | vLLM / HF |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, o in r["opd"].items():
         vllm, trl = o.get("opdkit-vllm", {}).get("tokens_per_s"), o.get("trl", {}).get("tokens_per_s")
-        lines.append(f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | {cell(vllm, '.4g')} | "
-                     f"{cell(trl, '.4g')} | {cell(o.get('ratio_opdkit_over_trl'), '.2f')} | "
-                     f"{cell(o.get('ratio_vllm_over_hf'), '.2f')} |")  # fmt: skip
+        lines.append(
+            f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | {cell(vllm, '.4g')} | "
+            f"{cell(trl, '.4g')} | {cell(o.get('ratio_opdkit_over_trl'), '.2f')} | "
+            f"{cell(o.get('ratio_vllm_over_hf'), '.2f')} |"
+        )
     lines.append(f"| decode, new tokens/s | {r['decode']['decode_tokens_per_s']:.4g} | | | | |")
-    lines.append(f"| train step MFU ({r['train']['train_tflops']:.0f} TFLOP/s) | {r['train']['mfu']:.1%} | | | | |")
+    lines.append(
+        f"| train step MFU ({r['train']['train_tflops']:.0f} TFLOP/s) | {r['train']['mfu']:.1%} | | | | |"
+    )
     return "\n".join(lines)
 
 

@@ -36,7 +36,9 @@ def _seconds(start: str, end: str) -> float:
 def train_cell_seconds(nb: dict) -> float:
     cell = next(c for c in nb["cells"] if "whitebox.run(" in "".join(c["source"]))
     if "papermill" in cell["metadata"]:
-        return _seconds(cell["metadata"]["papermill"]["start_time"], cell["metadata"]["papermill"]["end_time"])
+        return _seconds(
+            cell["metadata"]["papermill"]["start_time"], cell["metadata"]["papermill"]["end_time"]
+        )
     ex = cell["metadata"]["execution"]  # JupyterLab's recordTiming
     return _seconds(ex["iopub.execute_input"], ex["shell.execute_reply"])
 
@@ -47,17 +49,33 @@ def papermill(threads: str | None) -> dict:
     env.update({"OMP_NUM_THREADS": threads} if threads else {})
     env.update(PYTHONPATH=str(ROOT), OPDKIT_RUNS=str(tmp / "runs"))
     out = tmp / "out.ipynb"
-    cmd = [sys.executable, "-m", "papermill", str(ROOT / NOTEBOOK), str(out), "-k", "python3", "--cwd", str(ROOT / "notebooks")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "papermill",
+        str(ROOT / NOTEBOOK),
+        str(out),
+        "-k",
+        "python3",
+        "--cwd",
+        str(ROOT / "notebooks"),
+    ]
     subprocess.run(cmd, env=env, capture_output=True, check=True)
     return {"train_cell_s": train_cell_seconds(json.loads(out.read_text()))}
 
 
 def lab(env_extra: dict | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="opdkit-timing-"))
-    tb.USER_SETTINGS["@jupyterlab/notebook-extension:tracker"] = {"windowingMode": "none", "recordTiming": True}
+    tb.USER_SETTINGS["@jupyterlab/notebook-extension:tracker"] = {
+        "windowingMode": "none",
+        "recordTiming": True,
+    }
     saved = os.environ.pop("OMP_NUM_THREADS", None)  # what a user's `jupyter lab` has
     try:
-        with tb.jupyter_lab(tmp, env_extra) as (base, _), tb.browser_page(tb.shutil.which("chromium")) as page:
+        with (
+            tb.jupyter_lab(tmp, env_extra) as (base, _),
+            tb.browser_page(tb.shutil.which("chromium")) as page,
+        ):
             tb.open_notebook(page, base, NOTEBOOK)
             tb.run_all(page, 1800)
             errors = tb.saved_errors(page, base, NOTEBOOK)
@@ -68,8 +86,12 @@ def lab(env_extra: dict | None = None) -> dict:
             os.environ["OMP_NUM_THREADS"] = saved
 
 
-VARIANTS = {"pm": lambda: papermill(None), "pm2": lambda: papermill("2"), "lab": lab,
-            "lab0": lambda: lab({"OPDKIT_LIVE": "0"})}  # fmt: skip
+VARIANTS = {
+    "pm": lambda: papermill(None),
+    "pm2": lambda: papermill("2"),
+    "lab": lab,
+    "lab0": lambda: lab({"OPDKIT_LIVE": "0"}),
+}
 
 
 def main() -> None:
@@ -83,8 +105,14 @@ def main() -> None:
     for i in range(a.rounds):
         for v in a.variants.split(","):
             load = os.getloadavg()
-            res = {"variant": v, "round": i, **VARIANTS[v](), "load_before": [round(x, 2) for x in load],
-                   "load_after": [round(x, 2) for x in os.getloadavg()], "at": time.strftime("%H:%M:%S")}  # fmt: skip
+            res = {
+                "variant": v,
+                "round": i,
+                **VARIANTS[v](),
+                "load_before": [round(x, 2) for x in load],
+                "load_after": [round(x, 2) for x in os.getloadavg()],
+                "at": time.strftime("%H:%M:%S"),
+            }
             with out.open("a") as fh:
                 fh.write(json.dumps(res) + "\n")
             print(json.dumps(res), flush=True)

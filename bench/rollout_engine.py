@@ -29,10 +29,30 @@ BASELINE = "opdkit's own KV-cached HF decoding loop (opdkit.rollout.sample, roll
 
 def default_params(quick: bool = False) -> dict[str, Any]:
     if quick:
-        return dict(hidden=64, layers=2, vocab=512, prompts=4, min_prompt=8, max_prompt=12, new_tokens=8, seed=0,
-                    opd_steps=0, memory=0.02)  # fmt: skip
-    return dict(hidden=512, layers=8, vocab=32_768, prompts=64, min_prompt=24, max_prompt=40, new_tokens=256,
-                seed=0, opd_steps=6, memory=0.05)  # fmt: skip
+        return dict(
+            hidden=64,
+            layers=2,
+            vocab=512,
+            prompts=4,
+            min_prompt=8,
+            max_prompt=12,
+            new_tokens=8,
+            seed=0,
+            opd_steps=0,
+            memory=0.02,
+        )
+    return dict(
+        hidden=512,
+        layers=8,
+        vocab=32_768,
+        prompts=64,
+        min_prompt=24,
+        max_prompt=40,
+        new_tokens=256,
+        seed=0,
+        opd_steps=6,
+        memory=0.05,
+    )
 
 
 def standin(p: dict, folder: str) -> torch.nn.Module:
@@ -40,11 +60,19 @@ def standin(p: dict, folder: str) -> torch.nn.Module:
 
     heads = max(2, p["hidden"] // 64)
     cfg = Qwen3Config(
-        vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=3 * p["hidden"],
-        num_hidden_layers=p["layers"], num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=p["hidden"] // heads, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=p["vocab"] - 1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        intermediate_size=3 * p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=p["hidden"] // heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=p["vocab"] - 1,
+        pad_token_id=0,
+    )
     torch.manual_seed(p["seed"])
     model = Qwen3ForCausalLM(cfg).eval()
     model.save_pretrained(folder)
@@ -69,8 +97,12 @@ def rollout_rate(side: str, p: dict) -> dict[str, Any]:
         settings = engines.SamplingSettings(p["new_tokens"], 1.0, 1.0, [p["vocab"] - 1], 0)
         t0 = time.perf_counter()
         if side == "vllm":
-            engine = engines.make_engine("vllm", model_path=folder, gpu_memory_utilization=p["memory"],
-                                         max_model_len=p["max_prompt"] + p["new_tokens"] + 8)  # fmt: skip
+            engine = engines.make_engine(
+                "vllm",
+                model_path=folder,
+                gpu_memory_utilization=p["memory"],
+                max_model_len=p["max_prompt"] + p["new_tokens"] + 8,
+            )
             engine.sync(model)
         else:
             engine = engines.make_engine("hf")
@@ -82,8 +114,14 @@ def rollout_rate(side: str, p: dict) -> dict[str, Any]:
         r = engine.sample(model, ids, mask, settings, seed=p["seed"])
         wall = time.perf_counter() - t0
     tokens = int(r.completion_mask_BC.sum())
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "start_s": start_s,
-            "params_m": sum(x.numel() for x in model.parameters()) / 1e6, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "tokens_per_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "start_s": start_s,
+        "params_m": sum(x.numel() for x in model.parameters()) / 1e6,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def opd_step_s(side: str, p: dict) -> float | None:
@@ -96,9 +134,18 @@ def opd_step_s(side: str, p: dict) -> float | None:
     from opdkit.jobs import whitebox
 
     with tempfile.TemporaryDirectory() as folder:
-        run = whitebox.run("tiny", {"run_dir": f"{folder}/run", "rollout_engine": side, "max_steps": p["opd_steps"],
-                                    "eval_size": 0, "sample_every": 0, "save_steps": 0,
-                                    "vllm_gpu_memory_utilization": p["memory"]})  # fmt: skip
+        run = whitebox.run(
+            "tiny",
+            {
+                "run_dir": f"{folder}/run",
+                "rollout_engine": side,
+                "max_steps": p["opd_steps"],
+                "eval_size": 0,
+                "sample_every": 0,
+                "save_steps": 0,
+                "vllm_gpu_memory_utilization": p["memory"],
+            },
+        )
         rows = run.read_jsonl()
     return statistics.median(r["completion_tokens"] / r["tokens_per_s"] for r in rows[1:])
 

@@ -36,14 +36,19 @@ def run(only: list[str], reps: int, quick: bool, log=print, in_process: bool = F
         done.append(bench)
         params = bench.module().default_params(quick)
         log(f"{bench.worker}: {reps} alternating run(s) per side, OMP_NUM_THREADS={bench.threads}")
-        samples = alternate(bench.worker, bench.sides, params, reps, bench.threads, log=log, in_process=in_process)
+        samples = alternate(
+            bench.worker, bench.sides, params, reps, bench.threads, log=log, in_process=in_process
+        )
         figures += [f for f in bench.figures(samples, params, bench.threads) if f.figure in only]
     return sorted(figures, key=lambda f: f.figure)
 
 
 def table(figures: list[Figure]) -> str:
     """A Markdown table: figure, opdkit and baseline medians, ratio, target, met."""
-    rows = ["| figure | metric | opdkit | baseline | ratio | target | met |", "|---|---|---:|---:|---:|---:|:-:|"]
+    rows = [
+        "| figure | metric | opdkit | baseline | ratio | target | met |",
+        "|---|---|---:|---:|---:|---:|:-:|",
+    ]
     for f in figures:
         op = ">=" if f.higher_is_better else "<="
         rows.append(
@@ -61,13 +66,27 @@ def machine() -> dict:
 
     trl = importlib.import_module("trl") if importlib.util.find_spec("trl") else None  # not in .venv-vllm
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
+    cpu = (
+        next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": getattr(trl, "__version__", None),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": getattr(trl, "__version__", None),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }  # fmt: skip
+    }
 
 
 def write_results(out: Path, figures: list[Figure], meta: dict) -> Path:
@@ -88,15 +107,23 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     p.add_argument("--reps", type=int, default=5, help="fresh-process runs per side, alternating (default 5)")
     p.add_argument("--only", default=",".join(FIGURES), help="comma-separated figures, e.g. P1,P3")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks the machinery, not the claims")
-    p.add_argument("--in-process", action="store_true", help="no fresh processes (with --quick, for the tests)")
+    p.add_argument(
+        "--in-process", action="store_true", help="no fresh processes (with --quick, for the tests)"
+    )
     a = p.parse_args(argv)
     only = [f.strip().upper() for f in a.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in BENCHES]
     if unknown or a.reps < 1:
         p.error(f"--only takes figures from {list(FIGURES)} (got {unknown}); --reps must be >= 1")
     started = time.time()
-    meta = {**machine(), "reps": a.reps, "quick": a.quick, "in_process": a.in_process, "command": "python -m bench.run " + " ".join(argv or sys.argv[1:]),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    meta = {
+        **machine(),
+        "reps": a.reps,
+        "quick": a.quick,
+        "in_process": a.in_process,
+        "command": "python -m bench.run " + " ".join(argv or sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     figures = run(only, a.reps, a.quick, in_process=a.in_process)
     meta["wall_s"] = round(time.time() - started, 1)
     path = write_results(Path(a.out), figures, meta)

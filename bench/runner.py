@@ -34,7 +34,11 @@ def run_worker(bench: str, side: str, params: dict, threads: int, timeout: float
     cmd = [_python(bench), "-m", "bench.worker", bench, side, json.dumps({**params, "threads": threads})]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    lines = [ln.removeprefix(worker.RESULT_PREFIX) for ln in proc.stdout.splitlines() if ln.startswith(worker.RESULT_PREFIX)]
+    lines = [
+        ln.removeprefix(worker.RESULT_PREFIX)
+        for ln in proc.stdout.splitlines()
+        if ln.startswith(worker.RESULT_PREFIX)
+    ]
     if proc.returncode != 0 or not lines:
         raise WorkerFailed(
             f"{bench}/{side} exited {proc.returncode} after {time.time() - started:.0f}s without a result; "
@@ -57,7 +61,13 @@ def _python(bench: str) -> str:
 
 
 def alternate(
-    bench: str, sides: Sequence[str], params: dict, reps: int, threads: int, log=print, in_process: bool = False
+    bench: str,
+    sides: Sequence[str],
+    params: dict,
+    reps: int,
+    threads: int,
+    log=print,
+    in_process: bool = False,
 ) -> dict[str, list[dict]]:
     """`reps` measurements per side, in fresh processes, sides alternating A, B, A, B, ...
 
@@ -71,7 +81,9 @@ def alternate(
                 samples[side].append(_measure_here(bench, side, {**params, "threads": threads}))
             else:
                 samples[side].append(run_worker(bench, side, params, threads))
-            log(f"  {bench} {side} run {rep + 1}/{reps}: {_brief(samples[side][-1])} ({time.time() - t0:.0f}s)")
+            log(
+                f"  {bench} {side} run {rep + 1}/{reps}: {_brief(samples[side][-1])} ({time.time() - t0:.0f}s)"
+            )
     return samples
 
 
@@ -87,4 +99,6 @@ def _measure_here(bench: str, side: str, params: dict) -> dict:
 
 
 def _brief(sample: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items() if k != "info")
+    return ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sample.items() if k != "info"
+    )

@@ -40,10 +40,17 @@ def proxy(p: dict) -> torch.nn.Module:
 
     heads = p["hidden"] // 64 if p["hidden"] >= 128 else 2
     cfg = Qwen3Config(
-        vocab_size=p["vocab"], hidden_size=p["hidden"], intermediate_size=3 * p["hidden"],
-        num_hidden_layers=p["layers"], num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-        head_dim=p["hidden"] // heads, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        intermediate_size=3 * p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=p["hidden"] // heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
     torch.manual_seed(p["seed"])
     return Qwen3ForCausalLM(cfg).float()
 
@@ -83,7 +90,9 @@ def ads_mean_grad(model: torch.nn.Module, rows: list[dict], batch_size: int) -> 
     from torch.utils.data import DataLoader
 
     loader = DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=ads_collate)
-    grads = {name: torch.zeros_like(param.data) for name, param in model.named_parameters() if param.requires_grad}
+    grads = {
+        name: torch.zeros_like(param.data) for name, param in model.named_parameters() if param.requires_grad
+    }
     local_samples = 0
     model.train()
     for batch in loader:

@@ -80,7 +80,9 @@ def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         )
 
 
-def perturbed_copy(proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], scale: float) -> torch.nn.Module:
+def perturbed_copy(
+    proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], scale: float
+) -> torch.nn.Module:
     """An fp32, eval-mode, gradient-free copy of `proxy` with weights θ + scale·g (added in fp32)."""
     _check_grads(proxy, grads)
     model = copy.deepcopy(proxy).float().eval().requires_grad_(False)
@@ -116,16 +118,28 @@ class _CachedLM:
         self.mask_BT = attention_mask_BT.long()
         pos_BT = rollout.position_ids_from_mask(self.mask_BT)
         self.next_pos_B1 = pos_BT[:, -1:] + 1
-        return _last_logits(self.model, input_ids=input_ids_BT, attention_mask=self.mask_BT,
-                            position_ids=pos_BT, use_cache=True, **{self.kwarg: self.cache})  # fmt: skip
+        return _last_logits(
+            self.model,
+            input_ids=input_ids_BT,
+            attention_mask=self.mask_BT,
+            position_ids=pos_BT,
+            use_cache=True,
+            **{self.kwarg: self.cache},
+        )
 
     @torch.no_grad()
     def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
         if self.cache is None:
             raise RuntimeError("step() before start(): feed the prompt first.")
         self.mask_BT = torch.cat([self.mask_BT, torch.ones_like(new_ids_B1)], dim=1)
-        logits = _last_logits(self.model, input_ids=new_ids_B1, attention_mask=self.mask_BT,
-                              position_ids=self.next_pos_B1, use_cache=True, **{self.kwarg: self.cache})  # fmt: skip
+        logits = _last_logits(
+            self.model,
+            input_ids=new_ids_B1,
+            attention_mask=self.mask_BT,
+            position_ids=self.next_pos_B1,
+            use_cache=True,
+            **{self.kwarg: self.cache},
+        )
         self.next_pos_B1 = self.next_pos_B1 + 1
         return logits
 
@@ -144,7 +158,10 @@ class FiniteDifference:
         return (z_plus - z_minus) / (2 * self.eps)
 
     def start(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-        return self._diff(self.plus.start(input_ids_BT, attention_mask_BT), self.minus.start(input_ids_BT, attention_mask_BT))
+        return self._diff(
+            self.plus.start(input_ids_BT, attention_mask_BT),
+            self.minus.start(input_ids_BT, attention_mask_BT),
+        )
 
     def step(self, new_ids_B1: torch.Tensor) -> torch.Tensor:
         return self._diff(self.plus.step(new_ids_B1), self.minus.step(new_ids_B1))
@@ -160,8 +177,10 @@ class FiniteDifference:
     def full(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         """Δ_BTV at every position, from scratch (no cache)."""
         pos = rollout.position_ids_from_mask(attention_mask_BT)
-        z = [m.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=pos).logits.float()
-             for m in (self.plus, self.minus)]  # fmt: skip
+        z = [
+            m.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, position_ids=pos).logits.float()
+            for m in (self.plus, self.minus)
+        ]
         return self._diff(*z)
 
 
@@ -211,7 +230,9 @@ class JVP:
         return self.full(self.ids_BT, self.mask_BT)[:, -1, :]
 
 
-def make_direction(method: str, proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], eps: float) -> Direction:
+def make_direction(
+    method: str, proxy: torch.nn.Module, grads: Mapping[str, torch.Tensor], eps: float
+) -> Direction:
     if method == "fd":
         return FiniteDifference(proxy, grads, eps)
     if method == "jvp":
@@ -258,13 +279,19 @@ class ADSLogitsProcessor(LogitsProcessor):
 
 
 def ads_processors(
-    direction: Direction | None, lam: float, prompt_mask_BP: torch.Tensor, temperature: float, top_p: float,
+    direction: Direction | None,
+    lam: float,
+    prompt_mask_BP: torch.Tensor,
+    temperature: float,
+    top_p: float,
     top_k: int = 0,
 ) -> LogitsProcessorList:
     """ADS term, then temperature, top-k and top-p (no warpers when greedy): the whole chain `ads_sample` uses,
     in the order of transformers' `generate` with a custom logits processor (the ADS reference's)."""
     if lam != 0 and direction is None:
-        raise ValueError(f"lam={lam} needs a direction (FiniteDifference or JVP); only lam=0 samples without one.")
+        raise ValueError(
+            f"lam={lam} needs a direction (FiniteDifference or JVP); only lam=0 samples without one."
+        )
     procs = LogitsProcessorList()
     if lam != 0:
         procs.append(ADSLogitsProcessor(direction, lam, prompt_mask_BP))
@@ -294,10 +321,17 @@ def ads_sample(
     """
     procs = ads_processors(direction, lam, prompt_mask_BP, temperature, top_p, top_k)
     return rollout.sample(
-        teacher, prompt_ids_BP, prompt_mask_BP, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, do_sample=temperature > 0,
+        teacher,
+        prompt_ids_BP,
+        prompt_mask_BP,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        do_sample=temperature > 0,
         logits_processor=procs,
-    )  # fmt: skip
+    )
 
 
 def _warp(logits_V: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
@@ -349,8 +383,15 @@ def coupled_sample(
         noise_V = _gumbel(len(z_V), gen).to(dev) if temperature > 0 else torch.zeros_like(z_V)
         a, b = int((ads_V + noise_V).argmax()), int((plain_V + noise_V).argmax())
         p_ads, p_plain = ads_V.softmax(-1), plain_V.softmax(-1)
-        steps.append({"token": a, "plain_token": b, "p_ads": float(p_ads[a]), "p_plain": float(p_plain[a]),
-                      "p_plain_choice": float(p_plain[b])})  # fmt: skip
+        steps.append(
+            {
+                "token": a,
+                "plain_token": b,
+                "p_ads": float(p_ads[a]),
+                "p_plain": float(p_plain[a]),
+                "p_plain_choice": float(p_plain[b]),
+            }
+        )
         if a in eos:
             break
         new_11 = torch.tensor([[a]], device=dev)

@@ -1,6 +1,6 @@
 """The jobs' `python -m` entry points: `--mode M --set key=value ...`, `--help` listing every field.
 
-    python -m opdkit.whitebox --mode tiny --set max_steps=50 eval_size=100
+python -m opdkit.whitebox --mode tiny --set max_steps=50 eval_size=100
 """
 
 from __future__ import annotations
@@ -13,19 +13,31 @@ import yaml
 from opdkit.config import DEFAULT_MODE, available_modes, help_text
 from opdkit.runs import RunDir, print0
 
-ENTRY_POINTS = {"01_save_grad": "savegrad", "02_whitebox": "whitebox", "03_clip_vs_noclip": "cliplesson",
-                "04_antidistill": "antidistill"}  # fmt: skip
+ENTRY_POINTS = {
+    "01_save_grad": "savegrad",
+    "02_whitebox": "whitebox",
+    "03_clip_vs_noclip": "cliplesson",
+    "04_antidistill": "antidistill",
+}
 
 
 def parse_cli(job: str, description: str, argv: list[str] | None = None) -> tuple[str, dict]:
     """`--mode M --set key=value ...` (values parsed as YAML) for the jobs' `python -m` entry points;
     `--help` lists every field with its default and help text."""
     p = argparse.ArgumentParser(
-        prog=f"python -m opdkit.{ENTRY_POINTS.get(job, job)}", description=description, epilog="fields (--set NAME=VALUE), with their defaults before any preset:\n"
-        + help_text(job), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    p.add_argument("--mode", default=DEFAULT_MODE, help=f"preset in opdkit/params/{job}/: {', '.join(available_modes(job))}")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)")
+        prog=f"python -m opdkit.{ENTRY_POINTS.get(job, job)}",
+        description=description,
+        epilog="fields (--set NAME=VALUE), with their defaults before any preset:\n" + help_text(job),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--mode",
+        default=DEFAULT_MODE,
+        help=f"preset in opdkit/params/{job}/: {', '.join(available_modes(job))}",
+    )
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)"
+    )
     a = p.parse_args(argv)
     bad = [s for s in a.set if "=" not in s]
     if bad:
@@ -33,8 +45,13 @@ def parse_cli(job: str, description: str, argv: list[str] | None = None) -> tupl
     return a.mode, {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
 
 
-def run_from_cli(job: str, description: str, run: Callable[[str, dict], RunDir], figures: Callable[[RunDir], None],
-                 argv: list[str] | None = None) -> RunDir:  # fmt: skip
+def run_from_cli(
+    job: str,
+    description: str,
+    run: Callable[[str, dict], RunDir],
+    figures: Callable[[RunDir], None],
+    argv: list[str] | None = None,
+) -> RunDir:
     """Parse the command line, run the job, draw its report's figures (rank 0), say where the run is."""
     mode, overrides = parse_cli(job, description, argv)
     done = run(mode, overrides)

@@ -43,14 +43,18 @@ class RunFields:
         0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
     )
     report_to: str = _f(
-        "none", "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "
-        "(local-first; pip install opdkit[track]) or wandb", choices=("none", "tensorboard", "trackio", "wandb"),
-    )  # fmt: skip
+        "none",
+        "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "
+        "(local-first; pip install opdkit[track]) or wandb",
+        choices=("none", "tensorboard", "trackio", "wandb"),
+    )
 
     def __post_init__(self) -> None:
         check_ranges(self)
         if self.overwrite and self.resume:
-            raise ConfigError("overwrite and resume are both set; choose one: overwrite=True starts afresh, resume=True continues.")
+            raise ConfigError(
+                "overwrite and resume are both set; choose one: overwrite=True starts afresh, resume=True continues."
+            )
 
 
 @dataclass
@@ -58,26 +62,41 @@ class WhiteboxConfig(RunFields):
     """White-box on-policy distillation (02_whitebox); field names follow the original DistillConfig."""
 
     student_model: str = _f("tiny:student", "student: a local HF folder, a hub name, or tiny:student")
-    teacher_model: str = _f("tiny:teacher", "teacher sharing the student's tokenizer: folder, hub name, or tiny:teacher")
-    dataset_path: str = _f("tiny", "prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    teacher_model: str = _f(
+        "tiny:teacher", "teacher sharing the student's tokenizer: folder, hub name, or tiny:teacher"
+    )
+    dataset_path: str = _f(
+        "tiny", "prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name"
+    )
     dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
     subset_size: int = _f(1000, "prompts used, a deterministic subset by seed; -1 means all", min=-1)
     eval_size: int = _f(500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0)
     eval_max_new_tokens: int = _f(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
     eval_batch_size: int = _f(64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1)
-    eval_steps: int = _f(0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0)
-    eval_steps_size: int = _f(100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1)
+    eval_steps: int = _f(
+        0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0
+    )
+    eval_steps_size: int = _f(
+        100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1
+    )
     max_prompt_length: int = _f(1024, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(1024, "completion length the student samples", min=1)
     enable_thinking: bool = _f(False, "passed to the chat template (Qwen3 thinking mode)")
-    beta: float = _f(1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0)
+    beta: float = _f(
+        1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
+    )
     kl_temperature: float = _f(1.0, "temperature both distributions are compared at", min=1e-3)
     gen_temperature: float = _f(1.0, "sampling temperature of the student's rollouts", min=1e-3)
-    gen_top_p: float = _f(1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0)
+    gen_top_p: float = _f(
+        1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
+    )
     learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", min=0.0)
     lr_scheduler_type: str = _f("constant", "transformers scheduler name: constant, linear, cosine, ...")
     warmup_ratio: float = _f(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
-    optim: str = _f("adamw_torch_fused", "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the original), sgd, ...")
+    optim: str = _f(
+        "adamw_torch_fused",
+        "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the original), sgd, ...",
+    )
     optim_args: str = _f("", "extra optimizer arguments, e.g. momentum=0.9 for sgd")
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
     adam_beta2: float = _f(0.999, "AdamW beta2", min=0.0, max=1.0)
@@ -89,23 +108,33 @@ class WhiteboxConfig(RunFields):
     bf16: bool = _f(False, "bf16 mixed precision for the student, bf16 weights for the teacher (GPU)")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     parallelism: str = _f(
-        "ddp", "how several processes hold the student: ddp replicates it; fsdp shards it with FSDP2 (accelerate), "
+        "ddp",
+        "how several processes hold the student: ddp replicates it; fsdp shards it with FSDP2 (accelerate), "
         "for students too big to replicate; one process ignores it. The frozen teacher is always replicated",
         choices=("ddp", "fsdp"),
-    )  # fmt: skip
+    )
     loss_chunk_size: int = _f(1024, "completion tokens per chunk of the divergence", min=1)
     rollout_engine: str = _f(
-        "hf", "what samples the student's rollouts, all of an optimizer step's prompts in one call: hf, the kit's "
+        "hf",
+        "what samples the student's rollouts, all of an optimizer step's prompts in one call: hf, the kit's "
         "KV-cached loop; vllm, a vLLM engine colocated in every process (install the vllm extra), synced with "
-        "the student once per step", choices=("hf", "vllm"),
-    )  # fmt: skip
+        "the student once per step",
+        choices=("hf", "vllm"),
+    )
     vllm_gpu_memory_utilization: float = _f(
-        0.3, "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, beside "
-        "the training (on CPU: the share of RAM given to its KV cache)", min=0.01, max=1.0,
-    )  # fmt: skip
+        0.3,
+        "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, beside "
+        "the training (on CPU: the share of RAM given to its KV cache)",
+        min=0.01,
+        max=1.0,
+    )
     logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
-    sample_every: int = _f(10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0)
-    save_rollouts: bool = _f(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
+    sample_every: int = _f(
+        10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0
+    )
+    save_rollouts: bool = _f(
+        False, "keep every step's prompts and completions in rollouts/ (token ids, per process)"
+    )
     save_steps: int = _f(100, "checkpoint every this many steps; 0 only at the end", min=0)
     save_total_limit: int = _f(2, "checkpoints kept", min=1)
 
@@ -114,36 +143,50 @@ class WhiteboxConfig(RunFields):
 class SaveGradConfig(RunFields):
     """Proxy-student gradient for antidistillation sampling (01_save_grad)."""
 
-    teacher_model: str = _f("tiny:teacher", "teacher that writes the holdout traces: folder, hub name, or tiny:teacher")
-    proxy_model: str = _f("tiny:student", "proxy student whose gradient is saved: folder, hub name, or tiny:student")
-    dataset_path: str = _f("tiny", "holdout prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    teacher_model: str = _f(
+        "tiny:teacher", "teacher that writes the holdout traces: folder, hub name, or tiny:teacher"
+    )
+    proxy_model: str = _f(
+        "tiny:student", "proxy student whose gradient is saved: folder, hub name, or tiny:student"
+    )
+    dataset_path: str = _f(
+        "tiny",
+        "holdout prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name",
+    )
     dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
     holdout_fraction: float = _f(
-        1.0, "the holdout is this fraction of the dataset, its tail after a shuffle by seed (tiny: its own problem stream)",
-        min=0.0, max=1.0,
-    )  # fmt: skip
+        1.0,
+        "the holdout is this fraction of the dataset, its tail after a shuffle by seed (tiny: its own problem stream)",
+        min=0.0,
+        max=1.0,
+    )
     subset_size: int = _f(256, "holdout prompts used, the first of the holdout; -1 means all", min=-1)
     system_prompt: str = _f("", "system message put before every holdout prompt; empty for none")
     traces_path: str = _f("", "existing traces (a datasets folder or data file) instead of generating them")
     trace_column: str = _f(
-        "messages", "column of traces_path: chat messages ending with the assistant's answer, or the answer text next to a prompt column"
-    )  # fmt: skip
+        "messages",
+        "column of traces_path: chat messages ending with the assistant's answer, or the answer text next to a prompt column",
+    )
     max_prompt_length: int = _f(512, "longer holdout prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(512, "trace length budget: tokens the teacher writes at most", min=1)
-    max_length: int = _f(0, "cap on prompt plus trace tokens, as the ADS pipeline's max_length; 0 means no cap", min=0)
+    max_length: int = _f(
+        0, "cap on prompt plus trace tokens, as the ADS pipeline's max_length; 0 means no cap", min=0
+    )
     enable_thinking: bool = _f(False, "passed to the chat templates (Qwen3 thinking mode)")
     gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
     gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
     gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
     proxy_tokens: str = _f(
-        "proxy", "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
+        "proxy",
+        "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
         "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy later)",
         choices=("proxy", "teacher"),
-    )  # fmt: skip
+    )
     normalization: str = _f(
-        "trace", "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
+        "trace",
+        "trace: mean over traces of each trace's mean-token gradient; token: mean over all completion tokens",
         choices=("trace", "token"),
-    )  # fmt: skip
+    )
     batch_size: int = _f(8, "traces per backward pass, per process (the result does not depend on it)", min=1)
     bf16: bool = _f(False, "bf16 teacher for generation (GPU); the proxy always runs in fp32")
 
@@ -156,8 +199,12 @@ class ClipLessonConfig(RunFields):
     noclip_mode: str = _f("tiny-noclip", "02_whitebox preset of the unclipped arm (the original: noclip)")
     clip_run: str = _f("", "an existing 02_whitebox run directory to use as the clipped arm")
     noclip_run: str = _f("", "an existing 02_whitebox run directory to use as the unclipped arm")
-    ablations: bool = _f(True, "also run clip at the noclip learning rate and noclip at the clip learning rate")
-    sgd_arms: bool = _f(False, "also run clip and noclip with SGD and momentum, an optimizer that does not bound its own step")
+    ablations: bool = _f(
+        True, "also run clip at the noclip learning rate and noclip at the clip learning rate"
+    )
+    sgd_arms: bool = _f(
+        False, "also run clip and noclip with SGD and momentum, an optimizer that does not bound its own step"
+    )
     sgd_lr: float = _f(0.05, "learning rate of both SGD arms", min=0.0)
     sgd_momentum: float = _f(0.9, "momentum of both SGD arms", min=0.0, max=1.0)
     seeds: str = _f("42", "comma-separated seeds; every arm runs once per seed")
@@ -170,90 +217,166 @@ class AntidistillationConfig(RunFields):
     """Antidistillation sampling and its trade-off (04_antidistill): a λ sweep of ADS beside a temperature
     sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT."""
 
-    teacher_model: str = _f("tiny:teacher", "teacher that writes the training traces: folder, hub name, or tiny:teacher")
-    proxy_model: str = _f("tiny:student", "proxy student the gradient belongs to (shares the teacher's tokenizer)")
-    student_model: str = _f("tiny:student", "student distilled at every point, afresh each time: folder, hub name, or tiny:student")
-    student_tokenizer: str = _f("", "the student's tokenizer (and chat template) if not its own folder's, e.g. an -Instruct sibling")
+    teacher_model: str = _f(
+        "tiny:teacher", "teacher that writes the training traces: folder, hub name, or tiny:teacher"
+    )
+    proxy_model: str = _f(
+        "tiny:student", "proxy student the gradient belongs to (shares the teacher's tokenizer)"
+    )
+    student_model: str = _f(
+        "tiny:student",
+        "student distilled at every point, afresh each time: folder, hub name, or tiny:student",
+    )
+    student_tokenizer: str = _f(
+        "", "the student's tokenizer (and chat template) if not its own folder's, e.g. an -Instruct sibling"
+    )
     student_init: str = _f(
-        "pretrained", "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
+        "pretrained",
+        "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
         choices=("pretrained", "scratch"),
-    )  # fmt: skip
-    grads_run: str = _f("", "a 01_save_grad run directory with grads.safetensors; empty runs 01_save_grad inside this run")
-    grads_mode: str = _f("tiny", "01_save_grad preset run when grads_run is empty (with this teacher, proxy and seed)")
-    dataset_path: str = _f("tiny", "training prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name")
+    )
+    grads_run: str = _f(
+        "", "a 01_save_grad run directory with grads.safetensors; empty runs 01_save_grad inside this run"
+    )
+    grads_mode: str = _f(
+        "tiny", "01_save_grad preset run when grads_run is empty (with this teacher, proxy and seed)"
+    )
+    dataset_path: str = _f(
+        "tiny",
+        "training prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name",
+    )
     dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
-    subset_size: int = _f(512, "training prompts the teacher answers at every point (the head of the seed-shuffled dataset)", min=1)
+    subset_size: int = _f(
+        512,
+        "training prompts the teacher answers at every point (the head of the seed-shuffled dataset)",
+        min=1,
+    )
     system_prompt: str = _f("", "system message put before every prompt; empty for none")
-    eval_dataset_path: str = _f("", "evaluation prompts for the distilled students; empty: the tiny held-out problems")
+    eval_dataset_path: str = _f(
+        "", "evaluation prompts for the distilled students; empty: the tiny held-out problems"
+    )
     eval_dataset_split: str = _f("test", "split of eval_dataset_path")
-    eval_size: int = _f(300, "evaluation problems per distilled student (at least 1); -1 means all of eval_dataset_path", min=-1)
+    eval_size: int = _f(
+        300,
+        "evaluation problems per distilled student (at least 1); -1 means all of eval_dataset_path",
+        min=-1,
+    )
     max_prompt_length: int = _f(512, "longer prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(40, "trace length budget: tokens the teacher writes at most", min=1)
-    eval_max_new_tokens: int = _f(0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0)
+    eval_max_new_tokens: int = _f(
+        0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0
+    )
     enable_thinking: bool = _f(False, "passed to the chat templates (Qwen3 thinking mode)")
     lams: list = _f((0.0, 0.05, 0.08, 0.11), "ADS sweep: the λ values, each at every ads_temperatures value")
     answer_lams: list = _f(
-        (0.015, 0.03, 0.045), "a second ADS sweep whose gradient is the proxy's NLL on the answer tokens only (tiny: after ';', "
+        (0.015, 0.03, 0.045),
+        "a second ADS sweep whose gradient is the proxy's NLL on the answer tokens only (tiny: after ';', "
         "else from the last \\boxed), computed here from the gradient run's traces; empty skips it",
-    )  # fmt: skip
+    )
     ads_temperatures: list = _f((1.0,), "temperatures the ADS sweeps run at")
-    temperatures: list = _f((1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures")
-    top_k: int = _f(0, "keep the k most likely tokens after the ADS term and the temperature, before top-p; 0 is off "
-                    "(the ADS reference: 50, transformers' default)", min=0)
-    top_p: float = _f(1.0, "nucleus applied after the ADS term, the temperature and top-k, at every point", min=1e-3, max=1.0)
+    temperatures: list = _f(
+        (1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures"
+    )
+    top_k: int = _f(
+        0,
+        "keep the k most likely tokens after the ADS term and the temperature, before top-p; 0 is off "
+        "(the ADS reference: 50, transformers' default)",
+        min=0,
+    )
+    top_p: float = _f(
+        1.0,
+        "nucleus applied after the ADS term, the temperature and top-k, at every point",
+        min=1e-3,
+        max=1.0,
+    )
     grad_scale: float = _f(
-        1.0, "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose saved "
+        1.0,
+        "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose saved "
         "gradient is 1/8 of the mean (DDP already averages over its 8 processes and the reference divides again)",
         min=0.0,
-    )  # fmt: skip
+    )
     eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
     ads_method: str = _f(
-        "fd", "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
+        "fd",
+        "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
         choices=("fd", "jvp"),
-    )  # fmt: skip
+    )
     gen_batch_size: int = _f(256, "prompts per generation batch", min=1)
-    sft_seed: int = _f(-1, "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
-                       "reference distils with seed 69", min=-1)
-    repeats: int = _f(1, "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted", min=1)
+    sft_seed: int = _f(
+        -1,
+        "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
+        "reference distils with seed 69",
+        min=-1,
+    )
+    repeats: int = _f(
+        1,
+        "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted",
+        min=1,
+    )
     sft_max_steps: int = _f(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
     sft_epochs: float = _f(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
     sft_batch_size: int = _f(64, "traces per optimizer step", min=1)
-    sft_micro_batch_size: int = _f(0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0)
-    sft_learning_rate: float = _f(3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0)
+    sft_micro_batch_size: int = _f(
+        0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0
+    )
+    sft_learning_rate: float = _f(
+        3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0
+    )
     sft_weight_decay: float = _f(0.0, "AdamW weight decay of the students' SFT", min=0.0)
     sft_warmup_ratio: float = _f(0.05, "fraction of SFT steps spent warming up", min=0.0, max=0.999)
     sft_max_length: int = _f(0, "traces longer than this many student tokens are cut; 0 means no cap", min=0)
-    bf16: bool = _f(False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32")
+    bf16: bool = _f(
+        False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32"
+    )
     gradient_checkpointing: bool = _f(False, "recompute the student's activations in backward to save memory")
-    student_lora_r: int = _f(0, "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight", min=0)
-    student_lora_alpha: float = _f(0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0)
+    student_lora_r: int = _f(
+        0,
+        "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight",
+        min=0,
+    )
+    student_lora_alpha: float = _f(
+        0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0
+    )
     student_lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
     student_lora_target_modules: list = _f(
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         "modules of the student that get a LoRA adapter (names, or [all-linear])",
-    )  # fmt: skip
+    )
     student_save: str = _f(
-        "adapter", "what of each distilled student is kept in points/<name>/seed<seed>/student/: adapter (the LoRA "
+        "adapter",
+        "what of each distilled student is kept in points/<name>/seed<seed>/student/: adapter (the LoRA "
         "adapter; without LoRA the whole model), merged (the model with the adapter merged in), none",
         choices=("adapter", "merged", "none"),
-    )  # fmt: skip
-    sft_save_steps: int = _f(0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0)
+    )
+    sft_save_steps: int = _f(
+        0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
             setattr(self, name, _float_list(name, getattr(self, name)))
         if self.eval_size == 0:
-            raise ConfigError("eval_size=0 leaves every distilled student unmeasured, and the trade-off is their accuracy; "
-                              "give a positive number of evaluation problems, or -1 for all of eval_dataset_path.")  # fmt: skip
+            raise ConfigError(
+                "eval_size=0 leaves every distilled student unmeasured, and the trade-off is their accuracy; "
+                "give a positive number of evaluation problems, or -1 for all of eval_dataset_path."
+            )
         if not (self.lams or self.answer_lams or self.temperatures):
-            raise ConfigError("lams, answer_lams and temperatures are all empty; give at least one sweep point.")
+            raise ConfigError(
+                "lams, answer_lams and temperatures are all empty; give at least one sweep point."
+            )
         if (self.lams or self.answer_lams) and not self.ads_temperatures:
-            raise ConfigError("an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0].")
+            raise ConfigError(
+                "an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0]."
+            )
         negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
         if negative:
-            raise ConfigError(f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy).")
-        self.student_lora_target_modules = _name_list("student_lora_target_modules", self.student_lora_target_modules)
+            raise ConfigError(
+                f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy)."
+            )
+        self.student_lora_target_modules = _name_list(
+            "student_lora_target_modules", self.student_lora_target_modules
+        )
 
 
 def _float_list(name: str, value: Any) -> list[float]:
@@ -265,14 +388,18 @@ def _float_list(name: str, value: Any) -> list[float]:
     try:
         return [float(v) for v in value]
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} must be a list of numbers, e.g. [0.0, 0.05, 0.1] or '0,0.05,0.1'.") from None
+        raise ConfigError(
+            f"{name}={value!r} must be a list of numbers, e.g. [0.0, 0.05, 0.1] or '0,0.05,0.1'."
+        ) from None
 
 
 def _name_list(name: str, value: Any) -> list[str]:
     """Module names as a list of strings, from a YAML/papermill list or a comma-separated string."""
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n.strip() for n in names):
-        raise ConfigError(f"{name}={value!r} must be a list of module names, e.g. [q_proj, v_proj] or 'q_proj,v_proj'.")
+        raise ConfigError(
+            f"{name}={value!r} must be a list of module names, e.g. [q_proj, v_proj] or 'q_proj,v_proj'."
+        )
     return [n.strip() for n in names]
 
 
@@ -336,7 +463,9 @@ def _check_keys(job: str, keys: dict | set, where: str) -> None:
             raise ConfigError(f"unknown parameter {key!r} in {where}.{hint} Valid: {', '.join(valid)}.")
 
 
-def load_config(job: str, mode: str = DEFAULT_MODE, overrides: dict | None = None, params_dir: Path = PARAMS_DIR):
+def load_config(
+    job: str, mode: str = DEFAULT_MODE, overrides: dict | None = None, params_dir: Path = PARAMS_DIR
+):
     """Resolve `mode`'s preset, apply `overrides` (None values are ignored), validate, return the dataclass."""
     values = load_preset(job, mode, params_dir)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}

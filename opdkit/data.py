@@ -131,9 +131,13 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
         return _readable(path, lambda: loader(str(local)), f"a {local.suffix} file")
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
-            saved = _readable(path, lambda: datasets.load_from_disk(str(local)), "a datasets save_to_disk folder")
+            saved = _readable(
+                path, lambda: datasets.load_from_disk(str(local)), "a datasets save_to_disk folder"
+            )
             return _pick_split(saved, split, path)
-        return _readable(path, lambda: datasets.load_dataset(str(local), split=split), "a folder of data files")
+        return _readable(
+            path, lambda: datasets.load_dataset(str(local), split=split), "a folder of data files"
+        )
     if _looks_local(path):
         raise FileNotFoundError(
             f"no file or folder at {path!r} (resolved to {local.resolve()}); expected a local "

@@ -21,8 +21,15 @@ def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
     run_dir = out / nb.stem
     executed = out / nb.name
     t0 = time.time()
-    pm.execute_notebook(str(nb), str(executed), parameters={"run_dir": str(run_dir)}, kernel_name="python3",
-                        cwd=str(nb.parent), progress_bar=False, log_output=False)  # fmt: skip
+    pm.execute_notebook(
+        str(nb),
+        str(executed),
+        parameters={"run_dir": str(run_dir)},
+        kernel_name="python3",
+        cwd=str(nb.parent),
+        progress_bar=False,
+        log_output=False,
+    )
     return executed, run_dir, time.time() - t0
 
 

@@ -85,9 +85,16 @@ class HFEngine:
     def sample(self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int) -> rollout.Rollout:
         torch.manual_seed(seed)
         return rollout.sample(
-            model, prompt_ids_BP, prompt_mask_BP, eos_token_id=s.eos_token_ids, pad_token_id=s.pad_token_id,
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, synced_gpus=self.synced,
-        )  # fmt: skip
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            eos_token_id=s.eos_token_ids,
+            pad_token_id=s.pad_token_id,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            synced_gpus=self.synced,
+        )
 
 
 class VLLMEngine:
@@ -121,8 +128,14 @@ class VLLMEngine:
         from transformers import AutoConfig
         from vllm import LLM
 
-        limits = [x for x in (self.max_model_len, getattr(AutoConfig.from_pretrained(self.model_path),
-                                                           "max_position_embeddings", 0)) if x]  # fmt: skip
+        limits = [
+            x
+            for x in (
+                self.max_model_len,
+                getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", 0),
+            )
+            if x
+        ]
         memory = dict(gpu_memory_utilization=self.memory)
         cpu = _on_cpu()
         if cpu:
@@ -132,13 +145,18 @@ class VLLMEngine:
 
             memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
         return LLM(
-            model=self.model_path, dtype=self.dtype, seed=0, **memory,
+            model=self.model_path,
+            dtype=self.dtype,
+            seed=0,
+            **memory,
             enforce_eager=cpu,  # CUDA graphs on GPUs; on CPU compiling costs more than a run gains
-            max_model_len=min(limits) if limits else None, max_num_seqs=self.max_num_seqs,
+            max_model_len=min(limits) if limits else None,
+            max_num_seqs=self.max_num_seqs,
             distributed_executor_backend="external_launcher" if self.distributed else "uni",
             skip_tokenizer_init=True,  # token ids in and out; the trainer's tokenizer is the one that counts
-            generation_config="vllm", logprobs_mode="raw_logprobs",
-        )  # fmt: skip
+            generation_config="vllm",
+            logprobs_mode="raw_logprobs",
+        )
 
     def _runner(self):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -164,20 +182,39 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids_BP, prompt_mask_BP)]
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+            for ids, m in zip(prompt_ids_BP, prompt_mask_BP)
+        ]
         # One seed per request, drawn from (seed): a row's tokens do not depend on how rows are batched.
-        seeds = torch.randint(0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)).tolist()
+        seeds = torch.randint(
+            0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
         params = [
             SamplingParams(
-                n=1, temperature=s.temperature, top_p=s.top_p, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                presence_penalty=0.0, frequency_penalty=0.0, max_tokens=s.max_new_tokens, seed=r, logprobs=0,
-                ignore_eos=True, stop_token_ids=list(s.eos_token_ids), detokenize=False,
-            )  # fmt: skip
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                max_tokens=s.max_new_tokens,
+                seed=r,
+                logprobs=0,
+                ignore_eos=True,
+                stop_token_ids=list(s.eos_token_ids),
+                detokenize=False,
+            )
             for r in seeds
         ]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        logps = [[c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)] for c in (o.outputs[0] for o in outs)]
+        logps = [
+            [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)]
+            for c in (o.outputs[0] for o in outs)
+        ]
         return assemble(prompt_ids_BP, prompt_mask_BP, tokens, logps, s)
 
 
@@ -187,8 +224,13 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def assemble(prompt_ids_BP, prompt_mask_BP, tokens: list[list[int]], logps: list[list[float]] | None,
-             s: SamplingSettings) -> rollout.Rollout:  # fmt: skip
+def assemble(
+    prompt_ids_BP,
+    prompt_mask_BP,
+    tokens: list[list[int]],
+    logps: list[list[float]] | None,
+    s: SamplingSettings,
+) -> rollout.Rollout:
     """A `Rollout` from per-row completions (as an engine returns them): right-padded, masked after the
     first EOS exactly as `rollout.sample` masks."""
     width = max(1, max(len(t) for t in tokens))
@@ -236,11 +278,15 @@ def split_rollout(r: rollout.Rollout, sizes: list[int]) -> list[rollout.Rollout]
         first = int(mask_BP.any(0).long().argmax()) if mask_BP.any() else P - 1
         width = max(1, int(comp_BC.sum(1).max()))
         cols = torch.cat([torch.arange(first, P), torch.arange(P, P + width)]).to(mask_BP.device)
-        out.append(rollout.Rollout(
-            input_ids_BT=r.input_ids_BT[rows][:, cols], attention_mask_BT=r.attention_mask_BT[rows][:, cols],
-            completion_mask_BC=comp_BC[:, :width], prompt_len=P - first,
-            logprobs_BC=None if r.logprobs_BC is None else r.logprobs_BC[rows, :width],
-        ))  # fmt: skip
+        out.append(
+            rollout.Rollout(
+                input_ids_BT=r.input_ids_BT[rows][:, cols],
+                attention_mask_BT=r.attention_mask_BT[rows][:, cols],
+                completion_mask_BC=comp_BC[:, :width],
+                prompt_len=P - first,
+                logprobs_BC=None if r.logprobs_BC is None else r.logprobs_BC[rows, :width],
+            )
+        )
     return out
 
 
@@ -250,8 +296,13 @@ def logprob_gap(model: torch.nn.Module, r: rollout.Rollout, chunk: int = 64) -> 
     from one forward of `model` that keeps only the completion positions' logits."""
     C, P = r.completion_mask_BC.shape[1], r.prompt_len
     keep = torch.arange(P - 1, P - 1 + C, device=r.input_ids_BT.device)
-    logits_BCV = model(input_ids=r.input_ids_BT, attention_mask=r.attention_mask_BT,
-                       position_ids=r.position_ids_BT, use_cache=False, logits_to_keep=keep).logits  # fmt: skip
+    logits_BCV = model(
+        input_ids=r.input_ids_BT,
+        attention_mask=r.attention_mask_BT,
+        position_ids=r.position_ids_BT,
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits
     mask_BC = r.completion_mask_BC.bool()
     gap = 0.0
     for c in range(0, C, chunk):

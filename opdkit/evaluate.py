@@ -1,6 +1,6 @@
 """Accuracy: batched greedy completions checked by a task (`opdkit.tasks`).
 
-    acc = accuracy(model, tok, *task.heldout(500), task.check, max_new_tokens=task.max_new_tokens)
+acc = accuracy(model, tok, *task.heldout(500), task.check, max_new_tokens=task.max_new_tokens)
 """
 
 from __future__ import annotations
@@ -74,9 +74,22 @@ def accuracy(
     return sum(check(c, a) for c, a in zip(comps, answers)) / len(answers)
 
 
-def task_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task, n: int = 500,
-                  batch_size: int = 256, **heldout) -> float:  # fmt: skip
+def task_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task,
+    n: int = 500,
+    batch_size: int = 256,
+    **heldout,
+) -> float:
     """Greedy accuracy on `n` of a task's built-in held-out problems (`opdkit.tasks.Task.heldout`)."""
     messages, answers = task.heldout(n, **heldout)
-    return accuracy(model, tokenizer, messages, answers, task.check, max_new_tokens=task.max_new_tokens,
-                    batch_size=batch_size)  # fmt: skip
+    return accuracy(
+        model,
+        tokenizer,
+        messages,
+        answers,
+        task.check,
+        max_new_tokens=task.max_new_tokens,
+        batch_size=batch_size,
+    )

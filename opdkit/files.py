@@ -1,7 +1,7 @@
 """Small file helpers every room uses: atomic writes and JSON that survives NaN.
 
-    atomic_write_text(path, text)        # readers see the old file or the new one, never half of it
-    write_jsonl(path, records); read_jsonl(path)
+atomic_write_text(path, text)        # readers see the old file or the new one, never half of it
+write_jsonl(path, records); read_jsonl(path)
 """
 
 from __future__ import annotations
@@ -39,4 +39,6 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )

@@ -92,7 +92,9 @@ def _check_names(file: Path, shapes: dict, expected: dict, meta: dict) -> None:
         return
     hint = ""
     if extra and all(k.startswith("module.") for k in extra):
-        hint = " Its names carry DDP's `module.` prefix (the ADS seed's format); recompute it with 01_save_grad."
+        hint = (
+            " Its names carry DDP's `module.` prefix (the ADS seed's format); recompute it with 01_save_grad."
+        )
     raise GradsMismatch(
         f"{file} does not fit this model: {len(missing)} parameter(s) have no gradient (e.g. {missing[:2]}) and "
         f"{len(extra)} gradient(s) match no parameter (e.g. {extra[:2]}); it was computed for "
@@ -102,7 +104,9 @@ def _check_names(file: Path, shapes: dict, expected: dict, meta: dict) -> None:
 
 def _model_tokenizer(model: torch.nn.Module) -> Any:
     """The tokenizer stored next to a model loaded from a local folder; None when there is none."""
-    folder = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+    folder = getattr(model, "name_or_path", "") or getattr(
+        getattr(model, "config", None), "_name_or_path", ""
+    )
     if not folder or not Path(folder).is_dir():
         return None
     from transformers import AutoTokenizer

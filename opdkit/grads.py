@@ -53,7 +53,9 @@ def shard_by_length(lengths: Sequence[int], rank: int, world: int) -> list[int]:
     return order[rank::world]
 
 
-def trace_weights(n_tokens_B: torch.Tensor, normalization: str, total_traces: int, total_tokens: int) -> torch.Tensor:
+def trace_weights(
+    n_tokens_B: torch.Tensor, normalization: str, total_traces: int, total_tokens: int
+) -> torch.Tensor:
     """Each trace's factor on its summed token loss, chosen so that all traces together give the mean.
 
     trace: 1 / (its completion tokens x all traces); token: 1 / all completion tokens.
@@ -105,16 +107,24 @@ def weighted_completion_loss(
         loss_sum_B, _ = token_losses(model, batch)
         return loss_sum_B.detach(), (loss_sum_B * weights_B.to(loss_sum_B.dtype)).sum()
     no_logits = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=no_logits,
-                output_hidden_states=True)  # fmt: skip
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        logits_to_keep=no_logits,
+        output_hidden_states=True,
+    )
     labels_BT = shifted_labels(batch["labels"])
     keep_BT = labels_BT != IGNORE
     trace_N = keep_BT.nonzero()[:, 0]
     loss_N, loss = _HeadCrossEntropy.apply(
-        out.hidden_states[-1][keep_BT], model.get_output_embeddings().weight, labels_BT[keep_BT],
+        out.hidden_states[-1][keep_BT],
+        model.get_output_embeddings().weight,
+        labels_BT[keep_BT],
         weights_B.to(trace_N.device)[trace_N],
-    )  # fmt: skip
-    loss_sum_B = torch.zeros(len(weights_B), dtype=loss_N.dtype, device=loss_N.device).index_add_(0, trace_N, loss_N)
+    )
+    loss_sum_B = torch.zeros(len(weights_B), dtype=loss_N.dtype, device=loss_N.device).index_add_(
+        0, trace_N, loss_N
+    )
     return loss_sum_B, loss
 
 
@@ -122,8 +132,10 @@ def _plain_head(model: torch.nn.Module) -> bool:
     """True when logits are exactly final_hidden @ head.weight.T (no bias, scale or soft-capping)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg = getattr(model, "config", None)
-    scaled = any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale",
-                                                                   "logits_scaling", "output_multiplier"))  # fmt: skip
+    scaled = any(
+        getattr(cfg, k, None) not in (None, 1.0)
+        for k in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+    )
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
 
 
@@ -250,19 +262,27 @@ def mean_completion_grad(
     device = next(model.parameters()).device
     mine = shard_by_length([len(r["input_ids"]) for r in rows], rank, world)
     batches = make_batches(rows, mine, batch_size, pad_token_id, device)
-    local, error = _local_pass(model, batches, normalization, len(rows), sum(tokens), progress, -(-len(mine) // batch_size))
+    local, error = _local_pass(
+        model, batches, normalization, len(rows), sum(tokens), progress, -(-len(mine) // batch_size)
+    )
     if _any_process(error is not None, world, device):  # every process stops, not only the one that failed
-        raise error or NonFiniteGradient("another process found a trace with a non-finite loss or gradient; see its error.")
+        raise error or NonFiniteGradient(
+            "another process found a trace with a non-finite loss or gradient; see its error."
+        )
     all_reduce_grads(model, world)
     named = {name: p.grad.detach() for name, p in model.named_parameters()}
     norm = global_norm(named)
     if not math.isfinite(norm):
-        raise NonFiniteGradient(f"the summed gradient is non-finite (norm {norm}) although every trace's was finite; nothing was saved.")
+        raise NonFiniteGradient(
+            f"the summed gradient is non-finite (norm {norm}) although every trace's was finite; nothing was saved."
+        )
     loss = _sum_over_processes(local, world, device)
     return named, {"num_traces": len(rows), "completion_tokens": sum(tokens), "loss": loss, "grad_norm": norm}
 
 
-def _local_pass(model: torch.nn.Module, batches: Iterable, *args: Any) -> tuple[float, NonFiniteGradient | None]:
+def _local_pass(
+    model: torch.nn.Module, batches: Iterable, *args: Any
+) -> tuple[float, NonFiniteGradient | None]:
     """This process's share, from fresh `.grad`s; a non-finite trace is returned, not raised, so that
     every process can learn of it before anyone waits in a collective."""
     model.eval()  # gradients still flow; eval only turns dropout off, so the gradient is deterministic
@@ -277,7 +297,9 @@ def _check_rows(rows: Sequence[dict], tokens: Sequence[int], normalization: str)
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization={normalization!r} is not one of {list(NORMALIZATIONS)}.")
     if not rows:
-        raise ValueError("no traces to compute a gradient on; expected at least one (check the holdout size).")
+        raise ValueError(
+            "no traces to compute a gradient on; expected at least one (check the holdout size)."
+        )
     empty = [i for i, n in enumerate(tokens) if n == 0]
     if empty:
         raise ValueError(

@@ -99,11 +99,17 @@ def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) 
     AcceleratorState._reset_state(reset_partial_state=True)
     error_dir = Path(run_path) / "errors"
     try:
-        notebook_launcher(_Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port()))
+        notebook_launcher(
+            _Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port())
+        )
     except BaseException as exc:
         reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
-        detail = "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports) or f"{type(exc).__name__}: {exc}"
-        raise RankFailed(f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}") from exc
+        detail = (
+            "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports) or f"{type(exc).__name__}: {exc}"
+        )
+        raise RankFailed(
+            f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}"
+        ) from exc
 
 
 def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> RunDir:
@@ -121,12 +127,18 @@ def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> 
             raise ConfigError(
                 "under torchrun / accelerate launch every process must write to one folder: pass --set run_dir=PATH."
             )
-        run = RunDir.create(cfg, job=job, mode=mode) if int(os.environ["RANK"]) == 0 else RunDir.attach(cfg.run_dir)
+        run = (
+            RunDir.create(cfg, job=job, mode=mode)
+            if int(os.environ["RANK"]) == 0
+            else RunDir.attach(cfg.run_dir)
+        )
     else:
         run = RunDir.create(cfg, job=job, mode=mode)
     n = default_num_processes(cfg.num_processes)
     local = n <= 1 or under_external_launcher()
-    launch(fn, (dataclasses.asdict(cfg), mode, str(run.path), prepared if local else None, *extra), n, run.path)
+    launch(
+        fn, (dataclasses.asdict(cfg), mode, str(run.path), prepared if local else None, *extra), n, run.path
+    )
     return run
 
 

@@ -58,9 +58,19 @@ class LiveTraining(TrainerCallback):
     seconds, and never more often than keeps drawing under `max_share` of the time (a redraw costs
     ~0.2-0.5 s of the same CPU that trains)."""
 
-    def __init__(self, max_grad_norm: float | None = None, title: str = "", every_s: float = 5.0,
-                 max_share: float = 0.03):  # fmt: skip
-        self.max_grad_norm, self.title, self.every_s, self.max_share = max_grad_norm, title, every_s, max_share
+    def __init__(
+        self,
+        max_grad_norm: float | None = None,
+        title: str = "",
+        every_s: float = 5.0,
+        max_share: float = 0.03,
+    ):
+        self.max_grad_norm, self.title, self.every_s, self.max_share = (
+            max_grad_norm,
+            title,
+            every_s,
+            max_share,
+        )
         self.records: list[dict] = []
         self.bar = self.handle = None
         self.drawn_at, self.draw_s = 0.0, 0.0
@@ -83,7 +93,9 @@ class LiveTraining(TrainerCallback):
         if "loss" in keep or "eval_accuracy" in keep:
             self.records.append({"step": state.global_step, **keep})
             if self.bar is not None and "loss" in keep:
-                self.bar.set_postfix(loss=f"{keep['loss']:.3g}", grad_norm=f"{keep.get('grad_norm', float('nan')):.3g}")
+                self.bar.set_postfix(
+                    loss=f"{keep['loss']:.3g}", grad_norm=f"{keep.get('grad_norm', float('nan')):.3g}"
+                )
         if time.monotonic() - self.drawn_at >= max(self.every_s, self.draw_s / self.max_share):
             self.draw()
 

@@ -31,7 +31,9 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """A tokenizer padding on the left; without a pad token, its EOS pads."""
     tok = AutoTokenizer.from_pretrained(tiny.resolve(name), padding_side="left")
     if tok.eos_token is None:
-        raise ValueError(f"the tokenizer of {name} has no EOS token, so completions cannot end; set tokenizer.eos_token.")
+        raise ValueError(
+            f"the tokenizer of {name} has no EOS token, so completions cannot end; set tokenizer.eos_token."
+        )
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -43,7 +45,9 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 SMALL_MODEL_PARAMS = 20_000_000
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_model(
+    name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
     one_thread_for_small_models(model)
     return model
@@ -53,7 +57,11 @@ def one_thread_for_small_models(model: torch.nn.Module) -> None:
     """One torch thread for a small model on the CPU, unless the user chose a count (OMP_NUM_THREADS), as a
     JupyterLab kernel's user has usually not. `launch.launch` restores the caller's count afterwards."""
     device = next(model.parameters()).device
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and num_params(model) < SMALL_MODEL_PARAMS:
+    if (
+        device.type == "cpu"
+        and "OMP_NUM_THREADS" not in os.environ
+        and num_params(model) < SMALL_MODEL_PARAMS
+    ):
         torch.set_num_threads(1)
 
 
@@ -78,7 +86,11 @@ def checkpointing_argument(enabled: bool) -> dict[str, bool]:
     CPU build pins an earlier 5.x."""
     from transformers import TrainingArguments
 
-    name = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
     return {name: enabled}
 
 
@@ -117,7 +129,12 @@ def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokeni
     Special and other added tokens may differ (DeepSeek-R1-Distill-Qwen renames Qwen2.5's), as the ADS
     reference allows.
     """
-    special = {*teacher.all_special_tokens, *proxy.all_special_tokens, *teacher.get_added_vocab(), *proxy.get_added_vocab()}
+    special = {
+        *teacher.all_special_tokens,
+        *proxy.all_special_tokens,
+        *teacher.get_added_vocab(),
+        *proxy.get_added_vocab(),
+    }
     t, p = teacher.get_vocab(), proxy.get_vocab()
     wrong = sorted(k for k in set(t) & set(p) if k not in special and t[k] != p[k])
     only = sorted(k for k in set(t) ^ set(p) if k not in special)

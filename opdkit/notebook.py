@@ -36,7 +36,10 @@ def notebook_parameters(job: str, namespace: dict) -> tuple[str, dict]:
         values = {
             k: v
             for k, v in namespace.items()
-            if not k.startswith("_") and k not in IPYTHON_NAMES and not isinstance(v, types.ModuleType) and not callable(v)
+            if not k.startswith("_")
+            and k not in IPYTHON_NAMES
+            and not isinstance(v, types.ModuleType)
+            and not callable(v)
         }
     valid = set(field_names(job)) | NOTEBOOK_ONLY
     unknown = sorted(set(values) - valid)
@@ -75,7 +78,9 @@ def _assigned(source: str) -> dict[str, ast.expr]:
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
             found[node.target.id] = node.value
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        elif (
+            isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        ):
             found[node.targets[0].id] = node.value
     return found
 

@@ -1,7 +1,7 @@
 """Figures and HTML views of a run directory; each figure is also saved under `figures/`.
 
-    fig = training_curves(run)                    # loss, pre-clip grad norm, length, entropy, accuracy
-    html = samples_html(run.read_jsonl("samples.jsonl")[-4:])
+fig = training_curves(run)                    # loss, pre-clip grad norm, length, entropy, accuracy
+html = samples_html(run.read_jsonl("samples.jsonl")[-4:])
 """
 
 from __future__ import annotations
@@ -41,10 +41,17 @@ CURVE_PANELS = [
 ]
 
 
-def draw_training_curves(records: list[dict], max_grad_norm: float | None = None, title: str = "",
-                         summary: dict | None = None, fig=None):  # fmt: skip
+def draw_training_curves(
+    records: list[dict],
+    max_grad_norm: float | None = None,
+    title: str = "",
+    summary: dict | None = None,
+    fig=None,
+):
     """The training curves of `records` on `fig` (cleared; a new one if None); the live view redraws with it."""
-    panels = CURVE_PANELS + ([("eval_accuracy", "held-out accuracy")] if _series(records, "eval_accuracy")[0] else [])
+    panels = CURVE_PANELS + (
+        [("eval_accuracy", "held-out accuracy")] if _series(records, "eval_accuracy")[0] else []
+    )
     if fig is None:
         fig = plt.figure(figsize=(4 * len(panels), 3.2))
     fig.clear()
@@ -88,7 +95,9 @@ def accuracy_bars(run: RunDir, summary: dict | None = None):
     fig, ax = plt.subplots(figsize=(5, 3))
     bars = ax.bar(names, [v or 0 for v in vals], color=["#bbb", "#3a7", "#37a"])
     for b, v in zip(bars, vals):
-        ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center")
+        ax.text(
+            b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center"
+        )
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("held-out accuracy")
     if s.get("accuracy_precision"):
@@ -148,8 +157,16 @@ def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled com
         x = 0.2
         for tok, d in zip(s["tokens"], s["divergence"]):
             t = tok.replace("\n", "⏎")
-            ax.text(x, y, t, fontsize=9, va="center", family="monospace", transform=ax.transAxes,
-                    bbox=dict(boxstyle="square,pad=0.1", fc=cmap(min(1.0, d / vmax)), ec="none"))  # fmt: skip
+            ax.text(
+                x,
+                y,
+                t,
+                fontsize=9,
+                va="center",
+                family="monospace",
+                transform=ax.transAxes,
+                bbox=dict(boxstyle="square,pad=0.1", fc=cmap(min(1.0, d / vmax)), ec="none"),
+            )
             x += 0.0085 * max(1, len(t))
             if x > 0.98:
                 break
@@ -161,8 +178,12 @@ def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled com
 
 
 ARM_COLOURS = {
-    "clip": "#2a7", "noclip": "#d33", "clip-at-noclip-lr": "#e90", "noclip-at-clip-lr": "#37c",
-    "sgd-clip": "#6b4", "sgd-noclip": "#a2a",
+    "clip": "#2a7",
+    "noclip": "#d33",
+    "clip-at-noclip-lr": "#e90",
+    "noclip-at-clip-lr": "#37c",
+    "sgd-clip": "#6b4",
+    "sgd-noclip": "#a2a",
 }
 
 
@@ -199,8 +220,12 @@ def lesson_accuracy(summary: dict, path=None):
         accs = [s.get("final_accuracy") or 0 for s in entry.get("seeds", {}).values()]
         ax.scatter([i] * len(accs), accs, color="k", s=12, zorder=3)
         lr, clip, opt = entry["learning_rate"], entry["clipping"], entry.get("optimizer", "adamw")
-        ax.text(i, -0.12, f"{opt}\nlr {lr:g}\n{'clip' if clip else 'no clip'}", ha="center", va="top", fontsize=8)
-    before = next((e.get("accuracy_before") for e in summary.values() if e.get("accuracy_before") is not None), None)
+        ax.text(
+            i, -0.12, f"{opt}\nlr {lr:g}\n{'clip' if clip else 'no clip'}", ha="center", va="top", fontsize=8
+        )
+    before = next(
+        (e.get("accuracy_before") for e in summary.values() if e.get("accuracy_before") is not None), None
+    )
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before ({before:.0%})")
         ax.legend(fontsize=8)
@@ -234,7 +259,10 @@ def tradeoff_curves(summary: dict) -> dict[str, list[dict]]:
     for method in methods:
         for tau in sorted({p["temperature"] for p in points if p["method"] == method}):
             start = [p for p in points if p["lam"] == 0 and p["temperature"] == tau]
-            line = sorted((p for p in points if p["method"] == method and p["temperature"] == tau), key=lambda p: p["lam"])
+            line = sorted(
+                (p for p in points if p["method"] == method and p["temperature"] == tau),
+                key=lambda p: p["lam"],
+            )
             curves[f"{ADS_LABELS.get(method, method)} (τ={tau:g})"] = start + line
     return curves
 
@@ -257,8 +285,14 @@ def tradeoff(summary: dict, path=None, title: str = ""):
             if p.get("teacher_accuracy") is None or (not is_temp and p["lam"] == 0):
                 continue
             tag = f"τ={p['temperature']:g}" if is_temp else f"λ={p['lam']:g}"
-            ax.annotate(tag, (p["teacher_accuracy"], p["student_accuracy"]), textcoords="offset points",
-                        xytext=(4, 4 if is_temp else -10), fontsize=7, color=colour)  # fmt: skip
+            ax.annotate(
+                tag,
+                (p["teacher_accuracy"], p["student_accuracy"]),
+                textcoords="offset points",
+                xytext=(4, 4 if is_temp else -10),
+                fontsize=7,
+                color=colour,
+            )
     before = summary.get("student_accuracy_before")
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
@@ -283,8 +317,10 @@ def _token_span(t: dict) -> str:
     if not t["changed"]:
         return f'<span title="p {t["p_ads"]:.3f}" style="font-family:monospace">{text}</span>'
     tip = f"ADS p {t['p_ads']:.3f} (plain p {t['p_plain']:.3f}); plain sampling drew {t['plain_text']!r} (p {t['p_plain_choice']:.3f})"
-    return (f'<span title="{_html.escape(tip)}" style="font-family:monospace;background:rgba(230,140,20,0.55);'
-            f'border-bottom:2px solid #c60">{text}</span>')  # fmt: skip
+    return (
+        f'<span title="{_html.escape(tip)}" style="font-family:monospace;background:rgba(230,140,20,0.55);'
+        f'border-bottom:2px solid #c60">{text}</span>'
+    )
 
 
 def _verdict(ok: bool | None) -> str:
@@ -298,12 +334,12 @@ def token_changes_html(c: dict) -> str:
     plain = _html.escape(c["plain_completion"])
     return (
         f'<div style="margin:6px 0"><b>{_html.escape(c["prompt"])}</b> · {ADS_LABELS.get(c.get("method", "ads"), "ADS")} '
-        f'λ {c["lam"]:g} · τ {c["temperature"]:g} · '
-        f'seed {c["seed"]} · {n} token(s) changed<br>'
+        f"λ {c['lam']:g} · τ {c['temperature']:g} · "
+        f"seed {c['seed']} · {n} token(s) changed<br>"
         f'<span style="color:#666">plain&nbsp;</span><span style="font-family:monospace">{plain}</span>'
-        f'{_verdict(c["plain_correct"])}<br>'
+        f"{_verdict(c['plain_correct'])}<br>"
         f'<span style="color:#666">ADS&nbsp;&nbsp;&nbsp;</span>{"".join(_token_span(t) for t in c["tokens"])}'
-        f'{_verdict(c["correct"])}</div>'
+        f"{_verdict(c['correct'])}</div>"
     )
 
 
@@ -316,24 +352,63 @@ def token_changes_figure(comparisons: Sequence[dict], path=None, title: str = "t
     for i, c in enumerate(rows):
         y = 1 - (i + 0.5) / max(1, len(rows))
         tag = "answer-grad " if c.get("method") == "ads-answer" else ""
-        ax.text(0.0, y + 0.12 / len(rows), f"{prompt_label(c['prompt'], 16)}  {tag}λ={c['lam']:g}", fontsize=8,
-                family="monospace", va="center", transform=ax.transAxes)  # fmt: skip
-        ax.text(0.2, y + 0.15 / len(rows), f"plain: {c['plain_completion']}{_verdict(c['plain_correct'])}",
-                fontsize=8, family="monospace", va="center", color="#555", transform=ax.transAxes)  # fmt: skip
+        ax.text(
+            0.0,
+            y + 0.12 / len(rows),
+            f"{prompt_label(c['prompt'], 16)}  {tag}λ={c['lam']:g}",
+            fontsize=8,
+            family="monospace",
+            va="center",
+            transform=ax.transAxes,
+        )
+        ax.text(
+            0.2,
+            y + 0.15 / len(rows),
+            f"plain: {c['plain_completion']}{_verdict(c['plain_correct'])}",
+            fontsize=8,
+            family="monospace",
+            va="center",
+            color="#555",
+            transform=ax.transAxes,
+        )
         x = 0.2
-        ax.text(x, y - 0.12 / len(rows), "ADS:", fontsize=8, family="monospace", va="center", transform=ax.transAxes)
+        ax.text(
+            x,
+            y - 0.12 / len(rows),
+            "ADS:",
+            fontsize=8,
+            family="monospace",
+            va="center",
+            transform=ax.transAxes,
+        )
         x += 0.035
         for t in c["tokens"]:
             s = t["text"].replace("\n", "⏎")
             box = dict(boxstyle="square,pad=0.1", fc="#f0a040", ec="none") if t["changed"] else None
-            ax.text(x, y - 0.12 / len(rows), s, fontsize=8, family="monospace", va="center", bbox=box,
-                    transform=ax.transAxes)  # fmt: skip
+            ax.text(
+                x,
+                y - 0.12 / len(rows),
+                s,
+                fontsize=8,
+                family="monospace",
+                va="center",
+                bbox=box,
+                transform=ax.transAxes,
+            )
             x += 0.0068 * max(1, len(s))
             if x > 0.97:
                 break
-        ax.text(min(x + 0.01, 0.98), y - 0.12 / len(rows), _verdict(c["correct"]).strip(), fontsize=8,
-                va="center", transform=ax.transAxes)  # fmt: skip
-    ax.set_title(f"{title} (orange: a token plain sampling would not have drawn with the same noise)", fontsize=10)
+        ax.text(
+            min(x + 0.01, 0.98),
+            y - 0.12 / len(rows),
+            _verdict(c["correct"]).strip(),
+            fontsize=8,
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set_title(
+        f"{title} (orange: a token plain sampling would not have drawn with the same noise)", fontsize=10
+    )
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)
@@ -346,10 +421,21 @@ def tradeoff_loss(summary: dict, path=None):
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (label, line) in enumerate(tradeoff_curves(summary).items()):
         is_temp = label == "temperature"
-        kept = [p for p in line if p.get("teacher_accuracy") is not None and p.get("student_holdout_loss") is not None]
+        kept = [
+            p
+            for p in line
+            if p.get("teacher_accuracy") is not None and p.get("student_holdout_loss") is not None
+        ]
         colour = TEMPERATURE_COLOUR if is_temp else ADS_COLOURS[(i - 1) % len(ADS_COLOURS)]
-        ax.plot([p["teacher_accuracy"] for p in kept], [p["student_holdout_loss"] for p in kept],
-                "o-" if is_temp else "s-", color=colour, label=label, lw=1.4, ms=5)  # fmt: skip
+        ax.plot(
+            [p["teacher_accuracy"] for p in kept],
+            [p["student_holdout_loss"] for p in kept],
+            "o-" if is_temp else "s-",
+            color=colour,
+            label=label,
+            lw=1.4,
+            ms=5,
+        )
     before = summary.get("student_holdout_loss_before")
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.3f})")

@@ -36,7 +36,9 @@ class Source:
 
 
 FILES: dict[str, Source] = {
-    "dapo-math-17k-unique.parquet": Source("BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dedup_prompts=True),
+    "dapo-math-17k-unique.parquet": Source(
+        "BytedTsinghua-SIA/DAPO-Math-17k", None, "train", dedup_prompts=True
+    ),
     "gsm8k-main-train.parquet": Source("openai/gsm8k", "main", "train"),
     "gsm8k-main-test.parquet": Source("openai/gsm8k", "main", "test"),
     "gsm8k-platinum-test.parquet": Source("madrylab/gsm8k-platinum", "main", "test"),
@@ -50,7 +52,9 @@ def load_source(src: Source, local_hub: Path | None = None) -> datasets.Dataset:
         return datasets.load_dataset(src.repo, src.config, split=src.split)
     folder = Path(local_hub) / src.repo / (src.config or "default")
     if not folder.is_dir():
-        raise FileNotFoundError(f"no local copy of {src.repo} at {folder}; expected data files named by split there.")
+        raise FileNotFoundError(
+            f"no local copy of {src.repo} at {folder}; expected data files named by split there."
+        )
     return datasets.load_dataset(str(folder), split=src.split)
 
 
@@ -66,7 +70,9 @@ def unique_prompts(ds: datasets.Dataset) -> datasets.Dataset:
     """One row per distinct prompt, the first of each, in the original order (DAPO-Math-17k repeats every
     prompt about 100 times)."""
     if "prompt" not in ds.column_names:
-        raise ValueError(f"cannot deduplicate by prompt: the columns are {ds.column_names}, expected a 'prompt' column.")
+        raise ValueError(
+            f"cannot deduplicate by prompt: the columns are {ds.column_names}, expected a 'prompt' column."
+        )
     seen: set[str] = set()
     keep = []
     for i, key in enumerate(prompt_keys(ds)):
@@ -86,8 +92,9 @@ def write_parquet(ds: datasets.Dataset, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def prepare(out: Path, names: list[str] | None = None, local_hub: Path | None = None,
-            overwrite: bool = False) -> dict[str, str]:  # fmt: skip
+def prepare(
+    out: Path, names: list[str] | None = None, local_hub: Path | None = None, overwrite: bool = False
+) -> dict[str, str]:
     """Write the files `names` (all of `FILES` by default) into `out`; returns {file: what happened}."""
     unknown = sorted(set(names or []) - set(FILES))
     if unknown:
@@ -119,14 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data", type=Path, help="folder the files go to (default: data)")
     p.add_argument("--only", nargs="*", default=None, metavar="FILE", help=f"some of: {', '.join(FILES)}")
-    p.add_argument("--local-hub", type=Path, default=None, help="read a local copy laid out as <owner>/<name>/<config>/")
+    p.add_argument(
+        "--local-hub", type=Path, default=None, help="read a local copy laid out as <owner>/<name>/<config>/"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace files that exist")
     a = p.parse_args(argv)
     report = prepare(a.out, a.only, a.local_hub, a.overwrite)
     failed = [n for n, r in report.items() if r.startswith("FAILED")]
     if "gsm8k-platinum-test.parquet" in failed:
-        print("without GSM8K-Platinum, run 04 with -p eval_dataset_path data/gsm8k-main-test.parquet "
-              "(GSM8K test, 1,319 problems; a difference from the ADS reference).")  # fmt: skip
+        print(
+            "without GSM8K-Platinum, run 04 with -p eval_dataset_path data/gsm8k-main-test.parquet "
+            "(GSM8K test, 1,319 problems; a difference from the ADS reference)."
+        )
     return 1 if failed else 0
 
 

@@ -34,7 +34,9 @@ class Rollout:
     attention_mask_BT: torch.Tensor  # 1 on real prompt tokens and on completion tokens up to EOS
     completion_mask_BC: torch.Tensor  # 1 on completion tokens up to and including the first EOS
     prompt_len: int  # P: columns that hold the (padded) prompt
-    logprobs_BC: torch.Tensor | None = None  # an engine's log p of each sampled token (raw, T = 1), 0 elsewhere
+    logprobs_BC: torch.Tensor | None = (
+        None  # an engine's log p of each sampled token (raw, T = 1), 0 elsewhere
+    )
 
     @property
     def completion_ids_BC(self) -> torch.Tensor:
@@ -143,9 +145,17 @@ def sample(
     was_training = model.training
     model.eval()
     try:
-        out = _decode(model, prompt_ids_BP, prompt_mask_BP, eos_token_id, pad_token_id, max_new_tokens,
-                      list(logits_processor or []) + (warpers(temperature, top_p) if do_sample else []),
-                      do_sample, synced_gpus)  # fmt: skip
+        out = _decode(
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            eos_token_id,
+            pad_token_id,
+            max_new_tokens,
+            list(logits_processor or []) + (warpers(temperature, top_p) if do_sample else []),
+            do_sample,
+            synced_gpus,
+        )
     finally:
         model.train(was_training)
     prompt_len = prompt_ids_BP.shape[1]
@@ -160,7 +170,9 @@ def sample(
     )
 
 
-def _decode(model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced):
+def _decode(
+    model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced
+):
     """Prompt + up to `max_new_tokens` tokens; rows that ended continue with padding until all rows end."""
     seq_BT, mask_BT = ids_BP, mask_BP
     pos_BT = position_ids_from_mask(mask_BP)
@@ -168,8 +180,18 @@ def _decode(model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, 
     done_B = torch.zeros(ids_BP.shape[0], dtype=torch.bool, device=ids_BP.device)
     step_ids, step_pos = ids_BP, pos_BT
     for i in range(max_new_tokens):
-        logits_BV = model(input_ids=step_ids, attention_mask=mask_BT, position_ids=step_pos, **cache,
-                          use_cache=True, logits_to_keep=1).logits[:, -1, :].float()  # fmt: skip
+        logits_BV = (
+            model(
+                input_ids=step_ids,
+                attention_mask=mask_BT,
+                position_ids=step_pos,
+                **cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1, :]
+            .float()
+        )
         if not done_B.all():  # (all done here only under `synced`: this rank keeps the others company)
             for proc in processors:
                 logits_BV = proc(seq_BT, logits_BV)

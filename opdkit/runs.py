@@ -83,9 +83,12 @@ def env_facts(world_size: int = 1, device: str | None = None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        rev = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         rev = None
     import torch

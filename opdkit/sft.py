@@ -109,12 +109,18 @@ def right_pad_batch(
 
 
 def make_batches(
-    rows: Sequence[dict], indices: Sequence[int], batch_size: int, pad_token_id: int, device: torch.device | str
+    rows: Sequence[dict],
+    indices: Sequence[int],
+    batch_size: int,
+    pad_token_id: int,
+    device: torch.device | str,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches of consecutive `indices` (sorted by length, so padding stays small)."""
     for s in range(0, len(indices), batch_size):
         ids = list(indices[s : s + batch_size])
-        batch = right_pad_batch([(rows[i]["input_ids"], rows[i]["labels"]) for i in ids], pad_token_id, device)
+        batch = right_pad_batch(
+            [(rows[i]["input_ids"], rows[i]["labels"]) for i in ids], pad_token_id, device
+        )
         yield {**batch, "trace_ids": torch.tensor(ids)}
 
 
@@ -128,7 +134,9 @@ def token_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tupl
     # Position t predicts token t+1: shift the labels, not the logits, whose shifted copy would be the
     # largest tensor of the step at a 151k vocabulary. The last position predicts nothing (-100).
     labels_BT = shifted_labels(batch["labels"])
-    loss_N = F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE, reduction="none")
+    loss_N = F.cross_entropy(
+        logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=IGNORE, reduction="none"
+    )
     return loss_N.view_as(labels_BT).sum(dim=1), (labels_BT != IGNORE).sum(dim=1)
 
 
@@ -236,8 +244,10 @@ class CompletionSFTTrainer(Trainer):
         super().__init__(*args, **kwargs)
         micro = self.args.per_device_train_batch_size
         if any(-(-len(idx) // micro) != self.args.gradient_accumulation_steps for idx in order):
-            raise ValueError(f"every step must have gradient_accumulation_steps={self.args.gradient_accumulation_steps} "
-                             f"micro-batches of up to {micro} rows; set it to ceil(step rows / micro-batch rows).")  # fmt: skip
+            raise ValueError(
+                f"every step must have gradient_accumulation_steps={self.args.gradient_accumulation_steps} "
+                f"micro-batches of up to {micro} rows; set it to ceil(step rows / micro-batch rows)."
+            )
         self.order, self.step_losses, self._step_loss = order, [], 0.0
         self.model_accepts_loss_kwargs = True  # compute_loss divides by num_items_in_batch itself
         self.add_callback(_StepLoss(self))
@@ -246,7 +256,9 @@ class CompletionSFTTrainer(Trainer):
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         sampler = StepBatches(self.order, self.args.per_device_train_batch_size)
-        loader = torch.utils.data.DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator)
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator
+        )
         return self.accelerator.prepare(loader)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -265,9 +277,15 @@ class CompletionSFTTrainer(Trainer):
         """One record per optimizer step: step, loss (unrounded), grad_norm, learning_rate."""
         logged = {r["step"]: r for r in self.state.log_history if "loss" in r}
         first = self.state.global_step - len(self.step_losses) + 1
-        return [{"step": first + i, "loss": loss, "grad_norm": logged.get(first + i, {}).get("grad_norm"),
-                 "learning_rate": logged.get(first + i, {}).get("learning_rate")}
-                for i, loss in enumerate(self.step_losses)]  # fmt: skip
+        return [
+            {
+                "step": first + i,
+                "loss": loss,
+                "grad_norm": logged.get(first + i, {}).get("grad_norm"),
+                "learning_rate": logged.get(first + i, {}).get("learning_rate"),
+            }
+            for i, loss in enumerate(self.step_losses)
+        ]
 
 
 class _StepLoss(TrainerCallback):

@@ -48,9 +48,13 @@ class Task:
 
     def heldout(self, n: int) -> tuple[list[Messages], list[str]]:
         """`n` built-in evaluation problems (prompt conversations, reference answers)."""
-        raise ConfigError(f"the {self.name} task has no built-in held-out problems; give an evaluation dataset.")
+        raise ConfigError(
+            f"the {self.name} task has no built-in held-out problems; give an evaluation dataset."
+        )
 
-    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+    def train_prompts(
+        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
+    ) -> datasets.Dataset:
         """02_whitebox's training prompts: `subset_size` of `path` (-1: all), never one of `eval_rows`'."""
         raise NotImplementedError
 
@@ -58,7 +62,9 @@ class Task:
         """Held-out problems for a run trained on `train_prompts(...)` of the same arguments: (messages, answers)."""
         raise NotImplementedError
 
-    def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
+    def holdout_prompts(
+        self, path: str, split: str, fraction: float, subset_size: int, seed: int
+    ) -> datasets.Dataset:
         """01_save_grad's holdout: prompts apart from what the other jobs train on."""
         raise NotImplementedError
 
@@ -86,13 +92,19 @@ class TinyTask(Task):
         probs = tiny_task.heldout_problems(n) if seed is None else tiny_task.problems(n, seed)
         return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
 
-    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
-        return data.load_prompts(data.TINY, subset_size=subset_size, seed=seed)  # its own stream, apart from heldout
+    def train_prompts(
+        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
+    ) -> datasets.Dataset:
+        return data.load_prompts(
+            data.TINY, subset_size=subset_size, seed=seed
+        )  # its own stream, apart from heldout
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
         return self.heldout(eval_size)
 
-    def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
+    def holdout_prompts(
+        self, path: str, split: str, fraction: float, subset_size: int, seed: int
+    ) -> datasets.Dataset:
         return data.load_prompts(data.TINY, subset_size=subset_size, seed=seed + TINY_HOLDOUT_SEED_OFFSET)
 
     def error_kinds(self, records: Sequence[dict]) -> dict[str, float] | None:
@@ -102,7 +114,10 @@ class TinyTask(Task):
         if not checked:
             return None
         wrong = [r for r in checked if not r["correct"]]
-        slips = sum(tiny_task.extract_answer(r["completion"]) == tiny_task.implied_answer(r["completion"]) for r in wrong)
+        slips = sum(
+            tiny_task.extract_answer(r["completion"]) == tiny_task.implied_answer(r["completion"])
+            for r in wrong
+        )
         return {"slip": slips / len(checked), "contradiction": (len(wrong) - slips) / len(checked)}
 
 
@@ -121,7 +136,9 @@ class MathTask(Task):
         span = mathcheck.final_span(completion)
         return None if span is None else span[0]
 
-    def train_prompts(self, path: str, split: str, subset_size: int, eval_size: int, seed: int) -> datasets.Dataset:
+    def train_prompts(
+        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
+    ) -> datasets.Dataset:
         """The head of the seed-shuffled dataset: `subset_size` rows, or (-1) all but the last `eval_size`."""
         ds, (train, _) = self._split(path, split, subset_size, eval_size, seed)
         return ds.select(train)
@@ -133,7 +150,9 @@ class MathTask(Task):
         return list(rows["messages"]), list(rows["answer"])
 
     @staticmethod
-    def _split(path: str, split: str, subset_size: int, eval_size: int, seed: int) -> tuple[datasets.Dataset, tuple]:
+    def _split(
+        path: str, split: str, subset_size: int, eval_size: int, seed: int
+    ) -> tuple[datasets.Dataset, tuple]:
         """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by construction."""
         ds = data.load_prompts(path, split, subset_size + eval_size if subset_size > 0 else -1, seed)
         n_train = min(subset_size, len(ds)) if subset_size > 0 else len(ds) - eval_size
@@ -144,7 +163,9 @@ class MathTask(Task):
             )
         return ds, (range(n_train), range(n_train, min(len(ds), n_train + eval_size)))
 
-    def holdout_prompts(self, path: str, split: str, fraction: float, subset_size: int, seed: int) -> datasets.Dataset:
+    def holdout_prompts(
+        self, path: str, split: str, fraction: float, subset_size: int, seed: int
+    ) -> datasets.Dataset:
         """The tail `fraction` of the seed-shuffled dataset (the other jobs train on its head), first
         `subset_size` of it."""
         ds = data.load_prompts(path, split, -1, seed)

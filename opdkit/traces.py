@@ -22,8 +22,9 @@ TRACES_DIR = "traces"
 COLUMNS = ("messages", "input_ids", "labels", "answer", "correct", "truncated")
 
 
-def completion_labels(tok: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool, i: int,
-                      truncated: bool = False) -> tuple[list[int], list[int]]:  # fmt: skip
+def completion_labels(
+    tok: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool, i: int, truncated: bool = False
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of trace `i` in `tok`'s chat template; a `truncated` trace (the teacher ran out of
     tokens) keeps no end-of-turn target the template would append (`sft.without_end_of_turn`)."""
     try:
@@ -37,7 +38,9 @@ def with_labels(records: list[dict], tok: PreTrainedTokenizerBase, enable_thinki
     """Each trace with `tok`'s `input_ids` and `labels` (-100 outside the completion) added; a truncated one
     ends where the teacher stopped writing."""
     out = []
-    for i, rec in enumerate(tqdm(records, desc="tokenizing traces", leave=False, disable=len(records) < 1000)):
+    for i, rec in enumerate(
+        tqdm(records, desc="tokenizing traces", leave=False, disable=len(records) < 1000)
+    ):
         ids, labels = completion_labels(tok, rec["messages"], enable_thinking, i, bool(rec.get("truncated")))
         out.append({**rec, "input_ids": ids, "labels": labels})
     return out
@@ -63,7 +66,9 @@ def load_traces(run_path: str | Path) -> datasets.Dataset:
     """The `traces/` folder of a run directory (01_save_grad's); a RunDir works too."""
     path = Path(getattr(run_path, "path", run_path)) / TRACES_DIR
     if not path.is_dir():
-        raise FileNotFoundError(f"no traces at {path}; expected the folder 01_save_grad writes in its run directory.")
+        raise FileNotFoundError(
+            f"no traces at {path}; expected the folder 01_save_grad writes in its run directory."
+        )
     return datasets.load_from_disk(str(path))
 
 

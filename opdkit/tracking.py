@@ -26,7 +26,11 @@ from opdkit.config import ConfigError
 TRACKERS = ("none", "tensorboard", "trackio", "wandb")
 PROJECT = "opdkit"
 PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
-INSTALL = {"tensorboard": "pip install tensorboard", "trackio": 'pip install "opdkit[track]"', "wandb": "pip install wandb"}
+INSTALL = {
+    "tensorboard": "pip install tensorboard",
+    "trackio": 'pip install "opdkit[track]"',
+    "wandb": "pip install wandb",
+}
 
 
 def check_report_to(report_to: str) -> None:
@@ -34,7 +38,9 @@ def check_report_to(report_to: str) -> None:
     if report_to not in TRACKERS:
         raise ConfigError(f"report_to={report_to!r} is not one of {list(TRACKERS)}.")
     if report_to != "none" and importlib.util.find_spec(PACKAGES[report_to]) is None:
-        raise ConfigError(f"report_to={report_to!r} but {PACKAGES[report_to]} is not installed; {INSTALL[report_to]}.")
+        raise ConfigError(
+            f"report_to={report_to!r} but {PACKAGES[report_to]} is not installed; {INSTALL[report_to]}."
+        )
 
 
 class Tracker:
@@ -145,8 +151,13 @@ class SampleTables(TrainerCallback):
 
 def sample_row(sample: dict) -> dict:
     divergence = sample.get("divergence") or [0.0]
-    return {"step": sample["step"], "prompt": sample["prompt"], "completion": "".join(sample["tokens"]),
-            "mean_divergence": sum(divergence) / len(divergence), "answer": sample.get("answer")}  # fmt: skip
+    return {
+        "step": sample["step"],
+        "prompt": sample["prompt"],
+        "completion": "".join(sample["tokens"]),
+        "mean_divergence": sum(divergence) / len(divergence),
+        "answer": sample.get("answer"),
+    }
 
 
 def report_samples(trainer, report_to: str, run) -> None:

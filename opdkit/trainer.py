@@ -77,32 +77,56 @@ class OPDArguments(TrainingArguments):
     """`TrainingArguments` plus on-policy distillation's own settings, as TRL's `GKDConfig` extends its
     `SFTConfig`; `DistillTrainer` reads them from `self.args`. Rollouts are seeded by (`seed`, step, rank)."""
 
-    beta: float = _arg(1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0)
+    beta: float = _arg(
+        1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
+    )
     kl_temperature: float = _arg(1.0, "temperature both distributions are compared at", min=1e-3)
     gen_temperature: float = _arg(1.0, "sampling temperature of the student's rollouts", min=1e-3)
-    gen_top_p: float = _arg(1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0)
+    gen_top_p: float = _arg(
+        1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
+    )
     max_new_tokens: int = _arg(128, "completion length the student samples", min=1)
     loss_chunk_size: int = _arg(1024, "completion tokens per chunk of the divergence", min=1)
     sample_every: int = _arg(0, "log a few sampled completions every this many steps; 0 never", min=0)
     samples_per_log: int = _arg(4, "completions logged each time", min=1)
-    save_rollouts: bool = _arg(False, "keep every step's prompts and completions in rollouts/ (token ids, per process)")
+    save_rollouts: bool = _arg(
+        False, "keep every step's prompts and completions in rollouts/ (token ids, per process)"
+    )
     rollout_engine: str = _arg(
-        "hf", "what samples the rollouts: hf, the kit's KV-cached loop; vllm, a vLLM engine colocated in every "
-        "process, synced with the student once per optimizer step", choices=engines.ENGINES,
-    )  # fmt: skip
+        "hf",
+        "what samples the rollouts: hf, the kit's KV-cached loop; vllm, a vLLM engine colocated in every "
+        "process, synced with the student once per optimizer step",
+        choices=engines.ENGINES,
+    )
     vllm_gpu_memory_utilization: float = _arg(
-        0.3, "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
-        min=0.01, max=1.0,
-    )  # fmt: skip
-    vllm_max_model_len: int = _arg(0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0)
+        0.3,
+        "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
+        min=0.01,
+        max=1.0,
+    )
+    vllm_max_model_len: int = _arg(
+        0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("beta", "kl_temperature", "gen_temperature", "gen_top_p", "max_new_tokens", "loss_chunk_size",
-                     "sample_every", "samples_per_log", "vllm_gpu_memory_utilization", "vllm_max_model_len"):  # fmt: skip
+        for name in (
+            "beta",
+            "kl_temperature",
+            "gen_temperature",
+            "gen_top_p",
+            "max_new_tokens",
+            "loss_chunk_size",
+            "sample_every",
+            "samples_per_log",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_len",
+        ):
             meta, value = self.__dataclass_fields__[name].metadata, getattr(self, name)
             if ("min" in meta and value < meta["min"]) or ("max" in meta and value > meta["max"]):
-                raise ValueError(f"{name}={value!r} is outside [{meta.get('min')}, {meta.get('max')}] ({meta['help']}).")
+                raise ValueError(
+                    f"{name}={value!r} is outside [{meta.get('min')}, {meta.get('max')}] ({meta['help']})."
+                )
         if self.rollout_engine not in engines.ENGINES:
             raise ValueError(f"rollout_engine={self.rollout_engine!r} is not one of {list(engines.ENGINES)}.")
 
@@ -120,7 +144,14 @@ class StepStats:
     started: float = field(default_factory=time.time)
 
     def as_tensor(self, device) -> torch.Tensor:
-        vals = [self.sequences, self.completion_tokens, self.truncated, self.entropy_sum, self.gap_sum, self.gap_tokens]
+        vals = [
+            self.sequences,
+            self.completion_tokens,
+            self.truncated,
+            self.entropy_sum,
+            self.gap_sum,
+            self.gap_tokens,
+        ]
         return torch.tensor(vals, dtype=torch.float64, device=device)
 
 
@@ -174,7 +205,9 @@ class DistillTrainer(Trainer):
         samples = self._rollout_step(engine, batches, step) if batches else []
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
-        n_local = torch.tensor(float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device)
+        n_local = torch.tensor(
+            float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device
+        )
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
         return samples, n_global.clamp(min=1.0)
 
@@ -188,10 +221,13 @@ class DistillTrainer(Trainer):
             else:
                 student = self.accelerator.unwrap_model(self.model)
                 self._engine = engines.make_engine(
-                    "vllm", model_path=student.config.name_or_path, dtype="bfloat16" if a.bf16 else "float32",
-                    gpu_memory_utilization=a.vllm_gpu_memory_utilization, max_model_len=a.vllm_max_model_len,
+                    "vllm",
+                    model_path=student.config.name_or_path,
+                    dtype="bfloat16" if a.bf16 else "float32",
+                    gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                    max_model_len=a.vllm_max_model_len,
                     distributed=a.world_size > 1,
-                )  # fmt: skip
+                )
         return self._engine
 
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
@@ -203,9 +239,12 @@ class DistillTrainer(Trainer):
         # Once per optimizer step, so also before the first rollout after a resume.
         engine.sync(model)
         settings = engines.SamplingSettings(
-            max_new_tokens=self.args.max_new_tokens, temperature=self.args.gen_temperature, top_p=self.args.gen_top_p,
-            eos_token_ids=self.stop_ids, pad_token_id=tok.pad_token_id,
-        )  # fmt: skip
+            max_new_tokens=self.args.max_new_tokens,
+            temperature=self.args.gen_temperature,
+            top_p=self.args.gen_top_p,
+            eos_token_ids=self.stop_ids,
+            pad_token_id=tok.pad_token_id,
+        )
         ids_BP, mask_BP = engines.concat_prompts(batches, tok.pad_token_id)
         seed = self.args.seed * 1_000_003 + step * 7919 + self.args.process_index
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
@@ -248,14 +287,22 @@ class DistillTrainer(Trainer):
 
         def student_part(**fwd):
             return student_divergence(
-                student, fwd, pred_BT, t_hidden_NH, self.teacher.get_output_embeddings().weight,
-                beta=self.args.beta, temperature=self.args.kl_temperature, vocab_size=self.vocab_size,
+                student,
+                fwd,
+                pred_BT,
+                t_hidden_NH,
+                self.teacher.get_output_embeddings().weight,
+                beta=self.args.beta,
+                temperature=self.args.kl_temperature,
+                vocab_size=self.vocab_size,
                 chunk_size=self.args.loss_chunk_size,
-            )  # fmt: skip
+            )
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
-            div_sum, per_token_N, entropy_N = sharding.call_inside_forward(model, student, student_part, **fwd)
+            div_sum, per_token_N, entropy_N = sharding.call_inside_forward(
+                model, student, student_part, **fwd
+            )
         out = losses.DivergenceOutput(sum=div_sum, per_token_N=per_token_N, student_entropy_N=entropy_N)
         n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
         # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
@@ -278,13 +325,15 @@ class DistillTrainer(Trainer):
         for b in range(min(per_log - len(self._step_samples), comp_BC.shape[0])):
             prompt = inputs["input_ids"][b, :prompt_len][inputs["attention_mask"][b, :prompt_len].bool()]
             comp = inputs["input_ids"][b, prompt_len:][comp_BC[b].bool()]
-            self._step_samples.append({
-                "step": step,
-                "prompt": tok.decode(prompt),
-                "tokens": tok.convert_ids_to_tokens(comp.tolist()),
-                "divergence": [round(float(d), 5) for d in divs[b]],
-                "answer": (inputs.get("answers") or [None] * (b + 1))[b],
-            })  # fmt: skip
+            self._step_samples.append(
+                {
+                    "step": step,
+                    "prompt": tok.decode(prompt),
+                    "tokens": tok.convert_ids_to_tokens(comp.tolist()),
+                    "divergence": [round(float(d), 5) for d in divs[b]],
+                    "answer": (inputs.get("answers") or [None] * (b + 1))[b],
+                }
+            )
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.

@@ -40,11 +40,19 @@ def sample_browser(samples: Sequence[dict], per_page: int = 4):
         rows = [s for s in samples if s["step"] == step][:per_page]
         out.value = "".join(sample_html(s, vmax) for s in rows)
 
-    slider = w.IntSlider(value=len(steps) - 1, min=0, max=len(steps) - 1, description="sample #",
-                         readout=False, continuous_update=False)  # fmt: skip
+    slider = w.IntSlider(
+        value=len(steps) - 1,
+        min=0,
+        max=len(steps) - 1,
+        description="sample #",
+        readout=False,
+        continuous_update=False,
+    )
     label, errors = w.Label(), w.Output()
-    slider.observe(reporting(errors, lambda c: (setattr(label, "value", f"step {steps[slider.value]}"), show())),
-                   names="value")  # fmt: skip
+    slider.observe(
+        reporting(errors, lambda c: (setattr(label, "value", f"step {steps[slider.value]}"), show())),
+        names="value",
+    )
     label.value = f"step {steps[slider.value]}"
     show()
     return w.VBox([w.HBox([slider, label]), out, errors])
@@ -65,7 +73,9 @@ def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
         parts = []
         for name, samples in arm_samples.items():
             rows = [s for s in samples if s["step"] == slider.value][:per_arm]
-            parts.append(f"<h4 style='margin:6px 0 0 0'>{name}</h4>" + "".join(sample_html(s, vmax) for s in rows))
+            parts.append(
+                f"<h4 style='margin:6px 0 0 0'>{name}</h4>" + "".join(sample_html(s, vmax) for s in rows)
+            )
         out.value = "".join(parts)
 
     errors = w.Output()
@@ -74,8 +84,9 @@ def arm_step_browser(arm_samples: dict[str, Sequence[dict]], per_arm: int = 2):
     return w.VBox([slider, out, errors])
 
 
-def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], methods: Sequence[str] = ("ads",),
-                       seed: int = 0):  # fmt: skip
+def ads_token_explorer(
+    compare, prompts: Sequence[str], lams: Sequence[float], methods: Sequence[str] = ("ads",), seed: int = 0
+):
     """Pick a prompt, λ, gradient and seed: the plain trace and the ADS trace drawn with the same noise, the
     tokens ADS changed highlighted. `compare(index, lam, seed, method)` is `antidistill.TokenLens.compare`."""
     import ipywidgets as w
@@ -83,8 +94,9 @@ def ads_token_explorer(compare, prompts: Sequence[str], lams: Sequence[float], m
     from opdkit.plots import token_changes_html
 
     prompt = w.Dropdown(options=[(p, i) for i, p in enumerate(prompts)], value=0, description="prompt")
-    lam = w.SelectionSlider(options=[float(v) for v in lams], value=float(lams[-1]), description="λ",
-                            continuous_update=False)  # fmt: skip
+    lam = w.SelectionSlider(
+        options=[float(v) for v in lams], value=float(lams[-1]), description="λ", continuous_update=False
+    )
     method = w.Dropdown(options=list(methods), value=methods[0], description="gradient")
     seed_box = w.IntText(value=seed, description="seed", layout=w.Layout(width="160px"))
     out = w.HTML()

@@ -23,8 +23,6 @@ from opdkit.tiny import task
 REPO = Path(__file__).resolve().parent.parent
 
 
-
-
 def _model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).eval()
 
@@ -66,8 +64,14 @@ def _prompts(tok, n: int = 6, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor
 def _rollout(teacher, tok, seed: int = 0) -> rollout.Rollout:
     ids, mask = _prompts(tok)
     torch.manual_seed(seed)
-    return rollout.sample(teacher, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                          max_new_tokens=task.MAX_COMPLETION_TOKENS)  # fmt: skip
+    return rollout.sample(
+        teacher,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+    )
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,8 +125,18 @@ def test_cached_steps_give_the_delta_of_a_full_recomputation(teacher, proxy, g, 
     rec = _Recorder(direction)
     ids, mask = _prompts(tok)
     torch.manual_seed(0)
-    r = ads.ads_sample(teacher, ids, mask, direction=rec, lam=0.05, temperature=1.0, top_p=1.0,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=40)  # fmt: skip
+    r = ads.ads_sample(
+        teacher,
+        ids,
+        mask,
+        direction=rec,
+        lam=0.05,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=40,
+    )
     full = direction.full(r.input_ids_BT, r.attention_mask_BT)
     P = r.prompt_len
     assert len(rec.deltas) >= 10
@@ -139,12 +153,28 @@ def test_lambda_zero_is_plain_sampling_token_for_token(teacher, proxy, g, tok):
     torch.manual_seed(7)
     plain = rollout.sample(teacher, ids, mask, temperature=1.3, top_p=0.9, **kwargs)
     torch.manual_seed(7)
-    zero = ads.ads_sample(teacher, ids, mask, direction=ads.FiniteDifference(proxy, g), lam=0.0, temperature=1.3,
-                          top_p=0.9, **kwargs)  # fmt: skip
+    zero = ads.ads_sample(
+        teacher,
+        ids,
+        mask,
+        direction=ads.FiniteDifference(proxy, g),
+        lam=0.0,
+        temperature=1.3,
+        top_p=0.9,
+        **kwargs,
+    )
     assert torch.equal(plain.input_ids_BT, zero.input_ids_BT)
     torch.manual_seed(7)
-    steered = ads.ads_sample(teacher, ids, mask, direction=ads.FiniteDifference(proxy, g), lam=0.3, temperature=1.3,
-                             top_p=0.9, **kwargs)  # fmt: skip
+    steered = ads.ads_sample(
+        teacher,
+        ids,
+        mask,
+        direction=ads.FiniteDifference(proxy, g),
+        lam=0.3,
+        temperature=1.3,
+        top_p=0.9,
+        **kwargs,
+    )
     assert not torch.equal(plain.input_ids_BT, steered.input_ids_BT)
 
 
@@ -199,7 +229,9 @@ def test_gradient_that_does_not_fit_the_proxy_is_refused(grads_run, tok, g):
 def test_job_checks_the_gradient_before_writing_anything(grads_run, tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(gradfile.GradsMismatch):
-        antidistill.run("tiny", {"grads_run": str(grads_run), "proxy_model": "tiny:teacher", "run_dir": str(run_dir)})
+        antidistill.run(
+            "tiny", {"grads_run": str(grads_run), "proxy_model": "tiny:teacher", "run_dir": str(run_dir)}
+        )
     assert not run_dir.exists()
     with pytest.raises(FileNotFoundError, match="grads.safetensors"):
         antidistill.prepare("tiny", {"grads_run": str(tmp_path)})
@@ -236,7 +268,9 @@ def test_positive_lambda_makes_a_distillation_step_raise_the_holdout_loss(grads_
         change = torch.empty(len(tok))
         for v in range(len(tok)):  # the whole vocabulary: the expectations below are exact, not sampled
             model = copy.deepcopy(proxy)
-            logp = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0, -1].log_softmax(-1)[v]
+            logp = (
+                model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0, -1].log_softmax(-1)[v]
+            )
             step = torch.autograd.grad(logp, list(model.parameters()))
             with torch.no_grad():
                 for p, s in zip(model.parameters(), step):
@@ -254,12 +288,25 @@ def test_positive_lambda_makes_a_distillation_step_raise_the_holdout_loss(grads_
 
 
 def test_sweeps_parse_and_points_run_once():
-    cfg = load_config("04_antidistill", "tiny", {"lams": "0, 0.05,0.1", "answer_lams": [0, 0.02], "ads_temperatures": [1.0],
-                                                 "temperatures": [1.0, 1.5]})  # fmt: skip
+    cfg = load_config(
+        "04_antidistill",
+        "tiny",
+        {
+            "lams": "0, 0.05,0.1",
+            "answer_lams": [0, 0.02],
+            "ads_temperatures": [1.0],
+            "temperatures": [1.0, 1.5],
+        },
+    )
     assert cfg.lams == [0.0, 0.05, 0.1]
     points = ad_sweep.sweep_points(cfg)
-    assert [p.name for p in points] == ["temperature-lam0-tau1", "ads-lam0.05-tau1", "ads-lam0.1-tau1",
-                                        "ads-answer-lam0.02-tau1", "temperature-lam0-tau1.5"]  # fmt: skip
+    assert [p.name for p in points] == [
+        "temperature-lam0-tau1",
+        "ads-lam0.05-tau1",
+        "ads-lam0.1-tau1",
+        "ads-answer-lam0.02-tau1",
+        "temperature-lam0-tau1.5",
+    ]
     assert [p.gradient for p in points] == [None, "completion", "completion", "answer", None]
     with pytest.raises(ConfigError, match="list of numbers"):
         load_config("04_antidistill", "tiny", {"lams": "a,b"})
@@ -283,9 +330,19 @@ def test_batch_order_covers_every_trace_each_epoch():
 @pytest.fixture(scope="module")
 def small_run(grads_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tradeoff") / "run"
-    over = {"run_dir": str(run_dir), "grads_run": str(grads_run), "subset_size": 24, "eval_size": 16,
-            "sft_max_steps": 3, "sft_batch_size": 8, "sft_micro_batch_size": 3, "lams": [0.0, 0.2],
-            "answer_lams": [0.1], "temperatures": [1.5], "repeats": 2}  # fmt: skip
+    over = {
+        "run_dir": str(run_dir),
+        "grads_run": str(grads_run),
+        "subset_size": 24,
+        "eval_size": 16,
+        "sft_max_steps": 3,
+        "sft_batch_size": 8,
+        "sft_micro_batch_size": 3,
+        "lams": [0.0, 0.2],
+        "answer_lams": [0.1],
+        "temperatures": [1.5],
+        "repeats": 2,
+    }
     return antidistill.run("tiny", over)
 
 
@@ -293,7 +350,11 @@ def test_small_tradeoff_run_writes_every_point(small_run):
     summary = small_run.read_summary()
     points = summary["points"]
     assert [(p["method"], p["lam"], p["temperature"]) for p in points] == [
-        ("temperature", 0.0, 1.0), ("ads", 0.2, 1.0), ("ads-answer", 0.1, 1.0), ("temperature", 0.0, 1.5)]  # fmt: skip
+        ("temperature", 0.0, 1.0),
+        ("ads", 0.2, 1.0),
+        ("ads-answer", 0.1, 1.0),
+        ("temperature", 0.0, 1.5),
+    ]
     for p in points:
         assert set(p) >= {"method", "lam", "temperature", "teacher_accuracy", "student_accuracy", "runs"}
         assert [r["seed"] for r in p["runs"]] == [42, 43]
@@ -305,7 +366,9 @@ def test_small_tradeoff_run_writes_every_point(small_run):
             assert r["teacher_accuracy"] == sum(x["correct"] for x in records) / 24
     assert 0 <= summary["student_accuracy_before"] <= 1
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
-    assert summary["student_holdout_loss_before"] == pytest.approx(gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5)
+    assert summary["student_holdout_loss_before"] == pytest.approx(
+        gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5
+    )
     assert all(r["student_holdout_loss"] > 0 for p in points for r in p["runs"])
     report.figures(small_run)  # the job computes; its report draws
     assert (small_run.path / "figures" / "tradeoff_holdout_loss.png").stat().st_size > 1000
@@ -322,9 +385,20 @@ def test_teacher_accuracy_is_checked_against_the_answer(small_run):
 
 def test_resume_reuses_finished_points(small_run, grads_run):
     before = small_run.read_summary()["points"]
-    over = {"run_dir": str(small_run.path), "grads_run": str(grads_run), "subset_size": 24, "eval_size": 16,
-            "sft_max_steps": 3, "sft_batch_size": 8, "sft_micro_batch_size": 3, "lams": [0.0, 0.2],
-            "answer_lams": [0.1], "temperatures": [1.5], "repeats": 2, "resume": True}  # fmt: skip
+    over = {
+        "run_dir": str(small_run.path),
+        "grads_run": str(grads_run),
+        "subset_size": 24,
+        "eval_size": 16,
+        "sft_max_steps": 3,
+        "sft_batch_size": 8,
+        "sft_micro_batch_size": 3,
+        "lams": [0.0, 0.2],
+        "answer_lams": [0.1],
+        "temperatures": [1.5],
+        "repeats": 2,
+        "resume": True,
+    }
     again = antidistill.run("tiny", over).read_summary()["points"]
     assert [p["runs"] for p in again] == [p["runs"] for p in before]
 
@@ -349,8 +423,17 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
 def test_coupled_sampling_at_lambda_zero_is_a_sample_of_the_teacher(teacher, tok):
     """Gumbel-max with shared noise: at λ 0 both draws agree, and the trace is a valid completion."""
     ids = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]])[0][0].tolist()
-    steps = ads.coupled_sample(teacher, None, ids, lam=0.0, temperature=1.0, top_p=1.0,
-                               eos_token_id=tok.eos_token_id, max_new_tokens=40, seed=0)  # fmt: skip
+    steps = ads.coupled_sample(
+        teacher,
+        None,
+        ids,
+        lam=0.0,
+        temperature=1.0,
+        top_p=1.0,
+        eos_token_id=tok.eos_token_id,
+        max_new_tokens=40,
+        seed=0,
+    )
     assert all(s["token"] == s["plain_token"] for s in steps)
     assert steps[-1]["token"] == tok.eos_token_id
     assert task.extract_answer(tok.decode([s["token"] for s in steps], skip_special_tokens=True)) is not None
@@ -370,24 +453,70 @@ def test_notebook_runs_headless(tmp_path, monkeypatch, grads_run):
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     run_dir = tmp_path / "run"
-    params = {"run_dir": str(run_dir), "grads_run": str(grads_run), "subset_size": 64, "eval_size": 40,
-              "sft_max_steps": 20, "lams": [0.0, 0.1], "answer_lams": [0.03], "temperatures": [1.4]}  # fmt: skip
+    params = {
+        "run_dir": str(run_dir),
+        "grads_run": str(grads_run),
+        "subset_size": 64,
+        "eval_size": 40,
+        "sft_max_steps": 20,
+        "lams": [0.0, 0.1],
+        "answer_lams": [0.03],
+        "temperatures": [1.4],
+    }
     papermill.execute_notebook(
-        str(REPO / "notebooks" / "04_antidistill.ipynb"), str(tmp_path / "out.ipynb"), parameters=params,
-        kernel_name="python3", cwd=str(REPO / "notebooks"), progress_bar=False,
-    )  # fmt: skip
+        str(REPO / "notebooks" / "04_antidistill.ipynb"),
+        str(tmp_path / "out.ipynb"),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(REPO / "notebooks"),
+        progress_bar=False,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(p["method"], p["lam"], p["temperature"]) for p in summary["points"]] == [
-        ("temperature", 0.0, 1.0), ("ads", 0.1, 1.0), ("ads-answer", 0.03, 1.0), ("temperature", 0.0, 1.4)]  # fmt: skip
+        ("temperature", 0.0, 1.0),
+        ("ads", 0.1, 1.0),
+        ("ads-answer", 0.03, 1.0),
+        ("temperature", 0.0, 1.4),
+    ]
     for fig in ("tradeoff", "tradeoff_holdout_loss", "ads_tokens"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
 
 
 def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
-    pts = [{"name": "t1", "method": "temperature", "lam": 0.0, "temperature": 1.0, "teacher_accuracy": 0.9, "student_accuracy": 0.8},
-           {"name": "t2", "method": "temperature", "lam": 0.0, "temperature": 1.5, "teacher_accuracy": 0.5, "student_accuracy": 0.4},
-           {"name": "a1", "method": "ads", "lam": 0.1, "temperature": 1.0, "teacher_accuracy": 0.7, "student_accuracy": 0.5},
-           {"name": "a2", "method": "ads", "lam": 0.2, "temperature": 1.0, "teacher_accuracy": 0.3, "student_accuracy": 0.1}]  # fmt: skip
+    pts = [
+        {
+            "name": "t1",
+            "method": "temperature",
+            "lam": 0.0,
+            "temperature": 1.0,
+            "teacher_accuracy": 0.9,
+            "student_accuracy": 0.8,
+        },
+        {
+            "name": "t2",
+            "method": "temperature",
+            "lam": 0.0,
+            "temperature": 1.5,
+            "teacher_accuracy": 0.5,
+            "student_accuracy": 0.4,
+        },
+        {
+            "name": "a1",
+            "method": "ads",
+            "lam": 0.1,
+            "temperature": 1.0,
+            "teacher_accuracy": 0.7,
+            "student_accuracy": 0.5,
+        },
+        {
+            "name": "a2",
+            "method": "ads",
+            "lam": 0.2,
+            "temperature": 1.0,
+            "teacher_accuracy": 0.3,
+            "student_accuracy": 0.1,
+        },
+    ]
     summary = {"points": pts, "student_accuracy_before": 0.2}
     got = {g["name"]: g for g in report.gaps(summary)}
     assert got["a1"]["temperature_student_accuracy"] == pytest.approx(0.6)
@@ -421,7 +550,9 @@ def test_answer_labels_keep_exactly_the_answer(tok):
     kept = steering.answer_labels(tok, ids, labels, tasks.for_dataset(cfg.dataset_path).answer_start(text))
     assert tok.decode([t for t in kept if t != sft.IGNORE]) == "825" + tok.eos_token
     assert tasks.for_dataset(cfg.dataset_path).answer_start("no answer here") is None
-    other = load_config("04_antidistill", "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"})
+    other = load_config(
+        "04_antidistill", "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"}
+    )
     assert tasks.for_dataset(other.dataset_path).answer_start("so \\boxed{12}.") == 3
 
 
@@ -438,8 +569,10 @@ def test_error_kinds_tell_a_slip_from_a_contradiction():
     assert task.implied_answer("8+7=15,5+6+1=12,3+4+1=8;825") == "825"
     assert task.implied_answer("9+9=18,9+1+1=11,5+5+1=11;1118") == "1118"
     assert task.implied_answer("8+7=1x;825") is None
-    recs = [{"completion": "8+7=15,5+6+1=12,3+4+1=8;825", "correct": True},  # right
-            {"completion": "8+7=15,5+6+1=13,3+4+1=8;835", "correct": False},  # a slip carried through
-            {"completion": "8+7=15,5+6+1=12,3+4+1=8;826", "correct": False},  # answer contradicts the working
-            {"completion": "8+7=15;", "correct": False}]  # fmt: skip
+    recs = [
+        {"completion": "8+7=15,5+6+1=12,3+4+1=8;825", "correct": True},  # right
+        {"completion": "8+7=15,5+6+1=13,3+4+1=8;835", "correct": False},  # a slip carried through
+        {"completion": "8+7=15,5+6+1=12,3+4+1=8;826", "correct": False},  # answer contradicts the working
+        {"completion": "8+7=15;", "correct": False},
+    ]
     assert tasks.get_task("tiny").error_kinds(recs) == {"slip": 0.25, "contradiction": 0.5}

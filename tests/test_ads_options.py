@@ -32,7 +32,9 @@ def test_top_k_comes_after_the_ads_term_and_temperature_before_top_p(grads_dir, 
     delta = ads.FiniteDifference(proxy, g).start(ids, mask)
     torch.manual_seed(0)
     scores = torch.randn(3, delta.shape[-1]) * 3
-    got = ads.ads_processors(ads.FiniteDifference(proxy, g), 0.2, mask, temperature=0.7, top_p=0.8, top_k=5)(ids, scores)
+    got = ads.ads_processors(ads.FiniteDifference(proxy, g), 0.2, mask, temperature=0.7, top_p=0.8, top_k=5)(
+        ids, scores
+    )
     want = (scores + 0.2 * delta) / 0.7
     keep = torch.isfinite(got)
     torch.testing.assert_close(got[keep], want[keep])
@@ -48,7 +50,10 @@ def test_top_k_comes_after_the_ads_term_and_temperature_before_top_p(grads_dir, 
 def test_top_k_zero_is_off_and_warpers_keep_generate_order():
     names = [type(w).__name__ for w in rollout.warpers(0.7, 0.9, 50)]
     assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
-    assert [type(w).__name__ for w in rollout.warpers(0.7, 0.9)] == ["TemperatureLogitsWarper", "TopPLogitsWarper"]
+    assert [type(w).__name__ for w in rollout.warpers(0.7, 0.9)] == [
+        "TemperatureLogitsWarper",
+        "TopPLogitsWarper",
+    ]
 
 
 def test_grad_scale_scales_every_gradient_the_sweep_uses(grads_dir):

@@ -12,8 +12,16 @@ from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import spread
 from opdkit.jobs.antidistill.sweep import Point
 
-SMALL = {"subset_size": 16, "eval_size": 16, "sft_max_steps": 3, "sft_batch_size": 8, "sft_micro_batch_size": 4,
-         "lams": [0.0, 0.2], "answer_lams": [0.1], "temperatures": [1.5]}  # fmt: skip
+SMALL = {
+    "subset_size": 16,
+    "eval_size": 16,
+    "sft_max_steps": 3,
+    "sft_batch_size": 8,
+    "sft_micro_batch_size": 4,
+    "lams": [0.0, 0.2],
+    "answer_lams": [0.1],
+    "temperatures": [1.5],
+}
 FAILING = "temperature-lam0-tau1"
 
 
@@ -40,7 +48,9 @@ def test_assignment_is_round_robin_in_sweep_order():
 
 
 @pytest.mark.slow
-def test_two_processes_give_one_process_summary_and_a_failure_waits_for_resume(grads_run, tmp_path, monkeypatch):
+def test_two_processes_give_one_process_summary_and_a_failure_waits_for_resume(
+    grads_run, tmp_path, monkeypatch
+):
     one = antidistill.run("tiny", {**SMALL, "grads_run": str(grads_run), "run_dir": str(tmp_path / "one")})
     expected = one.read_summary()
     assert expected["status"] == "done" and expected["num_processes"] == 1 and len(expected["points"]) == 4
@@ -66,7 +76,10 @@ def test_two_processes_give_one_process_summary_and_a_failure_waits_for_resume(g
     assert summary["student_accuracy_before"] == expected["student_accuracy_before"]
 
     monkeypatch.setattr(spread, "run_point", real)
-    kept = {p["name"]: (two.path / "points" / p["name"] / "point.json").stat().st_mtime_ns for p in summary["points"]}
+    kept = {
+        p["name"]: (two.path / "points" / p["name"] / "point.json").stat().st_mtime_ns
+        for p in summary["points"]
+    }
     again = antidistill.run("tiny", {**over, "resume": True}).read_summary()
     assert again["status"] == "done" and again["failed_points"] == [] and again["num_processes"] == 1
     assert kept == {n: (two.path / "points" / n / "point.json").stat().st_mtime_ns for n in kept}
@@ -80,5 +93,8 @@ def test_two_processes_give_one_process_summary_and_a_failure_waits_for_resume(g
 def test_explain_names_the_failed_points():
     from opdkit.jobs.antidistill import report
 
-    summary = {"points": [], "failed_points": [{"name": "ads-lam0.1-tau1", "error": "Traceback ...\nRuntimeError: boom\n"}]}
+    summary = {
+        "points": [],
+        "failed_points": [{"name": "ads-lam0.1-tau1", "error": "Traceback ...\nRuntimeError: boom\n"}],
+    }
     assert "ads-lam0.1-tau1 failed** (RuntimeError: boom)" in report.explain(summary)

@@ -20,14 +20,28 @@ if str(REPO) not in sys.path:  # bench/ lives in the repository, not in the inst
 from bench import common, run, runner, save_grad  # noqa: E402
 from bench.loss_memory import default_params as p2_params  # noqa: E402
 
-FIELDS = ("value", "target", "unit", "met", "metric", "opdkit_median", "baseline_median", "opdkit_runs",
-          "baseline_runs", "baseline", "setup", "measured")  # fmt: skip
+FIELDS = (
+    "value",
+    "target",
+    "unit",
+    "met",
+    "metric",
+    "opdkit_median",
+    "baseline_median",
+    "opdkit_runs",
+    "baseline_runs",
+    "baseline",
+    "setup",
+    "measured",
+)
 
 
 @pytest.fixture(scope="module")
 def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
-    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P3,P4", "--out", str(out)])  # P5: test_vllm
+    run.main(
+        ["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P3,P4", "--out", str(out)]
+    )  # P5: test_vllm
     return json.loads((out / "results.json").read_text())
 
 
@@ -44,15 +58,20 @@ def test_results_have_one_entry_per_figure(quick_results):
         if entry["baseline_median"] > 0:
             assert math.isfinite(entry["value"]) and entry["value"] >= 0, name
             assert entry["value"] == pytest.approx(entry["opdkit_median"] / entry["baseline_median"]), name
-            assert entry["met"] == (entry["value"] >= entry["target"] if entry["higher_is_better"]
-                                    else entry["value"] <= entry["target"]), name  # fmt: skip
+            assert entry["met"] == (
+                entry["value"] >= entry["target"]
+                if entry["higher_is_better"]
+                else entry["value"] <= entry["target"]
+            ), name
     assert [figures[f]["target"] for f in ("P1", "P2", "P3", "P4")] == [1.5, 0.25, 0.75, 1.3]
     assert quick_results["meta"]["quick"] is True and quick_results["meta"]["torch"] == torch.__version__
 
 
 def test_both_sides_do_the_same_work(quick_results):
     p1, p2 = quick_results["figures"]["P1"]["setup"], quick_results["figures"]["P2"]["setup"]
-    assert p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
+    assert (
+        p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
+    )
     assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl"], rel=1e-5)
     for side in ("opdkit", "trl"):  # every phase was seen on both sides, and they add up to the step
         phases = p1["phase_s"][side]
@@ -66,7 +85,9 @@ def test_only_updates_its_figures(tmp_path):
     run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2", "--out", str(tmp_path)])
     figures = json.loads((tmp_path / "results.json").read_text())["figures"]
     assert sorted(figures) == ["P2", "P3", "P4"]
-    assert run.table([common.Figure(**{k: v for k, v in figures["P2"].items() if k not in ("met", "measured")})])
+    assert run.table(
+        [common.Figure(**{k: v for k, v in figures["P2"].items() if k not in ("met", "measured")})]
+    )
 
 
 def test_worker_runs_in_a_fresh_process():
@@ -88,7 +109,9 @@ def test_ads_baseline_at_batch_size_one_is_the_trace_mean():
 
 
 def test_ads_collate_pads_left_and_labels_only_the_completion():
-    batch = save_grad.ads_collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}])
+    batch = save_grad.ads_collate(
+        [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [-100, -100, 8]]
@@ -100,7 +123,9 @@ def test_bad_arguments_are_refused():
 
 
 def test_gpu_script_plans_without_a_gpu():
-    proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert plan["opd"]["full"]["models"] == "standin:0.6B/4B"
@@ -109,16 +134,34 @@ def test_gpu_script_plans_without_a_gpu():
 
 @pytest.mark.slow
 def test_gpu_script_smoke_runs_every_measurement(tmp_path):
-    proc = subprocess.run(["bash", "bench/gpu.sh", "--smoke", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "bench/gpu.sh", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads((tmp_path / "results.json").read_text())
-    assert {"tiny", "full"} == set(r["opd"]) and r["decode"]["decode_tokens_per_s"] > 0 and r["train"]["mfu"] > 0
+    assert (
+        {"tiny", "full"} == set(r["opd"]) and r["decode"]["decode_tokens_per_s"] > 0 and r["train"]["mfu"] > 0
+    )
 
 
 @pytest.mark.slow
 def test_fresh_process_run_from_the_command_line(tmp_path):
-    cmd = [sys.executable, "-m", "bench.run", "--quick", "--reps", "1", "--only", "P1,P2,P3,P4", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.run",
+        "--quick",
+        "--reps",
+        "1",
+        "--only",
+        "P1,P2,P3,P4",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| P4 " in proc.stdout

@@ -44,8 +44,14 @@ SHORT = {
     "01_save_grad": {"subset_size": 8},
     "02_whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
     "03_clip_vs_noclip": {"max_steps": 4, "ablations": False, "sgd_arms": False, "eval_size": 10},
-    "04_antidistill": {"lams": [0.0, 0.1], "answer_lams": [], "temperatures": [1.5], "subset_size": 32,
-                       "eval_size": 10, "sft_max_steps": 3},  # fmt: skip
+    "04_antidistill": {
+        "lams": [0.0, 0.1],
+        "answer_lams": [],
+        "temperatures": [1.5],
+        "subset_size": 32,
+        "eval_size": 10,
+        "sft_max_steps": 3,
+    },
 }
 
 
@@ -59,20 +65,39 @@ def free_port() -> int:
 def jupyter_lab(tmp: Path, env_extra: dict | None = None):
     """A JupyterLab server whose root holds copies of the notebooks; yields (base URL, root)."""
     root = tmp / "lab"
-    shutil.copytree(ROOT / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(
+        ROOT / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints")
+    )
     for plugin, values in USER_SETTINGS.items():
         ext, name = plugin.split(":")
         path = tmp / "settings" / ext / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OPDKIT_RUNS": str(tmp / "runs"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"), **(env_extra or {})}  # fmt: skip
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.port_retries=0",
-           "--ServerApp.ip=127.0.0.1", "--ServerApp.allow_root=True", "--IdentityProvider.token=",
-           "--ServerApp.password=", f"--ServerApp.root_dir={root}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
-           f"--LabApp.user_settings_dir={tmp / 'settings'}", "--LabApp.news_url=None",
-           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OPDKIT_RUNS": str(tmp / "runs"),
+        "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+        **(env_extra or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+        "--ServerApp.ip=127.0.0.1",
+        "--ServerApp.allow_root=True",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+        f"--ServerApp.root_dir={root}",
+        f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+        f"--LabApp.user_settings_dir={tmp / 'settings'}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     log = open(tmp / "jupyter.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
     base = f"http://127.0.0.1:{port}"
@@ -80,7 +105,9 @@ def jupyter_lab(tmp: Path, env_extra: dict | None = None):
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited {proc.returncode}: {(tmp / 'jupyter.log').read_text()}")
+                raise RuntimeError(
+                    f"jupyter lab exited {proc.returncode}: {(tmp / 'jupyter.log').read_text()}"
+                )
             try:
                 urllib.request.urlopen(f"{base}/api/status", timeout=2).read()
                 break
@@ -122,7 +149,9 @@ def wait_until(page, cond, timeout: float, what: str, poll: float = 0.25) -> Non
     t0 = time.time()
     while not cond():
         if time.time() - t0 > timeout:
-            raise TimeoutError(f"{what}: not within {timeout}s (status bar: {page.locator(STATUSBAR).inner_text()!r})")
+            raise TimeoutError(
+                f"{what}: not within {timeout}s (status bar: {page.locator(STATUSBAR).inner_text()!r})"
+            )
         page.wait_for_timeout(poll * 1000)
 
 
@@ -183,8 +212,13 @@ def saved_errors(page, base: str, path: str) -> list[dict]:
     page.keyboard.press("ControlOrMeta+s")
     wait_until(page, lambda: page.locator(".jp-mod-current.jp-mod-dirty").count() == 0, 30, "notebook saved")
     nb = json.load(urllib.request.urlopen(f"{base}/api/contents/{path}?content=1"))["content"]
-    return [{"ename": o["ename"], "evalue": o["evalue"][:500]} for c in nb["cells"] if c["cell_type"] == "code"
-            for o in c.get("outputs", []) if o["output_type"] == "error"]  # fmt: skip
+    return [
+        {"ename": o["ename"], "evalue": o["evalue"][:500]}
+        for c in nb["cells"]
+        if c["cell_type"] == "code"
+        for o in c.get("outputs", [])
+        if o["output_type"] == "error"
+    ]
 
 
 def newest_config(runs: Path, job: str) -> dict:
@@ -236,9 +270,14 @@ def test_every_notebook_in_jupyterlab(tmp_path):
             path = f"notebooks/{name}.ipynb"
             open_notebook(page, base, path)
             if name == "04_antidistill":  # the gradient of the 01 run above, instead of a new one
-                short = {**short, "grads_run": str(max((runs / "01_save_grad").iterdir(), key=os.path.getmtime))}
+                short = {
+                    **short,
+                    "grads_run": str(max((runs / "01_save_grad").iterdir(), key=os.path.getmtime)),
+                }
             set_parameters(page, short)
-            timings[name] = run_all(page, 420, live_figure_while_training(shots) if name == "02_whitebox" else None)
+            timings[name] = run_all(
+                page, 420, live_figure_while_training(shots) if name == "02_whitebox" else None
+            )
             page.screenshot(path=str(shots / f"{name}.png"), full_page=False)
             assert saved_errors(page, base, path) == [], name
             if name == "01_save_grad":  # edit a value, Run All again in the same kernel

@@ -14,13 +14,33 @@ from opdkit.jobs.whitebox import job as whitebox
 
 TINY = {"teacher_model": tiny.resolve("tiny:teacher")}
 JOBS = [  # (prepare, mode, the overrides that point every model at a local folder)
-    (whitebox.prepare, "full", {"student_model": tiny.resolve("tiny:student"), "subset_size": 6, "eval_size": 2, **TINY}),
+    (
+        whitebox.prepare,
+        "full",
+        {"student_model": tiny.resolve("tiny:student"), "subset_size": 6, "eval_size": 2, **TINY},
+    ),
     (savegrad.prepare, "full", {"proxy_model": tiny.resolve("tiny:student"), **TINY}),
     (savegrad.prepare, "ads-paper", {"proxy_model": tiny.resolve("tiny:student"), **TINY}),
-    (antidistill.prepare, "full", {"proxy_model": tiny.resolve("tiny:student"), "student_model": tiny.resolve("tiny:student"),
-                                   "student_tokenizer": "", **TINY}),  # fmt: skip
-    (antidistill.prepare, "ads-paper", {"proxy_model": tiny.resolve("tiny:student"), "student_model": tiny.resolve("tiny:student"),
-                                        "student_tokenizer": "", **TINY}),  # fmt: skip
+    (
+        antidistill.prepare,
+        "full",
+        {
+            "proxy_model": tiny.resolve("tiny:student"),
+            "student_model": tiny.resolve("tiny:student"),
+            "student_tokenizer": "",
+            **TINY,
+        },
+    ),
+    (
+        antidistill.prepare,
+        "ads-paper",
+        {
+            "proxy_model": tiny.resolve("tiny:student"),
+            "student_model": tiny.resolve("tiny:student"),
+            "student_tokenizer": "",
+            **TINY,
+        },
+    ),
 ]
 
 
@@ -62,7 +82,11 @@ def test_missing_data_file_is_reported_before_any_tokenizer(prepare, mode, over,
 
 @pytest.mark.parametrize("prepare,mode,over", JOBS)
 def test_data_files_are_read_before_tokenizers(prepare, mode, over, events, dapo_parquet):
-    extra = {"eval_dataset_path": str(dapo_parquet), "eval_dataset_split": "train"} if prepare is antidistill.prepare else {}
+    extra = (
+        {"eval_dataset_path": str(dapo_parquet), "eval_dataset_split": "train"}
+        if prepare is antidistill.prepare
+        else {}
+    )
     with pytest.raises(Stop):
         prepare(mode, {**over, **extra, "dataset_path": str(dapo_parquet)})
     first_tokenizer = events.index("tokenizer")
@@ -71,7 +95,11 @@ def test_data_files_are_read_before_tokenizers(prepare, mode, over, events, dapo
 
 
 def test_missing_eval_file_is_reported_before_any_tokenizer(events, dapo_parquet, tmp_path):
-    over = {**JOBS[3][2], "dataset_path": str(dapo_parquet), "eval_dataset_path": str(tmp_path / "test.parquet")}
+    over = {
+        **JOBS[3][2],
+        "dataset_path": str(dapo_parquet),
+        "eval_dataset_path": str(tmp_path / "test.parquet"),
+    }
     with pytest.raises(FileNotFoundError, match="test.parquet"):
         antidistill.prepare("full", over)
     assert "tokenizer" not in events
@@ -86,8 +114,10 @@ def test_corrupt_parquet_names_its_path(content, dapo_parquet, tmp_path):
         data.load_prompts(str(bad))
 
 
-@pytest.mark.parametrize("name,text,expected", [("t.jsonl", '{"prompt": "a"\n{{{', "a .jsonl file"),
-                                                ("t.json", "[{]", "a .json file")])
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [("t.jsonl", '{"prompt": "a"\n{{{', "a .jsonl file"), ("t.json", "[{]", "a .json file")],
+)
 def test_corrupt_json_names_its_path(tmp_path, name, text, expected):
     (tmp_path / name).write_text(text)
     with pytest.raises(data.UnreadableData, match=rf"{name}' as {expected}"):

@@ -16,8 +16,14 @@ def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
     clip, noclip = load_config("02_whitebox", "tiny"), load_config("02_whitebox", "tiny-noclip")
     assert noclip.learning_rate == pytest.approx(5 * clip.learning_rate), "noclip is lr x5, as the original"
     assert arms["clip"].clipping and not arms["noclip"].clipping
-    assert (arms["clip-at-noclip-lr"].learning_rate, arms["clip-at-noclip-lr"].clipping) == (noclip.learning_rate, True)
-    assert (arms["noclip-at-clip-lr"].learning_rate, arms["noclip-at-clip-lr"].clipping) == (clip.learning_rate, False)
+    assert (arms["clip-at-noclip-lr"].learning_rate, arms["clip-at-noclip-lr"].clipping) == (
+        noclip.learning_rate,
+        True,
+    )
+    assert (arms["noclip-at-clip-lr"].learning_rate, arms["noclip-at-clip-lr"].clipping) == (
+        clip.learning_rate,
+        False,
+    )
     sgd = [arms["sgd-clip"], arms["sgd-noclip"]]
     assert sgd[0].learning_rate == sgd[1].learning_rate and sgd[0].clipping and not sgd[1].clipping
     assert sgd[0].overrides["optim"] == "sgd"
@@ -40,8 +46,17 @@ def test_seeds_are_parsed_with_clear_errors():
 @pytest.mark.slow
 def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
     """The original's phenomenon, for real: no smoothing, no cherry-picked seed."""
-    lesson = cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "seeds": "1,2,3", "ablations": False,
-                                     "sgd_arms": False, "max_steps": 60, "eval_size": 150})  # fmt: skip
+    lesson = cliplesson.run(
+        "tiny",
+        {
+            "run_dir": str(tmp_path / "l"),
+            "seeds": "1,2,3",
+            "ablations": False,
+            "sgd_arms": False,
+            "max_steps": 60,
+            "eval_size": 150,
+        },
+    )
     s = lesson.read_summary()
     for seed in (1, 2, 3):
         clip, noclip = s["clip"]["seeds"][str(seed)], s["noclip"]["seeds"][str(seed)]  # JSON keys
@@ -55,13 +70,23 @@ def test_existing_runs_can_be_the_arms(tmp_path):
     base = {"max_steps": 2, "eval_size": 8, "sample_every": 1, "save_steps": 0}
     c = whitebox.run("tiny", {**base, "run_dir": str(tmp_path / "c")})
     n = whitebox.run("tiny-noclip", {**base, "run_dir": str(tmp_path / "n")})
-    lesson = cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(c.path),
-                                     "noclip_run": str(n.path)})  # fmt: skip
+    lesson = cliplesson.run(
+        "tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(c.path), "noclip_run": str(n.path)}
+    )
     s = lesson.read_summary()
     assert set(s) == {"clip", "noclip"}
     for arm in s.values():
-        assert set(arm) >= {"max_grad_norm", "median_grad_norm", "clipped_steps", "max_loss", "final_loss",
-                            "final_accuracy", "first_nonfinite_step", "learning_rate", "clipping"}  # fmt: skip
+        assert set(arm) >= {
+            "max_grad_norm",
+            "median_grad_norm",
+            "clipped_steps",
+            "max_loss",
+            "final_loss",
+            "final_accuracy",
+            "first_nonfinite_step",
+            "learning_rate",
+            "clipping",
+        }
     assert s["clip"]["clipping"] and not s["noclip"]["clipping"]
     assert "clip vs noclip" in cliplesson_report.explain(s)
     step, near = cliplesson_report.spike_samples(s, "noclip")

@@ -39,16 +39,34 @@ def test_every_job_has_a_tiny_default():
 def test_full_whitebox_preset_is_the_original_configuration():
     cfg = load_config("02_whitebox", "full")
     expected = dict(
-        student_model="Qwen/Qwen3-0.6B", teacher_model="Qwen/Qwen3-4B",
-        dataset_path="data/dapo-math-17k-unique.parquet", subset_size=1000, seed=42,
-        max_prompt_length=1024, max_new_tokens=1024, enable_thinking=False, beta=1.0,
-        kl_temperature=1.0, gen_temperature=1.0, gen_top_p=1.0, learning_rate=1e-6,
-        per_device_train_batch_size=4, gradient_accumulation_steps=4, num_train_epochs=1.0,
-        max_steps=-1, max_grad_norm=1.0, bf16=True, logging_steps=1, save_steps=100,
-        save_total_limit=2, report_to="none",
-    )  # fmt: skip
+        student_model="Qwen/Qwen3-0.6B",
+        teacher_model="Qwen/Qwen3-4B",
+        dataset_path="data/dapo-math-17k-unique.parquet",
+        subset_size=1000,
+        seed=42,
+        max_prompt_length=1024,
+        max_new_tokens=1024,
+        enable_thinking=False,
+        beta=1.0,
+        kl_temperature=1.0,
+        gen_temperature=1.0,
+        gen_top_p=1.0,
+        learning_rate=1e-6,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_train_epochs=1.0,
+        max_steps=-1,
+        max_grad_norm=1.0,
+        bf16=True,
+        logging_steps=1,
+        save_steps=100,
+        save_total_limit=2,
+        report_to="none",
+    )
     assert {k: getattr(cfg, k) for k in expected} == expected
-    assert cfg.rollout_engine == "vllm", "full runs sample through vLLM (the kit's loop: -p rollout_engine hf)"
+    assert cfg.rollout_engine == "vllm", (
+        "full runs sample through vLLM (the kit's loop: -p rollout_engine hf)"
+    )
     sanity, noclip = load_config("02_whitebox", "sanity"), load_config("02_whitebox", "noclip")
     assert sanity.max_steps == 50 and sanity.learning_rate == 1e-6
     assert (noclip.max_steps, noclip.max_grad_norm, noclip.learning_rate) == (15, 1e9, 5e-6)
@@ -109,7 +127,7 @@ def test_notebook_parameters_come_from_the_parameters_cell_not_globals():
     namespace["In"] = first_run + [edited, config_cell]
     assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 7, "learning_rate": 2e-3})
     # papermill's injected cell runs after the parameters cell and wins; an unknown name is refused.
-    injected = "# Parameters\nmax_steps = 3\nmode = \"full\"\n"
+    injected = '# Parameters\nmax_steps = 3\nmode = "full"\n'
     namespace["In"] = first_run + [params, injected, config_cell]
     assert notebook_parameters("02_whitebox", namespace) == ("full", {"max_steps": 3, "seed": None})
     namespace["In"] = first_run + [params, injected + "bogus = 1\n", config_cell]

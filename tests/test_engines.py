@@ -39,12 +39,26 @@ def test_one_call_for_the_step_gives_each_micro_batch_its_own_layout(student_tok
     model, tok = student_tok
     batches = micro_batches(tok)
     ids, mask = engines.concat_prompts(batches, tok.pad_token_id)
-    whole = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                           max_new_tokens=12, do_sample=False)  # fmt: skip
+    whole = rollout.sample(
+        model,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=12,
+        do_sample=False,
+    )
     parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
     for b, part in zip(batches, parts):
-        alone = rollout.sample(model, b["prompts"], b["prompt_attention_mask"], eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id, max_new_tokens=12, do_sample=False)  # fmt: skip
+        alone = rollout.sample(
+            model,
+            b["prompts"],
+            b["prompt_attention_mask"],
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=12,
+            do_sample=False,
+        )
         assert part.prompt_len == alone.prompt_len
         torch.testing.assert_close(part.input_ids_BT, alone.input_ids_BT)
         torch.testing.assert_close(part.attention_mask_BT, alone.attention_mask_BT)
@@ -74,11 +88,13 @@ def test_logprob_gap_is_zero_for_the_models_own_logprobs(student_tok):
     model, tok = student_tok
     ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
     torch.manual_seed(0)
-    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       max_new_tokens=10)  # fmt: skip
+    r = rollout.sample(
+        model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=10
+    )
     with torch.no_grad():
-        logits = model(input_ids=r.input_ids_BT, attention_mask=r.attention_mask_BT,
-                       position_ids=r.position_ids_BT).logits[:, r.prompt_len - 1 : -1]  # fmt: skip
+        logits = model(
+            input_ids=r.input_ids_BT, attention_mask=r.attention_mask_BT, position_ids=r.position_ids_BT
+        ).logits[:, r.prompt_len - 1 : -1]
     lp = torch.log_softmax(logits, -1).gather(-1, r.completion_ids_BC[..., None])[..., 0]
     r.logprobs_BC = lp * r.completion_mask_BC
     gap, n = engines.logprob_gap(model, r, chunk=3)

@@ -54,8 +54,13 @@ class ShardingProbe(TrainerCallback):
         self.between_steps.append(_describe(model.get_output_embeddings().weight))
 
     def on_train_end(self, args, state, control, **kwargs):
-        record = dict(wrapped=self.wrapped, all_dtensor=self.all_dtensor, checkpointing=self.checkpointing,
-                      between_steps=self.between_steps, in_loss=ShardingProbe.seen_in_loss)  # fmt: skip
+        record = dict(
+            wrapped=self.wrapped,
+            all_dtensor=self.all_dtensor,
+            checkpointing=self.checkpointing,
+            between_steps=self.between_steps,
+            in_loss=ShardingProbe.seen_in_loss,
+        )
         Path(f"{self.path}.rank{args.process_index}.json").write_text(json.dumps(record))
 
 
@@ -137,8 +142,14 @@ def well_conditioned(dumps: list[dict[str, torch.Tensor]], floor: float = 1e-3) 
 def assert_adamw_weights_close(two: dict, one: dict, mask: dict, steps: int, lr: float) -> None:
     for name, w_one in one.items():
         # A tied head is one tensor with the embedding, dumped under one of the two names.
-        m = mask[name] if name in mask else mask["model.embed_tokens.weight" if name == "lm_head.weight" else "lm_head.weight"]
-        torch.testing.assert_close(two[name][m], w_one[m], rtol=1e-4, atol=1e-6, msg=lambda s, n=name: f"{n}: {s}")
+        m = (
+            mask[name]
+            if name in mask
+            else mask["model.embed_tokens.weight" if name == "lm_head.weight" else "lm_head.weight"]
+        )
+        torch.testing.assert_close(
+            two[name][m], w_one[m], rtol=1e-4, atol=1e-6, msg=lambda s, n=name: f"{n}: {s}"
+        )
         assert (two[name] - w_one).abs().max() <= 2 * lr * steps * 1.01, name
 
 
@@ -161,8 +172,13 @@ def test_fsdp_first_update_equals_one_process_and_trl(tmp_path, one_process):
         )
 
     # Pre-clip gradient norm: a plain float, the same as one process's; clipping applied on both.
-    m_two, m_one = (json.loads(x) for x in ((two / "metrics.jsonl").read_text().splitlines()[0],
-                                             (one_path / "metrics.jsonl").read_text().splitlines()[0]))  # fmt: skip
+    m_two, m_one = (
+        json.loads(x)
+        for x in (
+            (two / "metrics.jsonl").read_text().splitlines()[0],
+            (one_path / "metrics.jsonl").read_text().splitlines()[0],
+        )
+    )
     assert isinstance(m_two["grad_norm"], float) and m_two["clipped"] and m_one["clipped"]
     assert m_two["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-4)
     assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4)
@@ -190,8 +206,9 @@ def test_fsdp_first_update_equals_one_process_and_trl(tmp_path, one_process):
 def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_model(tmp_path):
     from safetensors import safe_open
 
-    two = run_two_fsdp_processes(tmp_path, "plain", {**FIXED, "per_device_train_batch_size": 2},
-                                 reshard_everything=False)  # fmt: skip
+    two = run_two_fsdp_processes(
+        tmp_path, "plain", {**FIXED, "per_device_train_batch_size": 2}, reshard_everything=False
+    )
     assert_grads_close(torch.load(f"{two}.pt"), direct_gradient(two))
     # model/ is an ordinary, tied Hugging Face folder: no wrapper prefixes, every tensor as trained.
     with safe_open(str(two / "model" / "model.safetensors"), "pt") as f:
@@ -211,8 +228,14 @@ def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_m
 
 def test_fsdp_gradient_checkpointing_gives_the_same_first_update(tmp_path, one_process):
     _, one_grads = one_process
-    over = {**CLIPPED, "max_steps": 1, "save_steps": 0, "per_device_train_batch_size": 2,
-            "gradient_checkpointing": True, "eval_size": 8}  # fmt: skip
+    over = {
+        **CLIPPED,
+        "max_steps": 1,
+        "save_steps": 0,
+        "per_device_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "eval_size": 8,
+    }
     two = run_two_fsdp_processes(tmp_path, "gc", over)
     assert all(p["checkpointing"] for p in probes(two))
     assert_grads_close(torch.load(f"{two}.pt"), one_grads, rtol=1e-4)
@@ -235,8 +258,17 @@ def test_fsdp_bf16_mixed_precision_stays_close_to_one_process_bf16(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
-    over = {**FIXED, "max_steps": 4, "save_steps": 2, "max_grad_norm": 1.0, "gen_temperature": 1.0,
-            "save_rollouts": False, "per_device_train_batch_size": 2, "num_processes": 2, "parallelism": "fsdp"}  # fmt: skip
+    over = {
+        **FIXED,
+        "max_steps": 4,
+        "save_steps": 2,
+        "max_grad_norm": 1.0,
+        "gen_temperature": 1.0,
+        "save_rollouts": False,
+        "per_device_train_batch_size": 2,
+        "num_processes": 2,
+        "parallelism": "fsdp",
+    }
     script = textwrap.dedent(f"""
         import sys, torch; torch.set_num_threads(1)
         from transformers import TrainerCallback

@@ -31,8 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 
 
-
-
 def _proxy(path: str = "tiny:student") -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny.resolve(path), dtype=torch.float32)
 
@@ -44,8 +42,12 @@ def _conversations(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         p = task.problems(1, seed * 1000 + i, n_digits=1 + i % 3)[0]
         answer = task.scratchpad(p, rng)
-        out.append({"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": answer}],
-                    "answer": p.answer})  # fmt: skip
+        out.append(
+            {
+                "messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": answer}],
+                "answer": p.answer,
+            }
+        )
     return out
 
 
@@ -105,8 +107,13 @@ def test_shard_by_length_takes_each_trace_once():
 
 def test_trace_weights_give_the_mean():
     n_tokens_B = torch.tensor([2, 5, 3])
-    assert torch.allclose(grads.trace_weights(n_tokens_B, "trace", 3, 10) * n_tokens_B, torch.full((3,), 1 / 3, dtype=torch.float64))
-    assert torch.allclose(grads.trace_weights(n_tokens_B, "token", 3, 10), torch.full((3,), 0.1, dtype=torch.float64))
+    assert torch.allclose(
+        grads.trace_weights(n_tokens_B, "trace", 3, 10) * n_tokens_B,
+        torch.full((3,), 1 / 3, dtype=torch.float64),
+    )
+    assert torch.allclose(
+        grads.trace_weights(n_tokens_B, "token", 3, 10), torch.full((3,), 0.1, dtype=torch.float64)
+    )
     with pytest.raises(ValueError, match="normalization"):
         grads.trace_weights(n_tokens_B, "sequence", 3, 10)
 
@@ -153,15 +160,29 @@ def test_job_gradient_equals_direct_computation_from_saved_traces(tmp_path):
     assert "lm_head.weight" not in saved  # tied to the embeddings: saved once, under its parameter's name
     assert all(t.dtype == torch.float32 for t in saved.values())
     meta = json.loads((run.path / "grads.json").read_text())
-    for key in ("proxy_model", "tokenizer_fingerprint", "num_traces", "completion_tokens", "normalization",
-                "world_size", "batch_size", "grad_norm", "opdkit_version", "created"):  # fmt: skip
+    for key in (
+        "proxy_model",
+        "tokenizer_fingerprint",
+        "num_traces",
+        "completion_tokens",
+        "normalization",
+        "world_size",
+        "batch_size",
+        "grad_norm",
+        "opdkit_version",
+        "created",
+    ):
         assert meta[key] is not None, key
     assert meta["num_traces"] == 12 and meta["world_size"] == 1
     assert meta["grad_norm"] == pytest.approx(grads.global_norm(saved), rel=1e-5)
     summary = run.read_summary()
     assert summary["status"] == "done"
     assert summary["teacher_accuracy"] == pytest.approx(sum(ds["correct"]) / 12)
-    assert summary["completion_tokens"] == meta["completion_tokens"] == sum(savegrad_report.completion_lengths(run))
+    assert (
+        summary["completion_tokens"]
+        == meta["completion_tokens"]
+        == sum(savegrad_report.completion_lengths(run))
+    )
 
 
 def test_saved_traces_label_exactly_the_answer(tmp_path, tiny_tokenizer):
@@ -177,8 +198,17 @@ def test_batch_size_does_not_change_the_saved_gradient(tmp_path, traces_folder, 
     for normalization in grads.NORMALIZATIONS:
         reference = _reference(_proxy(), rows, normalization)
         for bs in (1, 2, 4):
-            run = _run(tmp_path, f"{normalization}-{bs}", traces_path=str(traces_folder), normalization=normalization, batch_size=bs)
-            assert _rel_err(load_file(str(run.path / "grads.safetensors")), reference) <= TOL, (normalization, bs)
+            run = _run(
+                tmp_path,
+                f"{normalization}-{bs}",
+                traces_path=str(traces_folder),
+                normalization=normalization,
+                batch_size=bs,
+            )
+            assert _rel_err(load_file(str(run.path / "grads.safetensors")), reference) <= TOL, (
+                normalization,
+                bs,
+            )
 
 
 _TWO_PROCESSES = """
@@ -195,8 +225,14 @@ for norm in ("trace", "token"):
 @pytest.mark.timeout(600)
 def test_two_processes_save_the_one_process_gradient(tmp_path, traces_folder, rows):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _TWO_PROCESSES, str(traces_folder), str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_PROCESSES, str(traces_folder), str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for normalization in grads.NORMALIZATIONS:
         run = RunDir.attach(tmp_path / normalization)
@@ -219,13 +255,30 @@ def _nan_proxy(tmp_path: Path, char: str) -> Path:
 
 
 def test_nonfinite_loss_names_the_trace_and_saves_nothing(tmp_path):
-    convos = [{"messages": [{"role": "user", "content": "12+34"}, {"role": "assistant", "content": "2+4=6,1+3=4;46"}],
-               "answer": "46"}] * 5  # fmt: skip
-    convos = convos[:3] + [{"messages": [{"role": "user", "content": "5+4"}, {"role": "assistant", "content": "5+4=9;9"}],
-                            "answer": "9"}] + convos[3:]  # fmt: skip
+    convos = [
+        {
+            "messages": [
+                {"role": "user", "content": "12+34"},
+                {"role": "assistant", "content": "2+4=6,1+3=4;46"},
+            ],
+            "answer": "46",
+        }
+    ] * 5
+    convos = (
+        convos[:3]
+        + [
+            {
+                "messages": [{"role": "user", "content": "5+4"}, {"role": "assistant", "content": "5+4=9;9"}],
+                "answer": "9",
+            }
+        ]
+        + convos[3:]
+    )
     datasets.Dataset.from_list(convos).save_to_disk(str(tmp_path / "t"))
     proxy = _nan_proxy(tmp_path, "9")
-    with pytest.raises(grads.NonFiniteGradient, match=r"trace 3 \(row 3 of the traces dataset\) gives a non-finite loss"):
+    with pytest.raises(
+        grads.NonFiniteGradient, match=r"trace 3 \(row 3 of the traces dataset\) gives a non-finite loss"
+    ):
         _run(tmp_path, "nan", traces_path=str(tmp_path / "t"), proxy_model=str(proxy), batch_size=2)
     run = RunDir.attach(tmp_path / "nan")
     assert not (run.path / "grads.safetensors").exists() and not (run.path / "grads.json").exists()
@@ -235,13 +288,28 @@ def test_nonfinite_loss_names_the_trace_and_saves_nothing(tmp_path):
 
 def test_nonfinite_loss_stops_every_process(tmp_path):
     """One process meets the NaN; the other must stop too, not wait forever in the gradient's all_reduce."""
-    convos = [{"messages": [{"role": "user", "content": "12+34"}, {"role": "assistant", "content": "2+4=6,1+3=4;46"}]}] * 3
-    convos.append({"messages": [{"role": "user", "content": "5+4"}, {"role": "assistant", "content": "5+4=9;9"}]})
+    convos = [
+        {
+            "messages": [
+                {"role": "user", "content": "12+34"},
+                {"role": "assistant", "content": "2+4=6,1+3=4;46"},
+            ]
+        }
+    ] * 3
+    convos.append(
+        {"messages": [{"role": "user", "content": "5+4"}, {"role": "assistant", "content": "5+4=9;9"}]}
+    )
     datasets.Dataset.from_list(convos).save_to_disk(str(tmp_path / "t"))
     proxy, run_dir = _nan_proxy(tmp_path, "9"), tmp_path / "nan2"
     sets = [f"traces_path={tmp_path / 't'}", f"proxy_model={proxy}", f"run_dir={run_dir}", "num_processes=2"]
-    proc = subprocess.run([sys.executable, "-m", "opdkit.savegrad", "--mode", "tiny", "--set", *sets], cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "opdkit.savegrad", "--mode", "tiny", "--set", *sets],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "trace 3 (row 3 of the traces dataset) gives a non-finite loss" in proc.stderr
     assert "another process found a trace with a non-finite loss" in proc.stderr
@@ -268,8 +336,13 @@ def test_nonfinite_gradient_names_a_trace(rows):
 
 def test_traces_without_completion_tokens_are_refused():
     with pytest.raises(ValueError, match=r"trace\(s\) \[1\] have no completion tokens"):
-        grads.mean_completion_grad(_proxy(), [{"input_ids": [5, 6], "labels": [IGNORE, 6]},
-                                              {"input_ids": [5, 6], "labels": [IGNORE, IGNORE]}], "trace", 2, 0)  # fmt: skip
+        grads.mean_completion_grad(
+            _proxy(),
+            [{"input_ids": [5, 6], "labels": [IGNORE, 6]}, {"input_ids": [5, 6], "labels": [IGNORE, IGNORE]}],
+            "trace",
+            2,
+            0,
+        )
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):
@@ -285,7 +358,9 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory, traces_folder) -> RunDir:
-    return savegrad.run("tiny", {"run_dir": str(tmp_path_factory.mktemp("saved") / "run"), "traces_path": str(traces_folder)})
+    return savegrad.run(
+        "tiny", {"run_dir": str(tmp_path_factory.mktemp("saved") / "run"), "traces_path": str(traces_folder)}
+    )
 
 
 def test_load_grads_accepts_its_own_model(saved_run, tiny_tokenizer):
@@ -306,10 +381,15 @@ def test_reported_figures_match_the_saved_gradient(saved_run):
         assert t["shape"] == tuple(saved[t["tensor"]].shape)
     assert sum(t["share"] for t in savegrad_report.largest_tensors(saved_run, k=10**6)) == pytest.approx(1.0)
     layers = grads.norms_by_layer(gradfile.read_meta(saved_run.path)["tensor_norms"])
-    assert sum(v**2 for v in layers.values()) ** 0.5 == pytest.approx(saved_run.read_summary()["grad_norm"], rel=1e-5)
+    assert sum(v**2 for v in layers.values()) ** 0.5 == pytest.approx(
+        saved_run.read_summary()["grad_norm"], rel=1e-5
+    )
     savegrad_report.length_histogram(saved_run)
     savegrad_report.layer_norm_bars(saved_run)
-    assert {p.name for p in (saved_run.path / "figures").iterdir()} == {"completion_lengths.png", "grad_norm_by_layer.png"}
+    assert {p.name for p in (saved_run.path / "figures").iterdir()} == {
+        "completion_lengths.png",
+        "grad_norm_by_layer.png",
+    }
 
 
 def test_load_grads_rejects_another_model(saved_run, tiny_tokenizer):
@@ -341,9 +421,16 @@ def test_load_grads_explains_ddp_prefixes(tmp_path, tiny_tokenizer):
 
 
 def _qwen3_trace(thinking: bool) -> tuple[list[dict], str]:
-    content = "<think>\nTwo plus three is five.\n</think>\n\nThe answer is $\\boxed{5}$." if thinking else "The answer is $\\boxed{5}$."
-    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
-            {"role": "assistant", "content": content}], content  # fmt: skip
+    content = (
+        "<think>\nTwo plus three is five.\n</think>\n\nThe answer is $\\boxed{5}$."
+        if thinking
+        else "The answer is $\\boxed{5}$."
+    )
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": content},
+    ], content
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -355,10 +442,19 @@ def test_qwen3_template_completion_mask(qwen3_tokenizer, thinking):
     assert completion == qwen3_tokenizer.encode(content + "<|im_end|>", add_special_tokens=False)
     start = labels.index(completion[0])
     assert labels[start : start + len(completion)] == completion  # one contiguous span
-    assert ids[: start] == qwen3_tokenizer.apply_chat_template(
-        messages[:-1], add_generation_prompt=True, enable_thinking=thinking, tokenize=True, return_dict=True
-    )["input_ids"]  # everything before it is the prompt as the model was asked
-    assert qwen3_tokenizer.decode(ids[start + len(completion) :]) == "\n"  # the newline after the turn: no label
+    assert (
+        ids[:start]
+        == qwen3_tokenizer.apply_chat_template(
+            messages[:-1],
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )  # everything before it is the prompt as the model was asked
+    assert (
+        qwen3_tokenizer.decode(ids[start + len(completion) :]) == "\n"
+    )  # the newline after the turn: no label
 
 
 def test_base_model_eos_still_ends_the_completion_at_the_turn(qwen3_tokenizer_dir):
@@ -371,12 +467,17 @@ def test_base_model_eos_still_ends_the_completion_at_the_turn(qwen3_tokenizer_di
 
 
 def test_supplied_text_traces(tmp_path):
-    rows = [{"question": "2+3", "trace": "3+2=5;5", "answer": "5"}, {"question": "4+4", "trace": "4+4=8;8", "answer": "8"}]
+    rows = [
+        {"question": "2+3", "trace": "3+2=5;5", "answer": "5"},
+        {"question": "4+4", "trace": "4+4=8;8", "answer": "8"},
+    ]
     datasets.Dataset.from_list(rows).to_json(str(tmp_path / "t.jsonl"))
     prep = savegrad.prepare("tiny", {"traces_path": str(tmp_path / "t.jsonl"), "trace_column": "trace"})
     assert prep.traces[0]["messages"][-1] == {"role": "assistant", "content": "3+2=5;5"}
     assert "⟦3+2=5;5<|im_end|>⟧" in prep.first_example
-    rendered = [{"question": "2+3", "trace": "<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n3+2=5;5"}]
+    rendered = [
+        {"question": "2+3", "trace": "<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n3+2=5;5"}
+    ]
     datasets.Dataset.from_list(rendered).to_json(str(tmp_path / "r.jsonl"))
     with pytest.raises(ConfigError, match="contains its own prompt"):
         savegrad.prepare("tiny", {"traces_path": str(tmp_path / "r.jsonl"), "trace_column": "trace"})
@@ -399,11 +500,15 @@ def test_max_length_caps_prompt_plus_trace():
 def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
     cfg = SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.3, subset_size=-1)
     shuffled = data.load_prompts(str(dapo_parquet), seed=cfg.seed)  # as 02_whitebox draws its prompts
-    assert list(savegrad_holdout.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]  # round(12 x 0.3)
+    assert (
+        list(savegrad_holdout.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]
+    )  # round(12 x 0.3)
     tiny_holdout = savegrad_holdout.holdout_prompts(SaveGradConfig(subset_size=50))
     assert tiny_holdout["messages"] != data.load_prompts("tiny", subset_size=50, seed=42)["messages"]
     with pytest.raises(ConfigError, match="holdout .* is empty"):
-        savegrad_holdout.holdout_prompts(SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01))
+        savegrad_holdout.holdout_prompts(
+            SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01)
+        )
 
 
 def test_system_prompt_comes_first():
@@ -421,10 +526,21 @@ def test_presets_resolve():
 
 
 def test_norms_by_layer():
-    norms = {"model.embed_tokens.weight": 3.0, "model.layers.0.a.weight": 3.0, "model.layers.0.b.weight": 4.0,
-             "model.layers.10.a.weight": 1.0, "model.norm.weight": 2.0, "lm_head.weight": 1.0}  # fmt: skip
-    assert grads.norms_by_layer(norms) == {"model.embed_tokens": 3.0, "model.layers.0": 5.0, "model.layers.10": 1.0,
-                                           "model.norm": 2.0, "lm_head": 1.0}  # fmt: skip
+    norms = {
+        "model.embed_tokens.weight": 3.0,
+        "model.layers.0.a.weight": 3.0,
+        "model.layers.0.b.weight": 4.0,
+        "model.layers.10.a.weight": 1.0,
+        "model.norm.weight": 2.0,
+        "lm_head.weight": 1.0,
+    }
+    assert grads.norms_by_layer(norms) == {
+        "model.embed_tokens": 3.0,
+        "model.layers.0": 5.0,
+        "model.layers.10": 1.0,
+        "model.norm": 2.0,
+        "lm_head": 1.0,
+    }
 
 
 @pytest.mark.slow
@@ -435,12 +551,19 @@ def test_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernel's torch: one thread on a shared CPU
     run_dir = tmp_path / "run"
     papermill.execute_notebook(
-        str(REPO / "notebooks" / "01_save_grad.ipynb"), str(tmp_path / "out.ipynb"),
-        parameters={"run_dir": str(run_dir)}, kernel_name="python3", cwd=str(REPO / "notebooks"), progress_bar=False,
-    )  # fmt: skip
+        str(REPO / "notebooks" / "01_save_grad.ipynb"),
+        str(tmp_path / "out.ipynb"),
+        parameters={"run_dir": str(run_dir)},
+        kernel_name="python3",
+        cwd=str(REPO / "notebooks"),
+        progress_bar=False,
+    )
     for name in ("grads.safetensors", "grads.json", "traces", "summary.json", "config.yaml"):
         assert (run_dir / name).exists(), name
-    assert {p.name for p in (run_dir / "figures").iterdir()} >= {"completion_lengths.png", "grad_norm_by_layer.png"}
+    assert {p.name for p in (run_dir / "figures").iterdir()} >= {
+        "completion_lengths.png",
+        "grad_norm_by_layer.png",
+    }
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
 
 
@@ -451,7 +574,10 @@ def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     hidden_NH = torch.randn(8, 5, generator=gen, dtype=torch.float64).requires_grad_()
     weight_VH = torch.randn(11, 5, generator=gen, dtype=torch.float64).requires_grad_()
-    targets_N, row_weight_N = torch.randint(0, 11, (8,), generator=gen), torch.rand(8, generator=gen, dtype=torch.float64)
+    targets_N, row_weight_N = (
+        torch.randint(0, 11, (8,), generator=gen),
+        torch.rand(8, generator=gen, dtype=torch.float64),
+    )
     loss_N, loss = grads._HeadCrossEntropy.apply(hidden_NH, weight_VH, targets_N, row_weight_N)
     expected_N = F.cross_entropy(hidden_NH @ weight_VH.T, targets_N, reduction="none")
     expected = torch.autograd.grad(2.5 * (expected_N * row_weight_N).sum(), (hidden_NH, weight_VH))

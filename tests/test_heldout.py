@@ -42,7 +42,9 @@ def test_whitebox_prepare_uses_the_split(dapo_parquet, tiny_tokenizer, monkeypat
 
     monkeypatch.setattr(job, "load_tokenizer", lambda name: tiny_tokenizer)
     monkeypatch.setattr(job, "check_tokenizers", lambda a, b: None)
-    prep = job.prepare("tiny", {"dataset_path": str(dapo_parquet), "subset_size": -1, "eval_size": 2,
-                                "max_prompt_length": 100_000})
+    prep = job.prepare(
+        "tiny",
+        {"dataset_path": str(dapo_parquet), "subset_size": -1, "eval_size": 2, "max_prompt_length": 100_000},
+    )
     assert not set(_texts(prep.train["messages"])) & set(_texts(prep.eval_messages))
     assert len(prep.train) == 10 and len(prep.eval_messages) == 2

@@ -31,7 +31,9 @@ def test_forked_ranks_can_convert_weights_in_threads(tmp_path):
     assert proc.returncode == 0 and "all ranks converted" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_small_models_run_on_one_thread_unless_omp_is_set_and_the_caller_gets_its_count_back(tmp_path, monkeypatch):
+def test_small_models_run_on_one_thread_unless_omp_is_set_and_the_caller_gets_its_count_back(
+    tmp_path, monkeypatch
+):
     """A JupyterLab kernel has no OMP_NUM_THREADS: tiny models get one torch thread for the job only."""
     import torch
 

@@ -70,7 +70,9 @@ def test_a_job_uses_another_job_only_through_its_package():
 
 def test_no_import_cycle():
     graph = {name: {i for i in imports(path) if i in modules()} for name, path in modules().items()}
-    for name in graph:  # a package's __init__ is imported by its submodules implicitly; only explicit edges count
+    for (
+        name
+    ) in graph:  # a package's __init__ is imported by its submodules implicitly; only explicit edges count
         graph[name].discard(name)
     state: dict[str, int] = {}
 
@@ -78,7 +80,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                pytest.fail("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
+                pytest.fail("import cycle: " + " -> ".join(trail[trail.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -91,12 +93,16 @@ def test_no_import_cycle():
 def test_modules_stay_small_and_main_blocks_only_call_main():
     for name, path in modules().items():
         lines = path.read_text().splitlines()
-        assert len(lines) <= MAX_LINES, f"{name} has {len(lines)} lines (at most {MAX_LINES}); split it by concept"
+        assert len(lines) <= MAX_LINES, (
+            f"{name} has {len(lines)} lines (at most {MAX_LINES}); split it by concept"
+        )
         tree = ast.parse(path.read_text())
         for i, node in enumerate(tree.body):
             if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
                 body = [ast.unparse(n) for n in node.body]
-                assert len(body) == 1 and "main(" in body[0], f"{name}: below `if __name__ == '__main__':` {body}"
+                assert len(body) == 1 and "main(" in body[0], (
+                    f"{name}: below `if __name__ == '__main__':` {body}"
+                )
                 assert i == len(tree.body) - 1, f"{name}: code after `if __name__ == '__main__':`"
 
 
@@ -124,25 +130,63 @@ def test_a_plain_install_runs_from_an_unrelated_folder(tmp_path):
     installed package and writes under the working folder's ./runs. The kit's dependencies come from this
     interpreter's site-packages (no downloads), the kit itself only from the wheel."""
     wheels, env_dir, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "somewhere"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(REPO)], check=True, capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # A plain path line: the dependencies' folder joins sys.path, its own .pth files (an editable opdkit) do not.
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", *map(str, wheels.glob("*.whl"))],
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "-q",
+            *map(str, wheels.glob("*.whl")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OPDKIT_RUNS", "VIRTUAL_ENV")}
     proc = subprocess.run(
         [python, "-m", "opdkit.whitebox", "--mode", "tiny", "--set", "max_steps=3", "eval_size=10"],
-        cwd=work, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=work,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    where = subprocess.run([python, "-c", "import opdkit; print(opdkit.__file__)"], cwd=work, capture_output=True,
-                           text=True).stdout  # fmt: skip
+    where = subprocess.run(
+        [python, "-c", "import opdkit; print(opdkit.__file__)"], cwd=work, capture_output=True, text=True
+    ).stdout
     assert str(env_dir) in where, f"opdkit was imported from {where}, not from the plain install"
     (run,) = list((work / "runs" / "02_whitebox").iterdir())
     assert (run / "summary.json").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) == 3

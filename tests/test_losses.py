@@ -11,8 +11,6 @@ from opdkit.losses import chunked_divergence, generalized_jsd, per_token_diverge
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
 
-
-
 def _logits(
     *shape: int, scale: float = 3.0, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

@@ -77,7 +77,7 @@ def test_math_check_in_worker_processes():
 def test_math_answer_position():
     task = tasks.get_task("math")
     text = "so 6*7 = 42.\nAnswer: 42"
-    assert task.extract_answer(text) == "42" and text[task.answer_start(text):].startswith("Answer")
+    assert task.extract_answer(text) == "42" and text[task.answer_start(text) :].startswith("Answer")
     assert task.answer_start(r"so \boxed{12}.") == 3 and task.extract_answer(r"so \boxed{12}.") == "12"
     assert task.answer_start("no answer here") is None and task.extract_answer("no answer here") is None
 

@@ -18,8 +18,9 @@ NB = ROOT / "notebooks"
 
 def execute(name: str, tmp_path: Path, **params) -> Path:
     out = tmp_path / f"executed-{name}"
-    pm.execute_notebook(str(NB / name), str(out), parameters=params, kernel_name="python3", cwd=str(NB),
-                        progress_bar=False)  # fmt: skip
+    pm.execute_notebook(
+        str(NB / name), str(out), parameters=params, kernel_name="python3", cwd=str(NB), progress_bar=False
+    )
     return out
 
 
@@ -47,8 +48,16 @@ def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypat
     curves, updated in place, with the accuracy measured every eval_steps."""
     monkeypatch.setenv("OPDKIT_LIVE", "1")
     run_dir = tmp_path / "run"
-    execute("02_whitebox.ipynb", tmp_path, run_dir=str(run_dir), max_steps=4, eval_size=16, eval_steps=2,
-            eval_steps_size=8, sample_every=2)  # fmt: skip
+    execute(
+        "02_whitebox.ipynb",
+        tmp_path,
+        run_dir=str(run_dir),
+        max_steps=4,
+        eval_size=16,
+        eval_steps=2,
+        eval_steps_size=8,
+        sample_every=2,
+    )
     outputs = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == 1 and images[0].get("metadata") is not None
@@ -59,8 +68,23 @@ def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
     """papermill alone only warns about `-p bogus 1`; the notebook must stop with a clear error."""
     run_dir = tmp_path / "run"
     out = tmp_path / "out.ipynb"
-    cmd = [sys.executable, "-m", "papermill", str(NB / "02_whitebox.ipynb"), str(out), "-p", "bogus", "1",
-           "-p", "run_dir", str(run_dir), "-k", "python3", "--cwd", str(NB)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "papermill",
+        str(NB / "02_whitebox.ipynb"),
+        str(out),
+        "-p",
+        "bogus",
+        "1",
+        "-p",
+        "run_dir",
+        str(run_dir),
+        "-k",
+        "python3",
+        "--cwd",
+        str(NB),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     text = out.read_text()
@@ -73,7 +97,14 @@ def test_clip_lesson_notebook_runs_headless(tmp_path):
     run_dir = tmp_path / "lesson"
     execute("03_clip_vs_noclip.ipynb", tmp_path, run_dir=str(run_dir), max_steps=6, eval_size=20)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary) == {"clip", "noclip", "clip-at-noclip-lr", "noclip-at-clip-lr", "sgd-clip", "sgd-noclip"}
+    assert set(summary) == {
+        "clip",
+        "noclip",
+        "clip-at-noclip-lr",
+        "noclip-at-clip-lr",
+        "sgd-clip",
+        "sgd-noclip",
+    }
     for fig in ("loss_and_grad_norm", "final_accuracy", "spike_samples"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
 
@@ -92,7 +123,9 @@ def test_run_all_twice_in_one_kernel_reads_the_parameters_cell(tmp_path):
     client = NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": str(NB)}}, timeout=600)
     first, second = tmp_path / "first", tmp_path / "second"
     with client.setup_kernel():
-        params.source = f'mode: str = "tiny"\nrun_dir: str = "{first}"\nsubset_size: int = 8\nbatch_size: int = 2'
+        params.source = (
+            f'mode: str = "tiny"\nrun_dir: str = "{first}"\nsubset_size: int = 8\nbatch_size: int = 2'
+        )
         for i, cell in enumerate(nb.cells):
             client.execute_cell(cell, i)
         params.source = f'mode: str = "tiny"\nrun_dir: str = "{second}"\nsubset_size: int = 6'

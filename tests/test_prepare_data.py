@@ -23,10 +23,12 @@ def local_hub(tmp_path, dapo_parquet):
     gsm = root / "openai/gsm8k/main"
     gsm.mkdir(parents=True)
     for split, n in (("train", 7), ("test", 3)):
-        datasets.Dataset.from_dict({
-            "question": [f"{split} question {i}: what is {i} + {i}?" for i in range(n)],
-            "answer": [f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}" for i in range(n)],
-        }).to_parquet(str(gsm / f"{split}.parquet"))  # fmt: skip
+        datasets.Dataset.from_dict(
+            {
+                "question": [f"{split} question {i}: what is {i} + {i}?" for i in range(n)],
+                "answer": [f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}" for i in range(n)],
+            }
+        ).to_parquet(str(gsm / f"{split}.parquet"))
     return root, dapo
 
 
@@ -35,7 +37,10 @@ def test_files_from_a_local_hub(tmp_path, local_hub, capsys):
     out = tmp_path / "data"
     assert prepare_data.main(["--out", str(out), "--local-hub", str(root)]) == 1  # platinum is missing
     said = capsys.readouterr().out
-    assert "gsm8k-platinum-test.parquet: FAILED" in said and "eval_dataset_path data/gsm8k-main-test.parquet" in said
+    assert (
+        "gsm8k-platinum-test.parquet: FAILED" in said
+        and "eval_dataset_path data/gsm8k-main-test.parquet" in said
+    )
     unique = datasets.Dataset.from_parquet(str(out / "dapo-math-17k-unique.parquet"))
     assert unique.column_names == dapo.column_names
     assert unique.to_list() == dapo.to_list()  # one row per prompt, first occurrences, in order
@@ -53,7 +58,10 @@ def test_existing_files_are_kept_unless_overwrite(tmp_path, local_hub):
     out.mkdir()
     (out / "gsm8k-main-test.parquet").write_text("mine")
     report = prepare_data.prepare(out, ["gsm8k-main-test.parquet"], root)
-    assert report["gsm8k-main-test.parquet"].startswith("kept") and (out / "gsm8k-main-test.parquet").read_text() == "mine"
+    assert (
+        report["gsm8k-main-test.parquet"].startswith("kept")
+        and (out / "gsm8k-main-test.parquet").read_text() == "mine"
+    )
     prepare_data.prepare(out, ["gsm8k-main-test.parquet"], root, overwrite=True)
     assert len(datasets.Dataset.from_parquet(str(out / "gsm8k-main-test.parquet"))) == 3
     with pytest.raises(ValueError, match="unknown data files"):
@@ -70,6 +78,10 @@ def test_hub_requests_and_preset_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets, "load_dataset", fake)
     prepare_data.prepare(tmp_path, ["gsm8k-main-train.parquet", "gsm8k-platinum-test.parquet"])
     assert calls == [("openai/gsm8k", "main", "train"), ("madrylab/gsm8k-platinum", "main", "test")]
-    named = {load_config("04_antidistill", "ads-paper").eval_dataset_path, load_config("04_antidistill", "ads-paper").dataset_path,
-             load_config("01_save_grad", "ads-paper").dataset_path, load_config("02_whitebox", "full").dataset_path}  # fmt: skip
+    named = {
+        load_config("04_antidistill", "ads-paper").eval_dataset_path,
+        load_config("04_antidistill", "ads-paper").dataset_path,
+        load_config("01_save_grad", "ads-paper").dataset_path,
+        load_config("02_whitebox", "full").dataset_path,
+    }
     assert {p.removeprefix("data/") for p in named} <= set(prepare_data.FILES)

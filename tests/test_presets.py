@@ -10,7 +10,12 @@ import pytest
 from opdkit import config
 from opdkit.config import ConfigError, load_config
 
-SOURCED = [(job, mode) for job in config.JOBS for mode in config.available_modes(job) if mode in ("full", "ads-paper")]
+SOURCED = [
+    (job, mode)
+    for job in config.JOBS
+    for mode in config.available_modes(job)
+    if mode in ("full", "ads-paper")
+]
 
 
 def opening_comments(job: str, mode: str) -> list[str]:

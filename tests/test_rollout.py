@@ -33,14 +33,23 @@ def test_rescoring_with_mask_positions_reproduces_generation_scores(student_and_
     msgs = [[{"role": "user", "content": "7+5"}], [{"role": "user", "content": "358+467"}]]
     ids, mask = rollout.encode_prompts(tok, msgs)
     assert mask[0, 0] == 0, "the shorter prompt is left-padded"
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)  # fmt: skip
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
     gen_logits = torch.stack(out.logits, dim=1)  # B x 6 x V
     full = out.sequences
     attn = torch.cat([mask, torch.ones_like(full[:, ids.shape[1] :])], dim=1)
     P = ids.shape[1]
     with torch.no_grad():
-        good = model(input_ids=full, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+        good = model(
+            input_ids=full, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)
+        ).logits
     torch.testing.assert_close(good[:, P - 1 : P + 5], gen_logits, atol=1e-4, rtol=1e-4)
     # (Qwen3's RoPE is relative, so a constant shift of a row's positions happens to be invisible;
     # models with absolute positions are not so forgiving, hence positions from the mask.)
@@ -50,11 +59,13 @@ def test_sample_masks_after_eos_and_reports_truncation(student_and_tok):
     model, tok = student_and_tok
     ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 8)
     torch.manual_seed(0)
-    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       max_new_tokens=3)  # fmt: skip
+    r = rollout.sample(
+        model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=3
+    )
     assert r.truncated_B(tok.eos_token_id).all(), "3 tokens cannot finish a scratchpad"
-    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       max_new_tokens=40)  # fmt: skip
+    r = rollout.sample(
+        model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=40
+    )
     comp, cmask = r.completion_ids_BC, r.completion_mask_BC
     for row, m in zip(comp, cmask):
         n = int(m.sum())
@@ -78,11 +89,27 @@ def test_sample_draws_the_tokens_generate_draws_without_top_k(student_and_tok, t
     assert mask[:, 0].min() == 0, "some prompts are left-padded"
     sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}
     torch.manual_seed(3)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, do_sample=do_sample, **sampling)  # fmt: skip
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        do_sample=do_sample,
+        **sampling,
+    )
     torch.manual_seed(3)
-    r = rollout.sample(model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       max_new_tokens=30, temperature=temperature, top_p=top_p, do_sample=do_sample)  # fmt: skip
+    r = rollout.sample(
+        model,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=30,
+        temperature=temperature,
+        top_p=top_p,
+        do_sample=do_sample,
+    )
     ref_comp = ref[:, ids.shape[1] :]
     ref_mask = rollout.completion_mask(ref_comp, tok.eos_token_id)
     assert r.completion_ids_BC.shape == ref_comp.shape
@@ -100,7 +127,9 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(student_and_to
         torch.manual_seed(5)
         ours = rollout.sample(model, ids, mask, **kw).input_ids_BT
         torch.manual_seed(5)
-        theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, **kw)
+        theirs = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, **kw
+        )
         return ours, theirs
 
     plain_ours, plain_theirs = both()

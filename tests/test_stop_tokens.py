@@ -35,9 +35,18 @@ def standin(qwen3_tokenizer):
     tok = qwen3_tokenizer
     hi, there = tok.encode("Hi")[0], tok.encode(" there")[0]
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = QWEN3_STOPS
     script = Script([hi, tok.convert_tokens_to_ids("<|endoftext|>"), there, there, there, tok.eos_token_id])
@@ -55,7 +64,9 @@ def test_qwen3_stop_list(standin):
 
 def test_greedy_evaluation_stops_at_endoftext(standin):
     model, tok, script, hi = standin
-    comps = evaluate.greedy_completions(model, tok, [[{"role": "user", "content": "Say hi"}]], max_new_tokens=8)
+    comps = evaluate.greedy_completions(
+        model, tok, [[{"role": "user", "content": "Say hi"}]], max_new_tokens=8
+    )
     assert comps == [tok.decode([hi])]
     assert script.calls == 2  # nothing was generated after <|endoftext|>
 
@@ -63,9 +74,16 @@ def test_greedy_evaluation_stops_at_endoftext(standin):
 def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
     model, tok, _, hi = standin
     args = OPDArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_new_tokens=8)
-    trainer = DistillTrainer(model=model, args=args, processing_class=tok, teacher_model=model,
-                             data_collator=data.PromptCollator(tok, 64))  # fmt: skip
-    batch = data.PromptCollator(tok, 64)([{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}])
+    trainer = DistillTrainer(
+        model=model,
+        args=args,
+        processing_class=tok,
+        teacher_model=model,
+        data_collator=data.PromptCollator(tok, 64),
+    )
+    batch = data.PromptCollator(tok, 64)(
+        [{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}]
+    )
     (out,) = trainer._rollout_step(trainer.engine(), [batch], step=0)
     assert out["completion_mask_BC"].tolist() == [[1, 1]]
     assert out["input_ids"][0, -2:].tolist() == [hi, 151643]

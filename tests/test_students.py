@@ -21,13 +21,22 @@ def tok():
 
 
 def _records(n: int = 20, seed: int = 5) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": p.prompt}], "completion": task.scratchpad(p)}
-            for p in task.problems(n, seed)]  # fmt: skip
+    return [
+        {"messages": [{"role": "user", "content": p.prompt}], "completion": task.scratchpad(p)}
+        for p in task.problems(n, seed)
+    ]
 
 
 def _cfg(**over):
-    base = {"sft_max_steps": 4, "sft_batch_size": 8, "sft_micro_batch_size": 3, "sft_learning_rate": 3e-3,
-            "sft_warmup_ratio": 0.25, "sft_weight_decay": 0.0, "student_save": "none"}  # fmt: skip
+    base = {
+        "sft_max_steps": 4,
+        "sft_batch_size": 8,
+        "sft_micro_batch_size": 3,
+        "sft_learning_rate": 3e-3,
+        "sft_warmup_ratio": 0.25,
+        "sft_weight_decay": 0.0,
+        "student_save": "none",
+    }
     return load_config("04_antidistill", "tiny", {**base, **over})
 
 
@@ -39,10 +48,19 @@ def _train_sft_losses(cfg, rows, pad: int, seed: int) -> tuple[list[float], torc
 
     def micro_batches(step: int) -> list[dict]:
         idx = order[step]
-        return [next(sft.make_batches(rows, idx[s : s + micro], micro, pad, "cpu")) for s in range(0, len(idx), micro)]
+        return [
+            next(sft.make_batches(rows, idx[s : s + micro], micro, pad, "cpu"))
+            for s in range(0, len(idx), micro)
+        ]
 
-    losses, _ = sft.train_sft(model, micro_batches, steps, cfg.sft_learning_rate,
-                              warmup_steps=round(cfg.sft_warmup_ratio * steps), weight_decay=cfg.sft_weight_decay)  # fmt: skip
+    losses, _ = sft.train_sft(
+        model,
+        micro_batches,
+        steps,
+        cfg.sft_learning_rate,
+        warmup_steps=round(cfg.sft_warmup_ratio * steps),
+        weight_decay=cfg.sft_weight_decay,
+    )
     return losses, model
 
 
@@ -51,7 +69,9 @@ def test_trainer_gives_the_losses_and_weights_of_train_sft(tok, tmp_path):
     cfg = _cfg()
     rows = students.sft_rows(_records(), tok, cfg)
     expected, model = _train_sft_losses(cfg, rows, tok.pad_token_id, seed=7)
-    trainer = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 7), rows, cfg, tok, 7, tmp_path)
+    trainer = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 7), rows, cfg, tok, 7, tmp_path
+    )
     log = trainer.step_log()
     assert [r["step"] for r in log] == [1, 2, 3, 4]
     assert [r["loss"] for r in log] == pytest.approx(expected, rel=1e-5)
@@ -61,8 +81,18 @@ def test_trainer_gives_the_losses_and_weights_of_train_sft(tok, tmp_path):
 
 
 def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
-    prep = prepare("tiny", {"eval_size": 24, "student_lora_r": 8, "student_lora_alpha": 16, "sft_max_steps": 6,
-                            "sft_batch_size": 8, "sft_learning_rate": 1e-2, "student_save": "adapter"})  # fmt: skip
+    prep = prepare(
+        "tiny",
+        {
+            "eval_size": 24,
+            "student_lora_r": 8,
+            "student_lora_alpha": 16,
+            "sft_max_steps": 6,
+            "sft_batch_size": 8,
+            "sft_learning_rate": 1e-2,
+            "student_save": "adapter",
+        },
+    )
     cfg, dev = prep.cfg, torch.device("cpu")
     rows = students.sft_rows(_records(), tok, cfg)
     base = students.fresh_student(cfg, dev, 3)
@@ -74,19 +104,25 @@ def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
     merged = students.keep_student(trainer.model, cfg, tok, tmp_path)
     assert (tmp_path / "student" / "adapter_config.json").is_file()
     assert (tmp_path / "student" / "adapter_model.safetensors").stat().st_size < 2e6
-    assert any(not torch.equal(frozen[n], p) for n, p in merged.named_parameters())  # the adapter moved weights
+    assert any(
+        not torch.equal(frozen[n], p) for n, p in merged.named_parameters()
+    )  # the adapter moved weights
     again = students.load_student(cfg, tmp_path, 3, dev)
     for (name, a), b in zip(merged.named_parameters(), again.parameters()):
         torch.testing.assert_close(a, b, msg=name)
     assert students.student_accuracy(again, prep) == students.student_accuracy(merged, prep)
     held = rows[:8]
-    assert students.holdout_loss(again, held, tok.pad_token_id, 4) == students.holdout_loss(merged, held, tok.pad_token_id, 4)
+    assert students.holdout_loss(again, held, tok.pad_token_id, 4) == students.holdout_loss(
+        merged, held, tok.pad_token_id, 4
+    )
 
 
 def test_merged_save_reloads_as_a_plain_model(tok, tmp_path):
     cfg = _cfg(student_lora_r=4, student_save="merged", sft_max_steps=2)
     rows = students.sft_rows(_records(8), tok, cfg)
-    trainer = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path)
+    trainer = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path
+    )
     merged = students.keep_student(trainer.model, cfg, tok, tmp_path)
     assert not (tmp_path / "student" / "adapter_config.json").exists()
     again = students.load_student(cfg, tmp_path, 1, torch.device("cpu"))
@@ -106,8 +142,9 @@ class _StopAt(TrainerCallback):
 def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monkeypatch):
     cfg = _cfg(sft_save_steps=2, student_lora_r=4)
     rows = students.sft_rows(_records(), tok, cfg)
-    whole = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2,
-                                     tmp_path / "whole")  # fmt: skip
+    whole = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "whole"
+    )
 
     class Interrupted(sft.CompletionSFTTrainer):
         def __init__(self, *args, **kwargs):
@@ -115,15 +152,19 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
             self.add_callback(_StopAt(2))
 
     monkeypatch.setattr(students, "CompletionSFTTrainer", Interrupted)
-    first = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2,
-                                     tmp_path / "cut")  # fmt: skip
+    first = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "cut"
+    )
     assert first.state.global_step == 2 and (tmp_path / "cut" / "sft" / "checkpoint-2").is_dir()
     monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
     resumed_cfg = _cfg(sft_save_steps=2, student_lora_r=4, resume=True)
-    second = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2,
-                                      tmp_path / "cut")  # fmt: skip
+    second = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2, tmp_path / "cut"
+    )
     assert [r["step"] for r in second.step_log()] == [3, 4]
-    assert [r["loss"] for r in second.step_log()] == pytest.approx([r["loss"] for r in whole.step_log()][2:], rel=1e-5)
+    assert [r["loss"] for r in second.step_log()] == pytest.approx(
+        [r["loss"] for r in whole.step_log()][2:], rel=1e-5
+    )
     for a, b in zip(whole.model.parameters(), second.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
@@ -134,7 +175,9 @@ def test_sft_metrics_and_final_scores_reach_report_to(tok, tmp_path):
 
     cfg = _cfg(report_to="tensorboard", sft_max_steps=3)
     rows = students.sft_rows(_records(8), tok, cfg)
-    trainer = students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path)
+    trainer = students.distill_student(
+        students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path
+    )
     trainer.log({"student_accuracy": 0.25})  # what run_once sends after evaluating (the writer flushes)
     (events,) = {p.parent for p in (tmp_path / "sft").rglob("events.out.tfevents*")}
     scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]

@@ -20,7 +20,9 @@ from opdkit.sft import IGNORE
 @pytest.fixture(scope="module")
 def teacher_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher-tokens") / "run"
-    return savegrad.run("tiny", {"run_dir": str(path), "subset_size": 6, "proxy_tokens": "teacher", "max_new_tokens": 24})
+    return savegrad.run(
+        "tiny", {"run_dir": str(path), "subset_size": 6, "proxy_tokens": "teacher", "max_new_tokens": 24}
+    )
 
 
 def test_rows_are_the_teachers_own_tokens(teacher_run):
@@ -30,13 +32,20 @@ def test_rows_are_the_teachers_own_tokens(teacher_run):
     assert any(r["truncated"] for r in rows) and not all(r["truncated"] for r in rows)
     for r in rows:
         prompt = data.prompt_ids(tok, r["messages"][:-1])
-        assert r["input_ids"][: len(prompt)] == prompt and all(t == IGNORE for t in r["labels"][: len(prompt)])
+        assert r["input_ids"][: len(prompt)] == prompt and all(
+            t == IGNORE for t in r["labels"][: len(prompt)]
+        )
         completion = r["input_ids"][len(prompt) :]
         assert r["labels"][len(prompt) :] == completion
         with torch.no_grad():
-            out = teacher.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=24, do_sample=False, eos_token_id=models.eos_ids(tok, teacher),
-                                   pad_token_id=tok.pad_token_id)  # fmt: skip
+            out = teacher.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=models.eos_ids(tok, teacher),
+                pad_token_id=tok.pad_token_id,
+            )
         assert completion == out[0, len(prompt) :].tolist()  # including the stop token, when it stopped
         assert (completion[-1] in models.eos_ids(tok, teacher)) is not r["truncated"]
     assert json.loads((teacher_run.path / "grads.json").read_text())["proxy_tokens"] == "teacher"

@@ -43,8 +43,10 @@ def test_shipped_tokenizer_round_trips_and_has_no_bos():
     assert tok.decode(tok(text)["input_ids"]) == text
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "2+1=3;3"}],
-        tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-    )  # fmt: skip
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     ids, mask = enc["input_ids"], enc["assistant_masks"]
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "2+1=3;3<|im_end|>"
 
@@ -84,8 +86,14 @@ def test_teacher_scratchpads_are_valid_and_vary_under_sampling(tok):
     p = task.Problem(358, 467)
     ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": p.prompt}]] * 32)
     torch.manual_seed(0)
-    r = rollout.sample(teacher, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       max_new_tokens=task.MAX_COMPLETION_TOKENS)  # fmt: skip
+    r = rollout.sample(
+        teacher,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+    )
     comps = rollout.decode_completions(tok, r)
     assert sum(task.is_valid_scratchpad(p, c) for c in comps) >= 28
     assert len(set(comps)) >= 4, "the teacher spreads probability over column orders"

@@ -33,8 +33,10 @@ class FakeTrackio(types.ModuleType):
         self.__version__ = "0.43.0"
         self.inits, self.logs, self.finished = [], [], 0
         self.config = _Config()
-        self.context_vars = types.SimpleNamespace(current_space_id=contextvars.ContextVar("space", default=None),
-                                                  current_project=contextvars.ContextVar("project", default=None))  # fmt: skip
+        self.context_vars = types.SimpleNamespace(
+            current_space_id=contextvars.ContextVar("space", default=None),
+            current_project=contextvars.ContextVar("project", default=None),
+        )
 
     def init(self, project, name=None, config=None, **_):
         self.inits.append((project, name, config))
@@ -68,7 +70,7 @@ def test_report_to_is_checked_before_anything_is_written(tmp_path, monkeypatch):
 
 def test_save_grad_sends_its_summary_and_a_traces_table(tmp_path, fake_trackio):
     run = savegrad.run("tiny", {"subset_size": 8, "report_to": "trackio", "run_dir": str(tmp_path / "g")})
-    (project, name, config), = fake_trackio.inits
+    ((project, name, config),) = fake_trackio.inits
     assert project == "opdkit" and name.endswith("/g") and config["subset_size"] == 8
     metrics = {k for _, m in fake_trackio.logs for k in m}
     assert {"grad_norm", "proxy_loss"} <= metrics
@@ -80,9 +82,20 @@ def test_save_grad_sends_its_summary_and_a_traces_table(tmp_path, fake_trackio):
 @pytest.mark.slow
 def test_antidistill_sends_every_point_and_a_points_table(tmp_path, fake_trackio):
     grads = savegrad.run("tiny", {"subset_size": 8, "run_dir": str(tmp_path / "g")})
-    antidistill.run("tiny", {"grads_run": str(grads.path), "lams": [0.0, 0.1], "answer_lams": [], "temperatures": [],
-                             "subset_size": 16, "eval_size": 8, "sft_max_steps": 2, "report_to": "trackio",
-                             "run_dir": str(tmp_path / "a")})  # fmt: skip
+    antidistill.run(
+        "tiny",
+        {
+            "grads_run": str(grads.path),
+            "lams": [0.0, 0.1],
+            "answer_lams": [],
+            "temperatures": [],
+            "subset_size": 16,
+            "eval_size": 8,
+            "sft_max_steps": 2,
+            "report_to": "trackio",
+            "run_dir": str(tmp_path / "a"),
+        },
+    )
     # The job's own rows carry the point's lam (each student's Trainer also reports its SFT and final scores).
     steps = [step for step, m in fake_trackio.logs if "student_accuracy" in m and "lam" in m]
     assert steps == [1, 2]
@@ -104,8 +117,19 @@ def test_whitebox_reports_through_the_trainer_with_sample_tables(tmp_path):
     """02 goes through transformers' own trackio integration; the sample tables join the same run."""
     pytest.importorskip("trackio")
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "opdkit.whitebox", "--set", "max_steps=2", "eval_size=8", "eval_steps=1",
-           "eval_steps_size=4", "sample_every=1", "report_to=trackio", f"run_dir={tmp_path / 'w'}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "opdkit.whitebox",
+        "--set",
+        "max_steps=2",
+        "eval_size=8",
+        "eval_steps=1",
+        "eval_steps_size=4",
+        "sample_every=1",
+        "report_to=trackio",
+        f"run_dir={tmp_path / 'w'}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _trackio_rows(tmp_path / "trackio")

@@ -22,16 +22,26 @@ def test_qwen3_truncated_trace_labels_only_what_was_written(qwen3_tokenizer):
     tok = qwen3_tokenizer
     ids, labels = traces.completion_labels(tok, _messages(), False, 0, truncated=True)
     assert [t for t in labels if t != IGNORE] == tok.encode(CONTENT, add_special_tokens=False)
-    assert ids[-1] == labels[-1] and tok.decode(ids).endswith(CONTENT)  # the input ends where the teacher stopped
+    assert ids[-1] == labels[-1] and tok.decode(ids).endswith(
+        CONTENT
+    )  # the input ends where the teacher stopped
     full_ids, full_labels = traces.completion_labels(tok, _messages(), False, 0, truncated=False)
-    assert [t for t in full_labels if t != IGNORE] == tok.encode(CONTENT + "<|im_end|>", add_special_tokens=False)
+    assert [t for t in full_labels if t != IGNORE] == tok.encode(
+        CONTENT + "<|im_end|>", add_special_tokens=False
+    )
     assert full_ids[: len(ids)] == ids
 
 
 def test_with_labels_follows_each_record(tiny_tokenizer):
-    records = [{"messages": _messages("3+2=5;5"), "truncated": True}, {"messages": _messages("3+2=5;5"), "truncated": False},
-               {"messages": _messages("3+2=5;5"), "truncated": None}]  # fmt: skip
-    done = [tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE]) for r in traces.with_labels(records, tiny_tokenizer, False)]
+    records = [
+        {"messages": _messages("3+2=5;5"), "truncated": True},
+        {"messages": _messages("3+2=5;5"), "truncated": False},
+        {"messages": _messages("3+2=5;5"), "truncated": None},
+    ]
+    done = [
+        tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE])
+        for r in traces.with_labels(records, tiny_tokenizer, False)
+    ]
     assert done == ["3+2=5;5", "3+2=5;5<|im_end|>", "3+2=5;5<|im_end|>"]
     assert traces.truncated_count(records) == 1
 
@@ -48,7 +58,12 @@ def test_savegrad_counts_truncated_traces_and_drops_their_end_of_turn(tmp_path, 
 
 def test_antidistill_students_learn_no_invented_end(tiny_tokenizer):
     cfg = load_config("04_antidistill", "tiny")
-    recs = [{"messages": _messages()[:1], "completion": "3+2=5", "truncated": True},
-            {"messages": _messages()[:1], "completion": "3+2=5;5", "truncated": False}]  # fmt: skip
-    cut, whole = (tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE]) for r in sft_rows(recs, tiny_tokenizer, cfg))
+    recs = [
+        {"messages": _messages()[:1], "completion": "3+2=5", "truncated": True},
+        {"messages": _messages()[:1], "completion": "3+2=5;5", "truncated": False},
+    ]
+    cut, whole = (
+        tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE])
+        for r in sft_rows(recs, tiny_tokenizer, cfg)
+    )
     assert (cut, whole) == ("3+2=5", "3+2=5;5<|im_end|>")

@@ -25,7 +25,9 @@ from opdkit.trainer import DistillTrainer, GradientDump  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 MEMORY = 0.04  # on CPU a share of RAM; the tiny models need a few hundred MB
-VLLM = dict(rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, save_steps=0)
+VLLM = dict(
+    rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, save_steps=0
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,9 @@ def prompts(tok):
 
 @pytest.fixture(scope="module")
 def teacher_engine():
-    return engines.make_engine("vllm", model_path=tiny.resolve("tiny:teacher"), gpu_memory_utilization=MEMORY,
-                               max_model_len=128)  # fmt: skip
+    return engines.make_engine(
+        "vllm", model_path=tiny.resolve("tiny:teacher"), gpu_memory_utilization=MEMORY, max_model_len=128
+    )
 
 
 def greedy(tok, max_new_tokens=40):
@@ -51,13 +54,22 @@ def greedy(tok, max_new_tokens=40):
 
 
 def hf_greedy(model, tok, prompts, max_new_tokens=40) -> rollout.Rollout:
-    return rollout.sample(model, prompts["prompts"], prompts["prompt_attention_mask"], eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, max_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
+    return rollout.sample(
+        model,
+        prompts["prompts"],
+        prompts["prompt_attention_mask"],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
 
 
 def test_greedy_tokens_equal_the_hf_loop_on_the_tiny_teacher(teacher_engine, tok, prompts):
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
-    got = teacher_engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], greedy(tok), seed=0)
+    got = teacher_engine.sample(
+        None, prompts["prompts"], prompts["prompt_attention_mask"], greedy(tok), seed=0
+    )
     want = hf_greedy(teacher, tok, prompts)
     assert got.input_ids_BT.shape[0] == prompts["prompts"].shape[0] == 15
     torch.testing.assert_close(got.input_ids_BT, want.input_ids_BT, rtol=0, atol=0)
@@ -69,7 +81,10 @@ def test_greedy_tokens_equal_the_hf_loop_on_the_tiny_teacher(teacher_engine, tok
 def test_seeded_sampling_repeats_and_logprobs_match_the_model(teacher_engine, tok, prompts):
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     s = engines.SamplingSettings(40, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
-    a, b = (teacher_engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], s, seed=3) for _ in "ab")
+    a, b = (
+        teacher_engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], s, seed=3)
+        for _ in "ab"
+    )
     torch.testing.assert_close(a.input_ids_BT, b.input_ids_BT, rtol=0, atol=0)
     gap, n = engines.logprob_gap(teacher, a)
     assert gap / n < 1e-4
@@ -94,9 +109,18 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     """The engine samples step k from the weights after k-1 updates: greedy tokens equal that checkpoint's
     under the HF loop, and every step's engine_logprob_gap is at float32 rounding."""
     rec = _Recorder(monkeypatch)
-    run = whitebox.run("tiny", {**VLLM, "run_dir": str(tmp_path / "r"), "max_steps": 3, "save_steps": 1,
-                                "save_total_limit": 3, "per_device_train_batch_size": 16,
-                                "learning_rate": 3e-3})  # fmt: skip
+    run = whitebox.run(
+        "tiny",
+        {
+            **VLLM,
+            "run_dir": str(tmp_path / "r"),
+            "max_steps": 3,
+            "save_steps": 1,
+            "save_total_limit": 3,
+            "per_device_train_batch_size": 16,
+            "learning_rate": 3e-3,
+        },
+    )
     gaps = [r["engine_logprob_gap"] for r in run.read_jsonl()]
     assert len(gaps) == 3 and all(g < 1e-3 for g in gaps), gaps
     engine = rec.trainers[0]._engine
@@ -106,7 +130,9 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     want = hf_greedy(before_step3, tok, prompts)
     torch.testing.assert_close(got.input_ids_BT, want.input_ids_BT, rtol=0, atol=0)
     initial = hf_greedy(AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), tok, prompts)
-    assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), "training should have moved greedy decoding"
+    assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), (
+        "training should have moved greedy decoding"
+    )
 
 
 def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
@@ -115,12 +141,20 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     s_rows, t_rows = [], []
-    for mb in [mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]:
+    for mb in [
+        mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)
+    ]:
         ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
         pos, P = rollout.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
-        s_rows.append(student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()])
+        s_rows.append(
+            student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()]
+        )
         with torch.no_grad():
-            t_rows.append(teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()])
+            t_rows.append(
+                teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][
+                    comp.bool()
+                ]
+            )
     losses.generalized_jsd(torch.cat(s_rows), torch.cat(t_rows), beta=1.0).backward()
     return {n: p.grad for n, p in student.named_parameters()}
 
@@ -134,9 +168,20 @@ def assert_grads_close(got: dict, want: dict, rtol: float = 2e-4) -> None:
 
 def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp_path):
     dump = tmp_path / "grad.pt"
-    run = whitebox.run("tiny", {**VLLM, "run_dir": str(tmp_path / "r"), "max_steps": 1, "max_grad_norm": 0.0,
-                                "save_rollouts": True, "subset_size": 64, "per_device_train_batch_size": 2,
-                                "gradient_accumulation_steps": 3}, callbacks=[GradientDump(str(dump))])  # fmt: skip
+    run = whitebox.run(
+        "tiny",
+        {
+            **VLLM,
+            "run_dir": str(tmp_path / "r"),
+            "max_steps": 1,
+            "max_grad_norm": 0.0,
+            "save_rollouts": True,
+            "subset_size": 64,
+            "per_device_train_batch_size": 2,
+            "gradient_accumulation_steps": 3,
+        },
+        callbacks=[GradientDump(str(dump))],
+    )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))
     saved = torch.load(run.path / "rollouts" / "step000001-rank0.pt")
     assert [mb["input_ids"].shape[0] for mb in saved] == [2, 2, 2]
@@ -180,8 +225,15 @@ def test_a_resumed_run_syncs_before_its_first_rollout(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
-    run = whitebox.run("tiny", {"run_dir": str(tmp_path / "r"), "rollout_engine": "vllm",
-                                "vllm_gpu_memory_utilization": MEMORY, "eval_size": 300})  # fmt: skip
+    run = whitebox.run(
+        "tiny",
+        {
+            "run_dir": str(tmp_path / "r"),
+            "rollout_engine": "vllm",
+            "vllm_gpu_memory_utilization": MEMORY,
+            "eval_size": 300,
+        },
+    )
     s = run.read_summary()
     assert s["student_accuracy_after"] - s["student_accuracy_before"] >= 0.40, s
     steps = [r for r in run.read_jsonl() if "loss" in r]  # (eval_steps rows carry eval_accuracy alone)
@@ -193,9 +245,18 @@ def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
 def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_gradient(tmp_path, parallelism):
     """One engine per rank (external_launcher); the ranks' completions differ in length, and under DDP no
     rank waits for another while sampling. Under FSDP every rank gathers the full weights for its engine."""
-    over = {**VLLM, "max_steps": 2, "max_grad_norm": 0.0, "save_rollouts": True, "subset_size": 64,
-            "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_processes": 2,
-            "run_dir": str(tmp_path / "two"), "parallelism": parallelism}  # fmt: skip
+    over = {
+        **VLLM,
+        "max_steps": 2,
+        "max_grad_norm": 0.0,
+        "save_rollouts": True,
+        "subset_size": 64,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "num_processes": 2,
+        "run_dir": str(tmp_path / "two"),
+        "parallelism": parallelism,
+    }
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
@@ -205,7 +266,11 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     """)
     (tmp_path / "two.py").write_text(script)
     subprocess.run([sys.executable, str(tmp_path / "two.py")], check=True, timeout=600)
-    rows = [mb for f in sorted((tmp_path / "two" / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)]
+    rows = [
+        mb
+        for f in sorted((tmp_path / "two" / "rollouts").glob("step000001-rank*.pt"))
+        for mb in torch.load(f)
+    ]
     assert len(rows) == 4
     lengths = {int(mb["completion_mask_BC"].sum(1).max()) for mb in rows}
     assert len(lengths) > 1, "the ranks' micro-batches should end at different lengths"

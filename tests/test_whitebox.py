@@ -23,9 +23,15 @@ from opdkit.trainer import GradientDump
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
 # different batch shapes see the same completions.
 FIXED = dict(
-    max_steps=1, eval_size=0, sample_every=0, save_steps=0, max_grad_norm=0.0, save_rollouts=True,
-    gen_temperature=0.001, subset_size=64,
-)  # fmt: skip
+    max_steps=1,
+    eval_size=0,
+    sample_every=0,
+    save_steps=0,
+    max_grad_norm=0.0,
+    save_rollouts=True,
+    gen_temperature=0.001,
+    subset_size=64,
+)
 
 
 def run_tiny(tmp_path: Path, name: str, callbacks=None, **overrides):
@@ -68,8 +74,13 @@ def assert_grads_close(a: dict, b: dict, rtol=2e-4):
 @pytest.mark.parametrize("batch,accum", [(4, 1), (2, 2), (1, 4)])
 def test_step_gradient_equals_direct_trl_computation(tmp_path, batch, accum):
     dump = tmp_path / "grad.pt"
-    run = run_tiny(tmp_path, "r", [GradientDump(str(dump))], per_device_train_batch_size=batch,
-                   gradient_accumulation_steps=accum)  # fmt: skip
+    run = run_tiny(
+        tmp_path,
+        "r",
+        [GradientDump(str(dump))],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+    )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))
 
 
@@ -77,10 +88,17 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
     grads = []
     for batch, accum in [(4, 1), (2, 2)]:
         dump = tmp_path / f"g{batch}.pt"
-        run_tiny(tmp_path, f"r{batch}", [GradientDump(str(dump))], per_device_train_batch_size=batch,
-                 gradient_accumulation_steps=accum)  # fmt: skip
+        run_tiny(
+            tmp_path,
+            f"r{batch}",
+            [GradientDump(str(dump))],
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accum,
+        )
         grads.append(torch.load(dump))
-    assert completions(tmp_path / "r4") == completions(tmp_path / "r2"), "same completions, batched differently"
+    assert completions(tmp_path / "r4") == completions(tmp_path / "r2"), (
+        "same completions, batched differently"
+    )
     assert_grads_close(grads[0], grads[1], rtol=1e-4)
 
 
@@ -195,8 +213,17 @@ def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monk
 def test_metrics_have_the_promised_fields(tmp_path):
     run = run_tiny(tmp_path, "m", max_steps=2, sample_every=1, save_rollouts=False, gen_temperature=1.0)
     rec = run.read_jsonl()[-1]
-    for key in ("step", "loss", "grad_norm", "clipped", "lr", "completion_length", "truncated_fraction",
-                "entropy", "tokens_per_s"):  # fmt: skip
+    for key in (
+        "step",
+        "loss",
+        "grad_norm",
+        "clipped",
+        "lr",
+        "completion_length",
+        "truncated_fraction",
+        "entropy",
+        "tokens_per_s",
+    ):
         assert key in rec, key
     samples = run.read_jsonl("samples.jsonl")
     assert samples and len(samples[0]["tokens"]) == len(samples[0]["divergence"])
@@ -205,7 +232,9 @@ def test_metrics_have_the_promised_fields(tmp_path):
 
 
 def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path):
-    run = run_tiny(tmp_path, "ev", max_steps=4, eval_steps=2, eval_steps_size=8, eval_size=16, save_rollouts=False)
+    run = run_tiny(
+        tmp_path, "ev", max_steps=4, eval_steps=2, eval_steps_size=8, eval_size=16, save_rollouts=False
+    )
     evals = [r for r in run.read_jsonl() if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
@@ -222,9 +251,18 @@ def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path)
 
 def _standin(path: Path, tokenizer, vocab_rows: int, hidden: int, seed: int) -> str:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=vocab_rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=vocab_rows,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -242,10 +280,23 @@ def qwen3_standins(tmp_path_factory, qwen3_tokenizer):
 
 def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parquet):
     student, teacher = qwen3_standins
-    over = dict(student_model=student, teacher_model=teacher, dataset_path=str(dapo_parquet), subset_size=8,
-                eval_size=2, max_steps=2, max_new_tokens=8, max_prompt_length=300, bf16=False,
-                per_device_train_batch_size=2, gradient_accumulation_steps=2, save_steps=0,
-                run_dir=str(tmp_path / "full"), loss_chunk_size=5, rollout_engine="hf")  # fmt: skip
+    over = dict(
+        student_model=student,
+        teacher_model=teacher,
+        dataset_path=str(dapo_parquet),
+        subset_size=8,
+        eval_size=2,
+        max_steps=2,
+        max_new_tokens=8,
+        max_prompt_length=300,
+        bf16=False,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        save_steps=0,
+        run_dir=str(tmp_path / "full"),
+        loss_chunk_size=5,
+        rollout_engine="hf",
+    )
     prep = whitebox.prepare("full", over)
     assert prep.first_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     run = whitebox.run("full", over, prepared=prep)
@@ -295,6 +346,12 @@ def test_non_empty_run_dir_is_never_silently_reused(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
     dump = tmp_path / "grad.pt"
-    run = run_tiny(tmp_path, "gc", [GradientDump(str(dump))], per_device_train_batch_size=2,
-                   gradient_accumulation_steps=2, gradient_checkpointing=True)  # fmt: skip
+    run = run_tiny(
+        tmp_path,
+        "gc",
+        [GradientDump(str(dump))],
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        gradient_checkpointing=True,
+    )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))

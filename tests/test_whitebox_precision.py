@@ -9,8 +9,18 @@ import torch
 from opdkit import evaluate
 from opdkit.jobs import whitebox
 
-STILL = dict(max_steps=1, learning_rate=0.0, weight_decay=0.0, subset_size=8, eval_size=24, per_device_train_batch_size=4,
-             gradient_accumulation_steps=1, max_new_tokens=12, save_steps=0, sample_every=0)  # fmt: skip
+STILL = dict(
+    max_steps=1,
+    learning_rate=0.0,
+    weight_decay=0.0,
+    subset_size=8,
+    eval_size=24,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=1,
+    max_new_tokens=12,
+    save_steps=0,
+    sample_every=0,
+)
 
 
 @pytest.mark.parametrize("bf16", [True, False])

@@ -34,8 +34,17 @@ def test_arm_and_token_views_report_callback_errors():
     def compare(index, lam, seed, method):
         if lam == 0.0:
             raise RuntimeError("no lens at λ 0")
-        return {"prompt": "p", "method": method, "lam": lam, "temperature": 1.0, "seed": seed, "tokens": [],
-                "plain_completion": "3", "plain_correct": True, "correct": True}  # fmt: skip
+        return {
+            "prompt": "p",
+            "method": method,
+            "lam": lam,
+            "temperature": 1.0,
+            "seed": seed,
+            "tokens": [],
+            "plain_completion": "3",
+            "plain_correct": True,
+            "correct": True,
+        }
 
     view = ads_token_explorer(compare, ["p0"], [0.0, 0.1])
     lam_slider, errors = view.children[0].children[1], view.children[-1]

@@ -92,9 +92,17 @@ def train_on_task(
         return evaluate.task_accuracy(model, tokenizer, TINY, n=eval_n, seed=777)  # not the held-out seed
 
     _, history = sft.train_sft(
-        model, next_batch, steps, lr, warmup_steps=50, betas=(0.9, 0.98), evaluate=evaluate_now,
-        eval_every=eval_every, stop_when=stop_when, desc=desc,
-    )  # fmt: skip
+        model,
+        next_batch,
+        steps,
+        lr,
+        warmup_steps=50,
+        betas=(0.9, 0.98),
+        evaluate=evaluate_now,
+        eval_every=eval_every,
+        stop_when=stop_when,
+        desc=desc,
+    )
     return history
 
 
@@ -114,15 +122,28 @@ def build_tiny_world(
     tokenizer = build_tokenizer()
     teacher = qwen3_model(TEACHER, tokenizer, seed)
     t_hist = train_on_task(
-        teacher, tokenizer, steps=teacher_steps, lr=3e-3, batch_size=64, seed=seed + 1,
-        eval_every=eval_every, stop_when=lambda acc: acc >= teacher_stop_accuracy, desc="teacher",
-    )  # fmt: skip
+        teacher,
+        tokenizer,
+        steps=teacher_steps,
+        lr=3e-3,
+        batch_size=64,
+        seed=seed + 1,
+        eval_every=eval_every,
+        stop_when=lambda acc: acc >= teacher_stop_accuracy,
+        desc="teacher",
+    )
     student = qwen3_model(STUDENT, tokenizer, seed + 2)
     s_hist = train_on_task(
-        student, tokenizer, steps=student_steps, lr=3e-3, batch_size=64, seed=seed + 3,
-        eval_every=max(1, eval_every // 5), stop_when=lambda acc: acc >= student_stop_accuracy,
+        student,
+        tokenizer,
+        steps=student_steps,
+        lr=3e-3,
+        batch_size=64,
+        seed=seed + 3,
+        eval_every=max(1, eval_every // 5),
+        stop_when=lambda acc: acc >= student_stop_accuracy,
         desc="student",
-    )  # fmt: skip
+    )
     for name, obj in (("tokenizer", tokenizer), ("teacher", teacher), ("student", student)):
         obj.save_pretrained(out / name)
     tokenizer.save_pretrained(out / "teacher")

@@ -72,8 +72,14 @@ def ensure_grads(cfg: AntidistillationConfig, run: RunDir, num_processes: int = 
         print0(f"reusing the gradient in {path}")
         return path
     procs = num_processes if torch.cuda.device_count() > 1 else 1  # NVML's count: safe before a fork
-    over = {"teacher_model": cfg.teacher_model, "proxy_model": cfg.proxy_model, "seed": cfg.seed,
-            "run_dir": str(path), "overwrite": path.exists(), "num_processes": procs}  # fmt: skip
+    over = {
+        "teacher_model": cfg.teacher_model,
+        "proxy_model": cfg.proxy_model,
+        "seed": cfg.seed,
+        "run_dir": str(path),
+        "overwrite": path.exists(),
+        "num_processes": procs,
+    }
     print0(f"no grads_run: computing the proxy gradient with 01_save_grad --mode {cfg.grads_mode} in {path}")
     return savegrad.run(cfg.grads_mode, over).path
 
@@ -85,15 +91,19 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     prep = prepared or prepare(mode, overrides)
     cfg = prep.cfg
     if under_external_launcher():
-        raise ConfigError("04_antidistill spreads its points over processes itself: start it as one process with "
-                          "num_processes=N (0: every visible GPU), not under torchrun or accelerate launch.")  # fmt: skip
+        raise ConfigError(
+            "04_antidistill spreads its points over processes itself: start it as one process with "
+            "num_processes=N (0: every visible GPU), not under torchrun or accelerate launch."
+        )
     points = sweep_points(cfg)
     run = RunDir.create(cfg, job=JOB, mode=mode)
     todo = [p for p in points if not (cfg.resume and finished(run, p))]
     n = max(1, min(default_num_processes(cfg.num_processes), len(todo)))
     grads_dir = ensure_grads(cfg, run, n)
-    print0(f"{len(points)} points ({len(points) - len(todo)} finished before), {len(prep.messages)} traces each, "
-           f"{n} process(es)")  # fmt: skip
+    print0(
+        f"{len(points)} points ({len(points) - len(todo)} finished before), {len(prep.messages)} traces each, "
+        f"{n} process(es)"
+    )
     failure = None
     if todo or not (run.path / BASELINE_FILE).is_file():
         args = (asdict(cfg), mode, str(run.path), str(grads_dir), assign(todo, n), prep if n == 1 else None)
@@ -104,7 +114,9 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     summary = {**gather(points, run, failure), **facts(cfg, prep, grads_dir, n, time.time() - t0)}
     run.write_summary(summary)
     for p in summary["failed_points"]:
-        print0(f"point {p['name']} failed (traceback in the summary and points/{p['name']}/error.txt):\n{p['error']}")
+        print0(
+            f"point {p['name']} failed (traceback in the summary and points/{p['name']}/error.txt):\n{p['error']}"
+        )
     track(cfg, run, summary)
     return run
 
@@ -115,11 +127,19 @@ TRACKED = ("lam", "temperature", "teacher_accuracy", "student_accuracy", "studen
 def track(cfg: AntidistillationConfig, run: RunDir, summary: dict) -> None:
     """Every point (in sweep order, as steps 1, 2, ...) and a table of them to `report_to`."""
     tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
-    tracker.log({k: summary[k] for k in ("student_accuracy_before", "student_holdout_loss_before")
-                 if summary.get(k) is not None}, step=0)  # fmt: skip
+    tracker.log(
+        {
+            k: summary[k]
+            for k in ("student_accuracy_before", "student_holdout_loss_before")
+            if summary.get(k) is not None
+        },
+        step=0,
+    )
     for i, point in enumerate(summary["points"]):
         tracker.log({k: point.get(k) for k in TRACKED}, step=i + 1)
-    tracker.table("points", [{"name": p["name"], **{k: p.get(k) for k in TRACKED}} for p in summary["points"]])
+    tracker.table(
+        "points", [{"name": p["name"], **{k: p.get(k) for k in TRACKED}} for p in summary["points"]]
+    )
     tracker.finish()
 
 
@@ -149,7 +169,9 @@ def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillationConfig, s
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.antidistill import report
 
-    run_from_cli(JOB, "Antidistillation sampling trade-off (opdkit 04_antidistill).", run, report.figures, argv)
+    run_from_cli(
+        JOB, "Antidistillation sampling trade-off (opdkit 04_antidistill).", run, report.figures, argv
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Which tokens ADS changes, one prompt at a time, with a finished 04_antidistill run's teacher and gradient.
 
-    lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
+lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ class TokenLens:
         proxy_tok = load_tokenizer(cfg.proxy_model)
         student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
         self.models_task = tasks.for_dataset(cfg.dataset_path)
-        dummy = Prepared(cfg, "", self.models_task, self.tokenizer, proxy_tok, student_tok, [], [], [], [], 0, "")
+        dummy = Prepared(
+            cfg, "", self.models_task, self.tokenizer, proxy_tok, student_tok, [], [], [], [], 0, ""
+        )
         self.models = load_models(cfg, dummy, grads_dir, self.device, RunDir.attach(cfg.run_dir))
 
     @property
@@ -48,10 +50,17 @@ class TokenLens:
         tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
         direction = self.models.direction(GRADIENTS[method]) if lam else None
         return ads.coupled_sample(
-            self.models.teacher, direction, ids, lam=lam, temperature=tau, top_p=cfg.top_p, top_k=cfg.top_k,
+            self.models.teacher,
+            direction,
+            ids,
+            lam=lam,
+            temperature=tau,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
             eos_token_id=eos_ids(self.tokenizer, self.models.teacher),
-            max_new_tokens=cfg.max_new_tokens, seed=seed,
-        )  # fmt: skip
+            max_new_tokens=cfg.max_new_tokens,
+            seed=seed,
+        )
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -62,16 +71,30 @@ class TokenLens:
         if method not in GRADIENTS:
             raise ValueError(f"method={method!r} is not one of {sorted(GRADIENTS)}.")
         steps, plain = self._trace(index, lam, seed, method), self._trace(index, 0.0, seed, method)
-        tokens = [{"text": self._text(s["token"]), "plain_text": self._text(s["plain_token"]),
-                   "changed": s["token"] != s["plain_token"], "p_ads": s["p_ads"], "p_plain": s["p_plain"],
-                   "p_plain_choice": s["p_plain_choice"]} for s in steps]  # fmt: skip
+        tokens = [
+            {
+                "text": self._text(s["token"]),
+                "plain_text": self._text(s["plain_token"]),
+                "changed": s["token"] != s["plain_token"],
+                "p_ads": s["p_ads"],
+                "p_plain": s["p_plain"],
+                "p_plain_choice": s["p_plain_choice"],
+            }
+            for s in steps
+        ]
         check, answer = self.models_task.check, self.answers[index]
         text = self.tokenizer.decode([s["token"] for s in steps], skip_special_tokens=True)
         plain_text = self.tokenizer.decode([s["token"] for s in plain], skip_special_tokens=True)
         return {
-            "prompt": self.labels[index], "answer": answer, "lam": lam, "seed": seed, "method": method,
+            "prompt": self.labels[index],
+            "answer": answer,
+            "lam": lam,
+            "seed": seed,
+            "method": method,
             "temperature": self.cfg.ads_temperatures[0] if self.cfg.ads_temperatures else 1.0,
-            "tokens": tokens, "completion": text, "plain_completion": plain_text,
+            "tokens": tokens,
+            "completion": text,
+            "plain_completion": plain_text,
             "correct": check(text, answer) if answer else None,
             "plain_correct": check(plain_text, answer) if answer else None,
-        }  # fmt: skip
+        }

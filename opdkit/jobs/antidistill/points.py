@@ -49,18 +49,31 @@ def write_traces(
         batch = order[s : s + cfg.gen_batch_size]
         prompts_BP, mask_BP = rollout.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
         r = ads.ads_sample(
-            models.teacher, prompts_BP, mask_BP, direction=direction, lam=point.lam,
-            temperature=point.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=tok.pad_token_id,
-            max_new_tokens=cfg.max_new_tokens, top_k=cfg.top_k,
-        )  # fmt: skip
+            models.teacher,
+            prompts_BP,
+            mask_BP,
+            direction=direction,
+            lam=point.lam,
+            temperature=point.temperature,
+            top_p=cfg.top_p,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=cfg.max_new_tokens,
+            top_k=cfg.top_k,
+        )
         done = ~r.truncated_B(eos)
         for b, (i, text) in enumerate(zip(batch, rollout.decode_completions(tok, r))):
             texts[i] = (text, not bool(done[b]))
     return [
-        {"messages": prep.messages[i], "completion": texts[i][0], "answer": prep.answers[i],
-         "correct": check(texts[i][0], prep.answers[i]) if prep.answers[i] else None, "truncated": texts[i][1]}
+        {
+            "messages": prep.messages[i],
+            "completion": texts[i][0],
+            "answer": prep.answers[i],
+            "correct": check(texts[i][0], prep.answers[i]) if prep.answers[i] else None,
+            "truncated": texts[i][1],
+        }
         for i in range(len(ids))
-    ]  # fmt: skip
+    ]
 
 
 def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
@@ -76,21 +89,35 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     offload(models, dev, off=True)
     student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
-    trainer = distill_student(student, rows, cfg, prep.student_tokenizer, sft_seed(cfg, seed), folder,
-                              f"{point.name}-seed{seed}")  # fmt: skip
+    trainer = distill_student(
+        student, rows, cfg, prep.student_tokenizer, sft_seed(cfg, seed), folder, f"{point.name}-seed{seed}"
+    )
     student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
     steps = trainer.step_log()
     result = {
-        "seed": seed, "teacher_accuracy": traces.accuracy(records), "student_accuracy": student_accuracy(student, prep),
-        "student_holdout_loss": holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
-                                             cfg.sft_micro_batch_size or cfg.sft_batch_size),
-        "truncated_fraction": sum(r["truncated"] for r in records) / len(records), "num_traces": len(records),
+        "seed": seed,
+        "teacher_accuracy": traces.accuracy(records),
+        "student_accuracy": student_accuracy(student, prep),
+        "student_holdout_loss": holdout_loss(
+            student,
+            models.holdout,
+            prep.student_tokenizer.pad_token_id,
+            cfg.sft_micro_batch_size or cfg.sft_batch_size,
+        ),
+        "truncated_fraction": sum(r["truncated"] for r in records) / len(records),
+        "num_traces": len(records),
         "errors": prep.task.error_kinds(records),
-        "sft_steps": trainer.state.global_step, "final_sft_loss": steps[-1]["loss"] if steps else None,
+        "sft_steps": trainer.state.global_step,
+        "final_sft_loss": steps[-1]["loss"] if steps else None,
         "seconds": round(time.time() - t0, 1),
-    }  # fmt: skip
-    trainer.log({k: result[k] for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
-                 if result[k] is not None})  # to report_to, after the SFT steps  # fmt: skip
+    }
+    trainer.log(
+        {
+            k: result[k]
+            for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
+            if result[k] is not None
+        }
+    )  # to report_to, after the SFT steps
     write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
     del trainer
@@ -126,20 +153,24 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
     cfg = prep.cfg
     runs = [run_once(point, cfg.seed + k, prep, models, run, dev) for k in range(cfg.repeats)]
     return {
-        **asdict(point), "name": point.name,
+        **asdict(point),
+        "name": point.name,
         "teacher_accuracy": _mean([r["teacher_accuracy"] for r in runs]),
         "student_accuracy": _mean([r["student_accuracy"] for r in runs]),
         "student_holdout_loss": _mean([r.get("student_holdout_loss") for r in runs]),
         "errors": _mean_errors([r.get("errors") for r in runs]),
-        "runs": runs, "seconds": round(sum(r["seconds"] for r in runs), 1),
-    }  # fmt: skip
+        "runs": runs,
+        "seconds": round(sum(r["seconds"] for r in runs), 1),
+    }
 
 
 def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
     """The student before any distillation, where every point starts from: accuracy and held-out loss."""
     cfg, student = prep.cfg, fresh_student(prep.cfg, dev, sft_seed(prep.cfg, prep.cfg.seed))
-    loss = holdout_loss(student, models.holdout, prep.student_tokenizer.pad_token_id,
-                        cfg.sft_micro_batch_size or cfg.sft_batch_size)  # fmt: skip
+    loss = holdout_loss(
+        student,
+        models.holdout,
+        prep.student_tokenizer.pad_token_id,
+        cfg.sft_micro_batch_size or cfg.sft_batch_size,
+    )
     return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}
-
-

@@ -13,8 +13,11 @@ from opdkit.runs import RunDir
 def temperature_student_at(points: list[dict], teacher_accuracy: float) -> float | None:
     """The temperature sweep's student accuracy at this teacher accuracy, linearly interpolated between its
     two nearest points (by teacher accuracy); None outside the sweep's range or with fewer than 2 points."""
-    curve = sorted((p["teacher_accuracy"], p["student_accuracy"]) for p in points
-                   if p["lam"] == 0 and p["teacher_accuracy"] is not None)  # fmt: skip
+    curve = sorted(
+        (p["teacher_accuracy"], p["student_accuracy"])
+        for p in points
+        if p["lam"] == 0 and p["teacher_accuracy"] is not None
+    )
     for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         if x0 <= teacher_accuracy <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (teacher_accuracy - x0) / (x1 - x0)
@@ -29,9 +32,18 @@ def gaps(summary: dict) -> list[dict]:
         if p["lam"] == 0 or p["teacher_accuracy"] is None:
             continue
         ref = temperature_student_at(summary["points"], p["teacher_accuracy"])
-        out.append({"name": p["name"], "method": p["method"], "lam": p["lam"], "temperature": p["temperature"],
-                    "teacher_accuracy": p["teacher_accuracy"], "student_accuracy": p["student_accuracy"],
-                    "temperature_student_accuracy": ref, "gap": None if ref is None else p["student_accuracy"] - ref})  # fmt: skip
+        out.append(
+            {
+                "name": p["name"],
+                "method": p["method"],
+                "lam": p["lam"],
+                "temperature": p["temperature"],
+                "teacher_accuracy": p["teacher_accuracy"],
+                "student_accuracy": p["student_accuracy"],
+                "temperature_student_accuracy": ref,
+                "gap": None if ref is None else p["student_accuracy"] - ref,
+            }
+        )
     return out
 
 
@@ -42,15 +54,34 @@ def _pct(v: float | None) -> str:
 def summary_table_html(summary: dict) -> str:
     """One row per point; `slip` and `contradiction` split the teacher's wrong traces (tiny task): a wrong
     answer that follows from its own working, or one that contradicts it."""
-    cols = ["method", "lam", "temperature", "teacher_accuracy", "slip", "contradiction", "student_accuracy",
-            "student_holdout_loss", "runs", "seconds"]  # fmt: skip
+    cols = [
+        "method",
+        "lam",
+        "temperature",
+        "teacher_accuracy",
+        "slip",
+        "contradiction",
+        "student_accuracy",
+        "student_holdout_loss",
+        "runs",
+        "seconds",
+    ]
     head = "".join(f"<th>{c}</th>" for c in cols)
     rows = []
     for p in summary["points"]:
         err, loss = p.get("errors") or {}, p.get("student_holdout_loss")
-        cells = [p["method"], f"{p['lam']:g}", f"{p['temperature']:g}", _pct(p["teacher_accuracy"]),
-                 _pct(err.get("slip")), _pct(err.get("contradiction")), _pct(p["student_accuracy"]),
-                 "–" if loss is None else f"{loss:.3f}", str(len(p.get("runs", [1]))), f"{p['seconds']:.0f}"]  # fmt: skip
+        cells = [
+            p["method"],
+            f"{p['lam']:g}",
+            f"{p['temperature']:g}",
+            _pct(p["teacher_accuracy"]),
+            _pct(err.get("slip")),
+            _pct(err.get("contradiction")),
+            _pct(p["student_accuracy"]),
+            "–" if loss is None else f"{loss:.3f}",
+            str(len(p.get("runs", [1]))),
+            f"{p['seconds']:.0f}",
+        ]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -59,12 +90,17 @@ def _error_lines(summary: dict) -> list[str]:
     """Per method, the range of the share of traces whose wrong answer contradicts their own working."""
     out = []
     for method in dict.fromkeys(p["method"] for p in summary["points"]):
-        shares = [p["errors"]["contradiction"] for p in summary["points"]
-                  if p["method"] == method and p.get("errors")]  # fmt: skip
+        shares = [
+            p["errors"]["contradiction"]
+            for p in summary["points"]
+            if p["method"] == method and p.get("errors")
+        ]
         if shares:
             label = plots.ADS_LABELS.get(method, method)
-            out.append(f"- {label}: {min(shares):.1%} to {max(shares):.1%} of the traces have a wrong answer that "
-                       "contradicts their own working (the rest of the wrong ones follow from a slip in it).")  # fmt: skip
+            out.append(
+                f"- {label}: {min(shares):.1%} to {max(shares):.1%} of the traces have a wrong answer that "
+                "contradicts their own working (the rest of the wrong ones follow from a slip in it)."
+            )
     return out
 
 
@@ -74,28 +110,40 @@ def explain(summary: dict) -> str:
     lines = [f"- student before distillation: {_pct(summary.get('student_accuracy_before'))}"]
     for p in summary.get("failed_points", []):
         last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
-        lines.append(f"- **{p['name']} failed** ({last}); its traceback is in points/{p['name']}/error.txt, and "
-                     "`resume=True` with the same run_dir runs it again.")  # fmt: skip
+        lines.append(
+            f"- **{p['name']} failed** ({last}); its traceback is in points/{p['name']}/error.txt, and "
+            "`resume=True` with the same run_dir runs it again."
+        )
     for gp in gaps(summary):
         label = plots.ADS_LABELS.get(gp["method"], gp["method"])
-        where = (f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
-                 f"student {_pct(gp['student_accuracy'])}")  # fmt: skip
+        where = (
+            f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
+            f"student {_pct(gp['student_accuracy'])}"
+        )
         if gp["gap"] is None:
-            lines.append(f"- {where}; outside the temperature sweep's range of teacher accuracy, no comparison.")
+            lines.append(
+                f"- {where}; outside the temperature sweep's range of teacher accuracy, no comparison."
+            )
         else:
             verdict = "lower" if gp["gap"] < 0 else "higher"
-            lines.append(f"- {where}; temperature sampling at that teacher accuracy: student "
-                         f"{_pct(gp['temperature_student_accuracy'])}, so the ADS student is "
-                         f"{abs(gp['gap']) * 100:.1f} points {verdict}.")  # fmt: skip
+            lines.append(
+                f"- {where}; temperature sampling at that teacher accuracy: student "
+                f"{_pct(gp['temperature_student_accuracy'])}, so the ADS student is "
+                f"{abs(gp['gap']) * 100:.1f} points {verdict}."
+            )
     lines += _error_lines(summary)
     runs = min((len(p.get("runs", [None])) for p in summary["points"]), default=0)
     for method in dict.fromkeys(gp["method"] for gp in gaps(summary)):
         known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
         if known:
-            lines.append(f"- {plots.ADS_LABELS.get(method, method)}: mean gap {sum(known) / len(known) * 100:+.1f} points "
-                         f"over {len(known)} comparable point(s) (negative favours ADS).")  # fmt: skip
-    lines.append(f"- each point is the mean of {runs} run(s); one run's student accuracy moves by several points with "
-                 "the sampling noise and the SFT order alone (raise `repeats` to average it).")
+            lines.append(
+                f"- {plots.ADS_LABELS.get(method, method)}: mean gap {sum(known) / len(known) * 100:+.1f} points "
+                f"over {len(known)} comparable point(s) (negative favours ADS)."
+            )
+    lines.append(
+        f"- each point is the mean of {runs} run(s); one run's student accuracy moves by several points with "
+        "the sampling noise and the SFT order alone (raise `repeats` to average it)."
+    )
     return "\n".join(lines)
 
 

@@ -36,9 +36,22 @@ ERROR_FILE = "error.txt"
 BASELINE_FILE = "baseline.json"  # the student before distillation and the gradients' norms (process 0)
 # What notebook_launcher / torchrun set for torch.distributed: a sweep process trains its students alone, so
 # transformers' Trainer must not see them (it would join the processes into one data-parallel run).
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
-                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "NODE_RANK", "NPROC", "MASTER_ADDR", "MASTER_PORT",
-                "FORK_LAUNCHED")  # fmt: skip
+LAUNCHER_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "NODE_RANK",
+    "NPROC",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "FORK_LAUNCHED",
+)
 
 
 def point_dir(run: RunDir, point: Point) -> Path:
@@ -68,8 +81,14 @@ def own_process() -> tuple[int, int]:
     return rank, world
 
 
-def sweep_process(cfg_dict: dict, mode: str, run_path: str, grads_dir: str, shares: list[list[str]],
-                  prepared: Prepared | None = None) -> None:  # fmt: skip
+def sweep_process(
+    cfg_dict: dict,
+    mode: str,
+    run_path: str,
+    grads_dir: str,
+    shares: list[list[str]],
+    prepared: Prepared | None = None,
+) -> None:
     """What every process runs: its own teacher and proxies on its own device, then its share of the points."""
     rank, world = own_process()
     prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k != "overwrite"})
@@ -109,8 +128,10 @@ def _line(r: dict) -> str:
     if r["status"] != "done":
         return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
     acc = r["teacher_accuracy"]
-    return (f"{r['name']:28s} teacher {'n/a' if acc is None else f'{acc:.3f}'}  "
-            f"student {r['student_accuracy']:.3f}  ({r['seconds']:.0f} s)")  # fmt: skip
+    return (
+        f"{r['name']:28s} teacher {'n/a' if acc is None else f'{acc:.3f}'}  "
+        f"student {r['student_accuracy']:.3f}  ({r['seconds']:.0f} s)"
+    )
 
 
 def gather(points: list[Point], run: RunDir, failure: str | None) -> dict:
@@ -128,7 +149,16 @@ def gather(points: list[Point], run: RunDir, failure: str | None) -> dict:
     for e in done:
         for r in e["runs"]:
             steps = read_jsonl(run.path / POINTS_DIR / e["name"] / f"seed{r['seed']}" / "metrics.jsonl")
-            records.append({"point": e["name"], "seed": r["seed"], "sft_loss": [s["loss"] for s in steps if "loss" in s]})
+            records.append(
+                {"point": e["name"], "seed": r["seed"], "sft_loss": [s["loss"] for s in steps if "loss" in s]}
+            )
     atomic_write_text(run.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-    before = json.loads((run.path / BASELINE_FILE).read_text()) if (run.path / BASELINE_FILE).is_file() else {}
-    return {"status": "done" if not failed else "incomplete", "points": done, "failed_points": failed, **before}
+    before = (
+        json.loads((run.path / BASELINE_FILE).read_text()) if (run.path / BASELINE_FILE).is_file() else {}
+    )
+    return {
+        "status": "done" if not failed else "incomplete",
+        "points": done,
+        "failed_points": failed,
+        **before,
+    }

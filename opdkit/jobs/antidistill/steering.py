@@ -48,8 +48,9 @@ class Models:
         return {k: grads.global_norm(g) for k, g in self.grads.items()}
 
 
-def load_models(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, dev: torch.device,
-                run: RunDir | None = None) -> Models:  # fmt: skip
+def load_models(
+    cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, dev: torch.device, run: RunDir | None = None
+) -> Models:
     """Teacher on `dev`; proxy and gradients in CPU memory (the perturbed copies go to `dev` when built)."""
     dtype = torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
     teacher = load_model(cfg.teacher_model, dtype, dev).eval()
@@ -63,7 +64,9 @@ def load_models(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, de
     return Models(teacher, proxy, named, cfg.ads_method, cfg.eps, dev, holdout)
 
 
-def answer_labels(tok: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int], start: int) -> list[int]:
+def answer_labels(
+    tok: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int], start: int
+) -> list[int]:
     """`labels` with everything before the answer (character `start` of the completion) set to -100: the first
     completion token whose decoded prefix reaches past `start`, found by bisection, and all after it."""
     pos = [i for i, t in enumerate(labels) if t != sft.IGNORE]
@@ -83,32 +86,47 @@ def answer_rows(held: list[dict], tok: PreTrainedTokenizerBase, task: tasks.Task
     for t in held:
         start = task.answer_start(t["messages"][-1]["content"])
         if start is not None and any(x != sft.IGNORE for x in t["labels"]):
-            rows.append({"input_ids": t["input_ids"], "labels": answer_labels(tok, t["input_ids"], t["labels"], start)})
+            rows.append(
+                {
+                    "input_ids": t["input_ids"],
+                    "labels": answer_labels(tok, t["input_ids"], t["labels"], start),
+                }
+            )
     if not rows:
-        raise ConfigError("no trace of the gradient run has a final answer to take the answer-token gradient on; "
-                          "leave answer_lams empty.")  # fmt: skip
+        raise ConfigError(
+            "no trace of the gradient run has a final answer to take the answer-token gradient on; "
+            "leave answer_lams empty."
+        )
     return rows
 
 
-def answer_gradient(cfg: AntidistillationConfig, proxy: torch.nn.Module, tok: PreTrainedTokenizerBase,
-                    grads_dir: Path, run: RunDir | None) -> dict[str, torch.Tensor]:  # fmt: skip
+def answer_gradient(
+    cfg: AntidistillationConfig,
+    proxy: torch.nn.Module,
+    tok: PreTrainedTokenizerBase,
+    grads_dir: Path,
+    run: RunDir | None,
+) -> dict[str, torch.Tensor]:
     """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
     01_save_grad), saved in grads_answer/ of this run; reused from there when it exists."""
     saved = run.path / ANSWER_GRADS_DIR if run is not None else None
     if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
         return gradfile.load_grads(saved, proxy, tok)
     if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
-        raise ConfigError(f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
-                          f"{traces.TRACES_DIR}/; use a 01_save_grad run directory or leave answer_lams empty.")  # fmt: skip
+        raise ConfigError(
+            f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
+            f"{traces.TRACES_DIR}/; use a 01_save_grad run directory or leave answer_lams empty."
+        )
     meta = gradfile.read_meta(grads_dir)
     rows = answer_rows(list(traces.load_traces(grads_dir)), tok, tasks.for_dataset(cfg.dataset_path))
     work = copy.deepcopy(proxy)
-    named, stats = grads.mean_completion_grad(work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id,
-                                              progress=True)  # fmt: skip
+    named, stats = grads.mean_completion_grad(
+        work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id, progress=True
+    )
     named = {k: v.detach().clone() for k, v in named.items()}
     if saved is not None:
         saved.mkdir(exist_ok=True)
-        gradfile.save_grads(saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)})
+        gradfile.save_grads(
+            saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)}
+        )
     return named
-
-

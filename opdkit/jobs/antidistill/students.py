@@ -85,21 +85,37 @@ def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[lis
     return out
 
 
-def training_arguments(cfg: AntidistillationConfig, folder: Path, steps: int, seed: int, dev: torch.device,
-                       name: str = "") -> TrainingArguments:  # fmt: skip
+def training_arguments(
+    cfg: AntidistillationConfig, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
+) -> TrainingArguments:
     """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear warmup
     steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a log record
     every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
     micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
     args = TrainingArguments(
-        output_dir=str(folder / SFT_DIR), max_steps=steps, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=math.ceil(cfg.sft_batch_size / micro), learning_rate=cfg.sft_learning_rate,
-        weight_decay=cfg.sft_weight_decay, lr_scheduler_type="cosine", warmup_steps=round(cfg.sft_warmup_ratio * steps),
-        max_grad_norm=1.0, bf16=cfg.bf16 and dev.type == "cuda", seed=seed, data_seed=seed, logging_steps=1,
-        logging_nan_inf_filter=False, save_strategy="steps" if cfg.sft_save_steps else "no",
-        save_steps=cfg.sft_save_steps or steps, save_total_limit=1, report_to=cfg.report_to, run_name=name or None,
-        remove_unused_columns=False, dataloader_num_workers=0, use_cpu=dev.type != "cuda",
-    )  # fmt: skip
+        output_dir=str(folder / SFT_DIR),
+        max_steps=steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=math.ceil(cfg.sft_batch_size / micro),
+        learning_rate=cfg.sft_learning_rate,
+        weight_decay=cfg.sft_weight_decay,
+        lr_scheduler_type="cosine",
+        warmup_steps=round(cfg.sft_warmup_ratio * steps),
+        max_grad_norm=1.0,
+        bf16=cfg.bf16 and dev.type == "cuda",
+        seed=seed,
+        data_seed=seed,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        save_strategy="steps" if cfg.sft_save_steps else "no",
+        save_steps=cfg.sft_save_steps or steps,
+        save_total_limit=1,
+        report_to=cfg.report_to,
+        run_name=name or None,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        use_cpu=dev.type != "cuda",
+    )
     _ = args.device
     args._n_gpu = min(args._n_gpu, 1)  # one student, one device: never DataParallel over the node's GPUs
     return args
@@ -113,33 +129,52 @@ def with_lora(model: torch.nn.Module, cfg: AntidistillationConfig, seed: int) ->
 
     targets = cfg.student_lora_target_modules
     targets = targets[0] if targets == ["all-linear"] else targets  # peft's own keyword
-    lora = LoraConfig(r=cfg.student_lora_r, lora_alpha=cfg.student_lora_alpha or cfg.student_lora_r,
-                      lora_dropout=cfg.student_lora_dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(
+        r=cfg.student_lora_r,
+        lora_alpha=cfg.student_lora_alpha or cfg.student_lora_r,
+        lora_dropout=cfg.student_lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     torch.manual_seed(seed)  # the adapters' initialisation
     return get_peft_model(model, lora)
 
 
-def distill_student(model: torch.nn.Module, rows: list[dict], cfg: AntidistillationConfig,
-                    tok: PreTrainedTokenizerBase, seed: int, folder: Path, name: str = "") -> CompletionSFTTrainer:  # fmt: skip
+def distill_student(
+    model: torch.nn.Module,
+    rows: list[dict],
+    cfg: AntidistillationConfig,
+    tok: PreTrainedTokenizerBase,
+    seed: int,
+    folder: Path,
+    name: str = "",
+) -> CompletionSFTTrainer:
     """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's loss
     the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it continues
     from the last checkpoint in `folder`/sft/. Returns the trainer (its `step_log()`, its `model` trained)."""
     steps = sft_steps(cfg, len(rows))
     model = with_lora(model, cfg, seed)
     args = training_arguments(cfg, folder, steps, seed, next(model.parameters()).device, name)
-    trainer = CompletionSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
-                                   order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
-                                   pad_token_id=tok.pad_token_id)  # fmt: skip
+    trainer = CompletionSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        processing_class=tok,
+        order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
+        pad_token_id=tok.pad_token_id,
+    )
     last = get_last_checkpoint(args.output_dir) if cfg.resume and Path(args.output_dir).is_dir() else None
     trainer.train(resume_from_checkpoint=last)
     trainer.model.eval()
     return trainer
 
 
-def keep_student(model: torch.nn.Module, cfg: AntidistillationConfig, tok: PreTrainedTokenizerBase,
-                 folder: Path) -> torch.nn.Module:  # fmt: skip
+def keep_student(
+    model: torch.nn.Module, cfg: AntidistillationConfig, tok: PreTrainedTokenizerBase, folder: Path
+) -> torch.nn.Module:
     """Save the trained student as `student_save` says in `folder`/student/; returns the model to evaluate (a
     LoRA student with its adapter merged into the weights)."""
     out, lora = folder / STUDENT_DIR, bool(cfg.student_lora_r)
@@ -168,10 +203,15 @@ def load_student(cfg: AntidistillationConfig, folder: Path, seed: int, dev: torc
 def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:
     cfg = prep.cfg
     return evaluate.accuracy(
-        model, prep.student_tokenizer, prep.eval_messages, prep.eval_answers, prep.task.check,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.gen_batch_size,
+        model,
+        prep.student_tokenizer,
+        prep.eval_messages,
+        prep.eval_answers,
+        prep.task.check,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        batch_size=cfg.gen_batch_size,
         enable_thinking=cfg.enable_thinking,
-    )  # fmt: skip
+    )
 
 
 def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
@@ -182,11 +222,15 @@ def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: Antidistill
         return []
     held = traces.load_traces(grads_dir)
     held = held.select(range(min(len(held), HOLDOUT_LOSS_TRACES)))
-    return sft_rows([{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg)
+    return sft_rows(
+        [{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg
+    )
 
 
 @torch.no_grad()
-def holdout_loss(model: torch.nn.Module, rows: list[dict], pad_token_id: int, batch_size: int) -> float | None:
+def holdout_loss(
+    model: torch.nn.Module, rows: list[dict], pad_token_id: int, batch_size: int
+) -> float | None:
     """Mean over traces of each trace's mean completion NLL (01_save_grad's `trace` normalisation)."""
     if not rows:
         return None

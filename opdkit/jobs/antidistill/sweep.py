@@ -96,7 +96,11 @@ def eval_prompts(cfg: AntidistillationConfig, task: tasks.Task) -> tuple[list[li
 
 
 def _drop_long(messages: list, answers: list, tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig):
-    keep = [i for i, m in enumerate(messages) if len(data.prompt_ids(tok, m, cfg.enable_thinking)) <= cfg.max_prompt_length]
+    keep = [
+        i
+        for i, m in enumerate(messages)
+        if len(data.prompt_ids(tok, m, cfg.enable_thinking)) <= cfg.max_prompt_length
+    ]
     return [messages[i] for i in keep], [answers[i] for i in keep], len(messages) - len(keep)
 
 
@@ -106,10 +110,14 @@ def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerB
         gradfile.check_grads(cfg.grads_run, model_skeleton(cfg.proxy_model), proxy_tok)
         needs_traces = any(lam != 0 for lam in cfg.answer_lams)
         if needs_traces and not (Path(cfg.grads_run) / traces.TRACES_DIR).is_dir():
-            raise ConfigError(f"answer_lams needs the traces the gradient was computed on, but {cfg.grads_run} has "
-                              f"no {traces.TRACES_DIR}/; use a 01_save_grad run directory or set answer_lams to [].")  # fmt: skip
+            raise ConfigError(
+                f"answer_lams needs the traces the gradient was computed on, but {cfg.grads_run} has "
+                f"no {traces.TRACES_DIR}/; use a 01_save_grad run directory or set answer_lams to []."
+            )
     else:
-        load_config(SAVEGRAD_JOB, cfg.grads_mode)  # an unknown preset fails here, not after the run dir exists
+        load_config(
+            SAVEGRAD_JOB, cfg.grads_mode
+        )  # an unknown preset fails here, not after the run dir exists
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -126,16 +134,30 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     check_shared_vocab(teacher_tok, proxy_tok)
     check_grads_run(cfg, proxy_tok)
     if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
-        raise ConfigError("student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft).")
+        raise ConfigError(
+            "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
+        )
     messages, answers, dropped = _drop_long(messages, answers, teacher_tok, cfg)
     if not messages:
-        raise ConfigError(f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it.")
+        raise ConfigError(
+            f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it."
+        )
     first = teacher_tok.decode(data.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
-    return Prepared(cfg, mode, task, teacher_tok, proxy_tok, student_tok, messages, answers, eval_messages, eval_answers,
-                    dropped, first)  # fmt: skip
+    return Prepared(
+        cfg,
+        mode,
+        task,
+        teacher_tok,
+        proxy_tok,
+        student_tok,
+        messages,
+        answers,
+        eval_messages,
+        eval_answers,
+        dropped,
+        first,
+    )
 
 
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-

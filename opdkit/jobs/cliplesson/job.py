@@ -57,16 +57,37 @@ def arms(cfg: ClipLessonConfig) -> list[Arm]:
     ]
     if cfg.ablations:
         out += [
-            Arm("clip-at-noclip-lr", cfg.clip_mode, {**extra, "learning_rate": noclip.learning_rate},
-                noclip.learning_rate, clip.max_grad_norm),
-            Arm("noclip-at-clip-lr", cfg.noclip_mode, {**extra, "learning_rate": clip.learning_rate},
-                clip.learning_rate, noclip.max_grad_norm),
-        ]  # fmt: skip
+            Arm(
+                "clip-at-noclip-lr",
+                cfg.clip_mode,
+                {**extra, "learning_rate": noclip.learning_rate},
+                noclip.learning_rate,
+                clip.max_grad_norm,
+            ),
+            Arm(
+                "noclip-at-clip-lr",
+                cfg.noclip_mode,
+                {**extra, "learning_rate": clip.learning_rate},
+                clip.learning_rate,
+                noclip.max_grad_norm,
+            ),
+        ]
     if cfg.sgd_arms:
-        sgd = {**extra, "optim": "sgd", "optim_args": f"momentum={cfg.sgd_momentum}", "learning_rate": cfg.sgd_lr}
+        sgd = {
+            **extra,
+            "optim": "sgd",
+            "optim_args": f"momentum={cfg.sgd_momentum}",
+            "learning_rate": cfg.sgd_lr,
+        }
         out += [
-            Arm("sgd-clip", cfg.clip_mode, {**sgd, "max_grad_norm": clip.max_grad_norm}, cfg.sgd_lr,
-                clip.max_grad_norm, "sgd"),
+            Arm(
+                "sgd-clip",
+                cfg.clip_mode,
+                {**sgd, "max_grad_norm": clip.max_grad_norm},
+                cfg.sgd_lr,
+                clip.max_grad_norm,
+                "sgd",
+            ),
             Arm("sgd-noclip", cfg.clip_mode, {**sgd, "max_grad_norm": 0.0}, cfg.sgd_lr, 0.0, "sgd"),
         ]
     return out
@@ -104,8 +125,10 @@ def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDi
         over["eval_size"] = cfg.eval_size
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
-    print0(f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
-           f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}")  # fmt: skip
+    print0(
+        f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
+        f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}"
+    )
     return whitebox.run(arm.mode, over)
 
 
@@ -134,8 +157,13 @@ def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
                 results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
     lesson.write_summary(summarise(results))
     tracker = tracking.Tracker.start(cfg.report_to, lesson, config=to_dict(cfg))
-    tracker.table("arms", [{"arm": name, **{k: v for k, v in entry.items() if k != "seeds"}}
-                           for name, entry in lesson.read_summary().items()])  # fmt: skip
+    tracker.table(
+        "arms",
+        [
+            {"arm": name, **{k: v for k, v in entry.items() if k != "seeds"}}
+            for name, entry in lesson.read_summary().items()
+        ],
+    )
     tracker.finish()
     return lesson
 
@@ -151,8 +179,20 @@ def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:
     out = []
     for name, path in pairs:
         c = _load_run_config(Path(path))
-        out.append((Arm(name, c.get("mode", "?"), {}, c["learning_rate"], c["max_grad_norm"],
-                        "sgd" if c.get("optim") == "sgd" else "adamw"), path, int(c.get("seed", 0))))  # fmt: skip
+        out.append(
+            (
+                Arm(
+                    name,
+                    c.get("mode", "?"),
+                    {},
+                    c["learning_rate"],
+                    c["max_grad_norm"],
+                    "sgd" if c.get("optim") == "sgd" else "adamw",
+                ),
+                path,
+                int(c.get("seed", 0)),
+            )
+        )
     return out
 
 

@@ -40,12 +40,24 @@ def _fmt(v, pct=False) -> str:
 
 
 def summary_table_html(summary: dict) -> str:
-    cols = ["optimizer", "learning_rate", "clipping", "median_grad_norm", "max_grad_norm", "clipped_steps",
-            "max_loss", "final_loss", "final_accuracy", "first_nonfinite_step"]  # fmt: skip
+    cols = [
+        "optimizer",
+        "learning_rate",
+        "clipping",
+        "median_grad_norm",
+        "max_grad_norm",
+        "clipped_steps",
+        "max_loss",
+        "final_loss",
+        "final_accuracy",
+        "first_nonfinite_step",
+    ]
     head = "".join(f"<th>{c}</th>" for c in ["arm", *cols])
     rows = []
     for name, e in summary.items():
-        cells = [_fmt(e[c], pct=c == "final_accuracy") if isinstance(e[c], float) else str(e[c]) for c in cols]
+        cells = [
+            _fmt(e[c], pct=c == "final_accuracy") if isinstance(e[c], float) else str(e[c]) for c in cols
+        ]
         rows.append(f"<tr><td><b>{name}</b></td>{''.join(f'<td>{c}</td>' for c in cells)}</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
@@ -69,7 +81,9 @@ def explain(summary: dict) -> str:
     line("sgd-clip", "sgd-noclip", "SGD with momentum, same learning rate: clipping alone")
     seeds = {n: [s.get("final_accuracy") for s in e.get("seeds", {}).values()] for n, e in summary.items()}
     if any(len(v) > 1 for v in seeds.values()):
-        lines.append("- per seed: " + "; ".join(f"{n} {[_fmt(a, True) for a in v]}" for n, v in seeds.items()))
+        lines.append(
+            "- per seed: " + "; ".join(f"{n} {[_fmt(a, True) for a in v]}" for n, v in seeds.items())
+        )
     return "\n".join(lines)
 
 
@@ -90,13 +104,18 @@ def spike(lesson: RunDir, arm: str | None = None, n: int = 8) -> tuple[str, int 
     summary = lesson.read_summary()
     arm = arm or ("noclip" if "noclip" in summary else next(iter(summary)))
     step, near = spike_samples(summary, arm)
-    fig = plots.samples_figure(near[:n], path=lesson.figure("spike_samples"), title=f"{arm}, steps around {step}")
+    fig = plots.samples_figure(
+        near[:n], path=lesson.figure("spike_samples"), title=f"{arm}, steps around {step}"
+    )
     return arm, step, plots.samples_html(near[:n]), fig
 
 
 def arm_samples(lesson: RunDir) -> dict[str, list[dict]]:
     """samples.jsonl of each arm's first seed, for the step browser."""
-    return {name: RunDir.attach(e["run_dir"]).read_jsonl("samples.jsonl") for name, e in lesson.read_summary().items()}
+    return {
+        name: RunDir.attach(e["run_dir"]).read_jsonl("samples.jsonl")
+        for name, e in lesson.read_summary().items()
+    }
 
 
 def figures(lesson: RunDir) -> None:

@@ -21,7 +21,9 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
     """The task's holdout prompts (math: the tail `holdout_fraction` of the seed-shuffled dataset, first
     `subset_size` of them; tiny: its own problem stream), with the system prompt."""
     task = tasks.for_dataset(cfg.dataset_path)
-    ds = task.holdout_prompts(cfg.dataset_path, cfg.dataset_split, cfg.holdout_fraction, cfg.subset_size, cfg.seed)
+    ds = task.holdout_prompts(
+        cfg.dataset_path, cfg.dataset_split, cfg.holdout_fraction, cfg.subset_size, cfg.seed
+    )
     if len(ds) == 0:
         raise ConfigError(
             f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
@@ -71,7 +73,9 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
         return [*prompt, {"role": "assistant", "content": value}]
     messages = data.as_messages(value, i, column)
     if messages[-1]["role"] != "assistant":
-        raise ConfigError(f"row {i} of {column!r} does not end with an assistant turn; a trace needs the answer.")
+        raise ConfigError(
+            f"row {i} of {column!r} does not end with an assistant turn; a trace needs the answer."
+        )
     return messages
 
 
@@ -93,9 +97,16 @@ def generate_batch(
         budget = min(budget, cfg.max_length - min(len(x) for x in prompt_ids))
     eos = eos_ids(tok, teacher)
     r = rollout.sample(
-        teacher, prompts_BP, mask_BP, eos_token_id=eos, pad_token_id=tok.pad_token_id, max_new_tokens=budget,
-        temperature=cfg.gen_temperature or 1.0, top_p=cfg.gen_top_p, do_sample=cfg.gen_temperature > 0,
-    )  # fmt: skip
+        teacher,
+        prompts_BP,
+        mask_BP,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=budget,
+        temperature=cfg.gen_temperature or 1.0,
+        top_p=cfg.gen_top_p,
+        do_sample=cfg.gen_temperature > 0,
+    )
     out = []
     for b, ids in enumerate(prompt_ids):
         keep = int(r.completion_mask_BC[b].sum())
@@ -119,24 +130,34 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     local: list[tuple[int, str, bool, list[int]]] = []
     for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
         batch = mine[s : s + cfg.gen_batch_size]
-        local += [(i, *done) for i, done in zip(batch, generate_batch(teacher, tok, [ids[i] for i in batch], cfg))]
+        local += [
+            (i, *done) for i, done in zip(batch, generate_batch(teacher, tok, [ids[i] for i in batch], cfg))
+        ]
     del teacher
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     check, answers = prep.task.check, list(prep.prompts["answer"])
     return [
-        {"messages": [*messages[i], {"role": "assistant", "content": text}], "answer": answers[i],
-         "correct": check(text, answers[i]) if answers[i] else None, "truncated": truncated,
-         "teacher_ids": (ids[i], completion)}
+        {
+            "messages": [*messages[i], {"role": "assistant", "content": text}],
+            "answer": answers[i],
+            "correct": check(text, answers[i]) if answers[i] else None,
+            "truncated": truncated,
+            "teacher_ids": (ids[i], completion),
+        }
         for i, text, truncated, completion in sorted(_gather(local, world))
-    ]  # fmt: skip
+    ]
 
 
 def teacher_tokens(record: dict) -> dict:
     """A generated trace as the teacher wrote it: its prompt ids (the teacher's chat template) then its completion
     ids, labels on the completion only (its stop token included when it finished, nothing invented when not)."""
     prompt, completion = record["teacher_ids"]
-    return {**record, "input_ids": [*prompt, *completion], "labels": [sft.IGNORE] * len(prompt) + list(completion)}
+    return {
+        **record,
+        "input_ids": [*prompt, *completion],
+        "labels": [sft.IGNORE] * len(prompt) + list(completion),
+    }
 
 
 def _gather(local: list, world: int) -> list:
@@ -150,18 +171,28 @@ def _gather(local: list, world: int) -> list:
 def supplied_records(cfg: SaveGradConfig, prep) -> list[dict]:
     check = prep.task.check
     return [
-        {**t, "correct": check(t["messages"][-1]["content"], t["answer"]) if t["answer"] else None, "truncated": None}
+        {
+            **t,
+            "correct": check(t["messages"][-1]["content"], t["answer"]) if t["answer"] else None,
+            "truncated": None,
+        }
         for t in prep.traces
     ]
 
 
-def traces_for(cfg: SaveGradConfig, prep, run: RunDir, rank: int, world: int, device: torch.device) -> list[dict]:
+def traces_for(
+    cfg: SaveGradConfig, prep, run: RunDir, rank: int, world: int, device: torch.device
+) -> list[dict]:
     """All traces with proxy tokens, in every process: resumed from the run, supplied, or written now."""
     saved = run.path / traces.TRACES_DIR
     if cfg.resume and saved.is_dir():
         print0(f"resume: reusing the traces in {saved}")
         return list(datasets.load_from_disk(str(saved)))
-    records = supplied_records(cfg, prep) if prep.traces is not None else teacher_traces(cfg, prep, rank, world, device)
+    records = (
+        supplied_records(cfg, prep)
+        if prep.traces is not None
+        else teacher_traces(cfg, prep, rank, world, device)
+    )
     if cfg.proxy_tokens == "teacher":
         records = [teacher_tokens(r) for r in records]
     else:
@@ -170,5 +201,3 @@ def traces_for(cfg: SaveGradConfig, prep, run: RunDir, rank: int, world: int, de
     if rank == 0:
         traces.save_traces(saved, records)
     return records
-
-

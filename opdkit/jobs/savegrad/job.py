@@ -75,12 +75,16 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking, 0)
-        return Prepared(cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels))
+        return Prepared(
+            cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels)
+        )
     prompts = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
     if cfg.proxy_tokens == "teacher":
         check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
-    prompts, dropped = data.filter_long_prompts(prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    prompts, dropped = data.filter_long_prompts(
+        prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
+    )
     collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, teacher_tok)
     return Prepared(cfg, mode, task, proxy_tok, teacher_tok, prompts, None, dropped, first)
@@ -95,7 +99,9 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
         "traces": cfg.traces_path or TRACES_DIR,
         "tokenizer_fingerprint": gradfile.tokenizer_fingerprint(prep.proxy_tokenizer),
         "num_traces": stats["num_traces"],
-        "truncated_traces": stats["truncated_traces"],  # their labels end where the teacher stopped, no end of turn
+        "truncated_traces": stats[
+            "truncated_traces"
+        ],  # their labels end where the teacher stopped, no end of turn
         "completion_tokens": stats["completion_tokens"],
         "normalization": cfg.normalization,
         "proxy_tokens": cfg.proxy_tokens,
@@ -140,13 +146,22 @@ def _share_cpu(world: int, device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def proxy_gradient(cfg: SaveGradConfig, prep: Prepared, records: list[dict], run: RunDir, rank: int, world: int,
-                   device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+def proxy_gradient(
+    cfg: SaveGradConfig,
+    prep: Prepared,
+    records: list[dict],
+    run: RunDir,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """The fp32 proxy's mean gradient over all traces; a non-finite one marks the run failed, then raises."""
     proxy = load_model(cfg.proxy_model, torch.float32, device)
     pad = prep.proxy_tokenizer.pad_token_id
     try:
-        return grads.mean_completion_grad(proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0)
+        return grads.mean_completion_grad(
+            proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0
+        )
     except grads.NonFiniteGradient as exc:
         run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
         raise
@@ -165,7 +180,9 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     run = RunDir.attach(run_path)
     run.write_env(world_size=world)
     records = traces_for(cfg, prep, run, rank, world, device)
-    print0(f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}")
+    print0(
+        f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}"
+    )
     named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
     stats = {**stats, "truncated_traces": truncated_count(records)}
     if rank == 0:
@@ -173,7 +190,9 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     summary = summarize(records, stats, prep, world, time.time() - t0)
     run.write_summary(summary)
     track(cfg, run, summary, records)
-    print0(f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}")
+    print0(
+        f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}"
+    )
     state.wait_for_everyone()
 
 
@@ -181,8 +200,18 @@ def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], 
     """The summary's numbers and the first `rows` traces as a table, to the `report_to` tracker (rank 0)."""
     tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
     tracker.log(summary, step=0)
-    tracker.table("traces", [{"prompt": r["messages"][-2]["content"], "trace": r["messages"][-1]["content"],
-                              "answer": r.get("answer"), "correct": r.get("correct")} for r in records[:rows]])  # fmt: skip
+    tracker.table(
+        "traces",
+        [
+            {
+                "prompt": r["messages"][-2]["content"],
+                "trace": r["messages"][-1]["content"],
+                "answer": r.get("answer"),
+                "correct": r.get("correct"),
+            }
+            for r in records[:rows]
+        ],
+    )
     tracker.finish()
 
 
@@ -197,7 +226,9 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.savegrad import report
 
-    run_from_cli(JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", run, report.figures, argv)
+    run_from_cli(
+        JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", run, report.figures, argv
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ def show_traces(run: RunDir, n: int = 4) -> str:
     tok = load_tokenizer(run.read_config()["proxy_model"])
     blocks = []
     for i, row in enumerate(ds.select(range(min(n, len(ds))))):
-        head = (f"trace {i} · answer {row['answer']!r} · correct {row['correct']} · "
-                f"{grads.completion_token_count(row['labels'])} completion tokens")  # fmt: skip
+        head = (
+            f"trace {i} · answer {row['answer']!r} · correct {row['correct']} · "
+            f"{grads.completion_token_count(row['labels'])} completion tokens"
+        )
         blocks.append(f"{head}\n{format_trace(tok, row['input_ids'], row['labels'])}")
     return "\n\n".join(blocks)
 
@@ -48,7 +50,9 @@ def layer_norm_bars(run: RunDir):
     layers = grads.norms_by_layer(gradfile.read_meta(run.path)["tensor_norms"])
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 3.4))
     ax.bar(range(len(layers)), list(layers.values()), color="#3a7")
-    ax.set_xticks(range(len(layers)), [k.removeprefix("model.") for k in layers], rotation=60, ha="right", fontsize=8)
+    ax.set_xticks(
+        range(len(layers)), [k.removeprefix("model.") for k in layers], rotation=60, ha="right", fontsize=8
+    )
     ax.set_ylabel("gradient norm")
     ax.set_yscale("log")
     ax.set_title("proxy gradient norm per layer", fontsize=10)
@@ -64,10 +68,15 @@ def largest_tensors(run: RunDir, k: int = 10) -> list[dict]:
     total = sum(v**2 for v in norms.values()) or 1.0
     top = sorted(norms, key=norms.get, reverse=True)[:k]
     return [
-        {"tensor": name, "shape": tuple(shapes[name]), "norm": norms[name], "share": norms[name] ** 2 / total,
-         "rms": norms[name] / max(1, _numel(shapes[name])) ** 0.5}
+        {
+            "tensor": name,
+            "shape": tuple(shapes[name]),
+            "norm": norms[name],
+            "share": norms[name] ** 2 / total,
+            "rms": norms[name] / max(1, _numel(shapes[name])) ** 0.5,
+        }
         for name in top
-    ]  # fmt: skip
+    ]
 
 
 def _numel(shape: list[int]) -> int:

@@ -50,16 +50,22 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     cfg = load_config(JOB, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
-    prompts = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    msgs, answers = ([], []) if cfg.eval_size == 0 else task.eval_rows(
+    prompts = task.train_prompts(
         cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
-    )  # fmt: skip
+    )
+    msgs, answers = (
+        ([], [])
+        if cfg.eval_size == 0
+        else task.eval_rows(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
+    )
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
     prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
-    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers as the original
+    engines.check_available(
+        cfg.rollout_engine
+    )  # an import check, after the data and tokenizers as the original
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
 
 
@@ -82,12 +88,14 @@ def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | 
     if mine:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             comps = evaluate.greedy_completions(
-                model, tok, [messages[i] for i in mine],
+                model,
+                tok,
+                [messages[i] for i in mine],
                 max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                 batch_size=cfg.eval_batch_size,
                 enable_thinking=cfg.enable_thinking,
                 progress=rank == 0,
-            )  # fmt: skip
+            )
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
         t = torch.tensor([correct], dtype=torch.float64, device=device)
@@ -162,18 +170,30 @@ def train_process(
     tok = prep.tokenizer
     student = load_model(cfg.student_model, torch.float32, args.device)
     teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, args.device)
-    print0(f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
-           f"{world} process(es) on {args.device}")  # fmt: skip
+    print0(
+        f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
+        f"{world} process(es) on {args.device}"
+    )
 
     acc = lambda m: sharded_accuracy(m, prep, world, rank)  # noqa: E731
     resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
-    before = run.read_summary().get("student_accuracy_before") if resumed and (run.path / "summary.json").exists() else None
+    before = (
+        run.read_summary().get("student_accuracy_before")
+        if resumed and (run.path / "summary.json").exists()
+        else None
+    )
     teacher_acc = acc(teacher)
     if before is None:
         before = acc(student)
     print0(f"accuracy before: teacher {teacher_acc}, student {before}")
-    run.write_summary({"student_accuracy_before": before, "teacher_accuracy": teacher_acc,
-                       "accuracy_precision": accuracy_precision(cfg), "status": "training"})  # fmt: skip
+    run.write_summary(
+        {
+            "student_accuracy_before": before,
+            "teacher_accuracy": teacher_acc,
+            "accuracy_precision": accuracy_precision(cfg),
+            "status": "training",
+        }
+    )
 
     trainer = DistillTrainer(
         model=student,
@@ -189,7 +209,9 @@ def train_process(
     tracking.report_samples(trainer, cfg.report_to, run)
     live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
     if cfg.eval_steps and prep.eval_messages:
-        add_step_accuracy(trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps)
+        add_step_accuracy(
+            trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps
+        )
     if resumed:
         _truncate_metrics(run, trainer)
     trainer.train(resume_from_checkpoint=True if resumed else None)
@@ -219,7 +241,9 @@ def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
     if trainer.is_fsdp_enabled:
         print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
         return
-    trainer.add_callback(StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log))
+    trainer.add_callback(
+        StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log)
+    )
 
 
 def trained_student(trainer: DistillTrainer, saved: Path):
@@ -246,7 +270,10 @@ def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
 
 
 def run(
-    mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None, callbacks: list | None = None
+    mode: str = "tiny",
+    overrides: dict | None = None,
+    prepared: Prepared | None = None,
+    callbacks: list | None = None,
 ) -> RunDir:
     """Prepare, create the run directory, launch the processes; returns the run directory.
 

@@ -1,6 +1,6 @@
 """What a finished 02_whitebox run shows: its curves, accuracies and sampled completions.
 
-    curves(run); accuracy(run); html, fig = samples(run)          # each figure saved under figures/
+curves(run); accuracy(run); html, fig = samples(run)          # each figure saved under figures/
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from opdkit.runs import RunDir
 def curves(run: RunDir):
     """Loss, pre-clip gradient norm (with the clip threshold), completion length and entropy per step."""
     config = run.read_config()
-    return plots.training_curves(run, max_grad_norm=config.get("max_grad_norm"),
-                                 title=f"02_whitebox · {config.get('mode', '')}")  # fmt: skip
+    return plots.training_curves(
+        run, max_grad_norm=config.get("max_grad_norm"), title=f"02_whitebox · {config.get('mode', '')}"
+    )
 
 
 def accuracy(run: RunDir):
