@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from opdkit import engines, losses, rollout, sharding
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
+from opdkit.opd_args import OPDArguments
 from opdkit.runs import RunDir
 
 
@@ -66,69 +66,6 @@ def student_divergence(
     with torch.autocast(s_hidden_NH.device.type, enabled=False):
         out = losses.chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, teacher_head_VH, **divergence)
     return out.sum, out.per_token_N, out.student_entropy_N
-
-
-def _arg(default, help: str, **range_):
-    return field(default=default, metadata={"help": help, **range_})
-
-
-@dataclass
-class OPDArguments(TrainingArguments):
-    """`TrainingArguments` plus on-policy distillation's own settings, as TRL's `GKDConfig` extends its
-    `SFTConfig`; `DistillTrainer` reads them from `self.args`. Rollouts are seeded by (`seed`, step, rank)."""
-
-    beta: float = _arg(
-        1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
-    )
-    kl_temperature: float = _arg(1.0, "temperature both distributions are compared at", min=1e-3)
-    gen_temperature: float = _arg(1.0, "sampling temperature of the student's rollouts", min=1e-3)
-    gen_top_p: float = _arg(
-        1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
-    )
-    max_new_tokens: int = _arg(128, "completion length the student samples", min=1)
-    loss_chunk_size: int = _arg(1024, "completion tokens per chunk of the divergence", min=1)
-    sample_every: int = _arg(0, "log a few sampled completions every this many steps; 0 never", min=0)
-    samples_per_log: int = _arg(4, "completions logged each time", min=1)
-    save_rollouts: bool = _arg(
-        False, "keep every step's prompts and completions in rollouts/ (token ids, per process)"
-    )
-    rollout_engine: str = _arg(
-        "hf",
-        "what samples the rollouts: hf, the kit's KV-cached loop; vllm, a vLLM engine colocated in every "
-        "process, synced with the student once per optimizer step",
-        choices=engines.ENGINES,
-    )
-    vllm_gpu_memory_utilization: float = _arg(
-        0.3,
-        "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
-        min=0.01,
-        max=1.0,
-    )
-    vllm_max_model_len: int = _arg(
-        0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in (
-            "beta",
-            "kl_temperature",
-            "gen_temperature",
-            "gen_top_p",
-            "max_new_tokens",
-            "loss_chunk_size",
-            "sample_every",
-            "samples_per_log",
-            "vllm_gpu_memory_utilization",
-            "vllm_max_model_len",
-        ):
-            meta, value = self.__dataclass_fields__[name].metadata, getattr(self, name)
-            if ("min" in meta and value < meta["min"]) or ("max" in meta and value > meta["max"]):
-                raise ValueError(
-                    f"{name}={value!r} is outside [{meta.get('min')}, {meta.get('max')}] ({meta['help']})."
-                )
-        if self.rollout_engine not in engines.ENGINES:
-            raise ValueError(f"rollout_engine={self.rollout_engine!r} is not one of {list(engines.ENGINES)}.")
 
 
 @dataclass
@@ -393,49 +330,6 @@ class DistillTrainer(Trainer):
                 self.run.log(s, "samples.jsonl")
         self._step_samples = []
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
-
-
-class GradientDump(TrainerCallback):
-    """Debugging aid: save the gradient the optimizer is about to apply at `at_step` (accumulated,
-    averaged over processes, gathered to full tensors under FSDP; clipped if clipping is on) on rank 0."""
-
-    def __init__(self, path: str, at_step: int = 1):
-        self.path, self.at_step = path, at_step
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if state.global_step + 1 != self.at_step:
-            return
-        # Every rank takes part: gathering a sharded gradient is a collective.
-        grads = {
-            n: sharding.full_tensor(p.grad).detach().cpu().clone()
-            for n, p in model.named_parameters()
-            if p.grad is not None
-        }
-        if args.process_index == 0:
-            torch.save(grads, self.path)
-
-
-class StepAccuracy(TrainerCallback):
-    """Every `every` optimizer steps, `measure(model)` (greedy accuracy on a held-out slice, all processes
-    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers)."""
-
-    def __init__(self, measure: Callable, every: int, log: Callable[[dict], None]):
-        self.measure, self.every, self.log = measure, every, log
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if not self.every or state.global_step % self.every:
-            return
-        was_training = model.training
-        model.eval()
-        try:
-            value = self.measure(model)
-        finally:
-            model.train(was_training)
-        if value is not None:
-            should_log = control.should_log  # logging resets it, and the step's own record is still due
-            self.log({"eval_accuracy": value})
-            control.should_log = should_log
-        return control
 
 
 class _NonFiniteStop(TrainerCallback):

@@ -91,7 +91,7 @@ def ads_token_explorer(
     tokens ADS changed highlighted. `compare(index, lam, seed, method)` is `antidistill.TokenLens.compare`."""
     import ipywidgets as w
 
-    from opdkit.plots import token_changes_html
+    from opdkit.ads_plots import token_changes_html
 
     prompt = w.Dropdown(options=[(p, i) for i, p in enumerate(prompts)], value=0, description="prompt")
     lam = w.SelectionSlider(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from opdkit import ads, gradfile, grads, models, plots, rollout, sft, tasks, tiny, traces
+from opdkit import ads, ads_plots, coupled, gradfile, grads, models, rollout, sft, tasks, tiny, traces
 from opdkit.config import AntidistillationConfig, ConfigError, load_config
 from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import report, steering, students
@@ -414,16 +414,16 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
     # up to the first change the two traces are the same tokens, drawn with the same noise
     assert moved["completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
     assert moved["plain_completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
-    html = plots.token_changes_html(moved)
+    html = ads_plots.token_changes_html(moved)
     assert "plain sampling drew" in html
-    fig = plots.token_changes_figure([same, moved])
+    fig = ads_plots.token_changes_figure([same, moved])
     assert fig.axes
 
 
 def test_coupled_sampling_at_lambda_zero_is_a_sample_of_the_teacher(teacher, tok):
     """Gumbel-max with shared noise: at λ 0 both draws agree, and the trace is a valid completion."""
     ids = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]])[0][0].tolist()
-    steps = ads.coupled_sample(
+    steps = coupled.coupled_sample(
         teacher,
         None,
         ids,
@@ -524,8 +524,8 @@ def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
     assert got["a2"]["gap"] is None  # below the temperature sweep's range: no extrapolation
     text = report.explain(summary)
     assert "10.0 points lower" in text and "no comparison" in text and "mean gap -10.0 points" in text
-    assert [c["temperature"] for c in plots.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
-    assert [c["lam"] for c in plots.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
+    assert [c["temperature"] for c in ads_plots.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
+    assert [c["lam"] for c in ads_plots.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
 
 
 @pytest.mark.parametrize("method", ["fd", "jvp"])

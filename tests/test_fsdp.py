@@ -16,8 +16,8 @@ from test_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit import sharding
+from opdkit.callbacks import GradientDump
 from opdkit.config import ConfigError, available_modes, load_config
-from opdkit.trainer import GradientDump
 
 TESTS = Path(__file__).resolve().parent
 # Clipping on (the tiny step-1 norm is ~13), two steps, a checkpoint after each.
@@ -96,7 +96,7 @@ def run_two_fsdp_processes(
         sys.path.insert(0, {str(TESTS)!r})
         from test_fsdp import ReshardAfterEveryForward, ShardingProbe, spy_on_head_weight
         from opdkit.jobs import whitebox
-        from opdkit.trainer import GradientDump
+        from opdkit.callbacks import GradientDump
         spy_on_head_weight()
         callbacks = [GradientDump({str(out) + ".pt"!r}), GradientDump({str(out) + ".2.pt"!r}, at_step=2),
                      ShardingProbe({str(out)!r})]

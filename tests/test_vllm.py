@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM
 pytest.importorskip("vllm")
 
 from opdkit import data, engines, losses, rollout, tiny  # noqa: E402
+from opdkit.callbacks import GradientDump  # noqa: E402
 from opdkit.jobs import whitebox  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
-from opdkit.trainer import DistillTrainer, GradientDump  # noqa: E402
+from opdkit.trainer import DistillTrainer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -260,7 +261,7 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
-        from opdkit.trainer import GradientDump
+        from opdkit.callbacks import GradientDump
         if __name__ == "__main__":
             whitebox.run("tiny", {over!r}, callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
     """)

@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from opdkit import losses, rollout, tiny
+from opdkit.callbacks import GradientDump
 from opdkit.config import ConfigError
 from opdkit.jobs import whitebox
 from opdkit.models import TokenizerMismatch
-from opdkit.trainer import GradientDump
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
 # different batch shapes see the same completions.
@@ -117,7 +117,7 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
-        from opdkit.trainer import GradientDump
+        from opdkit.callbacks import GradientDump
         over = {common!r}
         whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
                      callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opdkit import ads, data, tasks
+from opdkit import coupled, data, tasks
 from opdkit.jobs.antidistill.job import GRADS_DIR, load_run_config
 from opdkit.jobs.antidistill.steering import load_models
 from opdkit.jobs.antidistill.sweep import GRADIENTS, Prepared, device, training_prompts
@@ -21,7 +21,7 @@ class TokenLens:
         lens = TokenLens(run)
         c = lens.compare(0, lam=0.1, seed=0)   # {"tokens": [{"text", "plain_text", "changed", ...}], ...}
 
-    ADS and plain sampling share their random noise at every step (`ads.coupled_sample`), so a token is
+    ADS and plain sampling share their random noise at every step (`coupled.coupled_sample`), so a token is
     marked changed exactly where the ADS term moved the draw; the trace goes on with the ADS token.
     """
 
@@ -49,7 +49,7 @@ class TokenLens:
         ids = data.prompt_ids(self.tokenizer, self.messages[index], cfg.enable_thinking)
         tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
         direction = self.models.direction(GRADIENTS[method]) if lam else None
-        return ads.coupled_sample(
+        return coupled.coupled_sample(
             self.models.teacher,
             direction,
             ids,

@@ -6,7 +6,7 @@ against the temperature sweep at the same teacher accuracy, in sentences built f
 
 from __future__ import annotations
 
-from opdkit import plots
+from opdkit import ads_plots
 from opdkit.runs import RunDir
 
 
@@ -96,7 +96,7 @@ def _error_lines(summary: dict) -> list[str]:
             if p["method"] == method and p.get("errors")
         ]
         if shares:
-            label = plots.ADS_LABELS.get(method, method)
+            label = ads_plots.ADS_LABELS.get(method, method)
             out.append(
                 f"- {label}: {min(shares):.1%} to {max(shares):.1%} of the traces have a wrong answer that "
                 "contradicts their own working (the rest of the wrong ones follow from a slip in it)."
@@ -115,7 +115,7 @@ def explain(summary: dict) -> str:
             "`resume=True` with the same run_dir runs it again."
         )
     for gp in gaps(summary):
-        label = plots.ADS_LABELS.get(gp["method"], gp["method"])
+        label = ads_plots.ADS_LABELS.get(gp["method"], gp["method"])
         where = (
             f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
             f"student {_pct(gp['student_accuracy'])}"
@@ -137,7 +137,7 @@ def explain(summary: dict) -> str:
         known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
         if known:
             lines.append(
-                f"- {plots.ADS_LABELS.get(method, method)}: mean gap {sum(known) / len(known) * 100:+.1f} points "
+                f"- {ads_plots.ADS_LABELS.get(method, method)}: mean gap {sum(known) / len(known) * 100:+.1f} points "
                 f"over {len(known)} comparable point(s) (negative favours ADS)."
             )
     lines.append(
@@ -149,12 +149,12 @@ def explain(summary: dict) -> str:
 
 def tradeoff(run: RunDir):
     """Teacher accuracy (x) against the distilled students' held-out accuracy (y), one curve per sweep."""
-    return plots.tradeoff(run.read_summary(), path=run.figure("tradeoff"))
+    return ads_plots.tradeoff(run.read_summary(), path=run.figure("tradeoff"))
 
 
 def tradeoff_loss(run: RunDir):
     """Teacher accuracy against the students' NLL on the gradient's held-out traces."""
-    return plots.tradeoff_loss(run.read_summary(), path=run.figure("tradeoff_holdout_loss"))
+    return ads_plots.tradeoff_loss(run.read_summary(), path=run.figure("tradeoff_holdout_loss"))
 
 
 def figures(run: RunDir) -> None:

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
+from opdkit.callbacks import StepAccuracy
 from opdkit.cli import run_from_cli
 from opdkit.config import WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
-from opdkit.trainer import DistillTrainer, OPDArguments, StepAccuracy
+from opdkit.trainer import DistillTrainer, OPDArguments
 
 JOB = "02_whitebox"
 
