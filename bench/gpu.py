@@ -294,7 +294,8 @@ def summary(r: dict) -> str:
     for name, o in r["opd"].items():
         vllm, trl = o.get("opdkit-vllm", {}).get("tokens_per_s"), o.get("trl", {}).get("tokens_per_s")
         lines.append(
-            f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | {cell(vllm, '.4g')} | "
+            f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | "
+            f"{cell(vllm, '.4g')} | "
             f"{cell(trl, '.4g')} | {cell(o.get('ratio_opdkit_over_trl'), '.2f')} | "
             f"{cell(o.get('ratio_vllm_over_hf'), '.2f')} |"
         )

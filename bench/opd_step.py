@@ -2,14 +2,13 @@
 
     python -m bench.run --only P1 --reps 5
 
-Both sides get the same student and teacher (the shipped tiny world by default; see `load_models`
-for random Qwen3s and stand-ins of the published sizes), the same tiny-task prompts, batch size, completion length, sampling
-(temperature 1, top-p 1, no top-k), reverse KL (beta 1), AdamW, constant learning rate, clipping at
-1.0, float32, no gradient checkpointing, one process. Each optimizer step samples one completion per
-prompt with the student's KV cache, scores it with both models and steps once. After `warmup` steps,
-`steps` steps are timed; completion tokens (up to and including the first EOS) are counted with the
-same mask from what each side's sampler returns (TRL: `generate`, opdkit: `rollout.sample`), so
-tokens/s means the same thing.
+Both sides get the same student and teacher (the shipped tiny world by default; see `load_models` for random
+Qwen3s and stand-ins of the published sizes), the same tiny-task prompts, batch size, completion length,
+sampling (temperature 1, top-p 1, no top-k), reverse KL (beta 1), AdamW, constant learning rate, clipping at
+1.0, float32, no gradient checkpointing, one process. Each optimizer step samples one completion per prompt
+with the student's KV cache, scores it with both models and steps once. After `warmup` steps, `steps` steps
+are timed; completion tokens (up to and including the first EOS) are counted with the same mask from what each
+side's sampler returns (TRL: `generate`, opdkit: `rollout.sample`), so tokens/s means the same thing.
 """
 
 from __future__ import annotations

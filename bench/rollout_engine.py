@@ -1,7 +1,8 @@
 """P5: rollout completion tokens/s of the vLLM engine against the kit's own HF loop, and the tiny OPD
 optimizer step time with each engine.
 
-    python -m bench.run --only P5 --reps 5        # runs its workers with .venv-vllm/bin/python (make vllm-env)
+    # runs its workers with .venv-vllm/bin/python (make vllm-env)
+    python -m bench.run --only P5 --reps 5
 
 Rollout: both sides get the same random 42M-parameter Qwen3 stand-in (float32, hidden 512, 8 layers,
 vocabulary 32,768, saved as a Hugging Face folder because vLLM loads from one) and the same 64 random

@@ -82,7 +82,8 @@ def alternate(
             else:
                 samples[side].append(run_worker(bench, side, params, threads))
             log(
-                f"  {bench} {side} run {rep + 1}/{reps}: {_brief(samples[side][-1])} ({time.time() - t0:.0f}s)"
+                f"  {bench} {side} run {rep + 1}/{reps}: {_brief(samples[side][-1])} "
+                f"({time.time() - t0:.0f}s)"
             )
     return samples
 

@@ -2,8 +2,8 @@
 
     python -m bench.run --only P3,P4 --reps 5
 
-Both sides get the same random Qwen3 proxy (float32, Qwen3's vocabulary) and the same traces: random token ids with a
-prompt and a completion part and lengths spread like real reasoning traces, in generation order
+Both sides get the same random Qwen3 proxy (float32, Qwen3's vocabulary) and the same traces: random token ids
+with a prompt and a completion part and lengths spread like real reasoning traces, in generation order
 (unsorted), at the same batch size. The baseline is the ADS `save_grad.py` loop, re-implemented here
 faithfully (only here, never in the kit): left-padded batches in dataset order with labels -100 on
 padding and prompt (what `DataCollatorForCompletionOnlyLM` builds), `model(**batch).loss` (the
@@ -56,7 +56,8 @@ def proxy(p: dict) -> torch.nn.Module:
 
 
 def traces(p: dict) -> list[dict]:
-    """Rows {"input_ids", "labels"}: a prompt of 1/8 of the length (at least 8 tokens), then the completion."""
+    """Rows {"input_ids", "labels"}: a prompt of 1/8 of the length (at least 8 tokens), then the
+    completion."""
     gen = torch.Generator().manual_seed(p["seed"] + 1)
     rows = []
     for _ in range(p["traces"]):

@@ -8,7 +8,8 @@
 
 Each step the teacher samples from
 
-    softmax( top_p( top_k( (z_teacher + λ·Δ) / τ ) ) ),   Δ = (z_proxy(θ+εg) − z_proxy(θ−εg)) / 2ε ≈ ∂/∂ε z_proxy(θ+εg)|ε=0
+    softmax( top_p( top_k( (z_teacher + λ·Δ) / τ ) ) ),
+    Δ = (z_proxy(θ+εg) − z_proxy(θ−εg)) / 2ε ≈ ∂/∂ε z_proxy(θ+εg)|ε=0
 
 where z are next-token logits, θ the proxy's weights and g the saved gradient. `JVP` computes the same
 Δ exactly, with `torch.func.jvp` in direction g (no KV cache: for checks and small models).
@@ -76,7 +77,8 @@ def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         raise ValueError(
             f"the gradient does not fit the proxy: {len(missing)} parameter(s) without a gradient (e.g. "
             f"{missing[:2]}), {len(extra)} gradient(s) without a parameter (e.g. {extra[:2]}); load it with "
-            "opdkit.gradfile.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it belongs to."
+            "opdkit.gradfile.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it "
+            "belongs to."
         )
 
 
@@ -103,7 +105,8 @@ def _last_logits(model: torch.nn.Module, **kwargs) -> torch.Tensor:
 
 
 class _CachedLM:
-    """A causal LM run incrementally with its own KV cache: the whole (left-padded) prompt, then one token per step."""
+    """A causal LM run incrementally with its own KV cache: the whole (left-padded) prompt, then one token
+    per step."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -286,8 +289,8 @@ def ads_processors(
     top_p: float,
     top_k: int = 0,
 ) -> LogitsProcessorList:
-    """ADS term, then temperature, top-k and top-p (no warpers when greedy): the whole chain `ads_sample` uses,
-    in the order of transformers' `generate` with a custom logits processor (the ADS reference's)."""
+    """ADS term, then temperature, top-k and top-p (no warpers when greedy): the whole chain `ads_sample`
+    uses, in the order of transformers' `generate` with a custom logits processor (the ADS reference's)."""
     if lam != 0 and direction is None:
         raise ValueError(
             f"lam={lam} needs a direction (FiniteDifference or JVP); only lam=0 samples without one."

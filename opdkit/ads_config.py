@@ -86,14 +86,16 @@ class AntidistillationConfig(RunFields):
     )
     grad_scale: float = _f(
         1.0,
-        "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose saved "
-        "gradient is 1/8 of the mean (DDP already averages over its 8 processes and the reference divides again)",
+        "multiplies the loaded gradient g before ADS uses it; 0.125 reproduces the ADS reference, whose "
+        "saved gradient is 1/8 of the mean (DDP already averages over its 8 processes and the reference "
+        "divides again)",
         min=0.0,
     )
     eps: float = _f(1e-2, "finite-difference step along the gradient: proxies at θ+εg and θ−εg", min=1e-12)
     ads_method: str = _f(
         "fd",
-        "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache (small models)",
+        "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache "
+        "(small models)",
         choices=("fd", "jvp"),
     )
     gen_batch_size: int = _f(256, "prompts per generation batch", min=1)
@@ -105,7 +107,8 @@ class AntidistillationConfig(RunFields):
     )
     repeats: int = _f(
         1,
-        "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean is plotted",
+        "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean "
+        "is plotted",
         min=1,
     )
     sft_max_steps: int = _f(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
@@ -162,7 +165,8 @@ class AntidistillationConfig(RunFields):
             )
         if (self.lams or self.answer_lams) and not self.ads_temperatures:
             raise ConfigError(
-                "an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, e.g. [1.0]."
+                "an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, "
+                "e.g. [1.0]."
             )
         negative = [(n, v) for n in ("ads_temperatures", "temperatures") for v in getattr(self, n) if v < 0]
         if negative:

@@ -1,5 +1,5 @@
-"""Figures and HTML views of antidistillation: the trade-off of teacher against distilled-student accuracy, and
-which tokens ADS changed; each figure is also saved where `path` says.
+"""Figures and HTML views of antidistillation: the trade-off of teacher against distilled-student
+accuracy, and which tokens ADS changed; each figure is also saved where `path` says.
 
     fig = tradeoff(summary, path=run.figure("tradeoff"))
 """
@@ -89,7 +89,10 @@ def _token_span(t: dict) -> str:
     text = _html.escape(t["text"].replace("\n", "⏎"))
     if not t["changed"]:
         return f'<span title="p {t["p_ads"]:.3f}" style="font-family:monospace">{text}</span>'
-    tip = f"ADS p {t['p_ads']:.3f} (plain p {t['p_plain']:.3f}); plain sampling drew {t['plain_text']!r} (p {t['p_plain_choice']:.3f})"
+    tip = (
+        f"ADS p {t['p_ads']:.3f} (plain p {t['p_plain']:.3f}); plain sampling drew {t['plain_text']!r} "
+        f"(p {t['p_plain_choice']:.3f})"
+    )
     return (
         f'<span title="{_html.escape(tip)}" style="font-family:monospace;background:rgba(230,140,20,0.55);'
         f'border-bottom:2px solid #c60">{text}</span>'
@@ -106,7 +109,8 @@ def token_changes_html(c: dict) -> str:
     n = sum(t["changed"] for t in c["tokens"])
     plain = _html.escape(c["plain_completion"])
     return (
-        f'<div style="margin:6px 0"><b>{_html.escape(c["prompt"])}</b> · {ADS_LABELS.get(c.get("method", "ads"), "ADS")} '
+        f'<div style="margin:6px 0"><b>{_html.escape(c["prompt"])}</b> · '
+        f"{ADS_LABELS.get(c.get('method', 'ads'), 'ADS')} "
         f"λ {c['lam']:g} · τ {c['temperature']:g} · "
         f"seed {c['seed']} · {n} token(s) changed<br>"
         f'<span style="color:#666">plain&nbsp;</span><span style="font-family:monospace">{plain}</span>'

@@ -1,4 +1,5 @@
-"""Entry point: `python -m opdkit.antidistill --mode tiny` runs the 04_antidistill job (`opdkit.jobs.antidistill`)."""
+"""Entry point: `python -m opdkit.antidistill --mode tiny` runs the 04_antidistill job
+(`opdkit.jobs.antidistill`)."""
 
 from opdkit.jobs.antidistill.job import main
 

@@ -1,4 +1,5 @@
-"""Entry point: `python -m opdkit.cliplesson --mode tiny` runs the 03_clip_vs_noclip job (`opdkit.jobs.cliplesson`)."""
+"""Entry point: `python -m opdkit.cliplesson --mode tiny` runs the 03_clip_vs_noclip job
+(`opdkit.jobs.cliplesson`)."""
 
 from opdkit.jobs.cliplesson.job import main
 

@@ -64,7 +64,8 @@ class WhiteboxConfig(RunFields):
     warmup_ratio: float = _f(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
     optim: str = _f(
         "adamw_torch_fused",
-        "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the original), sgd, ...",
+        "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the "
+        "original), sgd, ...",
     )
     optim_args: str = _f("", "extra optimizer arguments, e.g. momentum=0.9 for sgd")
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
@@ -86,14 +87,14 @@ class WhiteboxConfig(RunFields):
     rollout_engine: str = _f(
         "hf",
         "what samples the student's rollouts, all of an optimizer step's prompts in one call: hf, the kit's "
-        "KV-cached loop; vllm, a vLLM engine colocated in every process (install the vllm extra), synced with "
-        "the student once per step",
+        "KV-cached loop; vllm, a vLLM engine colocated in every process (install the vllm extra), synced "
+        "with the student once per step",
         choices=("hf", "vllm"),
     )
     vllm_gpu_memory_utilization: float = _f(
         0.3,
-        "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, beside "
-        "the training (on CPU: the share of RAM given to its KV cache)",
+        "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, "
+        "beside the training (on CPU: the share of RAM given to its KV cache)",
         min=0.01,
         max=1.0,
     )
@@ -125,7 +126,8 @@ class SaveGradConfig(RunFields):
     dataset_split: str = _f("train", "split to read from a datasets folder or hub dataset")
     holdout_fraction: float = _f(
         1.0,
-        "the holdout is this fraction of the dataset, its tail after a shuffle by seed (tiny: its own problem stream)",
+        "the holdout is this fraction of the dataset, its tail after a shuffle by seed (tiny: its own "
+        "problem stream)",
         min=0.0,
         max=1.0,
     )
@@ -134,7 +136,8 @@ class SaveGradConfig(RunFields):
     traces_path: str = _f("", "existing traces (a datasets folder or data file) instead of generating them")
     trace_column: str = _f(
         "messages",
-        "column of traces_path: chat messages ending with the assistant's answer, or the answer text next to a prompt column",
+        "column of traces_path: chat messages ending with the assistant's answer, or the answer text next "
+        "to a prompt column",
     )
     max_prompt_length: int = _f(512, "longer holdout prompts are dropped (and counted)", min=1)
     max_new_tokens: int = _f(512, "trace length budget: tokens the teacher writes at most", min=1)
@@ -148,7 +151,8 @@ class SaveGradConfig(RunFields):
     proxy_tokens: str = _f(
         "proxy",
         "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "
-        "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy later)",
+        "teacher's own prompt and completion token ids (as the ADS reference, and as ADS feeds the proxy "
+        "later)",
         choices=("proxy", "teacher"),
     )
     normalization: str = _f(
@@ -232,7 +236,8 @@ def _check_keys(job: str, keys: dict | set, where: str) -> None:
 def load_config(
     job: str, mode: str = DEFAULT_MODE, overrides: dict | None = None, params_dir: Path = PARAMS_DIR
 ):
-    """Resolve `mode`'s preset, apply `overrides` (None values are ignored), validate, return the dataclass."""
+    """Resolve `mode`'s preset, apply `overrides` (None values are ignored), validate, return the
+    dataclass."""
     values = load_preset(job, mode, params_dir)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     _check_keys(job, overrides, "the parameters")

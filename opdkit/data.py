@@ -68,8 +68,8 @@ def load_prompts(path: str, split: str = "train", subset_size: int = -1, seed: i
     """
     if subset_size == 0 or subset_size < -1:
         raise ValueError(
-            f"subset_size={subset_size} is not a number of prompts to keep; expected -1 (all) or a positive count, "
-            "so pass e.g. subset_size=1000."
+            f"subset_size={subset_size} is not a number of prompts to keep; expected -1 (all) or a positive "
+            "count, so pass e.g. subset_size=1000."
         )
     if path == TINY:
         return _tiny_prompts(TINY_DEFAULT_SIZE if subset_size == -1 else subset_size, seed)
@@ -141,7 +141,8 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
     if _looks_local(path):
         raise FileNotFoundError(
             f"no file or folder at {path!r} (resolved to {local.resolve()}); expected a local "
-            f"{'/'.join(FILE_LOADERS)} file or a save_to_disk folder, so check the path and working directory."
+            f"{'/'.join(FILE_LOADERS)} file or a save_to_disk folder, so check the path and working "
+            "directory."
         )
     return datasets.load_dataset(path, split=split)
 
@@ -154,8 +155,8 @@ def _readable(path: str, read, expected: str):
         if isinstance(exc, (FileNotFoundError, UnreadableData)):
             raise
         raise UnreadableData(
-            f"cannot read {path!r} as {expected} ({type(exc).__name__}: {exc}); the file is damaged or is not "
-            "what its name says: re-create it (e.g. python -m opdkit.prepare_data) or point to another."
+            f"cannot read {path!r} as {expected} ({type(exc).__name__}: {exc}); the file is damaged or is "
+            "not what its name says: re-create it (e.g. python -m opdkit.prepare_data) or point to another."
         ) from exc
 
 
@@ -317,8 +318,8 @@ def filter_long_prompts(
     n_dropped = len(lengths) - len(keep)
     if n_dropped:
         warnings.warn(
-            f"dropped {n_dropped} of {len(lengths)} prompts longer than max_prompt_length={max_prompt_length} "
-            f"tokens (longest {max(lengths)}).",
+            f"dropped {n_dropped} of {len(lengths)} prompts longer than "
+            f"max_prompt_length={max_prompt_length} tokens (longest {max(lengths)}).",
             stacklevel=2,
         )
     return (dataset.select(keep) if n_dropped else dataset), n_dropped

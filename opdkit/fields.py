@@ -76,5 +76,6 @@ class RunFields:
         check_ranges(self)
         if self.overwrite and self.resume:
             raise ConfigError(
-                "overwrite and resume are both set; choose one: overwrite=True starts afresh, resume=True continues."
+                "overwrite and resume are both set; choose one: overwrite=True starts afresh, "
+                "resume=True continues."
             )

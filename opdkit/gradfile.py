@@ -80,7 +80,8 @@ def check_grads(path: str | Path, model: torch.nn.Module, tokenizer: Any = None)
         k, got, want = wrong[0]
         raise GradsMismatch(
             f"{file} does not fit this model: {len(wrong)} tensor(s) have other shapes, e.g. {k} is {got} in "
-            f"the file but {want} in the model; it was computed for {meta.get('proxy_model', 'another model')}."
+            f"the file but {want} in the model; it was computed for "
+            f"{meta.get('proxy_model', 'another model')}."
         )
     _check_fingerprint(file, meta, tokenizer if tokenizer is not None else _model_tokenizer(model))
     return meta
@@ -96,8 +97,9 @@ def _check_names(file: Path, shapes: dict, expected: dict, meta: dict) -> None:
             " Its names carry DDP's `module.` prefix (the ADS seed's format); recompute it with 01_save_grad."
         )
     raise GradsMismatch(
-        f"{file} does not fit this model: {len(missing)} parameter(s) have no gradient (e.g. {missing[:2]}) and "
-        f"{len(extra)} gradient(s) match no parameter (e.g. {extra[:2]}); it was computed for "
+        f"{file} does not fit this model: {len(missing)} parameter(s) have no gradient "
+        f"(e.g. {missing[:2]}) and {len(extra)} gradient(s) match no parameter (e.g. {extra[:2]}); "
+        "it was computed for "
         f"{meta.get('proxy_model', 'another model')}, so load the proxy it was computed for.{hint}"
     )
 
@@ -126,8 +128,9 @@ def _check_fingerprint(file: Path, meta: dict, tokenizer: Any) -> None:
     got, want = tokenizer_fingerprint(tokenizer), meta.get("tokenizer_fingerprint")
     if got != want:
         raise GradsMismatch(
-            f"{file} was computed with another tokenizer (fingerprint {want}, this one {got}); token ids would "
-            f"mean different things, so use the tokenizer of {meta.get('proxy_model', 'the proxy it was computed for')}."
+            f"{file} was computed with another tokenizer (fingerprint {want}, this one {got}); token ids "
+            "would mean different things, so use the tokenizer of "
+            f"{meta.get('proxy_model', 'the proxy it was computed for')}."
         )
 
 

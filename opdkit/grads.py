@@ -139,7 +139,8 @@ def _plain_head(model: torch.nn.Module) -> bool:
     return isinstance(head, torch.nn.Linear) and head.bias is None and not scaled
 
 
-# Rows of one cross-entropy chunk: about this many bytes of float32 logits (256 MiB: 441 rows at Qwen's 151,936).
+# Rows of one cross-entropy chunk: about this many bytes of float32 logits
+# (256 MiB: 441 rows at Qwen's 151,936).
 _CHUNK_BYTES = 2**28
 
 
@@ -274,7 +275,8 @@ def mean_completion_grad(
     norm = global_norm(named)
     if not math.isfinite(norm):
         raise NonFiniteGradient(
-            f"the summed gradient is non-finite (norm {norm}) although every trace's was finite; nothing was saved."
+            f"the summed gradient is non-finite (norm {norm}) although every trace's was finite; "
+            "nothing was saved."
         )
     loss = _sum_over_processes(local, world, device)
     return named, {"num_traces": len(rows), "completion_tokens": sum(tokens), "loss": loss, "grad_norm": norm}

@@ -125,7 +125,8 @@ def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> 
     if under_external_launcher():
         if not cfg.run_dir:
             raise ConfigError(
-                "under torchrun / accelerate launch every process must write to one folder: pass --set run_dir=PATH."
+                "under torchrun / accelerate launch every process must write to one folder: "
+                "pass --set run_dir=PATH."
             )
         run = (
             RunDir.create(cfg, job=job, mode=mode)

@@ -33,7 +33,8 @@ def in_kernel() -> bool:
 
 
 def live_wanted() -> bool:
-    """A live view: in a kernel that a Jupyter server started (a person is watching), unless OPDKIT_LIVE says."""
+    """A live view: in a kernel that a Jupyter server started (a person is watching), unless OPDKIT_LIVE
+    says."""
     forced = os.environ.get(LIVE_ENV)
     if forced in ("0", "1"):
         return forced == "1"

@@ -63,7 +63,8 @@ def last_boxed(text: str) -> tuple[int, str] | None:
 
 
 def final_span(completion: str) -> tuple[int, str] | None:
-    """(start, text) of the final answer: the last boxed answer or the last `Answer:` line, whichever is later."""
+    """(start, text) of the final answer: the last boxed answer or the last `Answer:` line, whichever is
+    later."""
     boxed = last_boxed(completion)
     lines = list(_ANSWER_LINE.finditer(completion))
     line = (lines[-1].start(), lines[-1].group(1)) if lines else None

@@ -66,14 +66,16 @@ def one_thread_for_small_models(model: torch.nn.Module) -> None:
 
 
 def model_skeleton(name: str) -> torch.nn.Module:
-    """The model's architecture without weights (meta device): enough to check a gradient's names and shapes."""
+    """The model's architecture without weights (meta device): enough to check a gradient's names and
+    shapes."""
     config = AutoConfig.from_pretrained(tiny.resolve(name))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None) -> list[int]:
-    """The tokenizer's EOS and whatever the model's generation config also stops at (a DDP-wrapped model's too)."""
+    """The tokenizer's EOS and whatever the model's generation config also stops at (a DDP-wrapped model's
+    too)."""
     model = getattr(model, "module", model)
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
@@ -124,7 +126,8 @@ def check_tokenizers(student: PreTrainedTokenizerBase, teacher: PreTrainedTokeni
 
 
 def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokenizerBase) -> None:
-    """ADS adds the proxy's logits to the teacher's by token id: every ordinary token must have one id in both.
+    """ADS adds the proxy's logits to the teacher's by token id: every ordinary token must have one id in
+    both.
 
     Special and other added tokens may differ (DeepSeek-R1-Distill-Qwen renames Qwen2.5's), as the ADS
     reference allows.
@@ -141,6 +144,6 @@ def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokeni
     if wrong or only:
         raise ConfigError(
             f"the teacher's and proxy's tokenizers disagree on {len(wrong)} token ids (e.g. {wrong[:3]}) and "
-            f"{len(only)} tokens exist in one only (e.g. {only[:3]}); ADS adds the proxy's logits to the teacher's "
-            "by id, so choose a proxy that shares the teacher's tokenizer."
+            f"{len(only)} tokens exist in one only (e.g. {only[:3]}); ADS adds the proxy's logits to the "
+            "teacher's by id, so choose a proxy that shares the teacher's tokenizer."
         )

@@ -44,7 +44,8 @@ class OPDArguments(TrainingArguments):
     )
     vllm_gpu_memory_utilization: float = _arg(
         0.3,
-        "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share of RAM for its KV cache)",
+        "vllm: share of the device's memory the engine reserves for weights and KV cache (on CPU: the share "
+        "of RAM for its KV cache)",
         min=0.01,
         max=1.0,
     )

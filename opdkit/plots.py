@@ -48,7 +48,8 @@ def draw_training_curves(
     summary: dict | None = None,
     fig=None,
 ):
-    """The training curves of `records` on `fig` (cleared; a new one if None); the live view redraws with it."""
+    """The training curves of `records` on `fig` (cleared; a new one if None); the live view redraws with
+    it."""
     panels = CURVE_PANELS + (
         [("eval_accuracy", "held-out accuracy")] if _series(records, "eval_accuracy")[0] else []
     )

@@ -1,14 +1,19 @@
-"""The data files the full and ads-paper presets read, written from the Hugging Face Hub where it is reachable.
+"""The data files the full and ads-paper presets read, written from the Hugging Face Hub where it is
+reachable.
 
     python -m opdkit.prepare_data --out data/                      # every file below
     python -m opdkit.prepare_data --out data/ --only gsm8k-platinum-test.parquet
-    python -m opdkit.prepare_data --out data/ --local-hub mirror/  # from a local copy: mirror/<owner>/<name>/<config>/
+    # from a local copy: mirror/<owner>/<name>/<config>/
+    python -m opdkit.prepare_data --out data/ --local-hub mirror/
 
     dapo-math-17k-unique.parquet   BytedTsinghua-SIA/DAPO-Math-17k (train), one row per distinct prompt, first
-                                   occurrence kept, the original verl schema (prompt, reward_model, ...): 02, 01 full
+                                   occurrence kept, the original verl schema (prompt, reward_model,
+                                   ...): 02, 01 full
     gsm8k-main-train.parquet       openai/gsm8k main train: 01 ads-paper's holdout, 04's training prompts
-    gsm8k-main-test.parquet        openai/gsm8k main test: 04's evaluation where GSM8K-Platinum is not available
-    gsm8k-platinum-test.parquet    madrylab/gsm8k-platinum main test (1,209 problems): 04's evaluation, as the ADS reference
+    gsm8k-main-test.parquet        openai/gsm8k main test: 04's evaluation where GSM8K-Platinum is not
+                                   available
+    gsm8k-platinum-test.parquet    madrylab/gsm8k-platinum main test (1,209 problems): 04's evaluation,
+                                   as the ADS reference
 
 A file that exists is kept (pass --overwrite to replace it); a file is written whole or not at all. Sources
 that cannot be fetched are reported, the others still written; the exit status is 1 if any failed.
@@ -113,7 +118,10 @@ def _prepare_one(name: str, src: Source, path: Path, local_hub: Path | None, ove
     try:
         ds = load_source(src, local_hub)
     except Exception as exc:  # any failure to fetch is reported, and the other files are still written
-        return f"FAILED: could not load {src.repo} ({src.config or 'default'}, {src.split}): {type(exc).__name__}: {exc}"
+        return (
+            f"FAILED: could not load {src.repo} ({src.config or 'default'}, {src.split}): "
+            f"{type(exc).__name__}: {exc}"
+        )
     rows = len(ds)
     if src.dedup_prompts:
         ds = unique_prompts(ds)

@@ -216,7 +216,8 @@ def train_sft(
 
 class StepBatches(torch.utils.data.Sampler):
     """A batch sampler that yields each step's rows in micro-batches of at most `micro` rows, in the order
-    given (`order[step]`, e.g. 04_antidistill's `batch_order`), so the Trainer sees exactly the kit's batches."""
+    given (`order[step]`, e.g. 04_antidistill's `batch_order`), so the Trainer sees exactly the kit's
+    batches."""
 
     def __init__(self, order: Sequence[Sequence[int]], micro: int):
         self.batches = [list(idx[s : s + micro]) for idx in order for s in range(0, len(idx), micro)]
@@ -229,11 +230,12 @@ class StepBatches(torch.utils.data.Sampler):
 
 
 class CompletionSFTTrainer(Trainer):
-    """Completion-only SFT on transformers' `Trainer`, the same objective as `train_sft`: each optimizer step's
-    summed completion-token losses divided by all of the step's completion tokens (`num_items_in_batch`), so
-    the loss is the token mean of the step whatever the micro-batch size; rows in the order of `order`
-    (per step, row indices of `train_dataset`, a list of {input_ids, labels}) in micro-batches of
-    `args.per_device_train_batch_size`, with `args.gradient_accumulation_steps` = micro-batches per step.
+    """Completion-only SFT on transformers' `Trainer`, the same objective as `train_sft`: each optimizer
+    step's summed completion-token losses divided by all of the step's completion tokens
+    (`num_items_in_batch`), so the loss is the token mean of the step whatever the micro-batch size; rows in
+    the order of `order` (per step, row indices of `train_dataset`, a list of {input_ids, labels}) in
+    micro-batches of `args.per_device_train_batch_size`, with `args.gradient_accumulation_steps` =
+    micro-batches per step.
 
     Differences from `train_sft`: the Trainer's AdamW leaves biases and norm weights undecayed (as TRL's
     SFTTrainer, the ADS reference's), and `bf16` is the Trainer's mixed precision. `step_losses` holds every

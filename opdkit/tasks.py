@@ -59,7 +59,8 @@ class Task:
         raise NotImplementedError
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """Held-out problems for a run trained on `train_prompts(...)` of the same arguments: (messages, answers)."""
+        """Held-out problems for a run trained on `train_prompts(...)` of the same arguments:
+        (messages, answers)."""
         raise NotImplementedError
 
     def holdout_prompts(
@@ -125,7 +126,8 @@ class MathTask(Task):
     name = "math"
 
     def check(self, completion: str, answer: str) -> bool:
-        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5 allowed)."""
+        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5
+        allowed)."""
         return mathcheck.check(completion, answer)
 
     def extract_answer(self, completion: str) -> str | None:
@@ -144,7 +146,8 @@ class MathTask(Task):
         return ds.select(train)
 
     def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """The `eval_size` rows after the training rows in the same seed-shuffled order (fewer if the file ends)."""
+        """The `eval_size` rows after the training rows in the same seed-shuffled order (fewer if the file
+        ends)."""
         ds, (_, held) = self._split(path, split, subset_size, eval_size, seed)
         rows = ds.select(held)
         return list(rows["messages"]), list(rows["answer"])
@@ -153,13 +156,14 @@ class MathTask(Task):
     def _split(
         path: str, split: str, subset_size: int, eval_size: int, seed: int
     ) -> tuple[datasets.Dataset, tuple]:
-        """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by construction."""
+        """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by
+        construction."""
         ds = data.load_prompts(path, split, subset_size + eval_size if subset_size > 0 else -1, seed)
         n_train = min(subset_size, len(ds)) if subset_size > 0 else len(ds) - eval_size
         if n_train < 1 or (eval_size > 0 and n_train >= len(ds)):
             raise ConfigError(
-                f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts and "
-                f"eval_size={eval_size} held-out ones apart from them; lower subset_size or eval_size."
+                f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts "
+                f"and eval_size={eval_size} held-out ones apart from them; lower subset_size or eval_size."
             )
         return ds, (range(n_train), range(n_train, min(len(ds), n_train + eval_size)))
 

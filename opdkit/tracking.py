@@ -161,7 +161,8 @@ def sample_row(sample: dict) -> dict:
 
 
 def report_samples(trainer, report_to: str, run) -> None:
-    """Send a Trainer's tensorboard scalars to `<run_dir>/tensorboard` and its sample tables to the tracker."""
+    """Send a Trainer's tensorboard scalars to `<run_dir>/tensorboard` and its sample tables to the
+    tracker."""
     if report_to == "none":
         return
     for callback in trainer.callback_handler.callbacks:

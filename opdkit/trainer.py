@@ -321,7 +321,8 @@ class DistillTrainer(Trainer):
             "entropy": ent / max(toks, 1),
             "tokens_per_s": toks / elapsed,
             "completion_tokens": toks,
-            # Mean |log p_engine - log p_student| of the sampled tokens: a stale or wrong weight sync shows here.
+            # Mean |log p_engine - log p_student| of the sampled tokens: a stale or wrong weight sync
+            # shows here.
             "engine_logprob_gap": gap / gap_toks if gap_toks else None,
         }
         if self.run and self.args.process_index == 0:

@@ -29,7 +29,8 @@ def _model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def grads_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real 01_save_grad run: the tiny teacher's greedy traces for 48 holdout prompts, the proxy's gradient."""
+    """A real 01_save_grad run: the tiny teacher's greedy traces for 48 holdout prompts, the proxy's
+    gradient."""
     path = tmp_path_factory.mktemp("ads") / "grads"
     savegrad.run("tiny", {"run_dir": str(path), "subset_size": 48})
     return path

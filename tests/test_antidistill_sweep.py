@@ -1,5 +1,6 @@
-"""04_antidistill's points spread over processes: 2 gloo processes give the summary 1 process gives, a point
-that fails is reported with its traceback while the others finish, and resume runs only the unfinished ones."""
+"""04_antidistill's points spread over processes: 2 gloo processes give the summary 1 process gives, a
+point that fails is reported with its traceback while the others finish, and resume runs only the
+unfinished ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""opdkit.data: every source and layout loads to the same prompts; filtering, collation, the first-prompt check."""
+"""opdkit.data: every source and layout loads to the same prompts; filtering, collation, the
+first-prompt check."""
 
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ def one_process(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def well_conditioned(dumps: list[dict[str, torch.Tensor]], floor: float = 1e-3) -> dict[str, torch.Tensor]:
-    """Where AdamW's steps follow the gradient smoothly: every step's |g| above `floor` x its tensor's largest.
+    """Where AdamW's steps follow the gradient smoothly: every step's |g| above `floor` x its tensor's
+    largest.
 
     AdamW's first steps are about lr * g / (|g| + eps): for an element whose gradient is below the rounding
     noise of its tensor (~1e-7 x the tensor's largest entry when one process sums 4 sequences and two
@@ -283,7 +284,9 @@ def test_fsdp_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
         over = {over!r}
         whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "unbroken")!r}}})
         try:
-            whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "broken")!r}}}, callbacks=[InterruptAt3()])
+            whitebox.run(
+                "tiny", {{**over, "run_dir": {str(tmp_path / "broken")!r}}}, callbacks=[InterruptAt3()]
+            )
             sys.exit("the interrupted run did not stop")
         except RankFailed:
             pass

@@ -132,7 +132,8 @@ def test_mean_grad_equals_plain_pytorch(rows, normalization, batch_size):
 @pytest.mark.parametrize("normalization", grads.NORMALIZATIONS)
 @pytest.mark.parametrize("world", [3, 13])
 def test_process_shares_sum_to_the_single_process_gradient(rows, normalization, world):
-    """The cross-process math without processes: the shards' contributions (some empty) add up to the whole."""
+    """The cross-process math without processes: the shards' contributions (some empty) add up to the
+    whole."""
     total_tokens = sum(grads.completion_token_count(r["labels"]) for r in rows)
     lengths = [len(r["input_ids"]) for r in rows]
     model = _proxy()
@@ -458,7 +459,8 @@ def test_qwen3_template_completion_mask(qwen3_tokenizer, thinking):
 
 
 def test_base_model_eos_still_ends_the_completion_at_the_turn(qwen3_tokenizer_dir):
-    """A base model's tokenizer (Qwen2.5-3B: EOS <|endoftext|>) with a chat template ending turns in <|im_end|>."""
+    """A base model's tokenizer (Qwen2.5-3B: EOS <|endoftext|>) with a chat template ending turns in
+    <|im_end|>."""
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
     tok.eos_token = "<|endoftext|>"
     messages, content = _qwen3_trace(False)

@@ -155,7 +155,8 @@ def test_a_plain_install_runs_from_an_unrelated_folder(tmp_path):
         capture_output=True,
         text=True,
     ).stdout.strip()
-    # A plain path line: the dependencies' folder joins sys.path, its own .pth files (an editable opdkit) do not.
+    # A plain path line: the dependencies' folder joins sys.path, its own .pth files (an editable opdkit)
+    # do not.
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
         [

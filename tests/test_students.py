@@ -1,5 +1,6 @@
-"""04_antidistill's students on transformers' Trainer: the same losses and weights as the kit's `train_sft` loop
-with the same batches, schedule and optimizer; LoRA students that train, save, reload and score the same."""
+"""04_antidistill's students on transformers' Trainer: the same losses and weights as the kit's `train_sft`
+loop with the same batches, schedule and optimizer; LoRA students that train, save, reload and score the
+same."""
 
 from __future__ import annotations
 

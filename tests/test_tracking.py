@@ -159,7 +159,8 @@ def test_trackio_for_real_keeps_the_metrics_locally(tmp_path, monkeypatch):
         "from opdkit.tracking import Tracker\n"
         f"run = types.SimpleNamespace(path=pathlib.Path({str(tmp_path / 'run')!r}), writer=True)\n"
         "t = Tracker.start('trackio', run, config={'seed': 1}, project='opdkit-test')\n"
-        "t.log({'loss': 0.25}, step=1); t.table('samples', [{'prompt': 'p', 'ok': True}], step=1); t.finish()\n"
+        "t.log({'loss': 0.25}, step=1); "
+        "t.table('samples', [{'prompt': 'p', 'ok': True}], step=1); t.finish()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True)
     rows = _trackio_rows(tmp_path / "trackio")

@@ -1,4 +1,5 @@
-"""ipywidgets views: a callback's error is shown in the view's Output area, not only in the browser console."""
+"""ipywidgets views: a callback's error is shown in the view's Output area, not only in the browser
+console."""
 
 from __future__ import annotations
 

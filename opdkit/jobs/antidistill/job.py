@@ -1,7 +1,8 @@
 """Antidistillation sampling and its trade-off, the job behind notebooks/04_antidistill.ipynb.
 
     python -m opdkit.antidistill --mode tiny                                  # CPU, about 3 to 5 minutes
-    python -m opdkit.antidistill --mode ads-paper --set grads_run=runs/01_save_grad/ads   # every GPU of a node
+    # every GPU of a node:
+    python -m opdkit.antidistill --mode ads-paper --set grads_run=runs/01_save_grad/ads
 
 The ADS paper's headline experiment in miniature. For every point of the sweeps
 
@@ -21,7 +22,8 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
 (tiny: after ';'; else from the last \\boxed), computed here. Layout:
 
     grads/, grads_answer/                 the two gradients (when computed here)
-    points/<name>/point.json              the point's summary entry (status done, or failed with its traceback)
+    points/<name>/point.json              the point's summary entry (status done, or failed with its
+                                          traceback)
     points/<name>/error.txt               the traceback of a point that failed (the other points go on)
     points/<name>/seed<seed>/traces.jsonl prompt, completion, answer, correct, truncated per training prompt
     points/<name>/seed<seed>/result.json  that run's accuracies, losses, error kinds (reused by resume=True)
@@ -101,8 +103,8 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     n = max(1, min(default_num_processes(cfg.num_processes), len(todo)))
     grads_dir = ensure_grads(cfg, run, n)
     print0(
-        f"{len(points)} points ({len(points) - len(todo)} finished before), {len(prep.messages)} traces each, "
-        f"{n} process(es)"
+        f"{len(points)} points ({len(points) - len(todo)} finished before), "
+        f"{len(prep.messages)} traces each, {n} process(es)"
     )
     failure = None
     if todo or not (run.path / BASELINE_FILE).is_file():
@@ -115,7 +117,8 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     run.write_summary(summary)
     for p in summary["failed_points"]:
         print0(
-            f"point {p['name']} failed (traceback in the summary and points/{p['name']}/error.txt):\n{p['error']}"
+            f"point {p['name']} failed (traceback in the summary and points/{p['name']}/error.txt):\n"
+            f"{p['error']}"
         )
     track(cfg, run, summary)
     return run

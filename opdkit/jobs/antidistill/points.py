@@ -36,7 +36,8 @@ POINTS_DIR = "points"
 def write_traces(
     cfg: AntidistillationConfig, prep: Prepared, models: Models, point: Point, seed: int, dev: torch.device
 ) -> list[dict]:
-    """The teacher answers every training prompt at this point; each record says whether its answer is right."""
+    """The teacher answers every training prompt at this point; each record says whether its answer is
+    right."""
     tok, check = prep.teacher_tokenizer, prep.task.check
     eos = eos_ids(tok, models.teacher)
     ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in prep.messages]
@@ -77,7 +78,8 @@ def write_traces(
 
 
 def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
-    """Traces at this point, a fresh student distilled on them, both accuracies; in points/<name>/seed<seed>/."""
+    """Traces at this point, a fresh student distilled on them, both accuracies; in
+    points/<name>/seed<seed>/."""
     cfg, folder = prep.cfg, run.path / POINTS_DIR / point.name / f"seed{seed}"
     if cfg.resume and (folder / "result.json").is_file():
         print0(f"resume: reusing {folder / 'result.json'}")

@@ -137,7 +137,8 @@ def explain(summary: dict) -> str:
         known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
         if known:
             lines.append(
-                f"- {ads_plots.ADS_LABELS.get(method, method)}: mean gap {sum(known) / len(known) * 100:+.1f} points "
+                f"- {ads_plots.ADS_LABELS.get(method, method)}: "
+                f"mean gap {sum(known) / len(known) * 100:+.1f} points "
                 f"over {len(known)} comparable point(s) (negative favours ADS)."
             )
     lines.append(

@@ -69,8 +69,9 @@ def assign(points: list[Point], n: int) -> list[list[str]]:
 
 
 def own_process() -> tuple[int, int]:
-    """(rank, world size) of this sweep process. With several, it keeps one GPU to itself (CUDA_VISIBLE_DEVICES,
-    set before anything touches CUDA) and forgets the launcher's torch.distributed settings."""
+    """(rank, world size) of this sweep process. With several, it keeps one GPU to itself
+    (CUDA_VISIBLE_DEVICES, set before anything touches CUDA) and forgets the launcher's torch.distributed
+    settings."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -89,7 +90,8 @@ def sweep_process(
     shares: list[list[str]],
     prepared: Prepared | None = None,
 ) -> None:
-    """What every process runs: its own teacher and proxies on its own device, then its share of the points."""
+    """What every process runs: its own teacher and proxies on its own device, then its share of the
+    points."""
     rank, world = own_process()
     prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k != "overwrite"})
     cfg, dev, run = prep.cfg, device(), RunDir.attach(run_path)

@@ -81,7 +81,8 @@ def answer_labels(
 
 
 def answer_rows(held: list[dict], tok: PreTrainedTokenizerBase, task: tasks.Task) -> list[dict]:
-    """The gradient run's traces with the loss on their answer tokens only; traces without an answer are left out."""
+    """The gradient run's traces with the loss on their answer tokens only; traces without an answer are
+    left out."""
     rows = []
     for t in held:
         start = task.answer_start(t["messages"][-1]["content"])

@@ -1,6 +1,6 @@
 """The students of 04_antidistill: a fresh one per point, distilled on the point's traces by completion-only
-SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0), saved,
-then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
+SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0),
+saved, then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
 objective ADS steers by).
 
     trainer = distill_student(fresh_student(cfg, dev, seed), rows, cfg, tok, seed, folder)
@@ -73,7 +73,8 @@ def sft_steps(cfg: AntidistillationConfig, n_rows: int) -> int:
 
 
 def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
-    """Row indices of every step: epochs of seeded shuffles, cut into batches (an epoch may span two steps)."""
+    """Row indices of every step: epochs of seeded shuffles, cut into batches (an epoch may span two
+    steps)."""
     rng, pool, out = random.Random(seed), [], []
     for _ in range(steps):
         while len(pool) < batch_size:
@@ -88,9 +89,9 @@ def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[lis
 def training_arguments(
     cfg: AntidistillationConfig, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
 ) -> TrainingArguments:
-    """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear warmup
-    steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a log record
-    every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
+    """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear
+    warmup steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a
+    log record every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
     micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
     args = TrainingArguments(
         output_dir=str(folder / SFT_DIR),
@@ -122,7 +123,8 @@ def training_arguments(
 
 
 def with_lora(model: torch.nn.Module, cfg: AntidistillationConfig, seed: int) -> torch.nn.Module:
-    """The student with LoRA adapters on `student_lora_target_modules` (peft), or as it is when the rank is 0."""
+    """The student with LoRA adapters on `student_lora_target_modules` (peft), or as it is when the rank
+    is 0."""
     if not cfg.student_lora_r:
         return model
     from peft import LoraConfig, get_peft_model
@@ -152,9 +154,10 @@ def distill_student(
     folder: Path,
     name: str = "",
 ) -> CompletionSFTTrainer:
-    """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's loss
-    the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it continues
-    from the last checkpoint in `folder`/sft/. Returns the trainer (its `step_log()`, its `model` trained)."""
+    """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's
+    loss the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it
+    continues from the last checkpoint in `folder`/sft/. Returns the trainer (its `step_log()`, its `model`
+    trained)."""
     steps = sft_steps(cfg, len(rows))
     model = with_lora(model, cfg, seed)
     args = training_arguments(cfg, folder, steps, seed, next(model.parameters()).device, name)
@@ -216,7 +219,8 @@ def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:
 
 def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
     """The traces the proxy gradient was computed on, in the student's tokens: ADS's own objective is the
-    mean completion NLL on them, which `holdout_loss` measures for a distilled student. None without traces/."""
+    mean completion NLL on them, which `holdout_loss` measures for a distilled student. None without
+    traces/."""
     if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
         print0(f"{grads_dir} keeps no traces/: the students' held-out loss is not measured")
         return []

@@ -76,7 +76,8 @@ def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dic
 
 
 def training_prompts(cfg: AntidistillationConfig) -> tuple[list[list[dict]], list[str]]:
-    """The head of the seed-shuffled dataset (01_save_grad's holdout is its tail); tiny: 02's training stream."""
+    """The head of the seed-shuffled dataset (01_save_grad's holdout is its tail); tiny: 02's training
+    stream."""
     ds = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
     return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
 
@@ -105,7 +106,8 @@ def _drop_long(messages: list, answers: list, tok: PreTrainedTokenizerBase, cfg:
 
 
 def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerBase) -> None:
-    """A given grads_run must hold a gradient of this proxy (names, shapes, tokenizer), checked without weights."""
+    """A given grads_run must hold a gradient of this proxy (names, shapes, tokenizer), checked without
+    weights."""
     if cfg.grads_run:
         gradfile.check_grads(cfg.grads_run, model_skeleton(cfg.proxy_model), proxy_tok)
         needs_traces = any(lam != 0 for lam in cfg.answer_lams)

@@ -71,7 +71,8 @@ def explain(summary: dict) -> str:
             x, y = summary[a], summary[b]
             lines.append(
                 f"- **{a} vs {b}** ({what}): final accuracy {_fmt(x['final_accuracy'], True)} vs "
-                f"{_fmt(y['final_accuracy'], True)}; peak loss {_fmt(x['max_loss'])} vs {_fmt(y['max_loss'])}; "
+                f"{_fmt(y['final_accuracy'], True)}; "
+                f"peak loss {_fmt(x['max_loss'])} vs {_fmt(y['max_loss'])}; "
                 f"largest pre-clip gradient norm {_fmt(x['max_grad_norm'])} vs {_fmt(y['max_grad_norm'])}."
             )
 

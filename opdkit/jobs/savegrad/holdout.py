@@ -40,8 +40,8 @@ def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
     raw = data.load_raw(cfg.traces_path, cfg.dataset_split)
     if cfg.trace_column not in raw.column_names:
         raise ConfigError(
-            f"{cfg.traces_path!r} has no column {cfg.trace_column!r}; it has {raw.column_names}, so pass one of "
-            "them as trace_column."
+            f"{cfg.traces_path!r} has no column {cfg.trace_column!r}; it has {raw.column_names}, so pass "
+            "one of them as trace_column."
         )
     if len(raw) == 0:
         raise ConfigError(f"{cfg.traces_path!r} holds no traces; expected at least one row.")
@@ -66,9 +66,9 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
         prompt = data.as_messages(row[prompt_col], i, prompt_col)
         if _rendered(value, prompt[-1]["content"]):
             raise ConfigError(
-                f"row {i}: the text in {column!r} contains its own prompt (a fully rendered conversation, as the "
-                "ADS gentraces.py writes); its completion cannot be found without a hard-coded marker, so store "
-                "the teacher's answer alone, or chat messages."
+                f"row {i}: the text in {column!r} contains its own prompt (a fully rendered conversation, "
+                "as the ADS gentraces.py writes); its completion cannot be found without a hard-coded "
+                "marker, so store the teacher's answer alone, or chat messages."
             )
         return [*prompt, {"role": "assistant", "content": value}]
     messages = data.as_messages(value, i, column)
@@ -150,8 +150,9 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
 
 
 def teacher_tokens(record: dict) -> dict:
-    """A generated trace as the teacher wrote it: its prompt ids (the teacher's chat template) then its completion
-    ids, labels on the completion only (its stop token included when it finished, nothing invented when not)."""
+    """A generated trace as the teacher wrote it: its prompt ids (the teacher's chat template) then its
+    completion ids, labels on the completion only (its stop token included when it finished, nothing
+    invented when not)."""
     prompt, completion = record["teacher_ids"]
     return {
         **record,

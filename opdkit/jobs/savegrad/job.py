@@ -68,8 +68,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     task = tasks.for_dataset(cfg.dataset_path)
     if cfg.traces_path and cfg.proxy_tokens == "teacher":
         raise ConfigError(
-            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; with "
-            "traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
+            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; "
+            "with traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
         )
     if cfg.traces_path:
         traces = supplied_traces(cfg)
@@ -181,7 +181,8 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     run.write_env(world_size=world)
     records = traces_for(cfg, prep, run, rank, world, device)
     print0(
-        f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; {world} process(es) on {device}"
+        f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; "
+        f"{world} process(es) on {device}"
     )
     named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
     stats = {**stats, "truncated_traces": truncated_count(records)}
@@ -191,7 +192,8 @@ def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None 
     run.write_summary(summary)
     track(cfg, run, summary, records)
     print0(
-        f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; {run.path}"
+        f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; "
+        f"{run.path}"
     )
     state.wait_for_everyone()
 
