@@ -148,6 +148,19 @@ class SaveGradConfig(RunFields):
     gen_temperature: float = _f(0.0, "teacher sampling temperature for the traces; 0 is greedy", min=0.0)
     gen_top_p: float = _f(1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0)
     gen_batch_size: int = _f(64, "prompts per generation batch, per process", min=1)
+    rollout_engine: str = _f(
+        "hf",
+        "what writes the teacher's traces: hf, the kit's KV-cached loop; vllm, a vLLM engine in every "
+        "process (install the vllm extra)",
+        choices=("hf", "vllm"),
+    )
+    vllm_gpu_memory_utilization: float = _f(
+        0.5,
+        "rollout_engine vllm: share of each GPU's memory the engine reserves (on CPU: the share of RAM for "
+        "its KV cache)",
+        min=0.01,
+        max=1.0,
+    )
     proxy_tokens: str = _f(
         "proxy",
         "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "

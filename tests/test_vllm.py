@@ -290,3 +290,24 @@ def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
     p5 = json.loads((tmp_path / "results.json").read_text())["figures"]["P5"]
     assert p5["opdkit_median"] > 0 and p5["baseline_median"] > 0
     assert p5["setup"]["tokens"]["vllm"] == p5["setup"]["tokens"]["hf"] == 4 * 8
+
+
+def test_save_grad_traces_through_vllm_equal_the_hf_loop(tmp_path):
+    """01 writes its teacher traces through the engine too (greedy here): the same traces, token for token,
+    so the same proxy gradient."""
+    from opdkit import traces
+    from opdkit.jobs import savegrad
+
+    hf = savegrad.run("tiny", {"subset_size": 16, "run_dir": str(tmp_path / "hf")})
+    vllm = savegrad.run(
+        "tiny",
+        {
+            "subset_size": 16,
+            "rollout_engine": "vllm",
+            "vllm_gpu_memory_utilization": MEMORY,
+            "run_dir": str(tmp_path / "vllm"),
+        },
+    )
+    a, b = traces.load_traces(hf.path), traces.load_traces(vllm.path)
+    assert a["messages"] == b["messages"] and a["input_ids"] == b["input_ids"]
+    assert hf.read_summary()["grad_norm"] == pytest.approx(vllm.read_summary()["grad_norm"], rel=1e-6)

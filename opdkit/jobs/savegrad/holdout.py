@@ -4,6 +4,7 @@ proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.traces`).
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import datasets
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, grads, rollout, sft, tasks, traces
+from opdkit import data, engines, grads, rollout, sft, tasks, tiny, traces
 from opdkit.config import ConfigError, SaveGradConfig
 from opdkit.models import eos_ids, load_model
 from opdkit.runs import RunDir, print0
@@ -85,28 +86,68 @@ def _rendered(text: str, prompt: str) -> bool:
     return at > 0 and re.search(r"<\||<｜|\[INST\]|user", text[:at], re.IGNORECASE) is not None
 
 
+class TeacherSampler:
+    """The teacher's sampler for the configured `rollout_engine`: the kit's loop on the HF teacher, or a vLLM
+    engine that loads the teacher itself (no HF copy is loaded then). `stop_ids` are the tokenizer's EOS plus
+    the teacher's generation_config list."""
+
+    def __init__(self, cfg: SaveGradConfig, tok: PreTrainedTokenizerBase, device, world: int):
+        self.cfg, self.tok, self.engine, self.teacher = cfg, tok, None, None
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        if cfg.rollout_engine == "vllm":
+            path = tiny.resolve(cfg.teacher_model)
+            self.engine = engines.make_engine(
+                "vllm",
+                model_path=path,
+                dtype=str(dtype).removeprefix("torch."),
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                distributed=world > 1,
+            )
+            self.stop_ids = eos_ids(tok, SimpleNamespace(generation_config=_generation_config(path)))
+        else:
+            self.teacher = load_model(cfg.teacher_model, dtype, device).eval()
+            self.stop_ids = eos_ids(tok, self.teacher)
+
+    def sample(self, prompts_BP, mask_BP, budget: int, seed: int) -> rollout.Rollout:
+        cfg = self.cfg
+        if self.engine is not None:  # temperature 0 is vLLM's greedy
+            settings = engines.SamplingSettings(budget, cfg.gen_temperature, cfg.gen_top_p, self.stop_ids,
+                                                self.tok.pad_token_id)  # fmt: skip
+            return self.engine.sample(None, prompts_BP, mask_BP, settings, seed)
+        return rollout.sample(
+            self.teacher.to(prompts_BP.device),
+            prompts_BP,
+            mask_BP,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.tok.pad_token_id,
+            max_new_tokens=budget,
+            temperature=cfg.gen_temperature or 1.0,
+            top_p=cfg.gen_top_p,
+            do_sample=cfg.gen_temperature > 0,
+        )
+
+
+def _generation_config(path: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # a folder without generation_config.json: the tokenizer's EOS alone
+        return None
+
+
 def generate_batch(
-    teacher: torch.nn.Module, tok: PreTrainedTokenizerBase, prompt_ids: list[list[int]], cfg: SaveGradConfig
+    sampler: TeacherSampler, prompt_ids: list[list[int]], device, seed: int = 0
 ) -> list[tuple[str, bool, list[int]]]:
     """(completion text, truncated, completion token ids with the stop token if it ended) per prompt; with
     max_length, each prompt + completion fits in it."""
-    device = next(teacher.parameters()).device
+    cfg, tok = sampler.cfg, sampler.tok
     prompts_BP, mask_BP = rollout.left_pad(prompt_ids, tok.pad_token_id, device)
     budget = cfg.max_new_tokens
     if cfg.max_length:
         budget = min(budget, cfg.max_length - min(len(x) for x in prompt_ids))
-    eos = eos_ids(tok, teacher)
-    r = rollout.sample(
-        teacher,
-        prompts_BP,
-        mask_BP,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=budget,
-        temperature=cfg.gen_temperature or 1.0,
-        top_p=cfg.gen_top_p,
-        do_sample=cfg.gen_temperature > 0,
-    )
+    r = sampler.sample(prompts_BP, mask_BP, budget, seed)
+    eos = sampler.stop_ids
     out = []
     for b, ids in enumerate(prompt_ids):
         keep = int(r.completion_mask_BC[b].sum())
@@ -122,7 +163,7 @@ def generate_batch(
 def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: torch.device) -> list[dict]:
     """The teacher answers this process's share of the holdout prompts; every process gets all traces."""
     tok = prep.teacher_tokenizer
-    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, device).eval()
+    sampler = TeacherSampler(cfg, tok, device, world)
     messages = list(prep.prompts["messages"])
     ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in messages]
     mine = grads.shard_by_length([len(x) for x in ids], rank, world)
@@ -130,10 +171,10 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     local: list[tuple[int, str, bool, list[int]]] = []
     for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
         batch = mine[s : s + cfg.gen_batch_size]
-        local += [
-            (i, *done) for i, done in zip(batch, generate_batch(teacher, tok, [ids[i] for i in batch], cfg))
-        ]
-    del teacher
+        seed = cfg.seed * 1_000_003 + rank * 7919 + s  # the vLLM engine's per-request seeds
+        done = generate_batch(sampler, [ids[i] for i in batch], device, seed)
+        local += [(i, *d) for i, d in zip(batch, done)]
+    del sampler
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     check, answers = prep.task.check, list(prep.prompts["answer"])

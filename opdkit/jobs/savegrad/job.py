@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import data, gradfile, grads, tasks, tiny, tracking
+from opdkit import data, engines, gradfile, grads, tasks, tiny, tracking
 from opdkit.cli import run_from_cli
 from opdkit.config import ConfigError, SaveGradConfig, load_config, to_dict
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
@@ -87,6 +87,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     )
     collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, teacher_tok)
+    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
     return Prepared(cfg, mode, task, proxy_tok, teacher_tok, prompts, None, dropped, first)
 
 
