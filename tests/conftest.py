@@ -98,3 +98,23 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAt:
+    """A TrainerCallback that dies like a killed job after `step` optimizer steps."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            raise Interrupted(f"killed after step {self.step}")

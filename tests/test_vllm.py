@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 pytest.importorskip("vllm")
 
+from conftest import InterruptAt, Interrupted  # noqa: E402
+
 from opdkit import data, engines, losses, rollout, tiny  # noqa: E402
 from opdkit.callbacks import GradientDump  # noqa: E402
 from opdkit.jobs import whitebox  # noqa: E402
@@ -188,31 +190,13 @@ def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp
     assert [mb["input_ids"].shape[0] for mb in saved] == [2, 2, 2]
 
 
-class _Interrupt(Exception):
-    pass
-
-
-class _InterruptAt:
-    def __init__(self, step):
-        self.step = step
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(name)
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            raise _Interrupt(f"killed after step {self.step}")
-
-
 def test_a_resumed_run_syncs_before_its_first_rollout(tmp_path, monkeypatch):
     """The engine starts from the student's folder; without a sync the resumed steps would sample from the
     untrained student and their gap would be far above rounding."""
     over = {**VLLM, "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 16, "learning_rate": 3e-3}
     unbroken = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "unbroken")})
-    with pytest.raises(_Interrupt):
-        whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken")}, callbacks=[_InterruptAt(3)])
+    with pytest.raises(Interrupted):
+        whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken")}, callbacks=[InterruptAt(3)])
     rec = _Recorder(monkeypatch)
     resumed = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken"), "resume": True})
     a, b = unbroken.read_jsonl(), resumed.read_jsonl()

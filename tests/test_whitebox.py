@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import InterruptAt, Interrupted
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from opdkit import losses, rollout, tiny
@@ -147,31 +148,11 @@ def test_failing_rank_traceback_reaches_the_caller(tmp_path):
     assert "missing" in proc.stderr
 
 
-class _Interrupt(Exception):
-    pass
-
-
-class _InterruptAt:
-    """A TrainerCallback that dies like a killed job after `step` optimizer steps."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(name)
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.step:
-            raise _Interrupt(f"killed after step {self.step}")
-
-
 def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
     over = dict(max_steps=4, save_steps=2, max_grad_norm=1.0, gen_temperature=1.0, save_rollouts=False)
     unbroken = run_tiny(tmp_path, "unbroken", **over)
-    with pytest.raises(_Interrupt):
-        run_tiny(tmp_path, "broken", [_InterruptAt(3)], **over)
+    with pytest.raises(Interrupted):
+        run_tiny(tmp_path, "broken", [InterruptAt(3)], **over)
     resumed = run_tiny(tmp_path, "broken", resume=True, **over)
     a, b = unbroken.read_jsonl(), resumed.read_jsonl()
     assert [r["step"] for r in b] == [1, 2, 3, 4]
