@@ -40,7 +40,8 @@ class EngineUnavailable(ImportError):
 
 @dataclass
 class SamplingSettings:
-    """Everything that shapes the sampled distribution; nothing else may leak in."""
+    """Everything that shapes the sampled distribution; nothing else may leak in. Temperature 0 is
+    greedy decoding in both engines."""
 
     max_new_tokens: int
     temperature: float
@@ -91,8 +92,9 @@ class HFEngine:
             eos_token_id=s.eos_token_ids,
             pad_token_id=s.pad_token_id,
             max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
+            temperature=s.temperature or 1.0,
             top_p=s.top_p,
+            do_sample=s.temperature > 0,  # temperature 0 is greedy, as in vLLM
             synced_gpus=self.synced,
         )
 

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from opdkit import rollout
+from opdkit import engines, rollout
 from opdkit.models import eos_ids
 
 
@@ -25,27 +25,28 @@ def greedy_completions(
     batch_size: int = 256,
     enable_thinking: bool = False,
     progress: bool = False,
+    engine: engines.HFEngine | engines.VLLMEngine | None = None,
 ) -> list[str]:
     """Greedy completions of `messages`, each ending at the first stop token: the tokenizer's EOS or one of
-    the model's generation config (`models.eos_ids`)."""
+    the model's generation config (`models.eos_ids`), the trainer's list.
+
+    By default the kit's loop decodes `model` in batches of `batch_size`. A vLLM `engine` decodes from the
+    weights it was last synced with (sync `model` into it first) in one call, as it batches by itself."""
+    greedy = engines.SamplingSettings(
+        max_new_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
+    )
+    if engine is None:
+        engine = engines.HFEngine()
+    elif engine.name == "vllm":
+        batch_size = max(1, len(messages))
     device = next(model.parameters()).device
-    stop = eos_ids(tokenizer, model)
     out: list[str] = []
     starts = range(0, len(messages), batch_size)
     for s in tqdm(starts, desc="evaluating", disable=not progress, leave=False):
         ids, mask = rollout.encode_prompts(
             tokenizer, list(messages[s : s + batch_size]), enable_thinking, device
         )
-        r = rollout.sample(
-            model,
-            ids,
-            mask,
-            eos_token_id=stop,
-            pad_token_id=tokenizer.pad_token_id,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-        out += rollout.decode_completions(tokenizer, r)
+        out += rollout.decode_completions(tokenizer, engine.sample(model, ids, mask, greedy, seed=0))
     return out
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from opdkit import data, engines, rollout, tiny
 from opdkit.config import ConfigError
 from opdkit.jobs import whitebox
+from opdkit.jobs.whitebox import job as wb_job
 from opdkit.models import load_tokenizer
 
 
@@ -114,3 +115,37 @@ def test_prepare_without_vllm_names_both_remedies(tmp_path):
 def test_rollout_engine_is_checked():
     with pytest.raises(ConfigError, match="rollout_engine"):
         whitebox.prepare("tiny", {"rollout_engine": "sglang"})
+
+
+def test_a_vllm_engine_fits_the_longest_evaluation_prompt_with_its_answer(tmp_path, student_tok):
+    """The engine also decodes the student's accuracies, whose prompts are not cut to max_prompt_length."""
+    _, tok = student_tok
+    prep = whitebox.prepare("tiny", {"eval_size": 40, "eval_max_new_tokens": 50})
+    longest = max(
+        len(tok.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"])
+        for m in prep.eval_messages
+    )
+    assert prep.eval_prompt_tokens == longest > 0
+    cfg = prep.cfg
+    fits = wb_job.training_arguments(cfg, tmp_path, eval_prompt_tokens=cfg.max_prompt_length + 300)
+    assert fits.vllm_max_model_len == cfg.max_prompt_length + 300 + 50
+    rollouts_only = wb_job.training_arguments(cfg, tmp_path)
+    assert rollouts_only.vllm_max_model_len == cfg.max_prompt_length + cfg.max_new_tokens
+
+
+def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
+    """Temperature 0 means greedy in both engines: the HF engine takes the argmax whatever the seed."""
+    model, tok = student_tok
+    ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    greedy = engines.SamplingSettings(12, 0.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    a, b = (engines.HFEngine().sample(model, ids, mask, greedy, seed=s) for s in (1, 2))
+    want = rollout.sample(
+        model,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=12,
+        do_sample=False,
+    )
+    assert torch.equal(a.input_ids_BT, want.input_ids_BT) and torch.equal(b.input_ids_BT, want.input_ids_BT)

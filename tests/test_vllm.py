@@ -19,9 +19,10 @@ pytest.importorskip("vllm")
 
 from conftest import InterruptAt, Interrupted  # noqa: E402
 
-from opdkit import data, engines, losses, rollout, tiny  # noqa: E402
+from opdkit import data, engines, evaluate, losses, rollout, tiny  # noqa: E402
 from opdkit.callbacks import GradientDump  # noqa: E402
 from opdkit.jobs import whitebox  # noqa: E402
+from opdkit.jobs.whitebox import job as wb_job  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
 from opdkit.trainer import DistillTrainer  # noqa: E402
 
@@ -136,6 +137,52 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), (
         "training should have moved greedy decoding"
     )
+
+
+def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path, monkeypatch):
+    """With vLLM the student's greedy accuracy before, while (eval_steps) and after training is decoded by
+    the trainer's engine, synced with the weights measured each time: its completions, and so the
+    accuracies, equal the kit's loop on the same weights, read back from the run's folders."""
+    rec, decoded = _Recorder(monkeypatch), []
+    real = evaluate.greedy_completions
+
+    def recording(model, *args, engine=None, **kwargs):
+        out = real(model, *args, engine=engine, **kwargs)
+        if engine is not None:
+            decoded.append(out)
+        return out
+
+    monkeypatch.setattr(evaluate, "greedy_completions", recording)
+    over = {
+        **VLLM,
+        "max_steps": 3,
+        "save_steps": 1,
+        "save_total_limit": 3,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+        "eval_size": 48,
+        "eval_steps": 2,
+        "eval_steps_size": 32,
+    }
+    run = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "r")})
+    summary, rows = run.read_summary(), run.read_jsonl()
+    assert summary["accuracy_precision"] == "student vLLM float32, teacher fp32"
+    assert rec.trainers[0]._engine.syncs == 1 + 3 + 1 + 1, "before, each step, at step 2, after"
+    prep = whitebox.prepare("tiny", over)
+    folders = [tiny.resolve("tiny:student"), run.path / "checkpoints" / "checkpoint-2", run.path / "model"]
+    limits = [None, 32, None]
+    models = [AutoModelForCausalLM.from_pretrained(f) for f in folders]
+    monkeypatch.setattr(evaluate, "greedy_completions", real)
+    want = [
+        real(m, prep.tokenizer, prep.eval_messages[:n], max_new_tokens=wb_job.eval_new_tokens(prep.cfg))
+        for m, n in zip(models, limits)
+    ]
+    assert decoded == want
+    hf = [wb_job.sharded_accuracy(m, prep, 1, 0, n) for m, n in zip(models, limits)]
+    assert 0 < hf[0] < 1 and summary["student_accuracy_before"] == hf[0]
+    assert [r["eval_accuracy"] for r in rows if "eval_accuracy" in r] == [hf[1]]
+    assert summary["student_accuracy_after"] == hf[2]
+    assert want[0] != want[2][: len(want[0])], "training moved greedy decoding"
 
 
 def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:

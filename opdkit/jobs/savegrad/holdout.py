@@ -111,8 +111,9 @@ class TeacherSampler:
     def sample(self, prompts_BP, mask_BP, budget: int, seed: int) -> rollout.Rollout:
         cfg = self.cfg
         if self.engine is not None:  # temperature 0 is vLLM's greedy
-            settings = engines.SamplingSettings(budget, cfg.gen_temperature, cfg.gen_top_p, self.stop_ids,
-                                                self.tok.pad_token_id)  # fmt: skip
+            settings = engines.SamplingSettings(
+                budget, cfg.gen_temperature, cfg.gen_top_p, self.stop_ids, self.tok.pad_token_id
+            )
             return self.engine.sample(None, prompts_BP, mask_BP, settings, seed)
         return rollout.sample(
             self.teacher.to(prompts_BP.device),

@@ -43,6 +43,7 @@ class Prepared:
     eval_answers: list
     dropped: int
     first_prompt: str
+    eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -64,38 +65,52 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
-    engines.check_available(
-        cfg.rollout_engine
-    )  # an import check, after the data and tokenizers as the original
-    return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first)
+    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
+    longest = max((len(data.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
+    return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first, longest)
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
-    """How every accuracy of the run decodes: the precision the student samples its rollouts at."""
-    return "bf16 autocast" if cfg.bf16 else "fp32"
+    """How the run's accuracies decode. With the kit's loop every model decodes at the precision the
+    student samples its rollouts at; with vLLM the student's (before, while and after training) decode in
+    the engine at its weights' dtype, the teacher's on the kit's loop."""
+    loop = "bf16 autocast" if cfg.bf16 else "fp32"
+    if cfg.rollout_engine == "hf":
+        return loop
+    return f"student vLLM {engine_dtype(cfg.bf16)}, teacher {loop}"
 
 
-def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | None = None) -> float | None:
+def engine_dtype(bf16: bool) -> str:
+    return "bfloat16" if bf16 else "float32"
+
+
+def sharded_accuracy(
+    model, prep: Prepared, world: int, rank: int, limit: int | None = None, engine=None
+) -> float | None:
     """Greedy accuracy with the evaluation set (its first `limit` problems) split across processes and the
-    counts summed. Every model decodes under the same autocast (`accuracy_precision`), so before and after
-    compare one precision."""
+    counts summed. The kit's loop decodes every model under the same autocast (`accuracy_precision`), so
+    before and after compare one precision; a vLLM `engine` is first synced with `model` on every rank
+    (a sharded model's sync gathers) and decodes from those weights."""
     cfg, tok = prep.cfg, prep.tokenizer
     messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     if not messages:
         return None
+    if engine is not None:
+        engine.sync(model)
     mine = list(range(rank, len(messages), world))
     correct = 0.0
     device = next(model.parameters()).device
     if mine:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and engine is None):
             comps = evaluate.greedy_completions(
                 model,
                 tok,
                 [messages[i] for i in mine],
-                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                max_new_tokens=eval_new_tokens(cfg),
                 batch_size=cfg.eval_batch_size,
                 enable_thinking=cfg.enable_thinking,
                 progress=rank == 0,
+                engine=engine,
             )
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
@@ -105,9 +120,14 @@ def sharded_accuracy(model, prep: Prepared, world: int, rank: int, limit: int | 
     return correct / len(messages)
 
 
-def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
+def eval_new_tokens(cfg: WhiteboxConfig) -> int:
+    return cfg.eval_max_new_tokens or cfg.max_new_tokens
+
+
+def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
     """The original's TrainingArguments, field for field, plus the distillation's own settings;
-    max_grad_norm 0 means never clip."""
+    max_grad_norm 0 means never clip. A vLLM engine's context fits a rollout and, as it also evaluates the
+    student, the longest evaluation prompt (`eval_prompt_tokens`, not cut) with its answer."""
     return OPDArguments(
         output_dir=str(run_path / "checkpoints"),
         remove_unused_columns=False,
@@ -151,7 +171,10 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path) -> OPDArguments:
         save_rollouts=cfg.save_rollouts,
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        vllm_max_model_len=max(
+            cfg.max_prompt_length + cfg.max_new_tokens,
+            eval_prompt_tokens + eval_new_tokens(cfg) if eval_prompt_tokens else 0,
+        ),
     )
 
 
@@ -163,7 +186,8 @@ def train_process(
     cfg = WhiteboxConfig(**cfg_dict)
     prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
     run = RunDir.attach(run_path)
-    args = training_arguments(cfg, run.path)  # initialises the process group in multi-process runs
+    # Initialises the process group in multi-process runs.
+    args = training_arguments(cfg, run.path, prep.eval_prompt_tokens)
     world, rank = args.world_size, args.process_index
     run.write_env(world_size=world)
     if cfg.parallelism == "fsdp" and world == 1:
@@ -174,26 +198,6 @@ def train_process(
     print0(
         f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
         f"{world} process(es) on {args.device}"
-    )
-
-    acc = lambda m: sharded_accuracy(m, prep, world, rank)  # noqa: E731
-    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
-    before = (
-        run.read_summary().get("student_accuracy_before")
-        if resumed and (run.path / "summary.json").exists()
-        else None
-    )
-    teacher_acc = acc(teacher)
-    if before is None:
-        before = acc(student)
-    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
-    run.write_summary(
-        {
-            "student_accuracy_before": before,
-            "teacher_accuracy": teacher_acc,
-            "accuracy_precision": accuracy_precision(cfg),
-            "status": "training",
-        }
     )
 
     trainer = DistillTrainer(
@@ -207,11 +211,36 @@ def train_process(
         run=run,
         callbacks=callbacks,
     )
+    # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as
+    # its rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
+    engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
+    acc = lambda m, e=None: sharded_accuracy(m, prep, world, rank, engine=e)  # noqa: E731
+    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    before = (
+        run.read_summary().get("student_accuracy_before")
+        if resumed and (run.path / "summary.json").exists()
+        else None
+    )
+    teacher_acc = acc(teacher)
+    if before is None:
+        before = acc(student, engine)
+    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    run.write_summary(
+        {
+            "student_accuracy_before": before,
+            "teacher_accuracy": teacher_acc,
+            "accuracy_precision": accuracy_precision(cfg),
+            "status": "training",
+        }
+    )
+
     tracking.report_samples(trainer, cfg.report_to, run)
     live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB} · {mode}")
     if cfg.eval_steps and prep.eval_messages:
         add_step_accuracy(
-            trainer, lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size), cfg.eval_steps
+            trainer,
+            lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size, engine),
+            cfg.eval_steps,
         )
     if resumed:
         _truncate_metrics(run, trainer)
@@ -219,12 +248,12 @@ def train_process(
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
-    after = acc(trained_student(trainer, run.path / "model"))
+    after = acc(trained_student(trainer, run.path / "model"), engine)
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
         "teacher_accuracy": teacher_acc,
-        "accuracy_precision": accuracy_precision(cfg),  # all three accuracies decode at it
+        "accuracy_precision": accuracy_precision(cfg),
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
