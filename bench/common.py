@@ -116,3 +116,29 @@ def ratio_figure(
         baseline_runs=[s[key] for s in theirs],
         setup=setup,
     )
+
+
+def small_qwen3(hidden: int, layers: int, vocab: int, seed: int, **config: Any):
+    """A randomly initialised float32 Qwen3 of any small size (tied embeddings, 64-wide heads, half as many
+    KV heads, MLP 3x hidden); `config` adds or overrides Qwen3Config fields (e.g. eos_token_id)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    heads = max(2, hidden // 64)
+    cfg = Qwen3Config(
+        **{
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2),
+            "head_dim": hidden // heads,
+            "tie_word_embeddings": True,
+            "bos_token_id": None,
+            "pad_token_id": 0,
+            **config,
+        }
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).float()

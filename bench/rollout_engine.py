@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.common import small_qwen3
+
 SIDES = ("vllm", "hf")
 BASELINE = "opdkit's own KV-cached HF decoding loop (opdkit.rollout.sample, rollout_engine hf)"
 
@@ -57,25 +59,14 @@ def default_params(quick: bool = False) -> dict[str, Any]:
 
 
 def standin(p: dict, folder: str) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    heads = max(2, p["hidden"] // 64)
-    cfg = Qwen3Config(
-        vocab_size=p["vocab"],
-        hidden_size=p["hidden"],
-        intermediate_size=3 * p["hidden"],
-        num_hidden_layers=p["layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=p["hidden"] // heads,
+    model = small_qwen3(
+        p["hidden"],
+        p["layers"],
+        p["vocab"],
+        p["seed"],
         max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=None,
         eos_token_id=p["vocab"] - 1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(p["seed"])
-    model = Qwen3ForCausalLM(cfg).eval()
+    ).eval()
     model.save_pretrained(folder)
     return model
 

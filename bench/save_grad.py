@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from bench.common import small_qwen3
+
 SIDES = ("opdkit", "ads")
 BASELINE = "ADS save_grad.py algorithm (second accumulator, per-parameter loop, per-batch mean loss)"
 IGNORE = -100
@@ -36,23 +38,7 @@ def default_params(quick: bool = False) -> dict[str, Any]:
 
 def proxy(p: dict) -> torch.nn.Module:
     """A random Qwen3 proxy of the requested size, float32, tied embeddings, in train mode as the seed."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    heads = p["hidden"] // 64 if p["hidden"] >= 128 else 2
-    cfg = Qwen3Config(
-        vocab_size=p["vocab"],
-        hidden_size=p["hidden"],
-        intermediate_size=3 * p["hidden"],
-        num_hidden_layers=p["layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=p["hidden"] // heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    torch.manual_seed(p["seed"])
-    return Qwen3ForCausalLM(cfg).float()
+    return small_qwen3(p["hidden"], p["layers"], p["vocab"], p["seed"], max_position_embeddings=4096)
 
 
 def traces(p: dict) -> list[dict]:
