@@ -84,7 +84,8 @@ class HFEngine:
         self.syncs += 1
 
     def sample(self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int) -> rollout.Rollout:
-        torch.manual_seed(seed)
+        if s.temperature > 0:  # greedy decoding leaves the global RNG alone
+            torch.manual_seed(seed)
         return rollout.sample(
             model,
             prompt_ids_BP,

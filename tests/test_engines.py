@@ -134,11 +134,15 @@ def test_a_vllm_engine_fits_the_longest_evaluation_prompt_with_its_answer(tmp_pa
 
 
 def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
-    """Temperature 0 means greedy in both engines: the HF engine takes the argmax whatever the seed."""
+    """Temperature 0 means greedy in both engines: the HF engine takes the argmax whatever the seed, and
+    leaves the global RNG alone (evaluation while training must not reseed it)."""
     model, tok = student_tok
     ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
     greedy = engines.SamplingSettings(12, 0.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
     a, b = (engines.HFEngine().sample(model, ids, mask, greedy, seed=s) for s in (1, 2))
+    assert torch.equal(torch.get_rng_state(), state), "greedy decoding must not reseed the global RNG"
     want = rollout.sample(
         model,
         ids,
