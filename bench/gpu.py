@@ -60,6 +60,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization of the vLLM arm"
     )
+    p.add_argument(
+        "--vllm-sleep",
+        action="store_true",
+        help="the vLLM arm with vllm_sleep (engine freed between rollouts)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument(
         "--smoke", action="store_true", help="toy sizes on the available device, to test the script"
@@ -228,7 +233,7 @@ def opd_runs(a: argparse.Namespace, params: dict[str, dict]) -> dict[str, dict]:
     out = {}
     for name, p in params.items():
         print(f"OPD step, {name}: {p['models']}", flush=True)
-        p = {**p, "vllm_memory": a.vllm_memory}
+        p = {**p, "vllm_memory": a.vllm_memory, "vllm_sleep": a.vllm_sleep}
         samples = alternate("p1_opd_step", sides, p, a.reps, threads=8 if device() == "cuda" else 1)
         out[name] = {
             side: {

@@ -8,6 +8,7 @@
 #   bash bench/gpu.sh --student Qwen/Qwen3-0.6B --teacher Qwen/Qwen3-4B
 #   bash bench/gpu.sh --peak-tflops 989                  # peak dense bf16 TFLOP/s of your accelerator
 #   bash bench/gpu.sh --no-vllm                          # without the vLLM arm
+#   bash bench/gpu.sh --vllm-sleep                       # the vLLM arm with vllm_sleep (memory freed between rollouts)
 #   bash bench/gpu.sh --dry-run                          # the plan only; works without a GPU
 #   bash bench/gpu.sh --smoke                            # toy sizes, any device (what the tests run)
 #   bash bench/gpu.sh --help                             # every option

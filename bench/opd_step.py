@@ -291,6 +291,7 @@ def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callb
         max_new_tokens=p["max_new_tokens"],
         rollout_engine=engine,
         vllm_gpu_memory_utilization=p.get("vllm_memory", 0.3),
+        vllm_sleep=p.get("vllm_sleep", False),
     )
     return DistillTrainer(
         model=student,

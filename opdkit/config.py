@@ -98,6 +98,12 @@ class WhiteboxConfig(RunFields):
         min=0.01,
         max=1.0,
     )
+    vllm_sleep: bool = _f(
+        False,
+        "rollout_engine vllm: free the engine's GPU memory (weights and KV cache, vLLM sleep level 2) "
+        "between rollouts, for the training's forward and backward; the next weight sync brings it back. "
+        "CUDA only",
+    )
     logging_steps: int = _f(1, "log metrics every this many optimizer steps", min=1)
     sample_every: int = _f(
         10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0

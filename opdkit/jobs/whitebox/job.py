@@ -23,7 +23,7 @@ import torch.distributed as dist
 from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
 from opdkit.callbacks import StepAccuracy
 from opdkit.cli import run_from_cli
-from opdkit.config import WhiteboxConfig, load_config
+from opdkit.config import ConfigError, WhiteboxConfig, load_config
 from opdkit.launch import launched_world_size, start_run
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.runs import RunDir, print0
@@ -66,6 +66,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = data.format_first_prompt(prompts, collator, tok)
     engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
+    if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
+        raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
     longest = max((len(data.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
     return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first, longest)
 
@@ -171,6 +173,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
         save_rollouts=cfg.save_rollouts,
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_sleep=cfg.vllm_sleep,
         vllm_max_model_len=max(
             cfg.max_prompt_length + cfg.max_new_tokens,
             eval_prompt_tokens + eval_new_tokens(cfg) if eval_prompt_tokens else 0,
