@@ -31,6 +31,19 @@ def micro_batches(tok, sizes=(3, 1, 2)):
     return out
 
 
+def hf_greedy(model, tok, ids, mask, max_new_tokens=12) -> rollout.Rollout:
+    """The kit's loop, greedy, called directly (not through an engine)."""
+    return rollout.sample(
+        model,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+
+
 def settings(tok, max_new_tokens=12):
     return engines.SamplingSettings(max_new_tokens, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
 
@@ -40,26 +53,10 @@ def test_one_call_for_the_step_gives_each_micro_batch_its_own_layout(student_tok
     model, tok = student_tok
     batches = micro_batches(tok)
     ids, mask = engines.concat_prompts(batches, tok.pad_token_id)
-    whole = rollout.sample(
-        model,
-        ids,
-        mask,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=12,
-        do_sample=False,
-    )
+    whole = hf_greedy(model, tok, ids, mask)
     parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
     for b, part in zip(batches, parts):
-        alone = rollout.sample(
-            model,
-            b["prompts"],
-            b["prompt_attention_mask"],
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            max_new_tokens=12,
-            do_sample=False,
-        )
+        alone = hf_greedy(model, tok, b["prompts"], b["prompt_attention_mask"])
         assert part.prompt_len == alone.prompt_len
         torch.testing.assert_close(part.input_ids_BT, alone.input_ids_BT)
         torch.testing.assert_close(part.attention_mask_BT, alone.attention_mask_BT)
@@ -143,13 +140,5 @@ def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
     state = torch.get_rng_state()
     a, b = (engines.HFEngine().sample(model, ids, mask, greedy, seed=s) for s in (1, 2))
     assert torch.equal(torch.get_rng_state(), state), "greedy decoding must not reseed the global RNG"
-    want = rollout.sample(
-        model,
-        ids,
-        mask,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=12,
-        do_sample=False,
-    )
+    want = hf_greedy(model, tok, ids, mask)
     assert torch.equal(a.input_ids_BT, want.input_ids_BT) and torch.equal(b.input_ids_BT, want.input_ids_BT)
