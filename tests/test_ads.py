@@ -328,21 +328,26 @@ def test_batch_order_covers_every_trace_each_epoch():
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
 
 
+SMALL_SWEEP = {
+    "subset_size": 24,
+    "eval_size": 16,
+    "sft_max_steps": 3,
+    "sft_batch_size": 8,
+    "sft_micro_batch_size": 3,
+    "lams": [0.0, 0.2],
+    "answer_lams": [0.1],
+    "temperatures": [1.5],
+    "repeats": 2,
+}
+
+
 @pytest.fixture(scope="module")
 def small_run(grads_run, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tradeoff") / "run"
     over = {
         "run_dir": str(run_dir),
         "grads_run": str(grads_run),
-        "subset_size": 24,
-        "eval_size": 16,
-        "sft_max_steps": 3,
-        "sft_batch_size": 8,
-        "sft_micro_batch_size": 3,
-        "lams": [0.0, 0.2],
-        "answer_lams": [0.1],
-        "temperatures": [1.5],
-        "repeats": 2,
+        **SMALL_SWEEP,
     }
     return antidistill.run("tiny", over)
 
@@ -389,15 +394,7 @@ def test_resume_reuses_finished_points(small_run, grads_run):
     over = {
         "run_dir": str(small_run.path),
         "grads_run": str(grads_run),
-        "subset_size": 24,
-        "eval_size": 16,
-        "sft_max_steps": 3,
-        "sft_batch_size": 8,
-        "sft_micro_batch_size": 3,
-        "lams": [0.0, 0.2],
-        "answer_lams": [0.1],
-        "temperatures": [1.5],
-        "repeats": 2,
+        **SMALL_SWEEP,
         "resume": True,
     }
     again = antidistill.run("tiny", over).read_summary()["points"]
