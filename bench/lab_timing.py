@@ -1,4 +1,4 @@
-"""02_whitebox (tiny, its default 300 steps): seconds of the training cell headless (papermill) and in a
+"""whitebox (tiny, its default 300 steps): seconds of the training cell headless (papermill) and in a
 JupyterLab kernel driven by headless chromium (the browser test's helpers), alternating.
 
     python -m bench.lab_timing --rounds 3 --variants pm,lab          # medians of 3 each

@@ -5,7 +5,7 @@
 From both models' final hidden states (2 x 1024 completion tokens, hidden size 1024 as Qwen3-0.6B;
 the teacher here also has hidden size 1024) through both output projections (151,936 x 1024, random,
 float32; the student's requires grad) to the student's gradient (its head weight and hidden states).
-opdkit: `losses.chunked_divergence` with its default chunk size. Baseline: full student and teacher
+opdkit: `loss.chunked_divergence` with its default chunk size. Baseline: full student and teacher
 logits fed to TRL's `GKDTrainer.generalized_jsd_loss` (beta 1.0), then backward. Measured: peak RSS
 above the baseline taken once the inputs exist. The two losses agree to float32 rounding.
 """
@@ -38,9 +38,9 @@ def inputs(p: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 
 def opdkit_loss(s_hidden, s_head, t_hidden, t_head) -> torch.Tensor:
-    from opdkit import losses
+    from opdkit.opd import loss
 
-    out = losses.chunked_divergence(s_hidden.flatten(0, 1), s_head, t_hidden.flatten(0, 1), t_head, beta=1.0)
+    out = loss.chunked_divergence(s_hidden.flatten(0, 1), s_head, t_hidden.flatten(0, 1), t_head, beta=1.0)
     return out.sum / s_hidden.shape[0] / s_hidden.shape[1]
 
 
@@ -60,7 +60,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
 
     tensors = inputs(p)
     loss_fn = {"opdkit": opdkit_loss, "trl": trl_loss}[side]
-    __import__("trl.experimental.gkd" if side == "trl" else "opdkit.losses")  # imports are not the stage
+    __import__("trl.experimental.gkd" if side == "trl" else "opdkit.opd.loss")  # imports are not the stage
     base = reset_peak()
     t0 = time.perf_counter()
     loss = loss_fn(*tensors)

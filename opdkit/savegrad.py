@@ -1,4 +1,4 @@
-"""Entry point: `python -m opdkit.savegrad --mode tiny` runs the 01_save_grad job (`opdkit.jobs.savegrad`)."""
+"""Entry point: `python -m opdkit.savegrad --mode tiny` runs the savegrad job (`opdkit.jobs.savegrad`)."""
 
 from opdkit.jobs.savegrad.job import main
 

@@ -1,4 +1,4 @@
-"""Entry point: `python -m opdkit.whitebox --mode tiny` runs the 02_whitebox job (`opdkit.jobs.whitebox`)."""
+"""Entry point: `python -m opdkit.whitebox --mode tiny` runs the whitebox job (`opdkit.jobs.whitebox`)."""
 
 from opdkit.jobs.whitebox.job import main
 

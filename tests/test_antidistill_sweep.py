@@ -1,4 +1,4 @@
-"""04_antidistill's points spread over processes: 2 gloo processes give the summary 1 process gives, a
+"""antidistill's points spread over processes: 2 gloo processes give the summary 1 process gives, a
 point that fails is reported with its traceback while the others finish, and resume runs only the
 unfinished ones."""
 

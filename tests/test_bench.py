@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # bench/ lives in the repository, not in the installed package
-    sys.path.insert(0, str(REPO))
+from bench import common, run, runner, save_grad
+from bench.loss_memory import default_params as p2_params
 
-from bench import common, run, runner, save_grad  # noqa: E402
-from bench.loss_memory import default_params as p2_params  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 FIELDS = (
     "value",

@@ -41,10 +41,10 @@ USER_SETTINGS = {
 
 # Shortened runs: (name, value) set in the parameters cell, replacing its line or appended.
 SHORT = {
-    "01_save_grad": {"subset_size": 8},
-    "02_whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
-    "03_clip_vs_noclip": {"max_steps": 4, "ablations": False, "sgd_arms": False, "eval_size": 10},
-    "04_antidistill": {
+    "savegrad": {"subset_size": 8},
+    "whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
+    "cliplesson": {"max_steps": 4, "ablations": False, "sgd_arms": False, "eval_size": 10},
+    "antidistill": {
         "lams": [0.0, 0.1],
         "answer_lams": [],
         "temperatures": [1.5],
@@ -269,24 +269,24 @@ def test_every_notebook_in_jupyterlab(tmp_path):
         for name, short in SHORT.items():
             path = f"notebooks/{name}.ipynb"
             open_notebook(page, base, path)
-            if name == "04_antidistill":  # the gradient of the 01 run above, instead of a new one
+            if name == "antidistill":  # the gradient of the 01 run above, instead of a new one
                 short = {
                     **short,
-                    "grads_run": str(max((runs / "01_save_grad").iterdir(), key=os.path.getmtime)),
+                    "grads_run": str(max((runs / "savegrad").iterdir(), key=os.path.getmtime)),
                 }
             set_parameters(page, short)
             timings[name] = run_all(
-                page, 420, live_figure_while_training(shots) if name == "02_whitebox" else None
+                page, 420, live_figure_while_training(shots) if name == "whitebox" else None
             )
             page.screenshot(path=str(shots / f"{name}.png"), full_page=False)
             assert saved_errors(page, base, path) == [], name
-            if name == "01_save_grad":  # edit a value, Run All again in the same kernel
+            if name == "savegrad":  # edit a value, Run All again in the same kernel
                 assert newest_config(runs, name)["subset_size"] == 8
                 set_parameters(page, {"subset_size": 6})
                 timings[name + " again"] = run_all(page, 420)
                 assert saved_errors(page, base, path) == []
                 assert newest_config(runs, name)["subset_size"] == 6
-            if name == "02_whitebox":
+            if name == "whitebox":
                 before, after = move_slider_and_read(page)
                 page.screenshot(path=str(shots / "02_slider_moved.png"), full_page=False)
                 assert before[0] == "step 20" and after[0] == "step 10" and before[1] != after[1]

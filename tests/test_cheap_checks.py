@@ -7,8 +7,9 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from opdkit import data, models, tiny
-from opdkit.jobs.antidistill import sweep as antidistill
+from opdkit import models, tiny
+from opdkit.data import prompts
+from opdkit.jobs import antidistill
 from opdkit.jobs.savegrad import job as savegrad
 from opdkit.jobs.whitebox import job as whitebox
 
@@ -53,7 +54,7 @@ def events(monkeypatch):
     """Records data reads and tokenizer loads; no Hub dataset may be asked for, and the first tokenizer ends
     the run (what comes after it is the models' and the jobs' own business)."""
     seen: list[str] = []
-    read = data.load_raw
+    read = prompts.load_raw
 
     def load_raw(path, split):
         seen.append(f"data {path}")
@@ -66,7 +67,7 @@ def events(monkeypatch):
     def hub(*args, **kwargs):
         raise AssertionError(f"a Hub dataset was asked for: {args}")
 
-    monkeypatch.setattr(data, "load_raw", load_raw)
+    monkeypatch.setattr(prompts, "load_raw", load_raw)
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", tokenizer)
     monkeypatch.setattr(datasets, "load_dataset", hub)
     return seen
@@ -110,8 +111,10 @@ def test_corrupt_parquet_names_its_path(content, dapo_parquet, tmp_path):
     bad = tmp_path / "dapo-math-17k-unique.parquet"
     whole = dapo_parquet.read_bytes()
     bad.write_bytes(b"not a parquet file at all" if content == "garbage" else whole[: len(whole) // 2])
-    with pytest.raises(data.UnreadableData, match=rf"cannot read '{bad}' as a \.parquet file.*re-create it"):
-        data.load_prompts(str(bad))
+    with pytest.raises(
+        prompts.UnreadableData, match=rf"cannot read '{bad}' as a \.parquet file.*re-create it"
+    ):
+        prompts.load_prompts(str(bad))
 
 
 @pytest.mark.parametrize(
@@ -120,13 +123,13 @@ def test_corrupt_parquet_names_its_path(content, dapo_parquet, tmp_path):
 )
 def test_corrupt_json_names_its_path(tmp_path, name, text, expected):
     (tmp_path / name).write_text(text)
-    with pytest.raises(data.UnreadableData, match=rf"{name}' as {expected}"):
-        data.load_prompts(str(tmp_path / name))
+    with pytest.raises(prompts.UnreadableData, match=rf"{name}' as {expected}"):
+        prompts.load_prompts(str(tmp_path / name))
 
 
 def test_corrupt_file_stops_a_job_before_tokenizers(events, tmp_path):
     bad = tmp_path / "x.parquet"
     bad.write_bytes(b"PAR1 broken")
-    with pytest.raises(data.UnreadableData, match="x.parquet"):
+    with pytest.raises(prompts.UnreadableData, match="x.parquet"):
         whitebox.prepare("full", {**JOBS[0][2], "dataset_path": str(bad)})
     assert "tokenizer" not in events

@@ -8,12 +8,14 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs import cliplesson, whitebox
 from opdkit.jobs.cliplesson import job as cliplesson_job
 from opdkit.jobs.cliplesson import report as cliplesson_report
+from opdkit.jobs.cliplesson.config import ClipLessonConfig
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 
 
 def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
-    cfg = load_config("03_clip_vs_noclip", "tiny")
+    cfg = load_config(ClipLessonConfig, "tiny")
     arms = {a.name: a for a in cliplesson.arms(cfg)}
-    clip, noclip = load_config("02_whitebox", "tiny"), load_config("02_whitebox", "tiny-noclip")
+    clip, noclip = load_config(WhiteboxConfig, "tiny"), load_config(WhiteboxConfig, "tiny-noclip")
     assert noclip.learning_rate == pytest.approx(5 * clip.learning_rate), "noclip is lr x5, as the original"
     assert arms["clip"].clipping and not arms["noclip"].clipping
     assert (arms["clip-at-noclip-lr"].learning_rate, arms["clip-at-noclip-lr"].clipping) == (
@@ -30,7 +32,7 @@ def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
 
 
 def test_full_lesson_compares_sanity_with_noclip():
-    cfg = load_config("03_clip_vs_noclip", "full")
+    cfg = load_config(ClipLessonConfig, "full")
     arms = {a.name: a for a in cliplesson.arms(cfg)}
     assert set(arms) == {"clip", "noclip"}
     assert (arms["clip"].mode, arms["noclip"].mode) == ("sanity", "noclip")

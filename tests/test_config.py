@@ -12,32 +12,35 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
+from conftest import CONFIGS
 
 from opdkit import config
 from opdkit.config import ConfigError, load_config
-from opdkit.notebook import notebook_parameters
+from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.notebook.parameters import notebook_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def all_presets():
-    return [(job, mode) for job in config.JOBS for mode in config.available_modes(job)]
+    return [(job, mode) for job, cls in CONFIGS.items() for mode in config.available_modes(cls)]
 
 
 @pytest.mark.parametrize("job,mode", all_presets())
 def test_every_preset_loads_and_validates(job, mode):
-    cfg = load_config(job, mode)
-    assert isinstance(cfg, config.JOBS[job])
+    cfg = load_config(CONFIGS[job], mode)
+    assert isinstance(cfg, CONFIGS[job])
 
 
 def test_every_job_has_a_tiny_default():
-    for job in config.JOBS:
-        assert config.DEFAULT_MODE in config.available_modes(job), job
+    for job, cls in CONFIGS.items():
+        assert config.DEFAULT_MODE in config.available_modes(cls), job
 
 
 def test_full_whitebox_preset_is_the_original_configuration():
-    cfg = load_config("02_whitebox", "full")
+    cfg = load_config(WhiteboxConfig, "full")
     expected = dict(
         student_model="Qwen/Qwen3-0.6B",
         teacher_model="Qwen/Qwen3-4B",
@@ -67,72 +70,72 @@ def test_full_whitebox_preset_is_the_original_configuration():
     assert cfg.rollout_engine == "vllm", (
         "full runs sample through vLLM (the kit's loop: -p rollout_engine hf)"
     )
-    sanity, noclip = load_config("02_whitebox", "sanity"), load_config("02_whitebox", "noclip")
+    sanity, noclip = load_config(WhiteboxConfig, "sanity"), load_config(WhiteboxConfig, "noclip")
     assert sanity.max_steps == 50 and sanity.learning_rate == 1e-6
     assert (noclip.max_steps, noclip.max_grad_norm, noclip.learning_rate) == (15, 1e9, 5e-6)
 
 
 def test_unknown_mode_lists_valid_modes():
     with pytest.raises(ConfigError, match=r"unknown mode 'nope'.*tiny"):
-        load_config("02_whitebox", "nope")
+        load_config(WhiteboxConfig, "nope")
 
 
 def test_unknown_key_names_offender_and_suggests():
     with pytest.raises(ConfigError, match=r"'learning_rat'.*Did you mean 'learning_rate'"):
-        load_config("02_whitebox", "tiny", {"learning_rat": 1e-3})
+        load_config(WhiteboxConfig, "tiny", {"learning_rat": 1e-3})
 
 
 def test_range_checks_name_the_field():
     with pytest.raises(ConfigError, match="beta=1.5"):
-        load_config("02_whitebox", "tiny", {"beta": 1.5})
+        load_config(WhiteboxConfig, "tiny", {"beta": 1.5})
     with pytest.raises(ConfigError, match="normalization"):
-        load_config("01_save_grad", "tiny", {"normalization": "batch"})
+        load_config(SaveGradConfig, "tiny", {"normalization": "batch"})
 
 
 def test_overrides_are_coerced_and_none_keeps_preset():
-    cfg = load_config("02_whitebox", "tiny", {"learning_rate": 1, "max_steps": "7", "beta": None})
+    cfg = load_config(WhiteboxConfig, "tiny", {"learning_rate": 1, "max_steps": "7", "beta": None})
     assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
-    assert cfg.max_steps == 7 and cfg.beta == load_config("02_whitebox", "tiny").beta
+    assert cfg.max_steps == 7 and cfg.beta == load_config(WhiteboxConfig, "tiny").beta
 
 
 def test_extends_inherits_and_overrides(tmp_path):
-    (tmp_path / "02_whitebox").mkdir()
-    (tmp_path / "02_whitebox" / "a.yaml").write_text("max_steps: 5\nbeta: 0.5\n")
-    (tmp_path / "02_whitebox" / "b.yaml").write_text("extends: a\nbeta: 0.0\n")
-    cfg = load_config("02_whitebox", "b", params_dir=tmp_path)
+    (tmp_path / "whitebox").mkdir()
+    (tmp_path / "whitebox" / "a.yaml").write_text("max_steps: 5\nbeta: 0.5\n")
+    (tmp_path / "whitebox" / "b.yaml").write_text("extends: a\nbeta: 0.0\n")
+    cfg = load_config(WhiteboxConfig, "b", params_dir=tmp_path)
     assert (cfg.max_steps, cfg.beta) == (5, 0.0)
 
 
 def test_every_field_has_help():
-    for cls in config.JOBS.values():
+    for cls in CONFIGS.values():
         for f in fields(cls):
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
 
 
 def test_notebook_parameters_reject_unknown_names():
     with pytest.raises(ConfigError, match="bogus"):
-        notebook_parameters("02_whitebox", {"mode": "tiny", "bogus": 1})
-    mode, over = notebook_parameters("02_whitebox", {"mode": "full", "learning_rate": None, "In": []})
+        notebook_parameters(WhiteboxConfig, {"mode": "tiny", "bogus": 1})
+    mode, over = notebook_parameters(WhiteboxConfig, {"mode": "full", "learning_rate": None, "In": []})
     assert mode == "full" and over == {"learning_rate": None}
 
 
 def test_notebook_parameters_come_from_the_parameters_cell_not_globals():
     params = 'mode: str = "tiny"  # preset\nmax_steps: int = 5  # steps\nseed: int = None  # seed'
-    config_cell = 'mode, overrides = notebook_parameters("02_whitebox", globals())'
+    config_cell = "mode, overrides = notebook_parameters(WhiteboxConfig, globals())"
     first_run = ["", params, config_cell, "scratch = 1"]
     namespace = {"In": first_run, "mode": "tiny", "max_steps": 5, "seed": None, "scratch": 1, "cfg": object()}
-    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 5, "seed": None})
+    assert notebook_parameters(WhiteboxConfig, namespace) == ("tiny", {"max_steps": 5, "seed": None})
     # Run all again with max_steps edited and seed deleted: the globals still hold both old values.
     edited = 'mode: str = "tiny"\nmax_steps: int = 7\nlearning_rate = 2 * 1e-3'
     namespace["In"] = first_run + [edited, config_cell]
-    assert notebook_parameters("02_whitebox", namespace) == ("tiny", {"max_steps": 7, "learning_rate": 2e-3})
+    assert notebook_parameters(WhiteboxConfig, namespace) == ("tiny", {"max_steps": 7, "learning_rate": 2e-3})
     # papermill's injected cell runs after the parameters cell and wins; an unknown name is refused.
     injected = '# Parameters\nmax_steps = 3\nmode = "full"\n'
     namespace["In"] = first_run + [params, injected, config_cell]
-    assert notebook_parameters("02_whitebox", namespace) == ("full", {"max_steps": 3, "seed": None})
+    assert notebook_parameters(WhiteboxConfig, namespace) == ("full", {"max_steps": 3, "seed": None})
     namespace["In"] = first_run + [params, injected + "bogus = 1\n", config_cell]
     with pytest.raises(ConfigError, match="bogus"):
-        notebook_parameters("02_whitebox", namespace)
+        notebook_parameters(WhiteboxConfig, namespace)
 
 
 def _cells(path):
@@ -152,14 +155,14 @@ def test_notebooks_are_clean_with_one_parameters_cell(path):
     assert len(tagged) == 1
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in config.JOBS], ids=lambda p: p.name)
-def test_notebook_parameters_are_fields_and_documented(path):
+@pytest.mark.parametrize("path,job", zip(NOTEBOOKS, CONFIGS), ids=lambda p: getattr(p, "name", p))
+def test_notebook_parameters_are_fields_and_documented(path, job):
     cell = next(c for c in _cells(path) if "parameters" in c.get("metadata", {}).get("tags", []))
     source = "".join(cell["source"])
     tree = ast.parse(source)
     names = [n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)]
     assert len(names) == len(tree.body), "every parameter is an annotated assignment"
-    valid = set(config.field_names(path.stem)) | config.NOTEBOOK_ONLY
+    valid = set(config.field_names(CONFIGS[job])) | config.NOTEBOOK_ONLY
     assert set(names) <= valid, set(names) - valid
     assert {"mode", "run_dir"} <= set(names)
     for line in source.splitlines():
@@ -196,7 +199,7 @@ def test_cli_help_lists_every_field_with_default_and_help(module, capsys):
         job.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for f in fields(config.job_class(job.JOB)):
+    for f in fields(CONFIGS[module]):
         line = next((ln for ln in out.splitlines() if ln.split()[:1] == [f.name]), None)
         assert line is not None, f"{f.name} missing from --help"
         assert repr(f.default) in line and f.metadata["help"][:30] in line, line

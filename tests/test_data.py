@@ -1,4 +1,4 @@
-"""opdkit.data: every source and layout loads to the same prompts; filtering, collation, the
+"""opdkit.data.prompts: every source and layout loads to the same prompts; filtering, collation, the
 first-prompt check."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 
-from opdkit import data
+from opdkit.data import prompts
 from opdkit.tiny import task
 
 GEN_PROMPT = "<|im_start|>assistant\n"  # both test tokenizers' generation prompt (thinking on, for Qwen3)
@@ -30,7 +30,7 @@ def dapo_raw(dapo_parquet: Path) -> datasets.Dataset:
 
 @pytest.fixture(scope="module")
 def dapo_prompts(dapo_parquet: Path) -> datasets.Dataset:
-    return data.load_prompts(str(dapo_parquet), seed=0)
+    return prompts.load_prompts(str(dapo_parquet), seed=0)
 
 
 def _save_jsonl(ds: datasets.Dataset, d: Path) -> Path:
@@ -78,7 +78,7 @@ def _save_disk_dict(ds: datasets.Dataset, d: Path) -> Path:
     ids=["jsonl", "json", "arrow", "save_to_disk", "save_to_disk_dict", "folder_of_files"],
 )
 def test_every_format_loads_the_same_prompts(save, split, dapo_raw, dapo_prompts, tmp_path):
-    ds = data.load_prompts(str(save(dapo_raw, tmp_path)), split=split, seed=0)
+    ds = prompts.load_prompts(str(save(dapo_raw, tmp_path)), split=split, seed=0)
     assert ds.column_names == ["messages", "answer"]
     assert ds["messages"] == dapo_prompts["messages"]
     assert ds["answer"] == dapo_prompts["answer"]
@@ -102,7 +102,7 @@ def test_messages_layout_drops_final_assistant_turn(tmp_path):
         [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}],
         [{"role": "user", "content": "No answer known."}],
     ]
-    ds = data.load_prompts(str(_write_parquet(tmp_path / "m.parquet", {"messages": convos})), seed=0)
+    ds = prompts.load_prompts(str(_write_parquet(tmp_path / "m.parquet", {"messages": convos})), seed=0)
     got = {tuple(m["content"] for m in r["messages"]): r["answer"] for r in ds}
     assert got == {("Be brief.", "1+1?"): "2", ("Say hi.",): "hi", ("No answer known.",): ""}
 
@@ -110,7 +110,7 @@ def test_messages_layout_drops_final_assistant_turn(tmp_path):
 def test_answer_column_wins_over_assistant_turn(tmp_path):
     convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long reasoning"}]
     path = _write_parquet(tmp_path / "m.parquet", {"messages": [convo], "answer": ["7"]})
-    ds = data.load_prompts(str(path))
+    ds = prompts.load_prompts(str(path))
     assert ds[0] == {"messages": [{"role": "user", "content": "q"}], "answer": "7"}
 
 
@@ -124,44 +124,44 @@ def test_answer_column_wins_over_assistant_turn(tmp_path):
     ids=["prompt", "gsm8k", "math"],
 )
 def test_text_layouts_become_one_user_message(columns, answer, tmp_path):
-    ds = data.load_prompts(str(_write_parquet(tmp_path / "t.parquet", columns)))
+    ds = prompts.load_prompts(str(_write_parquet(tmp_path / "t.parquet", columns)))
     assert ds[0] == {"messages": [{"role": "user", "content": "What is 6*7?"}], "answer": answer}
 
 
 def test_final_answer():
-    assert data.final_answer("work\n#### 1,234 ") == "1,234"
-    assert data.final_answer("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
-    assert data.final_answer(" 17 ") == "17"
+    assert prompts.final_answer("work\n#### 1,234 ") == "1,234"
+    assert prompts.final_answer("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
+    assert prompts.final_answer(" 17 ") == "17"
 
 
 def test_subset_is_deterministic(dapo_parquet):
-    a = data.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
-    b = data.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
-    c = data.load_prompts(str(dapo_parquet), subset_size=12, seed=2)
+    a = prompts.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
+    b = prompts.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
+    c = prompts.load_prompts(str(dapo_parquet), subset_size=12, seed=2)
     assert len(a) == 5 and a["messages"] == b["messages"] and a["answer"] == b["answer"]
     assert c["answer"][:5] != a["answer"]
-    everything = data.load_prompts(str(dapo_parquet), subset_size=-1, seed=1)
-    assert len(everything) == len(data.load_prompts(str(dapo_parquet), subset_size=100, seed=1)) == 12
+    everything = prompts.load_prompts(str(dapo_parquet), subset_size=-1, seed=1)
+    assert len(everything) == len(prompts.load_prompts(str(dapo_parquet), subset_size=100, seed=1)) == 12
     assert everything["messages"][:5] == a["messages"]  # the subset is a prefix of the same shuffle
 
 
 def test_tiny_prompts():
-    ds = data.load_prompts("tiny", subset_size=64, seed=42)
-    assert len(ds) == 64 and len(data.load_prompts("tiny")) == data.TINY_DEFAULT_SIZE
+    ds = prompts.load_prompts("tiny", subset_size=64, seed=42)
+    assert len(ds) == 64 and len(prompts.load_prompts("tiny")) == prompts.TINY_DEFAULT_SIZE
     for row in ds:
         (msg,) = row["messages"]
         a, b = msg["content"].split("+")
         assert msg["role"] == "user" and row["answer"] == str(int(a) + int(b))
-    assert ds["messages"] == data.load_prompts("tiny", subset_size=64, seed=42)["messages"]
-    assert ds["messages"] != data.load_prompts("tiny", subset_size=64, seed=43)["messages"]
+    assert ds["messages"] == prompts.load_prompts("tiny", subset_size=64, seed=42)["messages"]
+    assert ds["messages"] != prompts.load_prompts("tiny", subset_size=64, seed=43)["messages"]
     heldout = [p.prompt for p in task.heldout_problems(64)]
     assert [m[0]["content"] for m in ds["messages"]] != heldout
 
 
 def test_tiny_seed_is_never_the_heldout_seed():
-    assert data.HELDOUT_SEED == 1234
-    for seed in (0, 42, data.HELDOUT_SEED, data.HELDOUT_SEED - data.TINY_SEED_OFFSET):
-        assert data.tiny_prompt_seed(seed) != data.HELDOUT_SEED
+    assert prompts.HELDOUT_SEED == 1234
+    for seed in (0, 42, prompts.HELDOUT_SEED, prompts.HELDOUT_SEED - prompts.TINY_SEED_OFFSET):
+        assert prompts.tiny_prompt_seed(seed) != prompts.HELDOUT_SEED
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def no_hub(monkeypatch):
 def test_missing_local_path_fails_without_the_hub(path, no_hub, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="no file or folder at"):
-        data.load_prompts(path)
+        prompts.load_prompts(path)
 
 
 def test_hub_name_goes_to_load_dataset(monkeypatch, tmp_path):
@@ -190,7 +190,7 @@ def test_hub_name_goes_to_load_dataset(monkeypatch, tmp_path):
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
     monkeypatch.chdir(tmp_path)
-    ds = data.load_prompts("openai/gsm8k", split="test")
+    ds = prompts.load_prompts("openai/gsm8k", split="test")
     assert calls == [("openai/gsm8k", "test")] and ds["answer"] == ["3"]
 
 
@@ -199,14 +199,14 @@ def test_no_usable_column_lists_columns(tmp_path, no_hub):
     with pytest.raises(
         ValueError, match=r"found \['text', 'label'\].*'messages', 'prompt', 'question', 'problem'"
     ):
-        data.load_prompts(str(path))
+        prompts.load_prompts(str(path))
 
 
 def test_empty_sources_fail(tmp_path, dapo_parquet, monkeypatch):
     with pytest.raises(ValueError, match="subset_size=0"):
-        data.load_prompts(str(dapo_parquet), subset_size=0)
+        prompts.load_prompts(str(dapo_parquet), subset_size=0)
     with pytest.raises(ValueError, match="subset_size=0"):
-        data.load_prompts("tiny", subset_size=0)
+        prompts.load_prompts("tiny", subset_size=0)
     empty = datasets.Dataset.from_dict(
         {"prompt": []}, features=datasets.Features({"prompt": datasets.Value("string")})
     )
@@ -215,31 +215,31 @@ def test_empty_sources_fail(tmp_path, dapo_parquet, monkeypatch):
     (tmp_path / "empty.json").write_text("[]\n")
     for name in ("empty.parquet", "empty.jsonl", "empty.json"):
         with pytest.raises(ValueError, match="holds no rows; expected at least one prompt"):
-            data.load_prompts(str(tmp_path / name))
+            prompts.load_prompts(str(tmp_path / name))
     monkeypatch.setattr(datasets, "load_dataset", lambda path, split: empty)
     with pytest.raises(ValueError, match="holds no rows; expected at least one prompt"):
-        data.load_prompts("owner/empty-dataset")
+        prompts.load_prompts("owner/empty-dataset")
 
 
 def test_unsupported_file_and_missing_split_fail(tmp_path, dapo_raw):
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     with pytest.raises(ValueError, match="'.csv' is not one of"):
-        data.load_prompts(str(tmp_path / "p.csv"))
+        prompts.load_prompts(str(tmp_path / "p.csv"))
     with pytest.raises(ValueError, match=r"no split 'validation'; it has \['test', 'train'\]"):
-        data.load_prompts(str(_save_disk_dict(dapo_raw, tmp_path)), split="validation")
+        prompts.load_prompts(str(_save_disk_dict(dapo_raw, tmp_path)), split="validation")
 
 
 def test_filter_long_prompts(dapo_prompts, qwen3_tokenizer):
-    lengths = [len(data.prompt_ids(qwen3_tokenizer, m)) for m in dapo_prompts["messages"]]
+    lengths = [len(prompts.prompt_ids(qwen3_tokenizer, m)) for m in dapo_prompts["messages"]]
     assert sorted(lengths)[-1] > 300 > sorted(lengths)[-2]
     with pytest.warns(UserWarning, match="dropped 1 of 12 prompts longer than max_prompt_length=300"):
-        kept, n_dropped = data.filter_long_prompts(dapo_prompts, qwen3_tokenizer, 300)
+        kept, n_dropped = prompts.filter_long_prompts(dapo_prompts, qwen3_tokenizer, 300)
     assert n_dropped == 1 and len(kept) == 11
     assert kept["messages"] == [m for m, n in zip(dapo_prompts["messages"], lengths) if n <= 300]
 
 
 def test_filter_keeps_everything_silently(dapo_prompts, tiny_tokenizer, recwarn):
-    kept, n_dropped = data.filter_long_prompts(dapo_prompts, tiny_tokenizer, 100_000)
+    kept, n_dropped = prompts.filter_long_prompts(dapo_prompts, tiny_tokenizer, 100_000)
     assert n_dropped == 0 and len(kept) == 12 and not recwarn.list
 
 
@@ -247,7 +247,7 @@ def test_filter_all_too_long_raises(dapo_prompts, tiny_tokenizer):
     with pytest.raises(
         ValueError, match=r"all 12 prompts exceed max_prompt_length=5 \(shortest \d+, longest \d+"
     ):
-        data.filter_long_prompts(dapo_prompts, tiny_tokenizer, 5)
+        prompts.filter_long_prompts(dapo_prompts, tiny_tokenizer, 5)
 
 
 def test_collator_left_pads(tiny_tokenizer):
@@ -255,7 +255,7 @@ def test_collator_left_pads(tiny_tokenizer):
         {"messages": [{"role": "user", "content": "1+2"}], "answer": "3"},
         {"messages": [{"role": "user", "content": "100+200"}], "answer": "300"},
     ]
-    collator = data.PromptCollator(tiny_tokenizer, max_prompt_length=64)
+    collator = prompts.PromptCollator(tiny_tokenizer, max_prompt_length=64)
     batch = collator(features)
     prompts_BP, mask_BP = batch["prompts"], batch["prompt_attention_mask"]
     ids = [collator.prompt_ids(f["messages"]) for f in features]
@@ -271,7 +271,7 @@ def test_collator_left_pads(tiny_tokenizer):
 
 
 def test_collator_rejects_too_long_prompt(tiny_tokenizer):
-    collator = data.PromptCollator(tiny_tokenizer, max_prompt_length=8)
+    collator = prompts.PromptCollator(tiny_tokenizer, max_prompt_length=8)
     with pytest.raises(ValueError, match="exceeds max_prompt_length=8; run filter_long_prompts"):
         collator([{"messages": [{"role": "user", "content": "1+2"}]}])
 
@@ -279,8 +279,8 @@ def test_collator_rejects_too_long_prompt(tiny_tokenizer):
 def test_collator_enable_thinking_with_qwen3(qwen3_tokenizer, dapo_prompts):
     assert qwen3_tokenizer.bos_token is None
     features = [dapo_prompts[0], dapo_prompts[1]]
-    off = data.PromptCollator(qwen3_tokenizer, 1024, enable_thinking=False)(features)
-    on = data.PromptCollator(qwen3_tokenizer, 1024, enable_thinking=True)(features)
+    off = prompts.PromptCollator(qwen3_tokenizer, 1024, enable_thinking=False)(features)
+    on = prompts.PromptCollator(qwen3_tokenizer, 1024, enable_thinking=True)(features)
     for batch, tail in ((off, GEN_PROMPT + QWEN3_NO_THINK), (on, GEN_PROMPT)):
         for row, mask in zip(batch["prompts"], batch["prompt_attention_mask"]):
             text = qwen3_tokenizer.decode(row[mask.bool()])
@@ -290,7 +290,7 @@ def test_collator_enable_thinking_with_qwen3(qwen3_tokenizer, dapo_prompts):
 
 
 def test_format_first_prompt(dapo_prompts, qwen3_tokenizer):
-    collator = data.PromptCollator(qwen3_tokenizer, 1024)
-    text = data.format_first_prompt(dapo_prompts, collator, qwen3_tokenizer)
+    collator = prompts.PromptCollator(qwen3_tokenizer, 1024)
+    text = prompts.format_first_prompt(dapo_prompts, collator, qwen3_tokenizer)
     n = len(collator.prompt_ids(dapo_prompts[0]["messages"]))
     assert f"[{n} tokens" in text and text.endswith(GEN_PROMPT + QWEN3_NO_THINK)

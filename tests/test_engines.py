@@ -9,11 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from opdkit import data, engines, rollout, tiny
+from opdkit import tiny
 from opdkit.config import ConfigError
+from opdkit.data import prompts
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import job as wb_job
 from opdkit.models import load_tokenizer
+from opdkit.rollout import engines, sampling
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def student_tok():
 
 
 def micro_batches(tok, sizes=(3, 1, 2)):
-    collate = data.PromptCollator(tok, 64)
+    collate = prompts.PromptCollator(tok, 64)
     problems = ["7+5", "358+467", "12+1", "999+999", "1+1", "40+2"]
     out, i = [], 0
     for n in sizes:
@@ -31,9 +33,9 @@ def micro_batches(tok, sizes=(3, 1, 2)):
     return out
 
 
-def hf_greedy(model, tok, ids, mask, max_new_tokens=12) -> rollout.Rollout:
+def hf_greedy(model, tok, ids, mask, max_new_tokens=12) -> sampling.Rollout:
     """The kit's loop, greedy, called directly (not through an engine)."""
-    return rollout.sample(
+    return sampling.sample(
         model,
         ids,
         mask,
@@ -86,7 +88,7 @@ def test_logprob_gap_is_zero_for_the_models_own_logprobs(student_tok):
     model, tok = student_tok
     ids, mask = engines.concat_prompts(micro_batches(tok), tok.pad_token_id)
     torch.manual_seed(0)
-    r = rollout.sample(
+    r = sampling.sample(
         model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=10
     )
     with torch.no_grad():

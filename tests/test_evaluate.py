@@ -1,6 +1,6 @@
 """Answer extraction for math datasets."""
 
-from opdkit import answers
+from opdkit.data import answers
 
 
 def test_boxed_extraction_handles_nesting_and_last_box():

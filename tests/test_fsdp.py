@@ -15,9 +15,10 @@ import torch
 from test_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from opdkit import sharding
-from opdkit.callbacks import GradientDump
 from opdkit.config import ConfigError, available_modes, load_config
+from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.opd.callbacks import GradientDump
+from opdkit.run import sharding
 
 TESTS = Path(__file__).resolve().parent
 # Clipping on (the tiny step-1 norm is ~13), two steps, a checkpoint after each.
@@ -73,15 +74,15 @@ def _describe(weight: torch.Tensor) -> dict:
 
 def spy_on_head_weight() -> None:
     """Record the student head weight every call of the trainer's divergence receives."""
-    import opdkit.trainer
+    import opdkit.opd.trainer
 
-    real = opdkit.trainer.losses.chunked_divergence
+    real = opdkit.opd.trainer.chunked_divergence
 
     def spy(s_hidden_NH, s_head_VH, *args, **kwargs):
         ShardingProbe.seen_in_loss.append(_describe(s_head_VH))
         return real(s_hidden_NH, s_head_VH, *args, **kwargs)
 
-    opdkit.trainer.losses.chunked_divergence = spy
+    opdkit.opd.trainer.chunked_divergence = spy
 
 
 def run_two_fsdp_processes(
@@ -96,7 +97,7 @@ def run_two_fsdp_processes(
         sys.path.insert(0, {str(TESTS)!r})
         from test_fsdp import ReshardAfterEveryForward, ShardingProbe, spy_on_head_weight
         from opdkit.jobs import whitebox
-        from opdkit.callbacks import GradientDump
+        from opdkit.opd.callbacks import GradientDump
         spy_on_head_weight()
         callbacks = [GradientDump({str(out) + ".pt"!r}), GradientDump({str(out) + ".2.pt"!r}, at_step=2),
                      ShardingProbe({str(out)!r})]
@@ -193,7 +194,7 @@ def test_fsdp_first_update_equals_one_process_and_trl(tmp_path, one_process):
 
     # Weights after step 1 (checkpoint) and after step 2 (model/): ordinary HF folders, the same weights
     # wherever AdamW's step is well conditioned, within AdamW's bound 2 lr per step elsewhere.
-    lr = load_config("02_whitebox", "tiny").learning_rate
+    lr = load_config(WhiteboxConfig, "tiny").learning_rate
     one_dumps = [one_grads, torch.load(one_path.parent / "one.2.pt")]
     for steps, folder in ((1, "checkpoints/checkpoint-1"), (2, "model")):
         sd_two = AutoModelForCausalLM.from_pretrained(two / folder).state_dict()
@@ -274,7 +275,7 @@ def test_fsdp_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
         import sys, torch; torch.set_num_threads(1)
         from transformers import TrainerCallback
         from opdkit.jobs import whitebox
-        from opdkit.launch import RankFailed
+        from opdkit.run.launch import RankFailed
 
         class InterruptAt3(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
@@ -313,8 +314,9 @@ def _plain_fsdp2_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from opdkit import losses, tiny
-    from opdkit.trainer import student_divergence
+    from opdkit import tiny
+    from opdkit.opd.loss import chunked_divergence
+    from opdkit.opd.trainer import student_divergence
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -354,7 +356,7 @@ def _plain_fsdp2_rank(rank: int, port: int, out: str) -> None:
         fwd, pred_BT, t_hidden_NH, t_head_VH = mine
         s_hidden_NH = student(**fwd, output_hidden_states=True).hidden_states[-1][pred_BT]
         s_head_VH = student.get_output_embeddings().weight
-        return losses.chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, t_head_VH, **kw)
+        return chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, t_head_VH, **kw)
 
     for name, attempt in (
         ("head_read_after_forward", head_read_after_forward),
@@ -412,11 +414,11 @@ def test_the_loss_must_run_inside_the_root_forward_of_a_plain_fsdp2_student(tmp_
 
 
 def test_parallelism_is_opt_in_and_checked():
-    for mode in available_modes("02_whitebox"):
-        assert load_config("02_whitebox", mode).parallelism == "ddp", mode
-    assert load_config("02_whitebox", "full", {"parallelism": "fsdp"}).parallelism == "fsdp"
+    for mode in available_modes(WhiteboxConfig):
+        assert load_config(WhiteboxConfig, mode).parallelism == "ddp", mode
+    assert load_config(WhiteboxConfig, "full", {"parallelism": "fsdp"}).parallelism == "fsdp"
     with pytest.raises(ConfigError, match="parallelism='zero3'"):
-        load_config("02_whitebox", "tiny", {"parallelism": "zero3"})
+        load_config(WhiteboxConfig, "tiny", {"parallelism": "zero3"})
 
 
 def test_fsdp_arguments_only_when_there_is_something_to_shard():

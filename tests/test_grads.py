@@ -1,4 +1,4 @@
-"""opdkit.grads and the 01_save_grad job: the saved mean gradient against plain PyTorch, independence of
+"""opdkit.ads.gradient and the savegrad job: the saved mean gradient against plain PyTorch, independence of
 batch size and process count, the completion mask of the real Qwen3 template, files and their checks."""
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import data, gradfile, grads, models, tiny, traces
-from opdkit.config import ConfigError, SaveGradConfig, load_config
+from opdkit import models, tiny
+from opdkit.ads import gradfile, gradient
+from opdkit.config import ConfigError, load_config
+from opdkit.data import prompts, traces
+from opdkit.data.sft import IGNORE, completion_labels
 from opdkit.jobs import savegrad
 from opdkit.jobs.savegrad import holdout as savegrad_holdout
 from opdkit.jobs.savegrad import report as savegrad_report
-from opdkit.runs import RunDir
-from opdkit.sft import IGNORE, completion_labels
+from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.run.folders import RunDir
 from opdkit.tiny import task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,52 +101,52 @@ def _run(tmp_path: Path, name: str, **overrides) -> RunDir:
 def test_shard_by_length_takes_each_trace_once():
     lengths = [5, 3, 9, 3, 7, 1, 8]
     for world in range(1, 10):
-        shards = [grads.shard_by_length(lengths, r, world) for r in range(world)]
+        shards = [gradient.shard_by_length(lengths, r, world) for r in range(world)]
         assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
         for s in shards:
             assert [lengths[i] for i in s] == sorted(lengths[i] for i in s)  # length-sorted: little padding
-    assert grads.shard_by_length(lengths, 8, 9) == []  # more processes than traces: some get none
+    assert gradient.shard_by_length(lengths, 8, 9) == []  # more processes than traces: some get none
 
 
 def test_trace_weights_give_the_mean():
     n_tokens_B = torch.tensor([2, 5, 3])
     assert torch.allclose(
-        grads.trace_weights(n_tokens_B, "trace", 3, 10) * n_tokens_B,
+        gradient.trace_weights(n_tokens_B, "trace", 3, 10) * n_tokens_B,
         torch.full((3,), 1 / 3, dtype=torch.float64),
     )
     assert torch.allclose(
-        grads.trace_weights(n_tokens_B, "token", 3, 10), torch.full((3,), 0.1, dtype=torch.float64)
+        gradient.trace_weights(n_tokens_B, "token", 3, 10), torch.full((3,), 0.1, dtype=torch.float64)
     )
     with pytest.raises(ValueError, match="normalization"):
-        grads.trace_weights(n_tokens_B, "sequence", 3, 10)
+        gradient.trace_weights(n_tokens_B, "sequence", 3, 10)
 
 
-@pytest.mark.parametrize("normalization", grads.NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", gradient.NORMALIZATIONS)
 @pytest.mark.parametrize("batch_size", [1, 2, 4])
 def test_mean_grad_equals_plain_pytorch(rows, normalization, batch_size):
     model = _proxy()
-    named, stats = grads.mean_completion_grad(model, rows, normalization, batch_size, pad_token_id=0)
+    named, stats = gradient.mean_completion_grad(model, rows, normalization, batch_size, pad_token_id=0)
     assert _rel_err(named, _reference(_proxy(), rows, normalization)) <= TOL
     assert list(named) == [n for n, _ in model.named_parameters()]
     assert stats["num_traces"] == len(rows)
     assert stats["completion_tokens"] == sum(sum(t != IGNORE for t in r["labels"]) for r in rows)
 
 
-@pytest.mark.parametrize("normalization", grads.NORMALIZATIONS)
+@pytest.mark.parametrize("normalization", gradient.NORMALIZATIONS)
 @pytest.mark.parametrize("world", [3, 13])
 def test_process_shares_sum_to_the_single_process_gradient(rows, normalization, world):
     """The cross-process math without processes: the shards' contributions (some empty) add up to the
     whole."""
-    total_tokens = sum(grads.completion_token_count(r["labels"]) for r in rows)
+    total_tokens = sum(gradient.completion_token_count(r["labels"]) for r in rows)
     lengths = [len(r["input_ids"]) for r in rows]
     model = _proxy()
     summed = None
     for rank in range(world):
         model.zero_grad(set_to_none=True)
-        mine = grads.shard_by_length(lengths, rank, world)
-        batches = grads.make_batches(rows, mine, 2, 0, "cpu")
-        grads.accumulate_mean_grad(model, batches, normalization, len(rows), total_tokens)
-        grads.all_reduce_grads(model, world=1)  # only fills in zeros where this shard reached nothing
+        mine = gradient.shard_by_length(lengths, rank, world)
+        batches = gradient.make_batches(rows, mine, 2, 0, "cpu")
+        gradient.accumulate_mean_grad(model, batches, normalization, len(rows), total_tokens)
+        gradient.all_reduce_grads(model, world=1)  # only fills in zeros where this shard reached nothing
         part = {n: p.grad.clone() for n, p in model.named_parameters()}
         summed = part if summed is None else {n: summed[n] + part[n] for n in part}
     assert _rel_err(summed, _reference(_proxy(), rows, normalization)) <= TOL
@@ -175,7 +178,7 @@ def test_job_gradient_equals_direct_computation_from_saved_traces(tmp_path):
     ):
         assert meta[key] is not None, key
     assert meta["num_traces"] == 12 and meta["world_size"] == 1
-    assert meta["grad_norm"] == pytest.approx(grads.global_norm(saved), rel=1e-5)
+    assert meta["grad_norm"] == pytest.approx(gradient.global_norm(saved), rel=1e-5)
     summary = run.read_summary()
     assert summary["status"] == "done"
     assert summary["teacher_accuracy"] == pytest.approx(sum(ds["correct"]) / 12)
@@ -196,7 +199,7 @@ def test_saved_traces_label_exactly_the_answer(tmp_path, tiny_tokenizer):
 
 
 def test_batch_size_does_not_change_the_saved_gradient(tmp_path, traces_folder, rows):
-    for normalization in grads.NORMALIZATIONS:
+    for normalization in gradient.NORMALIZATIONS:
         reference = _reference(_proxy(), rows, normalization)
         for bs in (1, 2, 4):
             run = _run(
@@ -235,7 +238,7 @@ def test_two_processes_save_the_one_process_gradient(tmp_path, traces_folder, ro
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for normalization in grads.NORMALIZATIONS:
+    for normalization in gradient.NORMALIZATIONS:
         run = RunDir.attach(tmp_path / normalization)
         assert run.read_summary()["world_size"] == 2
         saved = load_file(str(run.path / "grads.safetensors"))
@@ -281,7 +284,7 @@ def test_nonfinite_loss_names_the_trace_and_saves_nothing(tmp_path):
     datasets.Dataset.from_list(convos).save_to_disk(str(tmp_path / "t"))
     proxy = _nan_proxy(tmp_path, "9")
     with pytest.raises(
-        grads.NonFiniteGradient, match=r"trace 3 \(row 3 of the traces dataset\) gives a non-finite loss"
+        gradient.NonFiniteGradient, match=r"trace 3 \(row 3 of the traces dataset\) gives a non-finite loss"
     ):
         _run(tmp_path, "nan", traces_path=str(tmp_path / "t"), proxy_model=str(proxy), batch_size=2)
     run = RunDir.attach(tmp_path / "nan")
@@ -335,13 +338,13 @@ def test_resume_reuses_the_saved_traces(tmp_path):
 def test_nonfinite_gradient_names_a_trace(rows):
     model = _proxy()
     model.model.norm.weight.register_hook(lambda g: g * float("inf"))
-    with pytest.raises(grads.NonFiniteGradient, match=r"trace \d+ .* non-finite gradient"):
-        grads.mean_completion_grad(model, rows, "trace", 4, pad_token_id=0)
+    with pytest.raises(gradient.NonFiniteGradient, match=r"trace \d+ .* non-finite gradient"):
+        gradient.mean_completion_grad(model, rows, "trace", 4, pad_token_id=0)
 
 
 def test_traces_without_completion_tokens_are_refused():
     with pytest.raises(ValueError, match=r"trace\(s\) \[1\] have no completion tokens"):
-        grads.mean_completion_grad(
+        gradient.mean_completion_grad(
             _proxy(),
             [{"input_ids": [5, 6], "labels": [IGNORE, 6]}, {"input_ids": [5, 6], "labels": [IGNORE, IGNORE]}],
             "trace",
@@ -385,7 +388,7 @@ def test_reported_figures_match_the_saved_gradient(saved_run):
         assert t["norm"] == pytest.approx(norms[t["tensor"]], rel=1e-6)
         assert t["shape"] == tuple(saved[t["tensor"]].shape)
     assert sum(t["share"] for t in savegrad_report.largest_tensors(saved_run, k=10**6)) == pytest.approx(1.0)
-    layers = grads.norms_by_layer(gradfile.read_meta(saved_run.path)["tensor_norms"])
+    layers = gradient.norms_by_layer(gradfile.read_meta(saved_run.path)["tensor_norms"])
     assert sum(v**2 for v in layers.values()) ** 0.5 == pytest.approx(
         saved_run.read_summary()["grad_norm"], rel=1e-5
     )
@@ -493,7 +496,7 @@ def test_supplied_text_traces(tmp_path):
 
 def test_max_length_caps_prompt_plus_trace():
     prep = savegrad.prepare("tiny", {"subset_size": 6, "max_prompt_length": 40, "max_length": 45})
-    ids = [data.prompt_ids(prep.teacher_tokenizer, m) for m in prep.prompts["messages"]]
+    ids = [prompts.prompt_ids(prep.teacher_tokenizer, m) for m in prep.train_messages]
     sampler = savegrad_holdout.TeacherSampler(prep.cfg, prep.teacher_tokenizer, "cpu", world=1)
     out = savegrad_holdout.generate_batch(sampler, ids, "cpu")
     for prompt, (text, truncated, _) in zip(ids, out):
@@ -505,12 +508,12 @@ def test_max_length_caps_prompt_plus_trace():
 
 def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
     cfg = SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.3, subset_size=-1)
-    shuffled = data.load_prompts(str(dapo_parquet), seed=cfg.seed)  # as 02_whitebox draws its prompts
+    shuffled = prompts.load_prompts(str(dapo_parquet), seed=cfg.seed)  # as whitebox draws its prompts
     assert (
         list(savegrad_holdout.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]
     )  # round(12 x 0.3)
     tiny_holdout = savegrad_holdout.holdout_prompts(SaveGradConfig(subset_size=50))
-    assert tiny_holdout["messages"] != data.load_prompts("tiny", subset_size=50, seed=42)["messages"]
+    assert tiny_holdout["messages"] != prompts.load_prompts("tiny", subset_size=50, seed=42)["messages"]
     with pytest.raises(ConfigError, match="holdout .* is empty"):
         savegrad_holdout.holdout_prompts(
             SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01)
@@ -519,14 +522,14 @@ def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
 
 def test_system_prompt_comes_first():
     prep = savegrad.prepare("tiny", {"subset_size": 2, "system_prompt": "Add."})
-    assert prep.prompts["messages"][0][0] == {"role": "system", "content": "Add."}
+    assert prep.train_messages[0][0] == {"role": "system", "content": "Add."}
 
 
 def test_presets_resolve():
     for mode in ("tiny", "full", "ads-paper"):
-        cfg = load_config(savegrad.JOB, mode)
+        cfg = load_config(SaveGradConfig, mode)
         assert cfg.gen_temperature == 0.0
-    ads = load_config(savegrad.JOB, "ads-paper")
+    ads = load_config(SaveGradConfig, "ads-paper")
     assert (ads.max_prompt_length, ads.max_length, ads.holdout_fraction) == (512, 1024, 0.3)
     assert "\\boxed{ANSWER}" in ads.system_prompt
 
@@ -540,7 +543,7 @@ def test_norms_by_layer():
         "model.norm.weight": 2.0,
         "lm_head.weight": 1.0,
     }
-    assert grads.norms_by_layer(norms) == {
+    assert gradient.norms_by_layer(norms) == {
         "model.embed_tokens": 3.0,
         "model.layers.0": 5.0,
         "model.layers.10": 1.0,
@@ -576,7 +579,7 @@ def test_notebook_runs(tmp_path, monkeypatch):
 def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
     """The fused head cross-entropy against autograd on full logits, with chunks of 3 rows and an
     upstream gradient that is not 1."""
-    monkeypatch.setattr(grads, "_CHUNK_BYTES", 3 * 4 * 11)
+    monkeypatch.setattr(gradient, "_CHUNK_BYTES", 3 * 4 * 11)
     gen = torch.Generator().manual_seed(3)
     hidden_NH = torch.randn(8, 5, generator=gen, dtype=torch.float64).requires_grad_()
     weight_VH = torch.randn(11, 5, generator=gen, dtype=torch.float64).requires_grad_()
@@ -584,7 +587,7 @@ def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
         torch.randint(0, 11, (8,), generator=gen),
         torch.rand(8, generator=gen, dtype=torch.float64),
     )
-    loss_N, loss = grads._HeadCrossEntropy.apply(hidden_NH, weight_VH, targets_N, row_weight_N)
+    loss_N, loss = gradient._HeadCrossEntropy.apply(hidden_NH, weight_VH, targets_N, row_weight_N)
     expected_N = F.cross_entropy(hidden_NH @ weight_VH.T, targets_N, reduction="none")
     expected = torch.autograd.grad(2.5 * (expected_N * row_weight_N).sum(), (hidden_NH, weight_VH))
     (2.5 * loss).backward()
@@ -596,7 +599,7 @@ def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
 
 def test_heads_that_are_not_plain_use_full_logits(rows, monkeypatch):
     model = _proxy()
-    assert grads._plain_head(model)
-    monkeypatch.setattr(grads, "_plain_head", lambda m: False)
-    named, _ = grads.mean_completion_grad(model, rows, "token", 4, pad_token_id=0)
+    assert gradient._plain_head(model)
+    monkeypatch.setattr(gradient, "_plain_head", lambda m: False)
+    named, _ = gradient.mean_completion_grad(model, rows, "token", 4, pad_token_id=0)
     assert _rel_err(named, _reference(_proxy(), rows, "token")) <= TOL

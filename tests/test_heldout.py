@@ -2,8 +2,8 @@
 
 import pytest
 
-from opdkit import data, tasks
 from opdkit.config import ConfigError
+from opdkit.data import prompts, tasks
 
 
 def _texts(messages) -> list[str]:
@@ -15,7 +15,7 @@ def test_math_eval_rows_are_apart_from_training(dapo_parquet, subset_size, eval_
     task, path = tasks.get_task("math"), str(dapo_parquet)
     train = _texts(task.train_prompts(path, "train", subset_size, eval_size, 42)["messages"])
     held, answers = task.eval_rows(path, "train", subset_size, eval_size, 42)
-    everything = _texts(data.load_prompts(path, "train", -1, 42)["messages"])
+    everything = _texts(prompts.load_prompts(path, "train", -1, 42)["messages"])
     assert not set(train) & set(_texts(held))
     assert len(held) == len(answers) == min(eval_size, len(everything) - len(train))
     expected_train = len(everything) - eval_size if subset_size == -1 else subset_size
@@ -46,5 +46,5 @@ def test_whitebox_prepare_uses_the_split(dapo_parquet, tiny_tokenizer, monkeypat
         "tiny",
         {"dataset_path": str(dapo_parquet), "subset_size": -1, "eval_size": 2, "max_prompt_length": 100_000},
     )
-    assert not set(_texts(prep.train["messages"])) & set(_texts(prep.eval_messages))
-    assert len(prep.train) == 10 and len(prep.eval_messages) == 2
+    assert not set(_texts(prep.train_messages)) & set(_texts(prep.eval_messages))
+    assert len(prep.train_dataset) == 10 and len(prep.eval_messages) == 2

@@ -14,7 +14,7 @@ def test_forked_ranks_can_convert_weights_in_threads(tmp_path):
     script = textwrap.dedent(f"""
         from concurrent.futures import ThreadPoolExecutor
         import torch
-        from opdkit.launch import launch
+        from opdkit.run.launch import launch
 
         def convert_in_threads():
             xs = [torch.randn(300, 300) for _ in range(16)]
@@ -37,8 +37,8 @@ def test_small_models_run_on_one_thread_unless_omp_is_set_and_the_caller_gets_it
     """A JupyterLab kernel has no OMP_NUM_THREADS: tiny models get one torch thread for the job only."""
     import torch
 
-    from opdkit.launch import launch
     from opdkit.models import load_model
+    from opdkit.run.launch import launch
 
     before = torch.get_num_threads()
     try:

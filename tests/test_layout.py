@@ -1,10 +1,24 @@
-"""The package's rooms, checked from the source: library, jobs and entry points import only what they may,
-nothing imports in a circle, modules stay small, and the kit installs and runs anywhere (`pip install .`)."""
+"""The package's rooms, checked from the source. Each rule is a function that lists the violations in a
+tree, so that every rule is tested twice: on this repository (no violation) and on a copy broken on purpose
+(the violation is found).
+
+Rooms, from the bottom up; a module imports its own room and rooms of a lower rank only (`ROOMS`):
+  0  opdkit.config, opdkit.tiny (the shipped tiny world), opdkit.params
+  1  opdkit.models, opdkit.run (run folders, files, launching, sharding, tracking, cli)
+  2  opdkit.rollout (sampling, engines, evaluation)
+  3  opdkit.data (prompts, tasks, answers, traces, SFT)
+  4  opdkit.opd, opdkit.ads (the two methods, independent of each other)
+  5  opdkit.notebook, opdkit.tiny.build (the tiny world's recipe)
+  6  opdkit.jobs (one folder per job; another job only through its package)
+  7  the entry points `python -m opdkit.<job>`
+"""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,34 +26,58 @@ import venv
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "opdkit"
-ENTRY_POINTS = {"opdkit.whitebox", "opdkit.savegrad", "opdkit.cliplesson", "opdkit.antidistill"}
-MAX_LINES = 400
+JOBS = ("savegrad", "whitebox", "cliplesson", "antidistill")
+ENTRY_POINTS = {f"opdkit.{job}" for job in JOBS}
+ROOMS = {  # the longest matching prefix decides a module's room
+    "opdkit": 0,
+    "opdkit.config": 0,
+    "opdkit.params": 0,
+    "opdkit.tiny": 0,
+    "opdkit.models": 1,
+    "opdkit.run": 1,
+    "opdkit.rollout": 2,
+    "opdkit.data": 3,
+    "opdkit.opd": 4,
+    "opdkit.ads": 4,
+    "opdkit.notebook": 5,
+    "opdkit.tiny.build": 5,
+    "opdkit.jobs": 6,
+    **{name: 7 for name in ENTRY_POINTS},
+}
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def modules(root: Path = REPO) -> dict[str, Path]:
+    return {module_name(p, root): p for p in (root / "opdkit").rglob("*.py")}
 
 
-def imports(path: Path) -> set[str]:
-    """Every opdkit module `path` imports, at any depth of the file (lazy imports count too)."""
-    found = set()
-    known = modules()
+def imports(path: Path, known: dict[str, Path]) -> dict[str, set[str]]:
+    """Every opdkit module `path` imports (lazy imports too), with the names it takes from each."""
+    found: dict[str, set[str]] = {}
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("opdkit")}
+            for a in node.names:
+                if a.name.startswith("opdkit"):
+                    found.setdefault(a.name, set())
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("opdkit"):
-            for a in node.names:  # `from opdkit import tasks` imports the module opdkit.tasks
+            for a in node.names:  # `from opdkit.data import tasks` imports the module opdkit.data.tasks
                 sub = f"{node.module}.{a.name}"
-                found.add(sub if sub in known else node.module)
+                if sub in known:
+                    found.setdefault(sub, set())
+                else:
+                    found.setdefault(node.module, set()).add(a.name)
     return found
+
+
+def room(name: str) -> str:
+    return max((r for r in ROOMS if name == r or name.startswith(r + ".")), key=len)
 
 
 def job_of(name: str) -> str | None:
@@ -47,80 +85,237 @@ def job_of(name: str) -> str | None:
     return parts[2] if len(parts) > 2 and parts[1] == "jobs" else None
 
 
-def test_the_library_imports_no_job():
-    for name, path in modules().items():
-        if job_of(name) or name in ENTRY_POINTS or name == "opdkit.jobs":
-            continue
-        bad = sorted(i for i in imports(path) if i.startswith("opdkit.jobs"))
-        assert not bad, f"{name} (library) imports {bad}; the library imports no job"
+def private_imports(root: Path = REPO) -> list[str]:
+    """A name starting with `_` imported from another module, or reached as `module._name` of an imported
+    opdkit module: a private name crossing modules."""
+    known, bad = modules(root), []
+    for name, path in known.items():
+        found = imports(path, known)
+        for mod, names in found.items():
+            bad += [f"{name} imports {mod}.{n}" for n in names if n.startswith("_") and n != "__version__"]
+        aliases = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("opdkit"):
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+            ):
+                bad.append(f"{name} uses {aliases[node.value.id]}.{node.attr}")
+    return bad
 
 
-def test_a_job_uses_another_job_only_through_its_package():
-    """A job may call another job's run() (`from opdkit.jobs import whitebox`), never its internals."""
-    for name, path in modules().items():
-        mine = job_of(name)
-        if not mine:
-            continue
-        for imported in imports(path):
+def upward_imports(root: Path = REPO) -> list[str]:
+    """An import of a room of a higher rank, or of another room of the same rank; and a job's import of
+    another job's internals (another job is reached through its package: `from opdkit.jobs import whitebox`)."""
+    known, bad = modules(root), []
+    for name, path in known.items():
+        mine = room(name)
+        for imported in imports(path, known):
+            theirs = room(imported)
+            if theirs != mine and ROOMS[theirs] >= ROOMS[mine]:
+                bad.append(
+                    f"{name} (room {mine}, rank {ROOMS[mine]}) imports {imported} (rank {ROOMS[theirs]})"
+                )
             other = job_of(imported)
-            assert other in (None, mine) or imported == f"opdkit.jobs.{other}", (
-                f"{name} imports {imported}, the internals of another job; call its run() instead"
-            )
+            if job_of(name) and other not in (None, job_of(name)) and imported != f"opdkit.jobs.{other}":
+                bad.append(f"{name} imports {imported}, the internals of another job")
+    return bad
 
 
-def test_no_import_cycle():
-    graph = {name: {i for i in imports(path) if i in modules()} for name, path in modules().items()}
-    for (
-        name
-    ) in graph:  # a package's __init__ is imported by its submodules implicitly; only explicit edges count
-        graph[name].discard(name)
+def import_cycles(root: Path = REPO) -> list[str]:
+    known = modules(root)
+    graph = {n: {i for i in imports(p, known) if i in known} - {n} for n, p in known.items()}
     state: dict[str, int] = {}
+    cycles: list[str] = []
 
     def visit(node: str, trail: list[str]) -> None:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                pytest.fail("import cycle: " + " -> ".join(trail[trail.index(nxt) :] + [nxt]))
-            if nxt not in state:
+                cycles.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]))
+            elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
 
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+    return cycles
 
 
-def test_modules_stay_small_and_main_blocks_only_call_main():
-    for name, path in modules().items():
-        lines = path.read_text().splitlines()
-        assert len(lines) <= MAX_LINES, (
-            f"{name} has {len(lines)} lines (at most {MAX_LINES}); split it by concept"
-        )
+def main_blocks(root: Path = REPO) -> list[str]:
+    """An entry point holds its docstring, imports and `if __name__ == "__main__": main()` alone; elsewhere
+    nothing but the call of `main` stands below `if __name__ == "__main__":`, and nothing after it."""
+    bad = []
+    for name, path in modules(root).items():
         tree = ast.parse(path.read_text())
         for i, node in enumerate(tree.body):
             if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
                 body = [ast.unparse(n) for n in node.body]
-                assert len(body) == 1 and "main(" in body[0], (
-                    f"{name}: below `if __name__ == '__main__':` {body}"
+                if len(body) != 1 or "main(" not in body[0] or i != len(tree.body) - 1:
+                    bad.append(f"{name}: below `if __name__ == '__main__':` {body}")
+        if name in ENTRY_POINTS:
+            rest = [
+                n
+                for n in tree.body
+                if not isinstance(n, (ast.Import, ast.ImportFrom, ast.If))
+                and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+            ]
+            if rest:
+                bad.append(f"{name} is an entry point; it holds {[ast.unparse(n)[:40] for n in rest]}")
+    return bad
+
+
+def notebook_imports(root: Path = REPO) -> list[str]:
+    """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report, and
+    nothing else of opdkit."""
+    bad = []
+    for nb in sorted((root / "notebooks").glob("*.ipynb")):
+        code = "\n".join(
+            "".join(c["source"])
+            for c in json.loads(nb.read_text())["cells"]
+            if c["cell_type"] == "code" and not "".join(c["source"]).lstrip().startswith(("!", "%"))
+        )
+        jobs = set()
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.ImportFrom) and node.module == "opdkit.jobs":
+                jobs |= {a.name for a in node.names}
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import) and any(a.name.startswith("opdkit") for a in node.names):
+                bad.append(f"{nb.name}: import {', '.join(a.name for a in node.names)}")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("opdkit"):
+                ok = node.module == "opdkit.jobs" or (
+                    node.module in {f"opdkit.jobs.{j}" for j in jobs}
+                    and [a.name for a in node.names] == ["report"]
                 )
-                assert i == len(tree.body) - 1, f"{name}: code after `if __name__ == '__main__':`"
+                if not ok:
+                    names = ", ".join(a.name for a in node.names)
+                    bad.append(f"{nb.name}: from {node.module} import {names}")
+        if len(jobs) != 1:
+            bad.append(f"{nb.name} imports the jobs {sorted(jobs)}; a notebook calls one job")
+    return bad
 
 
-def test_presets_ship_inside_the_package():
+def unlisted_packages(root: Path = REPO) -> list[str]:
+    """Every folder of opdkit/ with an __init__.py is in pyproject's explicit package list (a mapped params/
+    means setuptools cannot find them itself), and params/ is mapped to opdkit.params."""
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = {module_name(p, root) for p in (root / "opdkit").rglob("__init__.py")} | {"opdkit.params"}
+    bad = [f"{p} is not in pyproject's [tool.setuptools] packages" for p in sorted(found - listed)]
+    bad += [f"{p} is listed but has no folder" for p in sorted(listed - found)]
+    if tool.get("package-dir", {}).get("opdkit.params") != "params":
+        bad.append("params/ is not mapped to opdkit.params in [tool.setuptools.package-dir]")
+    return bad
+
+
+def readme_layout(root: Path = REPO) -> list[str]:
+    """The README's layout block names every room of the package (each folder of opdkit/, each module at
+    its top) and names nothing that is not there."""
+    text = (root / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    rooms = {p.name + "/" for p in (root / "opdkit").iterdir() if (p / "__init__.py").is_file()}
+    rooms |= {p.name for p in (root / "opdkit").glob("*.py") if p.name != "__init__.py"}
+    bad = [f"the README's layout does not name opdkit/{r}" for r in sorted(rooms) if r not in block]
+    named = {w.split("/")[0] for line in block.splitlines() for w in line.split()[:1] if w.endswith("/")}
+    bad += [
+        f"the README's layout names {w}/, which is not in the repository"
+        for w in sorted(named)
+        if not (root / w).is_dir() and not (root / "opdkit" / w).is_dir() and w != "jobs"
+    ]
+    return bad
+
+
+RULES = [
+    private_imports,
+    upward_imports,
+    import_cycles,
+    main_blocks,
+    notebook_imports,
+    unlisted_packages,
+    readme_layout,
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
+def test_the_repository_keeps_the_rule(rule):
+    assert rule() == []
+
+
+def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
+    """A copy of the package, notebooks and pyproject with `edits` (path -> text appended)."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "opdkit", root / "opdkit", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    shutil.copytree(REPO / "notebooks", root / "notebooks")
+    shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+    shutil.copy(REPO / "README.md", root / "README.md")
+    for rel, text in edits.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text((path.read_text() if path.exists() else "") + text)
+    return root
+
+
+def _notebook_importing(line: str) -> str:
+    nb = json.loads((REPO / "notebooks" / "02_whitebox.ipynb").read_text())
+    nb["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [], "source": [line]})
+    return json.dumps(nb)
+
+
+BREAKS = {  # rule -> (edits, a fragment of the violation it must report)
+    "private_imports": (
+        {"opdkit/opd/trainer.py": "\nfrom opdkit.rollout.engines import _on_cpu\n"},
+        "_on_cpu",
+    ),
+    "upward_imports": (
+        {"opdkit/data/prompts.py": "\nfrom opdkit.opd import trainer\n"},
+        "opdkit.opd.trainer",
+    ),
+    "import_cycles": ({"opdkit/config.py": "\nfrom opdkit import models\n"}, "opdkit.config"),
+    "main_blocks": ({"opdkit/whitebox.py": "\nprint('hello')\n"}, "entry point"),
+    "unlisted_packages": ({"opdkit/extra/__init__.py": ""}, "opdkit.extra"),
+    "readme_layout": ({"opdkit/extra/__init__.py": ""}, "opdkit/extra/"),
+}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
+def test_the_rule_finds_a_deliberate_violation(rule, tmp_path):
+    if rule is notebook_imports:
+        root = broken_copy(tmp_path, {})
+        (root / "notebooks" / "02_whitebox.ipynb").write_text(
+            _notebook_importing("from opdkit.notebook.widgets import sample_browser")
+        )
+        expected = "opdkit.notebook.widgets"
+    else:
+        edits, expected = BREAKS[rule.__name__]
+        root = broken_copy(tmp_path, edits)
+    found = rule(root)
+    assert any(expected in v for v in found), found
+
+
+def test_presets_live_at_the_top_of_the_repository():
     from opdkit.config import PARAMS_DIR, available_modes
+    from opdkit.jobs.whitebox.config import WhiteboxConfig
 
-    assert PARAMS_DIR.is_relative_to(PACKAGE)
-    assert {"tiny", "full"} <= set(available_modes("02_whitebox"))
+    assert PARAMS_DIR == REPO / "params"  # the editable install maps opdkit.params to params/
+    assert {"tiny", "full"} <= set(available_modes(WhiteboxConfig))
+    assert {p.name for p in PARAMS_DIR.iterdir() if p.is_dir()} == set(JOBS)
 
 
 def test_runs_go_under_the_working_folder_or_opdkit_runs(tmp_path, monkeypatch):
-    from opdkit import runs
+    from opdkit.run import folders
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(runs.RUNS_ENV, raising=False)
-    assert runs.new_run_path("02_whitebox", "tiny").parent == tmp_path / "runs" / "02_whitebox"
-    monkeypatch.setenv(runs.RUNS_ENV, str(tmp_path / "elsewhere"))
-    assert runs.new_run_path("02_whitebox", "tiny").parent == tmp_path / "elsewhere" / "02_whitebox"
+    monkeypatch.delenv(folders.RUNS_ENV, raising=False)
+    assert folders.new_run_path("whitebox", "tiny").parent == tmp_path / "runs" / "whitebox"
+    monkeypatch.setenv(folders.RUNS_ENV, str(tmp_path / "elsewhere"))
+    assert folders.new_run_path("whitebox", "tiny").parent == tmp_path / "elsewhere" / "whitebox"
 
 
 @pytest.mark.slow
@@ -189,5 +384,5 @@ def test_a_plain_install_runs_from_an_unrelated_folder(tmp_path):
         [python, "-c", "import opdkit; print(opdkit.__file__)"], cwd=work, capture_output=True, text=True
     ).stdout
     assert str(env_dir) in where, f"opdkit was imported from {where}, not from the plain install"
-    (run,) = list((work / "runs" / "02_whitebox").iterdir())
+    (run,) = list((work / "runs" / "whitebox").iterdir())
     assert (run / "summary.json").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,4 +1,4 @@
-"""Math tests for opdkit.losses: KL ends, TRL agreement, low temperature, gradients, chunking, memory."""
+"""Math tests for opdkit.opd.loss: KL ends, TRL agreement, low temperature, gradients, chunking, memory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from opdkit.losses import chunked_divergence, generalized_jsd, per_token_divergence
+from opdkit.opd.loss import chunked_divergence, generalized_jsd, per_token_divergence
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from opdkit import mathcheck, tasks
+from opdkit.data import answers, tasks
 
 WORK = "Let me think. 3 * 6 = 18, then 18 + 5 = 23, and 23 - 5 = 18.\n"
 RIGHT = [  # (completion, reference answer): forms named in issue 13 and their relatives
@@ -52,7 +52,7 @@ def test_math_check(completion, answer, right):
 
 
 def _all_as_expected() -> bool:
-    return all(mathcheck.check(c, a) is r for c, a, r in CASES)
+    return all(answers.check(c, a) is r for c, a, r in CASES)
 
 
 def test_math_check_in_a_thread():
@@ -70,7 +70,7 @@ def test_math_check_in_worker_processes():
     this (threaded) test process can inherit a lock another thread holds and hang."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:
-        got = pool.starmap(mathcheck.check, [(c, a) for c, a, _ in CASES])
+        got = pool.starmap(answers.check, [(c, a) for c, a, _ in CASES])
     assert got == [r for _, _, r in CASES]
 
 

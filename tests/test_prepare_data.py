@@ -1,4 +1,4 @@
-"""`python -m opdkit.prepare_data` on a local copy laid out like the Hub (the Hub itself is not reachable
+"""`python -m opdkit.data.prepare` on a local copy laid out like the Hub (the Hub itself is not reachable
 here): DAPO-Math-17k deduplicated by prompt, the GSM8K files as they are, failures reported, nothing
 overwritten; and the Hub call asks for the ids, configs and splits the presets name."""
 
@@ -7,8 +7,11 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from opdkit import data, prepare_data
 from opdkit.config import load_config
+from opdkit.data import prepare, prompts
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 
 
 @pytest.fixture
@@ -35,7 +38,7 @@ def local_hub(tmp_path, dapo_parquet):
 def test_files_from_a_local_hub(tmp_path, local_hub, capsys):
     root, dapo = local_hub
     out = tmp_path / "data"
-    assert prepare_data.main(["--out", str(out), "--local-hub", str(root)]) == 1  # platinum is missing
+    assert prepare.main(["--out", str(out), "--local-hub", str(root)]) == 1  # platinum is missing
     said = capsys.readouterr().out
     assert (
         "gsm8k-platinum-test.parquet: FAILED" in said
@@ -45,7 +48,7 @@ def test_files_from_a_local_hub(tmp_path, local_hub, capsys):
     assert unique.column_names == dapo.column_names
     assert unique.to_list() == dapo.to_list()  # one row per prompt, first occurrences, in order
     assert "12 unique prompts of 36 rows" in said
-    train = data.load_prompts(str(out / "gsm8k-main-train.parquet"))
+    train = prompts.load_prompts(str(out / "gsm8k-main-train.parquet"))
     assert len(train) == 7 and sorted(train["answer"]) == sorted(str(2 * i) for i in range(7))
     assert len(datasets.Dataset.from_parquet(str(out / "gsm8k-main-test.parquet"))) == 3
     assert not (out / "gsm8k-platinum-test.parquet").exists()
@@ -57,15 +60,15 @@ def test_existing_files_are_kept_unless_overwrite(tmp_path, local_hub):
     out = tmp_path / "data"
     out.mkdir()
     (out / "gsm8k-main-test.parquet").write_text("mine")
-    report = prepare_data.prepare(out, ["gsm8k-main-test.parquet"], root)
+    report = prepare.prepare(out, ["gsm8k-main-test.parquet"], root)
     assert (
         report["gsm8k-main-test.parquet"].startswith("kept")
         and (out / "gsm8k-main-test.parquet").read_text() == "mine"
     )
-    prepare_data.prepare(out, ["gsm8k-main-test.parquet"], root, overwrite=True)
+    prepare.prepare(out, ["gsm8k-main-test.parquet"], root, overwrite=True)
     assert len(datasets.Dataset.from_parquet(str(out / "gsm8k-main-test.parquet"))) == 3
     with pytest.raises(ValueError, match="unknown data files"):
-        prepare_data.prepare(out, ["gsm8k.parquet"])
+        prepare.prepare(out, ["gsm8k.parquet"])
 
 
 def test_hub_requests_and_preset_paths(monkeypatch, tmp_path):
@@ -76,12 +79,12 @@ def test_hub_requests_and_preset_paths(monkeypatch, tmp_path):
         return datasets.Dataset.from_dict({"question": ["q"], "answer": ["#### 1"]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    prepare_data.prepare(tmp_path, ["gsm8k-main-train.parquet", "gsm8k-platinum-test.parquet"])
+    prepare.prepare(tmp_path, ["gsm8k-main-train.parquet", "gsm8k-platinum-test.parquet"])
     assert calls == [("openai/gsm8k", "main", "train"), ("madrylab/gsm8k-platinum", "main", "test")]
     named = {
-        load_config("04_antidistill", "ads-paper").eval_dataset_path,
-        load_config("04_antidistill", "ads-paper").dataset_path,
-        load_config("01_save_grad", "ads-paper").dataset_path,
-        load_config("02_whitebox", "full").dataset_path,
+        load_config(AntidistillConfig, "ads-paper").eval_dataset_path,
+        load_config(AntidistillConfig, "ads-paper").dataset_path,
+        load_config(SaveGradConfig, "ads-paper").dataset_path,
+        load_config(WhiteboxConfig, "full").dataset_path,
     }
-    assert {p.removeprefix("data/") for p in named} <= set(prepare_data.FILES)
+    assert {p.removeprefix("data/") for p in named} <= set(prepare.FILES)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import CONFIGS
 
 from opdkit import config
 from opdkit.config import ConfigError, load_config
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.savegrad.config import SaveGradConfig
 
 SOURCED = [
     (job, mode)
-    for job in config.JOBS
-    for mode in config.available_modes(job)
+    for job, cls in CONFIGS.items()
+    for mode in config.available_modes(cls)
     if mode in ("full", "ads-paper")
 ]
 
@@ -39,9 +42,9 @@ def test_differences_block_names_only_real_keys(job, mode):
     assert starts, f"{job}/{mode}.yaml does not open with a 'differences from the source' block"
     named = re.findall(r"`([^`]+)`", "\n".join(block[starts[0] :]))
     assert named, "the block names no preset key"
-    fields = set(config.field_names(job))
+    fields = set(config.field_names(CONFIGS[job]))
     assert set(named) <= fields, f"not fields of {job}: {sorted(set(named) - fields)}"
-    preset = config.load_preset(job, mode)
+    preset = config.load_preset(CONFIGS[job], mode)
     missing = [k for k in named if k not in preset]
     assert not missing, f"named but not set in the preset: {missing}"
 
@@ -50,7 +53,7 @@ def test_ads_paper_reproduces_the_reference_grid_and_sampling():
     """The reference's grid.py, as it writes its lines (%.2e), and its sampling and SFT seed."""
     import numpy as np
 
-    cfg = load_config("04_antidistill", "ads-paper")
+    cfg = load_config(AntidistillConfig, "ads-paper")
     assert cfg.lams == [float(f"{b * 1e-2:.2e}") for b in np.linspace(0, 15, 20)]
     assert cfg.temperatures == [float(f"{t:.2e}") for t in np.linspace(1.0, 2.0, 20)]
     assert (cfg.ads_temperatures, cfg.eps, cfg.top_k, cfg.top_p) == ([0.9, 1.0], 1e-2, 50, 0.95)
@@ -59,10 +62,10 @@ def test_ads_paper_reproduces_the_reference_grid_and_sampling():
     from opdkit.jobs.antidistill.sweep import sweep_points
 
     assert len(sweep_points(cfg)) == 59  # the reference's 59 runs
-    holdout = load_config("01_save_grad", "ads-paper")
+    holdout = load_config(SaveGradConfig, "ads-paper")
     assert cfg.subset_size == 7473 - round(7473 * holdout.holdout_fraction)  # GSM8K train's 70%, 01's 30%
 
 
 def test_antidistill_refuses_eval_size_zero():
     with pytest.raises(ConfigError, match="eval_size=0"):
-        load_config("04_antidistill", "tiny", {"eval_size": 0})
+        load_config(AntidistillConfig, "tiny", {"eval_size": 0})

@@ -6,19 +6,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import rollout, tiny
+from opdkit import tiny
+from opdkit.rollout import sampling
 
 
 def test_completion_mask_stops_after_first_eos_even_when_pad_is_eos():
     eos = 7
     ids = torch.tensor([[1, 2, 7, 7, 7], [1, 7, 3, 7, 7], [1, 2, 3, 4, 5]])
-    assert rollout.completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
-    assert rollout.completion_mask(ids, [9, 7]).tolist()[1] == [1, 1, 0, 0, 0]
+    assert sampling.completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert sampling.completion_mask(ids, [9, 7]).tolist()[1] == [1, 1, 0, 0, 0]
 
 
 def test_position_ids_follow_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert rollout.position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert sampling.position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_rescoring_with_mask_positions_reproduces_generation_scores(student_and_
     """Re-scoring a left-padded batch must see exactly the logits `generate` sampled from."""
     model, tok = student_and_tok
     msgs = [[{"role": "user", "content": "7+5"}], [{"role": "user", "content": "358+467"}]]
-    ids, mask = rollout.encode_prompts(tok, msgs)
+    ids, mask = sampling.encode_prompts(tok, msgs)
     assert mask[0, 0] == 0, "the shorter prompt is left-padded"
     out = model.generate(
         input_ids=ids,
@@ -48,7 +49,7 @@ def test_rescoring_with_mask_positions_reproduces_generation_scores(student_and_
     P = ids.shape[1]
     with torch.no_grad():
         good = model(
-            input_ids=full, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)
+            input_ids=full, attention_mask=attn, position_ids=sampling.position_ids_from_mask(attn)
         ).logits
     torch.testing.assert_close(good[:, P - 1 : P + 5], gen_logits, atol=1e-4, rtol=1e-4)
     # (Qwen3's RoPE is relative, so a constant shift of a row's positions happens to be invisible;
@@ -57,13 +58,13 @@ def test_rescoring_with_mask_positions_reproduces_generation_scores(student_and_
 
 def test_sample_masks_after_eos_and_reports_truncation(student_and_tok):
     model, tok = student_and_tok
-    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 8)
+    ids, mask = sampling.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 8)
     torch.manual_seed(0)
-    r = rollout.sample(
+    r = sampling.sample(
         model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=3
     )
     assert r.truncated_B(tok.eos_token_id).all(), "3 tokens cannot finish a scratchpad"
-    r = rollout.sample(
+    r = sampling.sample(
         model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=40
     )
     comp, cmask = r.completion_ids_BC, r.completion_mask_BC
@@ -76,7 +77,7 @@ def test_sample_masks_after_eos_and_reports_truncation(student_and_tok):
 
 def _mixed_prompts(tok, n=6):
     contents = ["7+5", "358+467", "12+990", "1+1", "999+999", "40+2"]
-    return rollout.encode_prompts(tok, [[{"role": "user", "content": c}] for c in contents[:n]])
+    return sampling.encode_prompts(tok, [[{"role": "user", "content": c}] for c in contents[:n]])
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_sample_draws_the_tokens_generate_draws_without_top_k(student_and_tok, t
     model, tok = student_and_tok
     ids, mask = _mixed_prompts(tok)
     assert mask[:, 0].min() == 0, "some prompts are left-padded"
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}
+    settings = dict(temperature=temperature, top_p=top_p, top_k=0) if do_sample else {}
     torch.manual_seed(3)
     ref = model.generate(
         input_ids=ids,
@@ -96,10 +97,10 @@ def test_sample_draws_the_tokens_generate_draws_without_top_k(student_and_tok, t
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         do_sample=do_sample,
-        **sampling,
+        **settings,
     )
     torch.manual_seed(3)
-    r = rollout.sample(
+    r = sampling.sample(
         model,
         ids,
         mask,
@@ -111,7 +112,7 @@ def test_sample_draws_the_tokens_generate_draws_without_top_k(student_and_tok, t
         do_sample=do_sample,
     )
     ref_comp = ref[:, ids.shape[1] :]
-    ref_mask = rollout.completion_mask(ref_comp, tok.eos_token_id)
+    ref_mask = sampling.completion_mask(ref_comp, tok.eos_token_id)
     assert r.completion_ids_BC.shape == ref_comp.shape
     assert torch.equal(r.completion_mask_BC, ref_mask)
     assert torch.equal(r.completion_ids_BC[ref_mask.bool()], ref_comp[ref_mask.bool()])
@@ -125,7 +126,7 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(student_and_to
 
     def both():
         torch.manual_seed(5)
-        ours = rollout.sample(model, ids, mask, **kw).input_ids_BT
+        ours = sampling.sample(model, ids, mask, **kw).input_ids_BT
         torch.manual_seed(5)
         theirs = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, **kw
@@ -147,10 +148,10 @@ def test_checkpoint_generation_config_does_not_leak_into_sampling(student_and_to
 def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok):
     """Checkpointing turns the cache off in training mode; sample() generates in eval mode, then restores."""
     model, tok = student_and_tok
-    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 4)
+    ids, mask = sampling.encode_prompts(tok, [[{"role": "user", "content": "123+456"}]] * 4)
     kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=12)
     torch.manual_seed(0)
-    plain = rollout.sample(model, ids, mask, **kw).input_ids_BT
+    plain = sampling.sample(model, ids, mask, **kw).input_ids_BT
     model.activation_checkpointing_enable()
     model.train()
     seen = {}
@@ -164,7 +165,7 @@ def test_generation_keeps_kv_cache_under_gradient_checkpointing(student_and_tok)
     model.forward = spy
     try:
         torch.manual_seed(0)
-        again = rollout.sample(model, ids, mask, **kw).input_ids_BT
+        again = sampling.sample(model, ids, mask, **kw).input_ids_BT
     finally:
         del model.forward
         model.activation_checkpointing_disable()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from opdkit import data, evaluate, models
-from opdkit.trainer import DistillTrainer, OPDArguments
+from opdkit import models
+from opdkit.data import prompts
+from opdkit.opd.trainer import DistillTrainer, OPDArguments
+from opdkit.rollout import evaluate
 
 QWEN3_STOPS = [151645, 151643]  # Qwen3's generation_config.json: <|im_end|>, <|endoftext|>
 
@@ -34,20 +35,20 @@ class Script:
 def standin(qwen3_tokenizer):
     tok = qwen3_tokenizer
     hi, there = tok.encode("Hi")[0], tok.encode(" there")[0]
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=16,
+    model = models.small_qwen3(
+        16,
+        1,
+        151936,
+        0,
         intermediate_size=32,
-        num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
         tie_word_embeddings=False,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
+        bos_token_id=151643,
+    ).eval()
     model.generation_config.eos_token_id = QWEN3_STOPS
     script = Script([hi, tok.convert_tokens_to_ids("<|endoftext|>"), there, there, there, tok.eos_token_id])
     model.lm_head.register_forward_hook(script)
@@ -79,9 +80,9 @@ def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
         args=args,
         processing_class=tok,
         teacher_model=model,
-        data_collator=data.PromptCollator(tok, 64),
+        data_collator=prompts.PromptCollator(tok, 64),
     )
-    batch = data.PromptCollator(tok, 64)(
+    batch = prompts.PromptCollator(tok, 64)(
         [{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}]
     )
     (out,) = trainer._rollout_step(trainer.engine(), [batch], step=0)

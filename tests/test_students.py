@@ -1,4 +1,4 @@
-"""04_antidistill's students on transformers' Trainer: the same losses and weights as the kit's `train_sft`
+"""antidistill's students on transformers' Trainer: the same losses and weights as the kit's `train_sft`
 loop with the same batches, schedule and optimizer; LoRA students that train, save, reload and score the
 same."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from opdkit import sft
 from opdkit.config import load_config
+from opdkit.data import sft
 from opdkit.jobs.antidistill import students
-from opdkit.jobs.antidistill.sweep import prepare
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.antidistill.job import prepare
 from opdkit.models import load_tokenizer
 from opdkit.tiny import task
 
@@ -38,7 +39,7 @@ def _cfg(**over):
         "sft_weight_decay": 0.0,
         "student_save": "none",
     }
-    return load_config("04_antidistill", "tiny", {**base, **over})
+    return load_config(AntidistillConfig, "tiny", {**base, **over})
 
 
 def _train_sft_losses(cfg, rows, pad: int, seed: int) -> tuple[list[float], torch.nn.Module]:

@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from opdkit import data, models, tiny, traces
+from opdkit import models, tiny
 from opdkit.config import ConfigError, load_config
+from opdkit.data import prompts, traces
+from opdkit.data.sft import IGNORE
 from opdkit.jobs import savegrad
-from opdkit.sft import IGNORE
+from opdkit.jobs.savegrad.config import SaveGradConfig
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def test_rows_are_the_teachers_own_tokens(teacher_run):
     rows = list(traces.load_traces(teacher_run))
     assert any(r["truncated"] for r in rows) and not all(r["truncated"] for r in rows)
     for r in rows:
-        prompt = data.prompt_ids(tok, r["messages"][:-1])
+        prompt = prompts.prompt_ids(tok, r["messages"][:-1])
         assert r["input_ids"][: len(prompt)] == prompt and all(
             t == IGNORE for t in r["labels"][: len(prompt)]
         )
@@ -69,5 +71,5 @@ def test_supplied_traces_cannot_give_teacher_tokens(tmp_path):
 
 
 def test_ads_paper_takes_the_gradient_on_teacher_tokens():
-    assert load_config("01_save_grad", "ads-paper").proxy_tokens == "teacher"
-    assert load_config("01_save_grad", "tiny").proxy_tokens == "proxy"
+    assert load_config(SaveGradConfig, "ads-paper").proxy_tokens == "teacher"
+    assert load_config(SaveGradConfig, "tiny").proxy_tokens == "proxy"

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import evaluate, tasks, tiny
+from opdkit import tiny
+from opdkit.data import tasks
+from opdkit.rollout import evaluate
 from opdkit.tiny import build, task
 
 
@@ -80,13 +82,13 @@ def test_teacher_is_accurate_and_student_is_not(tok):
 
 
 def test_teacher_scratchpads_are_valid_and_vary_under_sampling(tok):
-    from opdkit import rollout
+    from opdkit.rollout import sampling
 
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     p = task.Problem(358, 467)
-    ids, mask = rollout.encode_prompts(tok, [[{"role": "user", "content": p.prompt}]] * 32)
+    ids, mask = sampling.encode_prompts(tok, [[{"role": "user", "content": p.prompt}]] * 32)
     torch.manual_seed(0)
-    r = rollout.sample(
+    r = sampling.sample(
         teacher,
         ids,
         mask,
@@ -94,7 +96,7 @@ def test_teacher_scratchpads_are_valid_and_vary_under_sampling(tok):
         pad_token_id=tok.pad_token_id,
         max_new_tokens=task.MAX_COMPLETION_TOKENS,
     )
-    comps = rollout.decode_completions(tok, r)
+    comps = sampling.decode_completions(tok, r)
     assert sum(task.is_valid_scratchpad(p, c) for c in comps) >= 28
     assert len(set(comps)) >= 4, "the teacher spreads probability over column orders"
 

@@ -16,7 +16,7 @@ import pytest
 
 from opdkit.config import ConfigError
 from opdkit.jobs import antidistill, savegrad
-from opdkit.tracking import Tracker, check_report_to
+from opdkit.run.tracking import Tracker, check_report_to
 
 
 class _Config(dict):
@@ -156,7 +156,7 @@ def test_trackio_for_real_keeps_the_metrics_locally(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     code = (
         "import types, pathlib, trackio\n"
-        "from opdkit.tracking import Tracker\n"
+        "from opdkit.run.tracking import Tracker\n"
         f"run = types.SimpleNamespace(path=pathlib.Path({str(tmp_path / 'run')!r}), writer=True)\n"
         "t = Tracker.start('trackio', run, config={'seed': 1}, project='opdkit-test')\n"
         "t.log({'loss': 0.25}, step=1); "

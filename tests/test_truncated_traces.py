@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
-from opdkit import traces
 from opdkit.config import load_config
+from opdkit.data import sft, traces
+from opdkit.data.sft import IGNORE
 from opdkit.jobs import savegrad
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.students import sft_rows
-from opdkit.sft import IGNORE
 
 CONTENT = "Let me add: 2 + 3 is 5, and then 5 + 4"  # cut off mid-sentence
 
@@ -20,12 +21,12 @@ def _messages(content: str = CONTENT) -> list[dict]:
 
 def test_qwen3_truncated_trace_labels_only_what_was_written(qwen3_tokenizer):
     tok = qwen3_tokenizer
-    ids, labels = traces.completion_labels(tok, _messages(), False, 0, truncated=True)
+    ids, labels = sft.completion_labels(tok, _messages(), False, truncated=True)
     assert [t for t in labels if t != IGNORE] == tok.encode(CONTENT, add_special_tokens=False)
     assert ids[-1] == labels[-1] and tok.decode(ids).endswith(
         CONTENT
     )  # the input ends where the teacher stopped
-    full_ids, full_labels = traces.completion_labels(tok, _messages(), False, 0, truncated=False)
+    full_ids, full_labels = sft.completion_labels(tok, _messages(), False, truncated=False)
     assert [t for t in full_labels if t != IGNORE] == tok.encode(
         CONTENT + "<|im_end|>", add_special_tokens=False
     )
@@ -57,7 +58,7 @@ def test_savegrad_counts_truncated_traces_and_drops_their_end_of_turn(tmp_path, 
 
 
 def test_antidistill_students_learn_no_invented_end(tiny_tokenizer):
-    cfg = load_config("04_antidistill", "tiny")
+    cfg = load_config(AntidistillConfig, "tiny")
     recs = [
         {"messages": _messages()[:1], "completion": "3+2=5", "truncated": True},
         {"messages": _messages()[:1], "completion": "3+2=5;5", "truncated": False},

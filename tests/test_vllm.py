@@ -19,13 +19,16 @@ pytest.importorskip("vllm")
 
 from conftest import InterruptAt, Interrupted  # noqa: E402
 
-from opdkit import data, engines, evaluate, losses, rollout, tiny  # noqa: E402
-from opdkit.callbacks import GradientDump  # noqa: E402
+from opdkit import tiny  # noqa: E402
 from opdkit.config import ConfigError  # noqa: E402
+from opdkit.data.prompts import PromptCollator
 from opdkit.jobs import whitebox  # noqa: E402
 from opdkit.jobs.whitebox import job as wb_job  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
-from opdkit.trainer import DistillTrainer  # noqa: E402
+from opdkit.opd.callbacks import GradientDump  # noqa: E402
+from opdkit.opd.loss import generalized_jsd
+from opdkit.opd.trainer import DistillTrainer  # noqa: E402
+from opdkit.rollout import engines, evaluate, sampling
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +45,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    collate = data.PromptCollator(tok, 64)
+    collate = PromptCollator(tok, 64)
     problems = [f"{a}+{b}" for a, b in zip(range(101, 999, 57), range(998, 100, -61))]
     return collate([{"messages": [{"role": "user", "content": p}]} for p in problems])
 
@@ -58,8 +61,8 @@ def greedy(tok, max_new_tokens=40):
     return engines.SamplingSettings(max_new_tokens, 0.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
 
 
-def hf_greedy(model, tok, prompts, max_new_tokens=40) -> rollout.Rollout:
-    return rollout.sample(
+def hf_greedy(model, tok, prompts, max_new_tokens=40) -> sampling.Rollout:
+    return sampling.sample(
         model,
         prompts["prompts"],
         prompts["prompt_attention_mask"],
@@ -196,7 +199,7 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
         mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)
     ]:
         ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
-        pos, P = rollout.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
+        pos, P = sampling.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
         s_rows.append(
             student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()]
         )
@@ -206,7 +209,7 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
                     comp.bool()
                 ]
             )
-    losses.generalized_jsd(torch.cat(s_rows), torch.cat(t_rows), beta=1.0).backward()
+    generalized_jsd(torch.cat(s_rows), torch.cat(t_rows), beta=1.0).backward()
     return {n: p.grad for n, p in student.named_parameters()}
 
 
@@ -293,7 +296,7 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
-        from opdkit.callbacks import GradientDump
+        from opdkit.opd.callbacks import GradientDump
         if __name__ == "__main__":
             whitebox.run("tiny", {over!r}, callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
     """)
@@ -327,7 +330,7 @@ def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
 def test_save_grad_traces_through_vllm_equal_the_hf_loop(tmp_path):
     """01 writes its teacher traces through the engine too (greedy here): the same traces, token for token,
     so the same proxy gradient."""
-    from opdkit import traces
+    from opdkit.data import traces
     from opdkit.jobs import savegrad
 
     hf = savegrad.run("tiny", {"subset_size": 16, "run_dir": str(tmp_path / "hf")})

@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import InterruptAt, Interrupted
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
-from opdkit import losses, rollout, tiny
-from opdkit.callbacks import GradientDump
+from opdkit import tiny
 from opdkit.config import ConfigError
 from opdkit.jobs import whitebox
-from opdkit.models import TokenizerMismatch
+from opdkit.models import TokenizerMismatch, small_qwen3
+from opdkit.opd.callbacks import GradientDump
+from opdkit.opd.loss import chunked_divergence
+from opdkit.rollout import sampling
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
 # different batch shapes see the same completions.
@@ -50,7 +52,7 @@ def direct_gradient(run_path: Path, beta: float = 1.0) -> dict[str, torch.Tensor
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
         for mb in torch.load(f):
             ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
-            pos = rollout.position_ids_from_mask(attn)
+            pos = sampling.position_ids_from_mask(attn)
             P = ids.shape[1] - comp.shape[1]
             s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
             with torch.no_grad():
@@ -118,7 +120,7 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
-        from opdkit.callbacks import GradientDump
+        from opdkit.opd.callbacks import GradientDump
         over = {common!r}
         whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
                      callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
@@ -167,7 +169,7 @@ def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
 
 def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = losses.chunked_divergence
+    real = chunked_divergence
 
     def poisoned(*a, **kw):
         out = real(*a, **kw)
@@ -176,7 +178,7 @@ def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monk
             out.sum = out.sum * float("nan")
         return out
 
-    monkeypatch.setattr("opdkit.trainer.losses.chunked_divergence", poisoned)
+    monkeypatch.setattr("opdkit.opd.trainer.chunked_divergence", poisoned)
     run = run_tiny(tmp_path, "nan", max_steps=5, save_steps=1, max_grad_norm=1.0, save_rollouts=False)
     summary = run.read_summary()
     assert summary["first_nonfinite_step"] == 3
@@ -231,20 +233,20 @@ def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path)
 
 
 def _standin(path: Path, tokenizer, vocab_rows: int, hidden: int, seed: int) -> str:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab_rows,
-        hidden_size=hidden,
+    model = small_qwen3(
+        hidden,
+        1,
+        vocab_rows,
+        seed,
         intermediate_size=2 * hidden,
-        num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=151643,
     )
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

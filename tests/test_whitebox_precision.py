@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opdkit import evaluate
 from opdkit.jobs import whitebox
+from opdkit.rollout import evaluate
 
 STILL = dict(
     max_steps=1,

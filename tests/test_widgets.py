@@ -3,7 +3,8 @@ console."""
 
 from __future__ import annotations
 
-from opdkit.widgets import ads_token_explorer, arm_step_browser, sample_browser
+from opdkit.jobs.antidistill.figures import ads_token_explorer
+from opdkit.notebook.widgets import arm_step_browser, sample_browser
 
 
 def _sample(step: int, divergence=(0.1, 0.2)) -> dict:

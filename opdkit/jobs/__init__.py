@@ -1,9 +1,17 @@
-"""The notebooks' jobs, one folder each: `job.py` computes (prepare, run, main), `report.py` turns a finished
-run directory into tables, text and figures. A notebook calls a job's `run()` and its report.
+"""The notebooks' jobs, one folder each, named as the job: `config.py` (its settings), `job.py` (`prepare`,
+`run`, `process`, `main`), `report.py` (a finished run as tables, text and figures). A notebook calls its job's
+`parameters`, `prepare` and `run`, then its report.
 
-Which room may import which:
-- a job imports the library (`opdkit.*` outside `jobs/`) and another job's `run()` (through its package,
-  e.g. `from opdkit.jobs import whitebox; whitebox.run(...)`), never another job's internals;
+| notebook                | job          | config            | entry point                  | runs under         |
+|-------------------------|--------------|-------------------|------------------------------|--------------------|
+| 01_save_grad.ipynb      | savegrad     | SaveGradConfig    | python -m opdkit.savegrad    | runs/savegrad/     |
+| 02_whitebox.ipynb       | whitebox     | WhiteboxConfig    | python -m opdkit.whitebox    | runs/whitebox/     |
+| 03_clip_vs_noclip.ipynb | cliplesson   | ClipLessonConfig  | python -m opdkit.cliplesson  | runs/cliplesson/   |
+| 04_antidistill.ipynb    | antidistill  | AntidistillConfig | python -m opdkit.antidistill | runs/antidistill/  |
+
+Which room may import which (tests/test_layout.py checks it):
+- a job imports the library (`opdkit.*` outside `jobs/`) and another job's package (e.g. `from opdkit.jobs
+  import whitebox; whitebox.run(...)`), never another job's internals;
 - the library imports no job (the `python -m opdkit.<job>` entry points are thin shims, not library);
 - nothing below `if __name__ == "__main__":` but the call of `main`.
 """

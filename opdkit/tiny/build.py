@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit import evaluate, sft
-from opdkit.tasks import TinyTask
+from opdkit.data import sft
+from opdkit.data.tasks import TinyTask
+from opdkit.rollout import evaluate
 from opdkit.tiny import task
 from opdkit.tiny.tokenizer import build_tokenizer
 

@@ -1,7 +1,17 @@
-"""04_antidistill: antidistillation sampling against temperature sampling. `sweep.py` sets the sweep up,
-`steering.py` holds the teacher, proxy and gradients, `students.py` distils and measures the students,
-`points.py` runs one point, `job.py` the whole sweep; `report.py` and `lens.py` show a finished run."""
+"""antidistill (notebooks/04_antidistill.ipynb): antidistillation sampling against temperature sampling. `sweep.py` sets
+the sweep up, `steering.py` holds the teacher, proxy and gradients, `students.py` distils and measures the
+students, `points.py` runs one point, `spread.py` spreads the points over processes, `job.py` the whole sweep;
+`report.py`, `figures.py` and `lens.py` show a finished run."""
 
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.job import JOB, main, prepare, run
+from opdkit.jobs.antidistill.sweep import sweep_points
+from opdkit.notebook.parameters import notebook_parameters
 
-__all__ = ["JOB", "main", "prepare", "run"]
+
+def parameters(namespace: dict) -> tuple[str, dict]:
+    """(mode, overrides) from the notebook's parameters cell: `antidistill.parameters(globals())`."""
+    return notebook_parameters(AntidistillConfig, namespace)
+
+
+__all__ = ["JOB", "AntidistillConfig", "main", "parameters", "prepare", "run", "sweep_points"]

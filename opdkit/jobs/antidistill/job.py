@@ -2,7 +2,7 @@
 
     python -m opdkit.antidistill --mode tiny                                  # CPU, about 3 to 5 minutes
     # every GPU of a node:
-    python -m opdkit.antidistill --mode ads-paper --set grads_run=runs/01_save_grad/ads
+    python -m opdkit.antidistill --mode ads-paper --set grads_run=runs/savegrad/ads
 
 The ADS paper's headline experiment in miniature. For every point of the sweeps
 
@@ -16,8 +16,8 @@ The ADS paper's headline experiment in miniature. For every point of the sweeps
 accuracy on held-out problems is measured (student accuracy). ADS works if, at equal teacher accuracy, its
 students are worse.
 
-The proxy gradient comes from `grads_run` (a 01_save_grad run, checked with `load_grads`), or, when that
-is empty, 01_save_grad runs in `grads/` inside this run with the preset `grads_mode`. The answer-token
+The proxy gradient comes from `grads_run` (a savegrad run, checked with `load_grads`), or, when that
+is empty, savegrad runs in `grads/` inside this run with the preset `grads_mode`. The answer-token
 gradient is the proxy's NLL gradient on the same traces with the loss kept on their final answer only
 (tiny: after ';'; else from the last \\boxed), computed here. Layout:
 
@@ -46,26 +46,77 @@ so the summary does not depend on the number of processes. `resume=True` runs on
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from opdkit import gradfile, tracking
-from opdkit.cli import run_from_cli
-from opdkit.config import AntidistillationConfig, ConfigError, to_dict
+from opdkit.ads import gradfile
+from opdkit.config import ConfigError, load_config, to_dict
+from opdkit.data import prompts, tasks
 from opdkit.jobs import savegrad
-from opdkit.jobs.antidistill.spread import BASELINE_FILE, assign, finished, gather, sweep_process
-from opdkit.jobs.antidistill.sweep import JOB, Prepared, prepare, sweep_points
-from opdkit.launch import RankFailed, default_num_processes, launch, under_external_launcher
-from opdkit.runs import RunDir, print0
+from opdkit.jobs.antidistill import spread, sweep
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.antidistill.points import baseline
+from opdkit.jobs.antidistill.spread import BASELINE_FILE, assign, finished, gather
+from opdkit.jobs.antidistill.steering import load_models
+from opdkit.jobs.antidistill.sweep import GRADS_DIR, Prepared, sweep_points
+from opdkit.models import check_shared_vocab, load_tokenizer
+from opdkit.run import tracking
+from opdkit.run.cli import run_from_cli
+from opdkit.run.files import atomic_write_text
+from opdkit.run.folders import RunDir, print0
+from opdkit.run.launch import RankFailed, default_num_processes, launch, under_external_launcher
 
-GRADS_DIR = "grads"
+JOB = AntidistillConfig.job
 
 
-def ensure_grads(cfg: AntidistillationConfig, run: RunDir, num_processes: int = 1) -> Path:
-    """The gradient's run directory: grads_run, or a 01_save_grad run made now in grads/ (reused on resume),
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Resolve the config, then the prompts, then the tokenizers, then the gradient's fit to the proxy, in the
+    original's order (data files in milliseconds, before any download): every cheap failure happens here."""
+    cfg = load_config(AntidistillConfig, mode, overrides)
+    tracking.check_report_to(cfg.report_to)
+    task = tasks.for_dataset(cfg.dataset_path)
+    messages, answers = sweep.training_prompts(cfg)
+    eval_messages, eval_answers = sweep.eval_prompts(cfg, task)
+    teacher_tok = load_tokenizer(cfg.teacher_model)
+    proxy_tok = load_tokenizer(cfg.proxy_model)
+    student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
+    check_shared_vocab(teacher_tok, proxy_tok)
+    sweep.check_grads_run(cfg, proxy_tok)
+    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
+        )
+    keep = prompts.short_prompts(messages, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    messages, answers, dropped = (
+        [messages[i] for i in keep],
+        [answers[i] for i in keep],
+        len(messages) - len(keep),
+    )
+    first = teacher_tok.decode(prompts.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
+    return Prepared(
+        cfg,
+        mode,
+        task,
+        teacher_tok,
+        proxy_tok,
+        student_tok,
+        messages,
+        answers,
+        eval_messages,
+        eval_answers,
+        dropped,
+        first,
+    )
+
+
+def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) -> Path:
+    """The gradient's run directory: grads_run, or a savegrad run made now in grads/ (reused on resume),
     in `num_processes` processes on a GPU node (its own processes: this one never touches CUDA)."""
     if cfg.grads_run:
         return Path(cfg.grads_run)
@@ -82,7 +133,7 @@ def ensure_grads(cfg: AntidistillationConfig, run: RunDir, num_processes: int = 
         "overwrite": path.exists(),
         "num_processes": procs,
     }
-    print0(f"no grads_run: computing the proxy gradient with 01_save_grad --mode {cfg.grads_mode} in {path}")
+    print0(f"no grads_run: computing the proxy gradient with savegrad --mode {cfg.grads_mode} in {path}")
     return savegrad.run(cfg.grads_mode, over).path
 
 
@@ -94,7 +145,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     cfg = prep.cfg
     if under_external_launcher():
         raise ConfigError(
-            "04_antidistill spreads its points over processes itself: start it as one process with "
+            "antidistill spreads its points over processes itself: start it as one process with "
             "num_processes=N (0: every visible GPU), not under torchrun or accelerate launch."
         )
     points = sweep_points(cfg)
@@ -104,13 +155,13 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     grads_dir = ensure_grads(cfg, run, n)
     print0(
         f"{len(points)} points ({len(points) - len(todo)} finished before), "
-        f"{len(prep.messages)} traces each, {n} process(es)"
+        f"{len(prep.train_messages)} traces each, {n} process(es)"
     )
     failure = None
     if todo or not (run.path / BASELINE_FILE).is_file():
         args = (asdict(cfg), mode, str(run.path), str(grads_dir), assign(todo, n), prep if n == 1 else None)
         try:
-            launch(sweep_process, args, n, run.path)
+            launch(process, args, n, run.path)
         except RankFailed as exc:  # a whole process died (killed, out of memory): its unfinished points fail
             failure = str(exc)
     summary = {**gather(points, run, failure), **facts(cfg, prep, grads_dir, n, time.time() - t0)}
@@ -127,7 +178,33 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
 TRACKED = ("lam", "temperature", "teacher_accuracy", "student_accuracy", "student_holdout_loss")
 
 
-def track(cfg: AntidistillationConfig, run: RunDir, summary: dict) -> None:
+def process(
+    cfg_dict: dict,
+    mode: str,
+    run_path: str,
+    grads_dir: str,
+    shares: list[list[str]],
+    prepared: Prepared | None = None,
+) -> None:
+    """What every process runs: its own teacher and proxies on its own device, then its share of the
+    points."""
+    rank, world = spread.own_process()
+    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k != "overwrite"})
+    cfg, dev, run = prep.cfg, sweep.device(), RunDir.attach(run_path)
+    if rank == 0:
+        run.write_env(world_size=world, device=str(dev))
+    mine = [p for p in sweep.sweep_points(cfg) if p.name in set(shares[rank])]
+    models = load_models(cfg, prep, Path(grads_dir), dev, run)
+    if rank == 0 and not (run.path / spread.BASELINE_FILE).is_file():
+        before = {**baseline(prep, models, dev), "grad_norms": models.grad_norms()}
+        atomic_write_text(run.path / spread.BASELINE_FILE, json.dumps(before, indent=2))
+    tag = f" (process {rank} of {world})" if world > 1 else ""
+    for point in tqdm(mine, desc=f"trade-off points{tag}", position=rank if world > 1 else None):
+        result = spread.run_point_safely(point, prep, models, run, dev)
+        print0(spread.result_line(result) + tag)
+
+
+def track(cfg: AntidistillConfig, run: RunDir, summary: dict) -> None:
     """Every point (in sweep order, as steps 1, 2, ...) and a table of them to `report_to`."""
     tracker = tracking.Tracker.start(cfg.report_to, run, config=to_dict(cfg))
     tracker.log(
@@ -146,7 +223,7 @@ def track(cfg: AntidistillationConfig, run: RunDir, summary: dict) -> None:
     tracker.finish()
 
 
-def facts(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, n: int, seconds: float) -> dict:
+def facts(cfg: AntidistillConfig, prep: Prepared, grads_dir: Path, n: int, seconds: float) -> dict:
     return {
         "grads_run": str(grads_dir),
         "eps": cfg.eps,
@@ -154,7 +231,7 @@ def facts(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, n: int, 
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,
         "grad_scale": cfg.grad_scale,
-        "num_traces": len(prep.messages),
+        "num_traces": len(prep.train_messages),
         "prompts_dropped": prep.dropped,
         "eval_size": len(prep.eval_messages),
         "num_processes": n,
@@ -162,18 +239,15 @@ def facts(cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, n: int, 
     }
 
 
-def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillationConfig, str]:
-    """The resolved config a 04_antidistill run was made with, and its mode."""
-    saved = (run if isinstance(run, RunDir) else RunDir.attach(run)).read_config(JOB)
-    names = {f.name for f in fields(AntidistillationConfig)}
-    return AntidistillationConfig(**{k: v for k, v in saved.items() if k in names}), saved.get("mode", "?")
-
-
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.antidistill import report
 
     run_from_cli(
-        JOB, "Antidistillation sampling trade-off (opdkit 04_antidistill).", run, report.figures, argv
+        AntidistillConfig,
+        "Antidistillation sampling trade-off (opdkit antidistill).",
+        run,
+        report.figures,
+        argv,
     )
 
 

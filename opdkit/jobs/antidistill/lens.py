@@ -1,4 +1,4 @@
-"""Which tokens ADS changes, one prompt at a time, with a finished 04_antidistill run's teacher and gradient.
+"""Which tokens ADS changes, one prompt at a time, with a finished antidistill run's teacher and gradient.
 
 lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
 """
@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opdkit import coupled, data, tasks
-from opdkit.jobs.antidistill.job import GRADS_DIR, load_run_config
+from opdkit.ads import sampler
+from opdkit.data import prompts, tasks
 from opdkit.jobs.antidistill.steering import load_models
-from opdkit.jobs.antidistill.sweep import GRADIENTS, Prepared, device, training_prompts
+from opdkit.jobs.antidistill.sweep import (
+    GRADIENTS,
+    GRADS_DIR,
+    Prepared,
+    device,
+    load_run_config,
+    training_prompts,
+)
 from opdkit.models import eos_ids, load_tokenizer
-from opdkit.runs import RunDir
+from opdkit.run.folders import RunDir
 
 
 class TokenLens:
@@ -21,7 +28,7 @@ class TokenLens:
         lens = TokenLens(run)
         c = lens.compare(0, lam=0.1, seed=0)   # {"tokens": [{"text", "plain_text", "changed", ...}], ...}
 
-    ADS and plain sampling share their random noise at every step (`coupled.coupled_sample`), so a token is
+    ADS and plain sampling share their random noise at every step (`sampler.coupled_sample`), so a token is
     marked changed exactly where the ADS term moved the draw; the trace goes on with the ADS token.
     """
 
@@ -46,10 +53,10 @@ class TokenLens:
 
     def _trace(self, index: int, lam: float, seed: int, method: str) -> list[dict]:
         cfg = self.cfg
-        ids = data.prompt_ids(self.tokenizer, self.messages[index], cfg.enable_thinking)
+        ids = prompts.prompt_ids(self.tokenizer, self.messages[index], cfg.enable_thinking)
         tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
         direction = self.models.direction(GRADIENTS[method]) if lam else None
-        return coupled.coupled_sample(
+        return sampler.coupled_sample(
             self.models.teacher,
             direction,
             ids,

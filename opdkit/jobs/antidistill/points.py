@@ -1,4 +1,4 @@
-"""One point of 04_antidistill's trade-off: the teacher's traces at that point, a fresh student distilled on
+"""One point of antidistill's trade-off: the teacher's traces at that point, a fresh student distilled on
 them, and both accuracies, kept in points/<name>/seed<seed>/ (reused by resume=True).
 
     result = run_point(point, prep, models, run, device)
@@ -13,9 +13,9 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import ads, data, rollout, traces
-from opdkit.config import AntidistillationConfig
-from opdkit.files import atomic_write_text, write_jsonl
+from opdkit.ads import sampler
+from opdkit.data import prompts, traces
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.steering import Models
 from opdkit.jobs.antidistill.students import (
     distill_student,
@@ -28,19 +28,21 @@ from opdkit.jobs.antidistill.students import (
 )
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.models import eos_ids
-from opdkit.runs import RunDir, print0
+from opdkit.rollout import sampling
+from opdkit.run.files import atomic_write_text, write_jsonl
+from opdkit.run.folders import RunDir, print0
 
 POINTS_DIR = "points"
 
 
 def write_traces(
-    cfg: AntidistillationConfig, prep: Prepared, models: Models, point: Point, seed: int, dev: torch.device
+    cfg: AntidistillConfig, prep: Prepared, models: Models, point: Point, seed: int, dev: torch.device
 ) -> list[dict]:
     """The teacher answers every training prompt at this point; each record says whether its answer is
     right."""
     tok, check = prep.teacher_tokenizer, prep.task.check
     eos = eos_ids(tok, models.teacher)
-    ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in prep.messages]
+    ids = [prompts.prompt_ids(tok, m, cfg.enable_thinking) for m in prep.train_messages]
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))  # similar lengths share a batch
     direction = models.direction(point.gradient) if point.gradient else None
     torch.manual_seed(seed)  # the same noise at every point of a repeat: the sweeps differ only by λ and τ
@@ -48,8 +50,8 @@ def write_traces(
     batches = range(0, len(order), cfg.gen_batch_size)
     for s in tqdm(batches, desc=f"traces {point.name}", leave=False):
         batch = order[s : s + cfg.gen_batch_size]
-        prompts_BP, mask_BP = rollout.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
-        r = ads.ads_sample(
+        prompts_BP, mask_BP = sampling.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
+        r = sampler.ads_sample(
             models.teacher,
             prompts_BP,
             mask_BP,
@@ -63,14 +65,14 @@ def write_traces(
             top_k=cfg.top_k,
         )
         done = ~r.truncated_B(eos)
-        for b, (i, text) in enumerate(zip(batch, rollout.decode_completions(tok, r))):
+        for b, (i, text) in enumerate(zip(batch, sampling.decode_completions(tok, r))):
             texts[i] = (text, not bool(done[b]))
     return [
         {
-            "messages": prep.messages[i],
+            "messages": prep.train_messages[i],
             "completion": texts[i][0],
-            "answer": prep.answers[i],
-            "correct": check(texts[i][0], prep.answers[i]) if prep.answers[i] else None,
+            "answer": prep.train_answers[i],
+            "correct": check(texts[i][0], prep.train_answers[i]) if prep.train_answers[i] else None,
             "truncated": texts[i][1],
         }
         for i in range(len(ids))

@@ -1,4 +1,4 @@
-"""What a finished 04_antidistill run shows: the trade-off figures, a table of every point, each ADS point
+"""What a finished antidistill run shows: the trade-off figures, a table of every point, each ADS point
 against the temperature sweep at the same teacher accuracy, in sentences built from summary.json.
 
     display(HTML(summary_table_html(summary))); tradeoff(run); print(explain(summary))
@@ -6,8 +6,10 @@ against the temperature sweep at the same teacher accuracy, in sentences built f
 
 from __future__ import annotations
 
-from opdkit import ads_plots
-from opdkit.runs import RunDir
+from opdkit.jobs.antidistill import figures as tradeoff_figures
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.antidistill.lens import TokenLens
+from opdkit.run.folders import RunDir
 
 
 def temperature_student_at(points: list[dict], teacher_accuracy: float) -> float | None:
@@ -96,7 +98,7 @@ def _error_lines(summary: dict) -> list[str]:
             if p["method"] == method and p.get("errors")
         ]
         if shares:
-            label = ads_plots.ADS_LABELS.get(method, method)
+            label = tradeoff_figures.ADS_LABELS.get(method, method)
             out.append(
                 f"- {label}: {min(shares):.1%} to {max(shares):.1%} of the traces have a wrong answer that "
                 "contradicts their own working (the rest of the wrong ones follow from a slip in it)."
@@ -115,7 +117,7 @@ def explain(summary: dict) -> str:
             "`resume=True` with the same run_dir runs it again."
         )
     for gp in gaps(summary):
-        label = ads_plots.ADS_LABELS.get(gp["method"], gp["method"])
+        label = tradeoff_figures.ADS_LABELS.get(gp["method"], gp["method"])
         where = (
             f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
             f"student {_pct(gp['student_accuracy'])}"
@@ -137,7 +139,7 @@ def explain(summary: dict) -> str:
         known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
         if known:
             lines.append(
-                f"- {ads_plots.ADS_LABELS.get(method, method)}: "
+                f"- {tradeoff_figures.ADS_LABELS.get(method, method)}: "
                 f"mean gap {sum(known) / len(known) * 100:+.1f} points "
                 f"over {len(known)} comparable point(s) (negative favours ADS)."
             )
@@ -150,12 +152,36 @@ def explain(summary: dict) -> str:
 
 def tradeoff(run: RunDir):
     """Teacher accuracy (x) against the distilled students' held-out accuracy (y), one curve per sweep."""
-    return ads_plots.tradeoff(run.read_summary(), path=run.figure("tradeoff"))
+    return tradeoff_figures.tradeoff(run.read_summary(), path=run.figure("tradeoff"))
 
 
 def tradeoff_loss(run: RunDir):
     """Teacher accuracy against the students' NLL on the gradient's held-out traces."""
-    return ads_plots.tradeoff_loss(run.read_summary(), path=run.figure("tradeoff_holdout_loss"))
+    return tradeoff_figures.tradeoff_loss(run.read_summary(), path=run.figure("tradeoff_holdout_loss"))
+
+
+def shown_lam(cfg: AntidistillConfig, method: str = "ads") -> float:
+    """The λ the token views show by default: the sweep's largest (0.1 when the sweep has none)."""
+    lams = cfg.lams if method == "ads" else cfg.answer_lams
+    return max(lams) if lams else 0.1
+
+
+def token_changes(run: RunDir, lens: TokenLens, cfg: AntidistillConfig, prompts: int = 3):
+    """The tokens ADS changed on the first `prompts` training prompts at the largest λ of each sweep (the
+    completion gradient's, and the answer gradient's when swept): (HTML, static figure)."""
+    comparisons = [lens.compare(i, shown_lam(cfg), seed=0) for i in range(prompts)]
+    if cfg.answer_lams:
+        lam = shown_lam(cfg, "ads-answer")
+        comparisons += [lens.compare(i, lam, seed=0, method="ads-answer") for i in range(prompts)]
+    html = "".join(tradeoff_figures.token_changes_html(c) for c in comparisons)
+    return html, tradeoff_figures.token_changes_figure(comparisons, path=run.figure("ads_tokens"))
+
+
+def token_explorer(lens: TokenLens, cfg: AntidistillConfig):
+    """A widget: any training prompt, λ (the sweep's, and twice the largest), gradient and seed (JupyterLab)."""
+    methods = ["ads", "ads-answer"] if cfg.answer_lams else ["ads"]
+    lams = sorted({0.0, *cfg.lams, *cfg.answer_lams, 2 * shown_lam(cfg)})
+    return tradeoff_figures.ads_token_explorer(lens.compare, lens.labels, lams, methods)
 
 
 def figures(run: RunDir) -> None:

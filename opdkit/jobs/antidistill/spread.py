@@ -1,9 +1,9 @@
-"""04_antidistill's points spread over processes, one per GPU: each process holds its own teacher and proxies
+"""antidistill's points spread over processes, one per GPU: each process holds its own teacher and proxies
 and runs its share of the points one after another; every point keeps its result in its own folder, and the
 summary is gathered from those folders afterwards.
 
     shares = assign(points, 4)                                   # round-robin: point i runs in process i % 4
-    launch(sweep_process, (cfg_dict, mode, run_path, grads_dir, shares, None), 4, run_path)
+    launch(job.process, (cfg_dict, mode, run_path, grads_dir, shares, None), 4, run_path)
     summary = gather(points, run, failure=None)
 
 A point's result does not depend on the process it ran in (its seeds are the point's, the student is fresh),
@@ -23,13 +23,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from opdkit.files import atomic_write_text, read_jsonl
-from opdkit.jobs.antidistill.points import POINTS_DIR, baseline, offload, run_point
-from opdkit.jobs.antidistill.steering import load_models
-from opdkit.jobs.antidistill.sweep import Point, Prepared, device, prepare, sweep_points
-from opdkit.runs import RunDir, print0
+from opdkit.jobs.antidistill.points import POINTS_DIR, offload, run_point
+from opdkit.jobs.antidistill.sweep import Point, Prepared
+from opdkit.run.files import atomic_write_text, read_jsonl
+from opdkit.run.folders import RunDir
 
 POINT_FILE = "point.json"  # a finished (or failed) point: its summary entry
 ERROR_FILE = "error.txt"
@@ -82,32 +80,6 @@ def own_process() -> tuple[int, int]:
     return rank, world
 
 
-def sweep_process(
-    cfg_dict: dict,
-    mode: str,
-    run_path: str,
-    grads_dir: str,
-    shares: list[list[str]],
-    prepared: Prepared | None = None,
-) -> None:
-    """What every process runs: its own teacher and proxies on its own device, then its share of the
-    points."""
-    rank, world = own_process()
-    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k != "overwrite"})
-    cfg, dev, run = prep.cfg, device(), RunDir.attach(run_path)
-    if rank == 0:
-        run.write_env(world_size=world, device=str(dev))
-    mine = [p for p in sweep_points(cfg) if p.name in set(shares[rank])]
-    models = load_models(cfg, prep, Path(grads_dir), dev, run)
-    if rank == 0 and not (run.path / BASELINE_FILE).is_file():
-        before = {**baseline(prep, models, dev), "grad_norms": models.grad_norms()}
-        atomic_write_text(run.path / BASELINE_FILE, json.dumps(before, indent=2))
-    tag = f" (process {rank} of {world})" if world > 1 else ""
-    for point in tqdm(mine, desc=f"trade-off points{tag}", position=rank if world > 1 else None):
-        result = run_point_safely(point, prep, models, run, dev)
-        print0(_line(result) + tag)
-
-
 def run_point_safely(point: Point, prep: Prepared, models, run: RunDir, dev: torch.device) -> dict:
     """`run_point`, its entry kept in points/<name>/point.json; an exception becomes a failed entry with its
     traceback (also in points/<name>/error.txt), and the models are put back for the next point."""
@@ -126,7 +98,7 @@ def run_point_safely(point: Point, prep: Prepared, models, run: RunDir, dev: tor
     return result
 
 
-def _line(r: dict) -> str:
+def result_line(r: dict) -> str:
     if r["status"] != "done":
         return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
     acc = r["teacher_accuracy"]

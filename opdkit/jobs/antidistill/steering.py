@@ -1,4 +1,4 @@
-"""The steering side of 04_antidistill: the teacher, the proxy, its gradients (01_save_grad's completion
+"""The steering side of antidistill: the teacher, the proxy, its gradients (savegrad's completion
 gradient, and the answer-token gradient computed here from the same traces) and the ADS direction in use.
 
     models = load_models(cfg, prep, grads_dir, device, run); direction = models.direction("completion")
@@ -13,12 +13,16 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import ads, gradfile, grads, sft, tasks, traces
-from opdkit.config import AntidistillationConfig, ConfigError
+from opdkit.ads import gradfile
+from opdkit.ads.direction import Direction, make_direction
+from opdkit.ads.gradient import global_norm, mean_completion_grad
+from opdkit.config import ConfigError
+from opdkit.data import sft, tasks, traces
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.students import holdout_rows
 from opdkit.jobs.antidistill.sweep import Prepared, sweep_points
 from opdkit.models import load_model
-from opdkit.runs import RunDir
+from opdkit.run.folders import RunDir
 
 ANSWER_GRADS_DIR = "grads_answer"
 
@@ -30,26 +34,26 @@ class Models:
 
     teacher: torch.nn.Module
     proxy: torch.nn.Module
-    grads: dict[str, dict[str, torch.Tensor]]  # "completion" (01_save_grad's), "answer" (answer tokens only)
+    grads: dict[str, dict[str, torch.Tensor]]  # "completion" (savegrad's), "answer" (answer tokens only)
     method: str
     eps: float
     device: torch.device
     holdout: list[dict]  # the gradient's holdout traces in the student's tokens (for `holdout_loss`)
-    directions: dict[str, ads.Direction] = field(default_factory=dict)
+    directions: dict[str, Direction] = field(default_factory=dict)
 
-    def direction(self, gradient: str) -> ads.Direction:
+    def direction(self, gradient: str) -> Direction:
         if gradient not in self.directions:
             self.directions.clear()  # free the other gradient's copies first
-            built = ads.make_direction(self.method, self.proxy, self.grads[gradient], self.eps)
+            built = make_direction(self.method, self.proxy, self.grads[gradient], self.eps)
             self.directions[gradient] = built.to(self.device)
         return self.directions[gradient]
 
     def grad_norms(self) -> dict[str, float]:
-        return {k: grads.global_norm(g) for k, g in self.grads.items()}
+        return {k: global_norm(g) for k, g in self.grads.items()}
 
 
 def load_models(
-    cfg: AntidistillationConfig, prep: Prepared, grads_dir: Path, dev: torch.device, run: RunDir | None = None
+    cfg: AntidistillConfig, prep: Prepared, grads_dir: Path, dev: torch.device, run: RunDir | None = None
 ) -> Models:
     """Teacher on `dev`; proxy and gradients in CPU memory (the perturbed copies go to `dev` when built)."""
     dtype = torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
@@ -102,26 +106,26 @@ def answer_rows(held: list[dict], tok: PreTrainedTokenizerBase, task: tasks.Task
 
 
 def answer_gradient(
-    cfg: AntidistillationConfig,
+    cfg: AntidistillConfig,
     proxy: torch.nn.Module,
     tok: PreTrainedTokenizerBase,
     grads_dir: Path,
     run: RunDir | None,
 ) -> dict[str, torch.Tensor]:
     """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
-    01_save_grad), saved in grads_answer/ of this run; reused from there when it exists."""
+    savegrad), saved in grads_answer/ of this run; reused from there when it exists."""
     saved = run.path / ANSWER_GRADS_DIR if run is not None else None
     if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
         return gradfile.load_grads(saved, proxy, tok)
     if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
         raise ConfigError(
             f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
-            f"{traces.TRACES_DIR}/; use a 01_save_grad run directory or leave answer_lams empty."
+            f"{traces.TRACES_DIR}/; use a savegrad run directory or leave answer_lams empty."
         )
     meta = gradfile.read_meta(grads_dir)
     rows = answer_rows(list(traces.load_traces(grads_dir)), tok, tasks.for_dataset(cfg.dataset_path))
     work = copy.deepcopy(proxy)
-    named, stats = grads.mean_completion_grad(
+    named, stats = mean_completion_grad(
         work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id, progress=True
     )
     named = {k: v.detach().clone() for k, v in named.items()}

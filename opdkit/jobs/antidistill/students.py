@@ -1,4 +1,4 @@
-"""The students of 04_antidistill: a fresh one per point, distilled on the point's traces by completion-only
+"""The students of antidistill: a fresh one per point, distilled on the point's traces by completion-only
 SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0),
 saved, then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
 objective ADS steers by).
@@ -17,19 +17,21 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from opdkit import evaluate, sft, tiny, traces
-from opdkit.config import AntidistillationConfig
+from opdkit import tiny
+from opdkit.data import sft, traces
+from opdkit.data.sft import CompletionSFTTrainer
+from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared
 from opdkit.models import enable_activation_checkpointing
-from opdkit.runs import print0
-from opdkit.sft import CompletionSFTTrainer
+from opdkit.rollout import evaluate
+from opdkit.run.folders import print0
 
 SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
 STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenizer
 HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
 
 
-def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> torch.nn.Module:
+def fresh_student(cfg: AntidistillConfig, dev: torch.device, seed: int) -> torch.nn.Module:
     """The student as loaded, or (student_init=scratch) its architecture with weights drawn from `seed`."""
     name = tiny.resolve(cfg.student_model)
     torch.manual_seed(seed)
@@ -43,22 +45,21 @@ def fresh_student(cfg: AntidistillationConfig, dev: torch.device, seed: int) -> 
     return model.to(dev)
 
 
-def sft_seed(cfg: AntidistillationConfig, seed: int) -> int:
+def sft_seed(cfg: AntidistillConfig, seed: int) -> int:
     """The SFT seed of the run with sampling seed `seed` (seed, seed+1, ... over repeats): `sft_seed` moved
     along the same way, or `seed` itself when `sft_seed` is -1."""
     return seed if cfg.sft_seed < 0 else cfg.sft_seed + (seed - cfg.seed)
 
 
-def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
+def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:
     """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion); a
     truncated trace without the end-of-turn tokens the template would append."""
     rows = []
     for rec in records:
+        conversation = [*rec["messages"], {"role": "assistant", "content": rec["completion"]}]
         ids, labels = sft.completion_labels(
-            tok, [*rec["messages"], {"role": "assistant", "content": rec["completion"]}], cfg.enable_thinking
+            tok, conversation, cfg.enable_thinking, bool(rec.get("truncated"))
         )
-        if rec.get("truncated"):  # the teacher never ended this turn: the student is not taught to end it
-            ids, labels = sft.without_end_of_turn(tok, ids, labels)
         if cfg.sft_max_length:
             ids, labels = ids[: cfg.sft_max_length], labels[: cfg.sft_max_length]
         if any(t != sft.IGNORE for t in labels):
@@ -66,7 +67,7 @@ def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: Antidistill
     return rows
 
 
-def sft_steps(cfg: AntidistillationConfig, n_rows: int) -> int:
+def sft_steps(cfg: AntidistillConfig, n_rows: int) -> int:
     if cfg.sft_max_steps >= 0:
         return cfg.sft_max_steps
     return max(1, math.ceil(cfg.sft_epochs * n_rows / cfg.sft_batch_size))
@@ -87,7 +88,7 @@ def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[lis
 
 
 def training_arguments(
-    cfg: AntidistillationConfig, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
+    cfg: AntidistillConfig, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
 ) -> TrainingArguments:
     """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear
     warmup steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a
@@ -122,7 +123,7 @@ def training_arguments(
     return args
 
 
-def with_lora(model: torch.nn.Module, cfg: AntidistillationConfig, seed: int) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, cfg: AntidistillConfig, seed: int) -> torch.nn.Module:
     """The student with LoRA adapters on `student_lora_target_modules` (peft), or as it is when the rank
     is 0."""
     if not cfg.student_lora_r:
@@ -148,7 +149,7 @@ def with_lora(model: torch.nn.Module, cfg: AntidistillationConfig, seed: int) ->
 def distill_student(
     model: torch.nn.Module,
     rows: list[dict],
-    cfg: AntidistillationConfig,
+    cfg: AntidistillConfig,
     tok: PreTrainedTokenizerBase,
     seed: int,
     folder: Path,
@@ -176,7 +177,7 @@ def distill_student(
 
 
 def keep_student(
-    model: torch.nn.Module, cfg: AntidistillationConfig, tok: PreTrainedTokenizerBase, folder: Path
+    model: torch.nn.Module, cfg: AntidistillConfig, tok: PreTrainedTokenizerBase, folder: Path
 ) -> torch.nn.Module:
     """Save the trained student as `student_save` says in `folder`/student/; returns the model to evaluate (a
     LoRA student with its adapter merged into the weights)."""
@@ -192,7 +193,7 @@ def keep_student(
     return model
 
 
-def load_student(cfg: AntidistillationConfig, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
+def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
     """A saved student from `folder`/student/, ready to evaluate: the model, or the fresh student (`seed`, as
     trained) with the saved LoRA adapter merged in."""
     path = Path(folder) / STUDENT_DIR
@@ -217,7 +218,7 @@ def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:
     )
 
 
-def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig) -> list[dict]:
+def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:
     """The traces the proxy gradient was computed on, in the student's tokens: ADS's own objective is the
     mean completion NLL on them, which `holdout_loss` measures for a distilled student. None without
     traces/."""
@@ -235,7 +236,7 @@ def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: Antidistill
 def holdout_loss(
     model: torch.nn.Module, rows: list[dict], pad_token_id: int, batch_size: int
 ) -> float | None:
-    """Mean over traces of each trace's mean completion NLL (01_save_grad's `trace` normalisation)."""
+    """Mean over traces of each trace's mean completion NLL (savegrad's `trace` normalisation)."""
     if not rows:
         return None
     dev, total = next(model.parameters()).device, 0.0

@@ -1,4 +1,4 @@
-"""04_antidistill's sweep: the points of the trade-off, and everything they run on that can be checked
+"""antidistill's sweep: the points of the trade-off, and everything they run on that can be checked
 before anything is written (config, tokenizers, prompts, the gradient's fit).
 
     prep = prepare("tiny"); points = sweep_points(prep.cfg)
@@ -6,19 +6,22 @@ before anything is written (config, tokenizers, prompts, the gradient's fit).
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, gradfile, tasks, traces, tracking
-from opdkit.config import AntidistillationConfig, ConfigError, load_config
-from opdkit.models import check_shared_vocab, load_tokenizer, model_skeleton
+from opdkit.ads import gradfile
+from opdkit.config import ConfigError, load_config
+from opdkit.data import prompts, tasks, traces
+from opdkit.jobs import savegrad
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.models import model_skeleton
+from opdkit.run.folders import RunDir
 
-JOB = "04_antidistill"
-SAVEGRAD_JOB = "01_save_grad"
+JOB = AntidistillConfig.job
+GRADS_DIR = "grads"  # where a run without grads_run keeps the savegrad run it made
 
 GRADIENTS = {"ads": "completion", "ads-answer": "answer"}  # which gradient each ADS method steers by
 
@@ -40,7 +43,7 @@ class Point:
         return GRADIENTS.get(self.method)
 
 
-def sweep_points(cfg: AntidistillationConfig) -> list[Point]:
+def sweep_points(cfg: AntidistillConfig) -> list[Point]:
     """ADS points (every λ at every ADS temperature), the answer-gradient ADS points, then the temperature
     sweep; λ = 0 is temperature sampling whatever the sweep, and each (method, λ, τ) runs once."""
     triples = [("ads", lam, tau) for tau in cfg.ads_temperatures for lam in cfg.lams]
@@ -55,14 +58,14 @@ def sweep_points(cfg: AntidistillationConfig) -> list[Point]:
 
 @dataclass
 class Prepared:
-    cfg: AntidistillationConfig
+    cfg: AntidistillConfig
     mode: str
     task: tasks.Task
     teacher_tokenizer: PreTrainedTokenizerBase
     proxy_tokenizer: PreTrainedTokenizerBase
     student_tokenizer: PreTrainedTokenizerBase
-    messages: list[list[dict]]  # training prompts
-    answers: list[str]
+    train_messages: list[list[dict]]  # the prompts the teacher answers at every point
+    train_answers: list[str]
     eval_messages: list[list[dict]]
     eval_answers: list[str]
     dropped: int
@@ -75,14 +78,14 @@ def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dic
     return [[{"role": "system", "content": system_prompt}, *m] for m in messages]
 
 
-def training_prompts(cfg: AntidistillationConfig) -> tuple[list[list[dict]], list[str]]:
-    """The head of the seed-shuffled dataset (01_save_grad's holdout is its tail); tiny: 02's training
+def training_prompts(cfg: AntidistillConfig) -> tuple[list[list[dict]], list[str]]:
+    """The head of the seed-shuffled dataset (savegrad's holdout is its tail); tiny: 02's training
     stream."""
-    ds = data.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    ds = prompts.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
     return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
 
 
-def eval_prompts(cfg: AntidistillationConfig, task: tasks.Task) -> tuple[list[list[dict]], list[str]]:
+def eval_prompts(cfg: AntidistillConfig, task: tasks.Task) -> tuple[list[list[dict]], list[str]]:
     """Held-out problems for the students: `eval_dataset_path`, else the task's own held-out problems."""
     if not cfg.eval_dataset_path:
         try:
@@ -92,20 +95,11 @@ def eval_prompts(cfg: AntidistillationConfig, task: tasks.Task) -> tuple[list[li
                 f"eval_dataset_path is empty but dataset_path is {cfg.dataset_path!r}; give the evaluation "
                 "prompts (e.g. the GSM8K test split as a parquet file)."
             ) from None
-    ds = data.load_prompts(cfg.eval_dataset_path, cfg.eval_dataset_split, cfg.eval_size, cfg.seed)
+    ds = prompts.load_prompts(cfg.eval_dataset_path, cfg.eval_dataset_split, cfg.eval_size, cfg.seed)
     return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
 
 
-def _drop_long(messages: list, answers: list, tok: PreTrainedTokenizerBase, cfg: AntidistillationConfig):
-    keep = [
-        i
-        for i, m in enumerate(messages)
-        if len(data.prompt_ids(tok, m, cfg.enable_thinking)) <= cfg.max_prompt_length
-    ]
-    return [messages[i] for i in keep], [answers[i] for i in keep], len(messages) - len(keep)
-
-
-def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerBase) -> None:
+def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) -> None:
     """A given grads_run must hold a gradient of this proxy (names, shapes, tokenizer), checked without
     weights."""
     if cfg.grads_run:
@@ -114,51 +108,18 @@ def check_grads_run(cfg: AntidistillationConfig, proxy_tok: PreTrainedTokenizerB
         if needs_traces and not (Path(cfg.grads_run) / traces.TRACES_DIR).is_dir():
             raise ConfigError(
                 f"answer_lams needs the traces the gradient was computed on, but {cfg.grads_run} has "
-                f"no {traces.TRACES_DIR}/; use a 01_save_grad run directory or set answer_lams to []."
+                f"no {traces.TRACES_DIR}/; use a savegrad run directory or set answer_lams to []."
             )
     else:
-        load_config(
-            SAVEGRAD_JOB, cfg.grads_mode
-        )  # an unknown preset fails here, not after the run dir exists
+        # An unknown preset fails here, not after the run dir exists.
+        load_config(savegrad.SaveGradConfig, cfg.grads_mode)
 
 
-def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, then the prompts, then the tokenizers, then the gradient's fit to the proxy, in the
-    original's order (data files in milliseconds, before any download): every cheap failure happens here."""
-    cfg = load_config(JOB, mode, overrides)
-    tracking.check_report_to(cfg.report_to)
-    task = tasks.for_dataset(cfg.dataset_path)
-    messages, answers = training_prompts(cfg)
-    eval_messages, eval_answers = eval_prompts(cfg, task)
-    teacher_tok = load_tokenizer(cfg.teacher_model)
-    proxy_tok = load_tokenizer(cfg.proxy_model)
-    student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
-    check_shared_vocab(teacher_tok, proxy_tok)
-    check_grads_run(cfg, proxy_tok)
-    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
-        raise ConfigError(
-            "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
-        )
-    messages, answers, dropped = _drop_long(messages, answers, teacher_tok, cfg)
-    if not messages:
-        raise ConfigError(
-            f"every training prompt is longer than max_prompt_length={cfg.max_prompt_length}; raise it."
-        )
-    first = teacher_tok.decode(data.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
-    return Prepared(
-        cfg,
-        mode,
-        task,
-        teacher_tok,
-        proxy_tok,
-        student_tok,
-        messages,
-        answers,
-        eval_messages,
-        eval_answers,
-        dropped,
-        first,
-    )
+def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillConfig, str]:
+    """The resolved config a antidistill run was made with, and its mode."""
+    saved = (run if isinstance(run, RunDir) else RunDir.attach(run)).read_config(JOB)
+    names = {f.name for f in fields(AntidistillConfig)}
+    return AntidistillConfig(**{k: v for k, v in saved.items() if k in names}), saved.get("mode", "?")
 
 
 def device() -> torch.device:

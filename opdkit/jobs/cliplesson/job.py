@@ -3,7 +3,7 @@
     python -m opdkit.cliplesson --mode tiny
 
 The original's `noclip` mode changes two things at once: clipping off and the learning rate x5.
-Every arm here is a 02_whitebox run with the same data and seed; the two ablation arms change one
+Every arm here is a whitebox run with the same data and seed; the two ablation arms change one
 thing each, so the lesson can say how much of a blow-up is clipping and how much is learning rate.
 """
 
@@ -13,19 +13,20 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from opdkit import tracking
-from opdkit.cli import run_from_cli
-from opdkit.config import ClipLessonConfig, ConfigError, load_config, to_dict
+from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
-from opdkit.runs import RunDir, print0
+from opdkit.jobs.cliplesson.config import ClipLessonConfig
+from opdkit.run import tracking
+from opdkit.run.cli import run_from_cli
+from opdkit.run.folders import RunDir, print0
 
-JOB = "03_clip_vs_noclip"
+JOB = ClipLessonConfig.job
 
 
 @dataclass
 class Arm:
     name: str
-    mode: str  # 02_whitebox preset
+    mode: str  # whitebox preset
     overrides: dict
     learning_rate: float
     max_grad_norm: float
@@ -48,8 +49,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def arms(cfg: ClipLessonConfig) -> list[Arm]:
     """clip and noclip as the presets define them; the ablations swap one setting each."""
-    clip = load_config(whitebox.JOB, cfg.clip_mode)
-    noclip = load_config(whitebox.JOB, cfg.noclip_mode)
+    clip = load_config(whitebox.WhiteboxConfig, cfg.clip_mode)
+    noclip = load_config(whitebox.WhiteboxConfig, cfg.noclip_mode)
     extra = {"max_steps": cfg.max_steps} if cfg.max_steps else {}
     out = [
         Arm("clip", cfg.clip_mode, dict(extra), clip.learning_rate, clip.max_grad_norm),
@@ -132,7 +133,7 @@ def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDi
     return whitebox.run(arm.mode, over)
 
 
-def summarise(results: dict[str, dict[int, dict]]) -> dict:
+def summarize(results: dict[str, dict[int, dict]]) -> dict:
     """One entry per arm: the first seed's figures, plus every seed's under `seeds`."""
     out = {}
     for name, by_seed in results.items():
@@ -141,21 +142,36 @@ def summarise(results: dict[str, dict[int, dict]]) -> dict:
     return out
 
 
-def run(mode: str = "tiny", overrides: dict | None = None) -> RunDir:
-    """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
-    cfg = load_config(JOB, mode, overrides)
+@dataclass
+class Prepared:
+    cfg: ClipLessonConfig
+    mode: str
+    arms: list[Arm]
+    seeds: list[int]
+    existing: list[tuple[Arm, str, int]]  # clip_run and noclip_run, when given
+
+
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Resolve the config, the arms and the seeds, and check given arm runs, before anything is written. Each
+    arm's own prompts and tokenizers are checked by whitebox's `prepare` when it runs."""
+    cfg = load_config(ClipLessonConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
-    seeds = parse_seeds(cfg.seeds)
-    existing = existing_arms(cfg)  # checked before anything is written
-    lesson = RunDir.create(cfg, job=JOB, mode=mode)
+    return Prepared(cfg, mode, arms(cfg), parse_seeds(cfg.seeds), existing_arms(cfg))
+
+
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
+    """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
+    prep = prepared or prepare(mode, overrides)
+    cfg, seeds, existing = prep.cfg, prep.seeds, prep.existing
+    lesson = RunDir.create(cfg, job=JOB, mode=prep.mode)
     results: dict[str, dict[int, dict]] = {}
     for arm, path, seed in existing:
         results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}
     if not existing:
-        for arm in arms(cfg):
+        for arm in prep.arms:
             for seed in seeds:
                 results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
-    lesson.write_summary(summarise(results))
+    lesson.write_summary(summarize(results))
     tracker = tracking.Tracker.start(cfg.report_to, lesson, config=to_dict(cfg))
     tracker.table(
         "arms",
@@ -198,14 +214,14 @@ def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:
 
 def _load_run_config(path: Path) -> dict:
     if not (path / "config.yaml").exists() or not (path / "metrics.jsonl").exists():
-        raise ConfigError(f"{path} is not a 02_whitebox run directory (no config.yaml / metrics.jsonl).")
+        raise ConfigError(f"{path} is not a whitebox run directory (no config.yaml / metrics.jsonl).")
     return RunDir.attach(path).read_config()
 
 
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.cliplesson import report
 
-    run_from_cli(JOB, "Clip vs noclip lesson (opdkit 03_clip_vs_noclip).", run, report.figures, argv)
+    run_from_cli(ClipLessonConfig, "Clip vs noclip lesson (opdkit cliplesson).", run, report.figures, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What a finished 03_clip_vs_noclip lesson shows: arm against arm in a table, curves, accuracies, the
+"""What a finished cliplesson lesson shows: arm against arm in a table, curves, accuracies, the
 completions around the largest gradient spike, and the lesson in sentences built from the numbers.
 
     display(HTML(summary_table_html(summary))); curves(lesson); accuracy(lesson); explain(summary)
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 
-from opdkit import plots
-from opdkit.runs import RunDir
+from opdkit.jobs.cliplesson import figures as lesson_figures
+from opdkit.notebook import figures as run_figures
+from opdkit.notebook import widgets
+from opdkit.run.folders import RunDir
 
 
 def largest_spike(records: list[dict]) -> int | None:
@@ -92,12 +94,14 @@ def curves(lesson: RunDir):
     """Loss and pre-clip gradient norm of every arm (first seed), with each arm's clip threshold."""
     summary = lesson.read_summary()
     thresholds = {name: e["max_grad_norm_setting"] for name, e in summary.items()}
-    return plots.lesson_curves(arm_records(summary), thresholds, path=lesson.figure("loss_and_grad_norm"))
+    return lesson_figures.lesson_curves(
+        arm_records(summary), thresholds, path=lesson.figure("loss_and_grad_norm")
+    )
 
 
 def accuracy(lesson: RunDir):
     """Final accuracy of every arm: bars for the first seed, dots for every seed."""
-    return plots.lesson_accuracy(lesson.read_summary(), path=lesson.figure("final_accuracy"))
+    return lesson_figures.lesson_accuracy(lesson.read_summary(), path=lesson.figure("final_accuracy"))
 
 
 def spike(lesson: RunDir, arm: str | None = None, n: int = 8) -> tuple[str, int | None, str, object]:
@@ -105,10 +109,10 @@ def spike(lesson: RunDir, arm: str | None = None, n: int = 8) -> tuple[str, int 
     summary = lesson.read_summary()
     arm = arm or ("noclip" if "noclip" in summary else next(iter(summary)))
     step, near = spike_samples(summary, arm)
-    fig = plots.samples_figure(
+    fig = run_figures.samples_figure(
         near[:n], path=lesson.figure("spike_samples"), title=f"{arm}, steps around {step}"
     )
-    return arm, step, plots.samples_html(near[:n]), fig
+    return arm, step, run_figures.samples_html(near[:n]), fig
 
 
 def arm_samples(lesson: RunDir) -> dict[str, list[dict]]:
@@ -117,6 +121,11 @@ def arm_samples(lesson: RunDir) -> dict[str, list[dict]]:
         name: RunDir.attach(e["run_dir"]).read_jsonl("samples.jsonl")
         for name, e in lesson.read_summary().items()
     }
+
+
+def step_browser(lesson: RunDir):
+    """A widget: pick a step, see each arm's completions there side by side (JupyterLab)."""
+    return widgets.arm_step_browser(arm_samples(lesson))
 
 
 def figures(lesson: RunDir) -> None:

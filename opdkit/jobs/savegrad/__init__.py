@@ -1,6 +1,14 @@
-"""01_save_grad: the proxy student's mean completion gradient for ADS. `job.py` computes it, `traces.py`
-makes the traces it is computed on, `report.py` shows the run."""
+"""savegrad (notebooks/01_save_grad.ipynb): the proxy student"s mean completion gradient for ADS. `job.py` computes it,
+`holdout.py` makes the traces it is computed on, `report.py` shows the run."""
 
+from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.job import JOB, main, prepare, run
+from opdkit.notebook.parameters import notebook_parameters
 
-__all__ = ["JOB", "main", "prepare", "run"]
+
+def parameters(namespace: dict) -> tuple[str, dict]:
+    """(mode, overrides) from the notebook's parameters cell: `savegrad.parameters(globals())`."""
+    return notebook_parameters(SaveGradConfig, namespace)
+
+
+__all__ = ["JOB", "SaveGradConfig", "main", "parameters", "prepare", "run"]

@@ -1,5 +1,5 @@
-"""01_save_grad's traces: holdout prompts and the teacher's answers to them (or supplied traces), with the
-proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.traces`)."""
+"""savegrad's traces: holdout prompts and the teacher's answers to them (or supplied traces), with the
+proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.data.traces`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import data, engines, grads, rollout, sft, tasks, tiny, traces
-from opdkit.config import ConfigError, SaveGradConfig
+from opdkit import tiny
+from opdkit.ads import gradient
+from opdkit.config import ConfigError
+from opdkit.data import prompts, sft, tasks, traces
+from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.models import eos_ids, load_model
-from opdkit.runs import RunDir, print0
+from opdkit.rollout import engines, sampling
+from opdkit.run.folders import RunDir, print0
 
 
 def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
@@ -38,7 +42,7 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
 
 def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
     """Traces from `traces_path`: {messages ending with the assistant's answer, answer} per row."""
-    raw = data.load_raw(cfg.traces_path, cfg.dataset_split)
+    raw = prompts.load_raw(cfg.traces_path, cfg.dataset_split)
     if cfg.trace_column not in raw.column_names:
         raise ConfigError(
             f"{cfg.traces_path!r} has no column {cfg.trace_column!r}; it has {raw.column_names}, so pass "
@@ -49,7 +53,7 @@ def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
     if cfg.subset_size != -1:
         raw = raw.select(range(min(cfg.subset_size, len(raw))))
     return [
-        {"messages": _trace_messages(row, cfg.trace_column, i), "answer": data.reference_answer(row, None)}
+        {"messages": _trace_messages(row, cfg.trace_column, i), "answer": prompts.reference_answer(row, None)}
         for i, row in enumerate(raw)
     ]
 
@@ -58,13 +62,13 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
     """A row's conversation: the column's messages, or its answer text after the row's prompt."""
     value = row[column]
     if isinstance(value, str):
-        prompt_col = next((c for c in data.PROMPT_COLUMNS if c != column and c in row), None)
+        prompt_col = next((c for c in prompts.PROMPT_COLUMNS if c != column and c in row), None)
         if prompt_col is None:
             raise ConfigError(
                 f"row {i}: trace_column {column!r} holds text but the row has no prompt column "
-                f"({list(data.PROMPT_COLUMNS)}); store the conversation as chat messages instead."
+                f"({list(prompts.PROMPT_COLUMNS)}); store the conversation as chat messages instead."
             )
-        prompt = data.as_messages(row[prompt_col], i, prompt_col)
+        prompt = prompts.as_messages(row[prompt_col], i, prompt_col)
         if _rendered(value, prompt[-1]["content"]):
             raise ConfigError(
                 f"row {i}: the text in {column!r} contains its own prompt (a fully rendered conversation, "
@@ -72,7 +76,7 @@ def _trace_messages(row: dict, column: str, i: int) -> list[dict]:
                 "marker, so store the teacher's answer alone, or chat messages."
             )
         return [*prompt, {"role": "assistant", "content": value}]
-    messages = data.as_messages(value, i, column)
+    messages = prompts.as_messages(value, i, column)
     if messages[-1]["role"] != "assistant":
         raise ConfigError(
             f"row {i} of {column!r} does not end with an assistant turn; a trace needs the answer."
@@ -108,14 +112,14 @@ class TeacherSampler:
             self.teacher = load_model(cfg.teacher_model, dtype, device).eval()
             self.stop_ids = eos_ids(tok, self.teacher)
 
-    def sample(self, prompts_BP, mask_BP, budget: int, seed: int) -> rollout.Rollout:
+    def sample(self, prompts_BP, mask_BP, budget: int, seed: int) -> sampling.Rollout:
         cfg = self.cfg
         if self.engine is not None:  # temperature 0 is vLLM's greedy
             settings = engines.SamplingSettings(
                 budget, cfg.gen_temperature, cfg.gen_top_p, self.stop_ids, self.tok.pad_token_id
             )
             return self.engine.sample(None, prompts_BP, mask_BP, settings, seed)
-        return rollout.sample(
+        return sampling.sample(
             self.teacher.to(prompts_BP.device),
             prompts_BP,
             mask_BP,
@@ -143,7 +147,7 @@ def generate_batch(
     """(completion text, truncated, completion token ids with the stop token if it ended) per prompt; with
     max_length, each prompt + completion fits in it."""
     cfg, tok = sampler.cfg, sampler.tok
-    prompts_BP, mask_BP = rollout.left_pad(prompt_ids, tok.pad_token_id, device)
+    prompts_BP, mask_BP = sampling.left_pad(prompt_ids, tok.pad_token_id, device)
     budget = cfg.max_new_tokens
     if cfg.max_length:
         budget = min(budget, cfg.max_length - min(len(x) for x in prompt_ids))
@@ -165,20 +169,20 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     """The teacher answers this process's share of the holdout prompts; every process gets all traces."""
     tok = prep.teacher_tokenizer
     sampler = TeacherSampler(cfg, tok, device, world)
-    messages = list(prep.prompts["messages"])
-    ids = [data.prompt_ids(tok, m, cfg.enable_thinking) for m in messages]
-    mine = grads.shard_by_length([len(x) for x in ids], rank, world)
+    messages = prep.train_messages
+    ids = [prompts.prompt_ids(tok, m, cfg.enable_thinking) for m in messages]
+    mine = gradient.shard_by_length([len(x) for x in ids], rank, world)
     torch.manual_seed(cfg.seed + rank)
     local: list[tuple[int, str, bool, list[int]]] = []
     for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
         batch = mine[s : s + cfg.gen_batch_size]
-        seed = cfg.seed * 1_000_003 + rank * 7919 + s  # the vLLM engine's per-request seeds
+        seed = engines.rollout_seed(cfg.seed, s, rank)  # the vLLM engine's per-request seeds
         done = generate_batch(sampler, [ids[i] for i in batch], device, seed)
         local += [(i, *d) for i, d in zip(batch, done)]
     del sampler
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    check, answers = prep.task.check, list(prep.prompts["answer"])
+    check, answers = prep.task.check, prep.train_answers
     return [
         {
             "messages": [*messages[i], {"role": "assistant", "content": text}],

@@ -15,7 +15,7 @@ student's mean completion-only gradient on them is saved in the run directory:
 
 `prepare` does everything that can fail cheaply before anything is written; `run` creates the run
 directory and launches `process` in every process. The antidistillation notebook reads the gradient
-with `opdkit.gradfile.load_grads(run_dir, proxy, tokenizer)`.
+with `opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer)`.
 """
 
 from __future__ import annotations
@@ -24,22 +24,27 @@ import os
 import time
 from dataclasses import dataclass
 
-import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import data, engines, gradfile, grads, tasks, tiny, tracking
-from opdkit.cli import run_from_cli
-from opdkit.config import ConfigError, SaveGradConfig, load_config, to_dict
+from opdkit import tiny
+from opdkit.ads import gradfile, gradient
+from opdkit.config import ConfigError, load_config, to_dict
+from opdkit.data import prompts, tasks
+from opdkit.data.sft import completion_labels
+from opdkit.data.traces import TRACES_DIR, format_trace, truncated_count
+from opdkit.data.traces import accuracy as teacher_accuracy
+from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
-from opdkit.launch import start_run
 from opdkit.models import check_shared_vocab, load_model, load_tokenizer
-from opdkit.runs import RunDir, print0
-from opdkit.traces import TRACES_DIR, completion_labels, format_trace, truncated_count
-from opdkit.traces import accuracy as teacher_accuracy
+from opdkit.rollout import engines
+from opdkit.run import tracking
+from opdkit.run.cli import run_from_cli
+from opdkit.run.folders import RunDir, print0
+from opdkit.run.launch import start_run
 
-JOB = "01_save_grad"
+JOB = SaveGradConfig.job
 
 
 @dataclass
@@ -49,7 +54,10 @@ class Prepared:
     task: tasks.Task
     proxy_tokenizer: PreTrainedTokenizerBase
     teacher_tokenizer: PreTrainedTokenizerBase | None  # None when traces_path supplies the traces
-    prompts: datasets.Dataset | None  # holdout prompts (messages, answer) for the teacher
+    # The holdout prompts the teacher answers: the data this job's gradient is computed on (empty when
+    # traces_path supplies the traces).
+    train_messages: list[list[dict]]
+    train_answers: list[str]
     traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
     dropped: int  # holdout prompts dropped as longer than max_prompt_length
     first_example: str  # the first prompt (or supplied trace) as the model sees it
@@ -58,7 +66,7 @@ class Prepared:
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, then the prompts (or supplied traces), then the tokenizers, in the original's order
     (data files in milliseconds, before any download): every cheap failure happens here."""
-    cfg = load_config(JOB, mode, overrides)
+    cfg = load_config(SaveGradConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
         raise ConfigError(
@@ -74,25 +82,36 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     if cfg.traces_path:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
-        ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking, 0)
+        ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
         return Prepared(
-            cfg, mode, task, proxy_tok, None, None, traces, 0, format_trace(proxy_tok, ids, labels)
+            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
         )
-    prompts = holdout_prompts(cfg)
+    holdout = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
     if cfg.proxy_tokens == "teacher":
         check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
-    prompts, dropped = data.filter_long_prompts(
-        prompts, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
+    holdout, dropped = prompts.filter_long_prompts(
+        holdout, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
     )
-    collator = data.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
-    first = data.format_first_prompt(prompts, collator, teacher_tok)
+    collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    first = prompts.format_first_prompt(holdout, collator, teacher_tok)
     engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
-    return Prepared(cfg, mode, task, proxy_tok, teacher_tok, prompts, None, dropped, first)
+    return Prepared(
+        cfg,
+        mode,
+        task,
+        proxy_tok,
+        teacher_tok,
+        list(holdout["messages"]),
+        list(holdout["answer"]),
+        None,
+        dropped,
+        first,
+    )
 
 
 def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:
-    norms = grads.tensor_norms(named)
+    norms = gradient.tensor_norms(named)
     return {
         "proxy_model": cfg.proxy_model,
         "proxy_path": tiny.resolve(cfg.proxy_model),
@@ -121,7 +140,7 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
 
 
 def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seconds: float) -> dict:
-    lengths = [grads.completion_token_count(r["labels"]) for r in records]
+    lengths = [gradient.completion_token_count(r["labels"]) for r in records]
     truncated = [r["truncated"] for r in records if r.get("truncated") is not None]
     return {
         "status": "done",
@@ -160,10 +179,10 @@ def proxy_gradient(
     proxy = load_model(cfg.proxy_model, torch.float32, device)
     pad = prep.proxy_tokenizer.pad_token_id
     try:
-        return grads.mean_completion_grad(
+        return gradient.mean_completion_grad(
             proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0
         )
-    except grads.NonFiniteGradient as exc:
+    except gradient.NonFiniteGradient as exc:
         run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
         raise
 
@@ -230,7 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.savegrad import report
 
     run_from_cli(
-        JOB, "Proxy-student gradient for antidistillation (opdkit 01_save_grad).", run, report.figures, argv
+        SaveGradConfig,
+        "Proxy-student gradient for antidistillation (opdkit savegrad).",
+        run,
+        report.figures,
+        argv,
     )
 
 

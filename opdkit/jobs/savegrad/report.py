@@ -1,4 +1,4 @@
-"""What a finished 01_save_grad run shows: its traces as the proxy read them, their lengths, and the saved
+"""What a finished savegrad run shows: its traces as the proxy read them, their lengths, and the saved
 gradient's norm per layer and per tensor.
 
     print(show_traces(run, n=4)); length_histogram(run); layer_norm_bars(run); largest_tensors(run)
@@ -6,11 +6,11 @@ gradient's norm per layer and per tensor.
 
 from __future__ import annotations
 
-from opdkit import gradfile, grads
-from opdkit.models import load_tokenizer
-from opdkit.plots import plt
-from opdkit.runs import RunDir
-from opdkit.traces import format_trace, load_traces
+from opdkit.ads import gradfile, gradient
+from opdkit.data.traces import format_trace, load_traces
+from opdkit.models import load_tokenizer, model_skeleton
+from opdkit.notebook.figures import plt
+from opdkit.run.folders import RunDir
 
 
 def show_traces(run: RunDir, n: int = 4) -> str:
@@ -21,14 +21,14 @@ def show_traces(run: RunDir, n: int = 4) -> str:
     for i, row in enumerate(ds.select(range(min(n, len(ds))))):
         head = (
             f"trace {i} · answer {row['answer']!r} · correct {row['correct']} · "
-            f"{grads.completion_token_count(row['labels'])} completion tokens"
+            f"{gradient.completion_token_count(row['labels'])} completion tokens"
         )
         blocks.append(f"{head}\n{format_trace(tok, row['input_ids'], row['labels'])}")
     return "\n\n".join(blocks)
 
 
 def completion_lengths(run: RunDir) -> list[int]:
-    return [grads.completion_token_count(labels) for labels in load_traces(run)["labels"]]
+    return [gradient.completion_token_count(labels) for labels in load_traces(run)["labels"]]
 
 
 def length_histogram(run: RunDir):
@@ -47,7 +47,7 @@ def length_histogram(run: RunDir):
 
 def layer_norm_bars(run: RunDir):
     """The saved gradient's norm per layer (embeddings, each block, final norm, head) as bars."""
-    layers = grads.norms_by_layer(gradfile.read_meta(run.path)["tensor_norms"])
+    layers = gradient.norms_by_layer(gradfile.read_meta(run.path)["tensor_norms"])
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(layers)), 3.4))
     ax.bar(range(len(layers)), list(layers.values()), color="#3a7")
     ax.set_xticks(
@@ -84,6 +84,16 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def check_saved(run: RunDir, proxy_model: str, proxy_tokenizer) -> str:
+    """Load-check the saved gradient against the proxy's skeleton (no weights) and tokenizer, as ADS will:
+    one line saying what was checked."""
+    meta = gradfile.check_grads(run.path, model_skeleton(proxy_model), proxy_tokenizer)
+    return (
+        f"checked: {meta['num_tensors']} tensors, {meta['num_parameters']:,} parameters of "
+        f"{meta['proxy_model']}, tokenizer {meta['tokenizer_fingerprint']}"
+    )
 
 
 def figures(run: RunDir) -> None:

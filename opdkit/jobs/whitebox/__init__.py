@@ -1,5 +1,13 @@
-"""02_whitebox: white-box on-policy distillation. `job.py` trains, `report.py` shows the run."""
+"""whitebox (notebooks/02_whitebox.ipynb): white-box on-policy distillation. `job.py` trains, `report.py` shows the run."""
 
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.job import JOB, main, prepare, run
+from opdkit.notebook.parameters import notebook_parameters
 
-__all__ = ["JOB", "main", "prepare", "run"]
+
+def parameters(namespace: dict) -> tuple[str, dict]:
+    """(mode, overrides) from the notebook's parameters cell: `whitebox.parameters(globals())`."""
+    return notebook_parameters(WhiteboxConfig, namespace)
+
+
+__all__ = ["JOB", "WhiteboxConfig", "main", "parameters", "prepare", "run"]

@@ -6,7 +6,7 @@
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
 
 `prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
-written; `run` creates the run directory and launches `train_process` in every process.
+written; `run` creates the run directory and launches `process` in every process.
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from opdkit import data, engines, evaluate, live, sharding, tasks, tracking
-from opdkit.callbacks import StepAccuracy
-from opdkit.cli import run_from_cli
-from opdkit.config import ConfigError, WhiteboxConfig, load_config
-from opdkit.launch import launched_world_size, start_run
+from opdkit.config import ConfigError, load_config
+from opdkit.data import prompts, tasks
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
-from opdkit.runs import RunDir, print0
-from opdkit.trainer import DistillTrainer, OPDArguments
+from opdkit.notebook import live
+from opdkit.opd.callbacks import StepAccuracy
+from opdkit.opd.trainer import DistillTrainer, OPDArguments
+from opdkit.rollout import engines, evaluate
+from opdkit.run import sharding, tracking
+from opdkit.run.cli import run_from_cli
+from opdkit.run.folders import RunDir, print0
+from opdkit.run.launch import launched_world_size, start_run
 
-JOB = "02_whitebox"
+JOB = WhiteboxConfig.job
 
 
 @dataclass
@@ -38,23 +42,25 @@ class Prepared:
     mode: str
     task: tasks.Task
     tokenizer: object
-    train: object  # datasets.Dataset of prompts
+    train_dataset: object  # datasets.Dataset of prompts: messages, answer
     eval_messages: list
     eval_answers: list
     dropped: int
     first_prompt: str
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
 
+    @property
+    def train_messages(self) -> list[list[dict]]:
+        return list(self.train_dataset["messages"])
+
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     """Resolve the config, then the prompts, then the tokenizers, as the original does (the data file in
     milliseconds, before any download): every cheap failure happens here, before anything is written."""
-    cfg = load_config(JOB, mode, overrides)
+    cfg = load_config(WhiteboxConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
-    prompts = task.train_prompts(
-        cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed
-    )
+    train = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
     msgs, answers = (
         ([], [])
         if cfg.eval_size == 0
@@ -62,14 +68,14 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     )
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    prompts, dropped = data.filter_long_prompts(prompts, tok, cfg.max_prompt_length, cfg.enable_thinking)
-    collator = data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
-    first = data.format_first_prompt(prompts, collator, tok)
+    train, dropped = prompts.filter_long_prompts(train, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    first = prompts.format_first_prompt(train, collator, tok)
     engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
         raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
-    longest = max((len(data.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
-    return Prepared(cfg, mode, task, tok, prompts, msgs, answers, dropped, first, longest)
+    longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
+    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, longest)
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -127,35 +133,24 @@ def eval_new_tokens(cfg: WhiteboxConfig) -> int:
 
 
 def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
-    """The original's TrainingArguments, field for field, plus the distillation's own settings;
-    max_grad_norm 0 means never clip. A vLLM engine's context fits a rollout and, as it also evaluates the
-    student, the longest evaluation prompt (`eval_prompt_tokens`, not cut) with its answer."""
-    return OPDArguments(
+    """The original's TrainingArguments plus the distillation's own settings: every field the config shares
+    with `OPDArguments` by name, and the few a job translates (max_grad_norm 0 means never clip). A vLLM
+    engine's context fits a rollout and, as it also evaluates the student, the longest evaluation prompt
+    (`eval_prompt_tokens`, not cut) with its answer."""
+    return OPDArguments.from_config(
+        cfg,
         output_dir=str(run_path / "checkpoints"),
         remove_unused_columns=False,
-        learning_rate=cfg.learning_rate,
-        per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        num_train_epochs=cfg.num_train_epochs,
-        max_steps=cfg.max_steps,
-        lr_scheduler_type=cfg.lr_scheduler_type,
         warmup_steps=cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio
-        optim=cfg.optim,
         optim_args=cfg.optim_args or None,
-        weight_decay=cfg.weight_decay,
-        adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
         **checkpointing_argument(cfg.gradient_checkpointing),
-        bf16=cfg.bf16,
-        seed=cfg.seed,
         data_seed=cfg.seed,
-        logging_steps=cfg.logging_steps,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN loss must show, not be replaced by the running mean
+        eval_steps=None,  # the job measures accuracy itself (StepAccuracy), not through Trainer.evaluate
         save_strategy="steps",
         save_steps=cfg.save_steps if cfg.save_steps > 0 else 10**9,
-        save_total_limit=cfg.save_total_limit,
-        report_to=cfg.report_to,
         project=tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
         run_name=f"{JOB}/{run_path.name}",
         ddp_find_unused_parameters=False,
@@ -163,17 +158,6 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=int(os.environ.get("RANK", "0")) != 0,
         **sharding.fsdp_arguments(cfg.parallelism, launched_world_size()),
-        beta=cfg.beta,
-        kl_temperature=cfg.kl_temperature,
-        gen_temperature=cfg.gen_temperature,
-        gen_top_p=cfg.gen_top_p,
-        max_new_tokens=cfg.max_new_tokens,
-        loss_chunk_size=cfg.loss_chunk_size,
-        sample_every=cfg.sample_every,
-        save_rollouts=cfg.save_rollouts,
-        rollout_engine=cfg.rollout_engine,
-        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_sleep=cfg.vllm_sleep,
         vllm_max_model_len=max(
             cfg.max_prompt_length + cfg.max_new_tokens,
             eval_prompt_tokens + eval_new_tokens(cfg) if eval_prompt_tokens else 0,
@@ -181,10 +165,10 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
     )
 
 
-def train_process(
+def process(
     cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None, callbacks: list | None = None
 ) -> None:
-    """What every process runs: load models, evaluate, distil, evaluate, save, summarise."""
+    """What every process runs: load models, evaluate, distil, evaluate, save, summarize."""
     t0 = time.time()
     cfg = WhiteboxConfig(**cfg_dict)
     prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
@@ -206,8 +190,8 @@ def train_process(
     trainer = DistillTrainer(
         model=student,
         args=args,
-        train_dataset=prep.train,
-        data_collator=data.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking),
+        train_dataset=prep.train_dataset,
+        data_collator=prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking),
         processing_class=tok,
         teacher_model=teacher,
         teacher_tokenizer=load_tokenizer(cfg.teacher_model),
@@ -314,13 +298,15 @@ def run(
     prep = prepared or prepare(mode, overrides)
     if prepared is None:  # a notebook has shown it already
         print0(prep.first_prompt)
-    return start_run(train_process, prep.cfg, JOB, mode, prep, callbacks)
+    return start_run(process, prep.cfg, JOB, mode, prep, callbacks)
 
 
 def main(argv: list[str] | None = None) -> None:
     from opdkit.jobs.whitebox import report
 
-    run_from_cli(JOB, "White-box on-policy distillation (opdkit 02_whitebox).", run, report.figures, argv)
+    run_from_cli(
+        WhiteboxConfig, "White-box on-policy distillation (opdkit whitebox).", run, report.figures, argv
+    )
 
 
 if __name__ == "__main__":

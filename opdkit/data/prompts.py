@@ -1,0 +1,353 @@
+"""Prompt-only data for on-policy distillation: load, normalise, filter, collate.
+
+    ds = load_prompts("data/dapo-math-17k.parquet", subset_size=1000, seed=42)  # or "tiny", a hub name
+    ds, n_dropped = filter_long_prompts(ds, tokenizer, max_prompt_length=1024)
+    collator = PromptCollator(tokenizer, max_prompt_length=1024)             # a Trainer data_collator
+    print0(format_first_prompt(ds, collator, tokenizer))                       # look before training
+
+Every source becomes the same two columns: `messages` (the prompt conversation, no assistant answer)
+and `answer` (the reference final answer, "" when unknown). A Trainer must keep them, so set
+`remove_unused_columns=False`.
+
+Pitfalls this module exists for:
+- a mistyped local path must fail here, in milliseconds, not reach the Hub (or a GB model load) and
+  fail there with an unrelated message; a damaged file (a half-downloaded parquet) must name its path
+  (`UnreadableData`), not stop in pyarrow with "Parquet magic bytes not found";
+- the prompt must end with the chat template's own generation prompt (for Qwen3 with thinking off,
+  "<|im_start|>assistant\\n" plus an empty think block), since the student continues from it: it is
+  rendered by the template with `add_generation_prompt=True`, never written as a literal;
+- a prompt longer than `max_prompt_length` is dropped up front (with a warning), never truncated,
+  since cutting either end would change the question or remove the generation prompt;
+- no BOS is assumed (Qwen tokenizers have none); whatever the template emits is the prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from opdkit.config import ConfigError
+from opdkit.data.answers import extract_boxed
+from opdkit.rollout import sampling
+from opdkit.tiny import task
+
+TINY = "tiny"
+TINY_DEFAULT_SIZE = 1000
+FILE_LOADERS = {
+    ".parquet": datasets.Dataset.from_parquet,
+    ".jsonl": datasets.Dataset.from_json,
+    ".json": datasets.Dataset.from_json,
+    ".arrow": datasets.Dataset.from_file,
+}
+PROMPT_COLUMNS = ("messages", "prompt", "question", "problem")  # in order of preference
+# The held-out evaluation seed, read from its one definition so the two cannot drift apart.
+HELDOUT_SEED: int = inspect.signature(task.heldout_problems).parameters["seed"].default
+# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses
+# (0..3, 777) and from HELDOUT_SEED, so they overlap the evaluation problems only by chance.
+TINY_SEED_OFFSET = 100_003
+# A Hub repo id: "name" or "owner/name" with letters, digits, "-", "_", ".".
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def load_prompts(path: str, split: str = "train", subset_size: int = -1, seed: int = 42) -> datasets.Dataset:
+    """Prompts as a Dataset with columns `messages` and `answer`, a deterministic subset of `path`.
+
+    `path` is "tiny" (the tiny world's addition problems), a local `.parquet`/`.jsonl`/`.json`/
+    `.arrow` file, a folder (from `save_to_disk`, or of data files), or a Hugging Face Hub dataset
+    name. `split` picks the split of a DatasetDict folder or a Hub dataset; a single file is one split.
+    The subset is the first `subset_size` rows after a shuffle with `seed` (-1: all rows, shuffled).
+    """
+    if subset_size == 0 or subset_size < -1:
+        raise ValueError(
+            f"subset_size={subset_size} is not a number of prompts to keep; expected -1 (all) or a positive "
+            "count, so pass e.g. subset_size=1000."
+        )
+    if path == TINY:
+        return _tiny_prompts(TINY_DEFAULT_SIZE if subset_size == -1 else subset_size, seed)
+    ds = load_raw(path, split)
+    prompt_col = _prompt_column(ds, path)
+    if len(ds) == 0:
+        raise ValueError(
+            f"{path!r} (split {split!r}) holds no rows; expected at least one prompt, so check the source."
+        )
+    ds = ds.shuffle(seed=seed)
+    if subset_size != -1 and subset_size < len(ds):
+        ds = ds.select(range(subset_size))
+    return _normalise(ds, prompt_col)
+
+
+def tiny_prompt_seed(seed: int) -> int:
+    """The seed of the tiny world's training prompts for a run `seed`; never the held-out seed."""
+    derived = seed + TINY_SEED_OFFSET
+    return derived + TINY_SEED_OFFSET if derived == HELDOUT_SEED else derived
+
+
+def _tiny_prompts(n: int, seed: int) -> datasets.Dataset:
+    probs = task.problems(n, tiny_prompt_seed(seed))
+    return datasets.Dataset.from_dict(
+        {
+            "messages": [[{"role": "user", "content": p.prompt}] for p in probs],
+            "answer": [p.answer for p in probs],
+        }
+    )
+
+
+def _looks_local(path: str) -> bool:
+    """A path meant as a file or folder here: it cannot be a Hub id, or it names a data file."""
+    return (
+        path.startswith((".", "/", "~"))
+        or Path(path).suffix in FILE_LOADERS
+        or "\\" in path
+        or not _HUB_ID.match(path)
+    )
+
+
+class UnreadableData(ValueError):
+    """A local data file or folder exists but cannot be read as what its name says it is."""
+
+
+def load_raw(path: str, split: str) -> datasets.Dataset:
+    """The rows of a local file or folder, else of a Hub dataset. A missing local path fails here without
+    any download; an unreadable one (a corrupt parquet, a half-written download) names its path."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        loader = FILE_LOADERS.get(local.suffix)
+        if loader is None:
+            raise ValueError(
+                f"cannot read {path!r}: its type {local.suffix!r} is not one of {sorted(FILE_LOADERS)}; "
+                "convert it (e.g. Dataset.from_csv(...).to_parquet(...)) or save it with save_to_disk."
+            )
+        if _readable(path, lambda: _is_empty_file(local), f"a {local.suffix} file"):
+            raise ValueError(f"{path!r} holds no rows; expected at least one prompt, so check the file.")
+        return _readable(path, lambda: loader(str(local)), f"a {local.suffix} file")
+    if local.is_dir():
+        if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
+            saved = _readable(
+                path, lambda: datasets.load_from_disk(str(local)), "a datasets save_to_disk folder"
+            )
+            return _pick_split(saved, split, path)
+        return _readable(
+            path, lambda: datasets.load_dataset(str(local), split=split), "a folder of data files"
+        )
+    if _looks_local(path):
+        raise FileNotFoundError(
+            f"no file or folder at {path!r} (resolved to {local.resolve()}); expected a local "
+            f"{'/'.join(FILE_LOADERS)} file or a save_to_disk folder, so check the path and working "
+            "directory."
+        )
+    return datasets.load_dataset(path, split=split)
+
+
+def _readable(path: str, read, expected: str):
+    """`read()`, with any failure to parse reported as this path's, with what it was expected to be."""
+    try:
+        return read()
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as exc:
+        if isinstance(exc, (FileNotFoundError, UnreadableData)):
+            raise
+        raise UnreadableData(
+            f"cannot read {path!r} as {expected} ({type(exc).__name__}: {exc}); the file is damaged or is "
+            "not what its name says: re-create it (e.g. python -m opdkit.data.prepare) or point to another."
+        ) from exc
+
+
+def _is_empty_file(local: Path) -> bool:
+    """Cheap emptiness checks, since the file builders fail on empty files with unrelated messages."""
+    size = local.stat().st_size
+    if size == 0:
+        return True
+    if local.suffix == ".parquet":
+        return pq.ParquetFile(local).metadata.num_rows == 0
+    return local.suffix == ".json" and size < 1024 and local.read_text().strip() in ("[]", "{}")
+
+
+def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str, path: str) -> datasets.Dataset:
+    if isinstance(loaded, datasets.Dataset):
+        return loaded
+    if split not in loaded:
+        raise ValueError(
+            f"{path!r} has no split {split!r}; it has {sorted(loaded)}, so pass one of them as split."
+        )
+    return loaded[split]
+
+
+def _prompt_column(ds: datasets.Dataset, path: str) -> str:
+    for col in PROMPT_COLUMNS:
+        if col in ds.column_names:
+            return col
+    raise ValueError(
+        f"{path!r} has no usable prompt column: found {ds.column_names}, expected one of "
+        f"{list(PROMPT_COLUMNS)}; rename yours with dataset.rename_column(old, 'prompt') and save it again."
+    )
+
+
+def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
+    """Rows of any accepted layout as {"messages": prompt conversation, "answer": str}."""
+    messages, answers = [], []
+    for i, row in enumerate(ds):
+        convo = as_messages(row[prompt_col], i, prompt_col)
+        final = convo.pop()["content"] if convo[-1]["role"] == "assistant" else None
+        if not convo:
+            raise ValueError(
+                f"row {i} of column {prompt_col!r} holds only an assistant turn; expected the prompt "
+                "conversation (at least one user message) before it."
+            )
+        messages.append(convo)
+        answers.append(reference_answer(row, final))
+    return datasets.Dataset.from_dict({"messages": messages, "answer": answers})
+
+
+def as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ValueError(
+        f"row {row} of column {col!r} is {type(value).__name__} {str(value)[:80]!r}; expected a string or a "
+        "non-empty list of {'role': ..., 'content': ...} messages, so fix that row or drop it."
+    )
+
+
+def reference_answer(row: dict, assistant: str | None) -> str:
+    """The reference answer: `answer`, then `reward_model.ground_truth`, `solution`, the assistant turn."""
+    reward = row.get("reward_model")
+    sources = [
+        row.get("answer"),
+        reward.get("ground_truth") if isinstance(reward, dict) else None,
+        row.get("solution"),
+        assistant,
+    ]
+    for value in sources:
+        if value is not None and str(value).strip():
+            return final_answer(str(value))
+    return ""
+
+
+def final_answer(text: str) -> str:
+    r"""The final answer in a worked solution: after GSM8K's ``####``, else a ``\boxed{}``, else all."""
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    boxed = extract_boxed(text)
+    return boxed if boxed is not None else text.strip()
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool = False
+) -> list[int]:
+    """Token ids of one prompt conversation, chat-templated and ending with the generation prompt."""
+    enc = tokenizer.apply_chat_template(
+        messages,
+        tokenize=True,
+        add_generation_prompt=True,
+        enable_thinking=enable_thinking,
+        return_dict=True,
+    )
+    return list(enc["input_ids"])
+
+
+@dataclass
+class PromptCollator:
+    """`data_collator` for prompt-only batches: left-padded prompts plus their reference answers.
+
+    Returns `prompts` (B×P, pad_token_id on the left), `prompt_attention_mask` (B×P) and `answers`.
+    P is the longest prompt of the batch; a prompt over `max_prompt_length` is an error (filter first).
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    max_prompt_length: int
+    enable_thinking: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length}; expected a positive token count.")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has no pad token, which left padding needs; set "
+                "tokenizer.pad_token = tokenizer.eos_token (or another unused token) first."
+            )
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, self.enable_thinking)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor | list[str]]:
+        ids = [self.prompt_ids(f["messages"]) for f in features]
+        too_long = [len(x) for x in ids if len(x) > self.max_prompt_length]
+        if too_long:
+            raise ValueError(
+                f"a prompt of {max(too_long)} tokens exceeds max_prompt_length={self.max_prompt_length}; "
+                "run filter_long_prompts on the dataset first, or raise max_prompt_length."
+            )
+        prompts_BP, mask_BP = sampling.left_pad(ids, self.tokenizer.pad_token_id)
+        return {
+            "prompts": prompts_BP,
+            "prompt_attention_mask": mask_BP,
+            "answers": [str(f.get("answer") or "") for f in features],
+        }
+
+
+def filter_long_prompts(
+    dataset: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    enable_thinking: bool = False,
+) -> tuple[datasets.Dataset, int]:
+    """(prompts whose templated length is at most `max_prompt_length`, how many were dropped)."""
+    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking)
+    n_dropped = len(dataset) - len(keep)
+    return (dataset.select(keep) if n_dropped else dataset), n_dropped
+
+
+def short_prompts(
+    messages: list[list[dict]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    enable_thinking: bool = False,
+) -> list[int]:
+    """Indices of the prompts whose templated length is at most `max_prompt_length`; the others are dropped
+    with a warning that counts them, and none left is a ConfigError."""
+    lengths = [
+        len(prompt_ids(tokenizer, m, enable_thinking))
+        for m in tqdm(messages, desc="measuring prompts", leave=False)
+    ]
+    keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
+    if not keep:
+        raise ConfigError(
+            f"all {len(lengths)} prompts exceed max_prompt_length={max_prompt_length} (shortest "
+            f"{min(lengths, default=0)}, longest {max(lengths, default=0)} tokens); raise max_prompt_length."
+        )
+    n_dropped = len(lengths) - len(keep)
+    if n_dropped:
+        warnings.warn(
+            f"dropped {n_dropped} of {len(lengths)} prompts longer than "
+            f"max_prompt_length={max_prompt_length} tokens (longest {max(lengths)}).",
+            stacklevel=3,
+        )
+    return keep
+
+
+def format_first_prompt(
+    dataset: datasets.Dataset, collator: PromptCollator, tokenizer: PreTrainedTokenizerBase, tail: int = 400
+) -> str:
+    """The first prompt as the student sees it (special tokens kept), to check by eye before training.
+
+    It should end with the chat template's generation prompt, from which the student continues.
+    """
+    batch = collator([dataset[0]])
+    mask = batch["prompt_attention_mask"][0].bool()
+    text = tokenizer.decode(batch["prompts"][0][mask], skip_special_tokens=False)
+    shown = text if len(text) <= tail else "…" + text[-tail:]
+    return f"first prompt [{int(mask.sum())} tokens; should end with the generation prompt]\n{shown}"

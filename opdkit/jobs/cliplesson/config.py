@@ -1,0 +1,31 @@
+"""cliplesson's settings: `ClipLessonConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from opdkit.config import RunFields, setting
+
+
+@dataclass
+class ClipLessonConfig(RunFields):
+    """Clip versus no-clip (notebook 03): arms built from whitebox presets or runs."""
+
+    job: ClassVar[str] = "cliplesson"
+
+    clip_mode: str = setting("tiny", "whitebox preset of the clipped arm (the original: sanity)")
+    noclip_mode: str = setting("tiny-noclip", "whitebox preset of the unclipped arm (the original: noclip)")
+    clip_run: str = setting("", "an existing whitebox run directory to use as the clipped arm")
+    noclip_run: str = setting("", "an existing whitebox run directory to use as the unclipped arm")
+    ablations: bool = setting(
+        True, "also run clip at the noclip learning rate and noclip at the clip learning rate"
+    )
+    sgd_arms: bool = setting(
+        False, "also run clip and noclip with SGD and momentum, an optimizer that does not bound its own step"
+    )
+    sgd_lr: float = setting(0.05, "learning rate of both SGD arms", min=0.0)
+    sgd_momentum: float = setting(0.9, "momentum of both SGD arms", min=0.0, max=1.0)
+    seeds: str = setting("42", "comma-separated seeds; every arm runs once per seed")
+    max_steps: int = setting(0, "optimizer steps of every arm; 0 keeps each preset's", min=0)
+    eval_size: int = setting(-1, "held-out problems per accuracy measurement; -1 keeps each preset's", min=-1)

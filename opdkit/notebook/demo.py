@@ -1,0 +1,79 @@
+"""`make demo`: every notebook with its default parameters, executed headless by papermill.
+
+    python -m opdkit.notebook.demo --out runs/demo notebooks/*.ipynb
+
+Each notebook writes its run directory inside `<out>/<stamp>/` and its executed copy next to it;
+the end prints where the executed notebooks, summaries and figures are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
+    import papermill as pm
+
+    run_dir = out / nb.stem
+    executed = out / nb.name
+    t0 = time.time()
+    pm.execute_notebook(
+        str(nb),
+        str(executed),
+        parameters={"run_dir": str(run_dir)},
+        kernel_name="python3",
+        cwd=str(nb.parent),
+        progress_bar=False,
+        log_output=False,
+    )
+    return executed, run_dir, time.time() - t0
+
+
+def _headline(summary: dict) -> dict:
+    """Scalar entries as they are; per-arm entries (dicts) reduced to their final accuracy."""
+    out = {}
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            if "final_accuracy" in v:
+                out[f"{k}.final_accuracy"] = v["final_accuracy"]
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("notebooks", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    a = p.parse_args(argv)
+    out = (a.out / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True)
+    t_all, rows = time.time(), []
+    for nb in a.notebooks:
+        print(f"running {nb} ...", flush=True)
+        try:
+            executed, run_dir, secs = run_notebook(nb.resolve(), out)
+        except Exception as exc:  # papermill has already written the failing notebook
+            print(f"FAILED {nb}: {type(exc).__name__}: {str(exc)[:2000]}", file=sys.stderr)
+            print(f"the executed notebook with the error: {out / nb.name}", file=sys.stderr)
+            return 1
+        rows.append((nb.name, executed, run_dir, secs))
+        print(f"  done in {secs:.0f} s", flush=True)
+    print(f"\nmake demo finished in {time.time() - t_all:.0f} s; everything is under {out}\n")
+    for name, executed, run_dir, secs in rows:
+        print(f"{name}  ({secs:.0f} s)\n  executed notebook: {executed}")
+        summary = run_dir / "summary.json"
+        if summary.exists():
+            headline = _headline(json.loads(summary.read_text()))
+            print(f"  summary: {json.dumps(headline)[:400]}")
+        for fig in sorted(run_dir.glob("figures/*.png")):
+            print(f"  figure: {fig}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

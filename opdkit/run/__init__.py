@@ -1,0 +1,2 @@
+"""Running a job: `folders` (one run directory per run), `files` (atomic writes, JSON lines), `launch` (1 or N
+processes), `sharding` (DDP or FSDP2), `tracking` (experiment trackers), `cli` (`python -m opdkit.<job>`)."""

@@ -1,0 +1,151 @@
+"""Run a job function in 1 or N processes, from a notebook or a script.
+
+    launch(train_fn, (cfg_dict, run_path), num_processes=2)
+    run = start_run(process_fn, cfg, job="whitebox", mode="tiny", prepared=prep)   # a job's run()
+
+N > 1 goes through accelerate's `notebook_launcher` (fork; gloo on CPU, NCCL on GPUs). Nothing may
+touch CUDA or create an Accelerator in the parent before it forks. A rank that fails writes its real
+traceback to `<run_dir>/errors/rank<k>.txt` and stderr before re-raising; the parent then raises one
+error carrying that traceback, so a notebook (and papermill's exit status) shows what went wrong.
+Past one node, run `python -m opdkit.whitebox` under torchrun / `accelerate launch` instead: each
+process then calls the job function directly (`num_processes` is ignored there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opdkit.run.folders import RunDir
+
+
+def default_num_processes(requested: int) -> int:
+    """0 means every visible GPU, or 1 on a CPU; under torchrun the launcher already decided."""
+    if requested > 0:
+        return requested
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def under_external_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched_world_size() -> int:
+    """Processes of this run, as the launcher (notebook_launcher, torchrun, accelerate) announced them."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+class _Traced:
+    """Picklable wrapper that records a rank's traceback before re-raising."""
+
+    def __init__(self, fn: Callable, error_dir: Path):
+        self.fn, self.error_dir = fn, error_dir
+        functools.update_wrapper(self, fn)  # launchers name the entry point after fn.__name__
+
+    def __call__(self, *args):
+        try:
+            _rebuild_thread_pool_after_fork()
+            return self.fn(*args)
+        except BaseException:
+            rank = os.environ.get("RANK", "0")
+            text = traceback.format_exc()
+            self.error_dir.mkdir(parents=True, exist_ok=True)
+            (self.error_dir / f"rank{rank}.txt").write_text(text)
+            print(f"[rank {rank}] failed:\n{text}", file=sys.__stderr__, flush=True)
+            raise
+
+
+def _rebuild_thread_pool_after_fork() -> None:
+    """In a forked process, let torch rebuild its intra-op thread pool once, on this thread.
+
+    After a fork torch drops the parent's pool and the next `set_num_threads` call rebuilds it; when
+    several threads make that first call at once, as transformers' weight loader does when it converts
+    dtypes in a thread pool, one of them can see no pool ("Invalid thread pool!"), about one forked
+    process in two here. One call here, before any other thread exists, settles it.
+    """
+    import torch
+
+    torch.set_num_threads(torch.get_num_threads())
+
+
+def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) -> None:
+    """Call `fn(*args)` in `num_processes` processes (in this one when 1 or under torchrun)."""
+    if num_processes <= 1 or under_external_launcher():
+        import torch
+
+        threads = torch.get_num_threads()  # jobs may lower it for small models: give the caller's back
+        try:
+            fn(*args)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    from accelerate import notebook_launcher
+    from accelerate.state import AcceleratorState
+
+    # An earlier run in this process (a Trainer, one process) leaves accelerate's state behind, and the
+    # launcher refuses to start while it exists; the launched processes build their own.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    error_dir = Path(run_path) / "errors"
+    try:
+        notebook_launcher(
+            _Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port())
+        )
+    except BaseException as exc:
+        reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
+        detail = (
+            "\n".join(f"--- {p.stem} ---\n{p.read_text()}" for p in reports) or f"{type(exc).__name__}: {exc}"
+        )
+        raise RankFailed(
+            f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}"
+        ) from exc
+
+
+def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> RunDir:
+    """A job's processes: create the run directory (on rank 0 only under torchrun / accelerate launch,
+    where every process must be told the same `run_dir`), then call `fn(cfg_dict, mode, run_path, prepared,
+    *extra)` in `cfg.num_processes` processes (0: every GPU). In-process runs reuse `prepared`; forked
+    processes prepare their own (cheap) copy."""
+    import dataclasses
+
+    from opdkit.config import ConfigError
+    from opdkit.run.folders import RunDir
+
+    if under_external_launcher():
+        if not cfg.run_dir:
+            raise ConfigError(
+                "under torchrun / accelerate launch every process must write to one folder: "
+                "pass --set run_dir=PATH."
+            )
+        run = (
+            RunDir.create(cfg, job=job, mode=mode)
+            if int(os.environ["RANK"]) == 0
+            else RunDir.attach(cfg.run_dir)
+        )
+    else:
+        run = RunDir.create(cfg, job=job, mode=mode)
+    n = default_num_processes(cfg.num_processes)
+    local = n <= 1 or under_external_launcher()
+    launch(
+        fn, (dataclasses.asdict(cfg), mode, str(run.path), prepared if local else None, *extra), n, run.path
+    )
+    return run
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
