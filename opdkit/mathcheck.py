@@ -132,7 +132,8 @@ def alternatives(span: str) -> list[str]:
 
 
 def strip_units(span: str) -> str:
-    """A numeric answer without currency, percent, TeX spacing, thousands separators and unit words."""
+    """A numeric answer without currency, percent, TeX spacing, thousands separators and unit words (with
+    their exponents)."""
     s = span.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = re.sub(r"(?<=\d)(?:\\[,!;: ]|\{,\})\s*(?=\d{3})", "", s)  # 1\,600 and 1{,}600 -> 1600
     s = re.sub(r"\\[!;: ,]|~", " ", s).strip()  # other TeX spaces; ~ is TeX's unbreakable space
