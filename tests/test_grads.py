@@ -506,6 +506,25 @@ def test_max_length_caps_prompt_plus_trace():
         savegrad.prepare("tiny", {"max_length": 64})
 
 
+@pytest.mark.parametrize("config_eos", [None, 7, [5, 7]], ids=["generation_config.json", "int", "list"])
+def test_both_engines_stop_at_the_same_ids(tmp_path, config_eos):
+    """01's vLLM path stops where the HF loop does: in a folder without generation_config.json, at the
+    tokenizer's EOS and config.json's eos_token_id, as transformers derives the loaded model's generation
+    config (issue 21; it stopped at the tokenizer's EOS alone)."""
+    folder = tmp_path / "teacher"
+    shutil.copytree(tiny.resolve("tiny:teacher"), folder)
+    if config_eos is not None:
+        (folder / "generation_config.json").unlink()
+        config = json.loads((folder / "config.json").read_text())
+        config["eos_token_id"] = config_eos
+        (folder / "config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf_loop = models.eos_ids(tok, models.load_model(str(folder)))  # TeacherSampler's HF branch
+    assert savegrad_holdout.teacher_stop_ids(tok, str(folder)) == hf_loop
+    extra = [] if config_eos is None else [config_eos] if isinstance(config_eos, int) else config_eos
+    assert hf_loop == sorted({tok.eos_token_id, *extra})
+
+
 def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
     cfg = SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.3, subset_size=-1)
     shuffled = prompts.load_prompts(str(dapo_parquet), seed=cfg.seed)  # as whitebox draws its prompts

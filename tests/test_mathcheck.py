@@ -9,6 +9,10 @@ import pytest
 from opdkit.data import answers, tasks
 
 WORK = "Let me think. 3 * 6 = 18, then 18 + 5 = 23, and 23 - 5 = 18.\n"
+AREA = "The rectangle is 6 cm by 9 cm, so its area is 6 \\times 9 = 54 square centimetres.\n\n"
+SQUARE = "The square's perimeter is 12 m, so its side is 12 / 4 = 3 m.\n\n"
+MINERVA = "Solution: 6 \\cdot 7 = 42.\nFinal Answer: The final answer is $42$. I hope it is correct."
+HEDGE = "Solving x^2 - 38x + 360 = 0 gives (x - 18)(x - 20) = 0.\n\n"
 RIGHT = [  # (completion, reference answer): forms named in issue 13 and their relatives
     (WORK + r"The answer is \boxed{18 \text{ dollars}}.", "18"),
     (WORK + r"The answer is \boxed{\$18}.", "18"),
@@ -29,6 +33,20 @@ RIGHT = [  # (completion, reference answer): forms named in issue 13 and their r
     ("Answer: $\\frac{3}{4}$", "\\frac{3}{4}"),
     (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
     (r"\boxed{18}", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 18"),  # a GSM8K solution as reference
+    # issue 21: forms a person grades right
+    (AREA + r"The area is \boxed{54\text{ cm}^{2}}.", "54"),  # the unit goes with its exponent
+    (SQUARE + r"Its area is 3^2, so the area is \boxed{9\text{ m}^2}.", "9"),
+    (AREA + r"The area is \boxed{54 \, \mathrm{cm}^2}.", "54"),
+    (AREA + r"The area is \boxed{54 cm^2}.", "54"),
+    (r"So \boxed{2^{10}}", "1024"),  # an exponent on a number is maths, not a unit's
+    (WORK + "**Answer: 18**", "18"),
+    (WORK + "Answer: **18**", "18"),
+    (WORK + "**Answer:** **18**.", "18"),
+    (MINERVA, "42"),
+    (MINERVA.replace("$42$", r"$\frac{3}{4}$"), r"\frac{3}{4}"),
+    (WORK + r"She needs \boxed{18~\text{minutes}}.", "18"),
+    (HEDGE + r"Both roots work: \boxed{x=20 \text{ or } x=20}", "20"),  # the same value twice
+    (HEDGE + r"\boxed{x=18 \text{ or } x=20}", "x=18, x=20"),  # a reference with two values
 ]
 WRONG = [
     (WORK + r"\boxed{17}", "18"),
@@ -42,6 +60,20 @@ WRONG = [
     (r"\boxed{3}", r"\sqrt{8}"),
     (r"\boxed{18}", ""),  # no reference answer: nothing can be right
     (r"\boxed{}", "18"),
+    # issue 21: the same forms, graded wrong
+    (SQUARE + r"The area is \boxed{3\text{ m}^2}.", "9"),  # the side as the area: was right (3^2 = 9)
+    (AREA + r"The area is \boxed{54\text{ cm}^{2}}.", "45"),
+    (AREA + r"The area is \boxed{45 cm^2}.", "54"),
+    (r"So \boxed{2x^2}", "2"),  # an expression, not 2 with a unit
+    (WORK + "**Answer: 17**", "18"),
+    (WORK + "Answer: **81**", "18"),
+    (MINERVA, "24"),
+    (MINERVA.replace("$42$", "$41$"), "42"),
+    (WORK + r"She needs \boxed{17~\text{minutes}}.", "18"),
+    (HEDGE + r"So \boxed{x=18 \text{ or } x=20}", "20"),  # a hedge between two values: was right
+    (HEDGE + r"So \boxed{x=18 \text{ or } x=20}", "18"),
+    (HEDGE + "Answer: 18 or 20", "20"),
+    (HEDGE + r"\boxed{x=18 \text{ or } x=21}", "x=18, x=20"),
 ]
 CASES = [(c, a, True) for c, a in RIGHT] + [(c, a, False) for c, a in WRONG]
 
@@ -80,6 +112,8 @@ def test_math_answer_position():
     assert task.extract_answer(text) == "42" and text[task.answer_start(text) :].startswith("Answer")
     assert task.answer_start(r"so \boxed{12}.") == 3 and task.extract_answer(r"so \boxed{12}.") == "12"
     assert task.answer_start("no answer here") is None and task.extract_answer("no answer here") is None
+    assert task.extract_answer(MINERVA) == "$42$"  # the value, without the format's phrases
+    assert task.extract_answer("**Answer: 18**") == task.extract_answer("Answer: **18**") == "18"
 
 
 def test_tiny_task_keeps_its_exact_check():

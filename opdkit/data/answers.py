@@ -7,11 +7,38 @@
 What it does: a thin pre-normalisation, then math-verify does the maths.
 1. The final-answer span of the completion: the content of the last balanced ``\\boxed{}``/``\\fbox{}`` or
    the last ``Answer:`` line (also ``**Answer:**``, ``Final Answer:``), whichever comes later. A completion
-   with neither has no answer (False), even when the right number appears somewhere in its working.
+   with neither has no answer (False), even when the right number appears somewhere in its working. An
+   answer line loses its markdown emphasis (``**18**``) and the phrases of the Minerva format ("The final
+   answer is $X$. I hope it is correct.").
 2. When the reference is a plain number (GSM8K, DAPO-Math), units go: ``$``, ``\\$``, ``%``, TeX spaces
-   and thousands separators (``1\\,600``), ``\\text{ dollars}``, trailing words (``18 eggs``). math-verify
-   alone reads ``18 eggs`` as 18·e·g·g·s and ``1\\,600`` as 601.
+   (``\\,``, ``~``) and thousands separators (``1\\,600``), ``\\text{ dollars}``, trailing words
+   (``18 eggs``), and a unit's exponent with its unit (``\\text{ cm}^{2}``, ``5 m^2``). math-verify alone
+   reads ``18 eggs`` as 18·e·g·g·s and ``1\\,600`` as 601; a unit stripped without its exponent would leave
+   ``3\\text{ m}^2`` as 3² = 9.
+   A span that names alternatives (``x=18 \\text{ or } x=20``) is right only when every one of them is: a
+   hedge between two different values is wrong, the same value twice is not.
 3. ``verify(parse(boxed reference), parse(boxed span))``: reference first, since `verify` is not symmetric.
+
+Forms, as a person grades them (`answer` is the reference; each form is in tests/test_mathcheck.py, right
+and wrong):
+
+    | form                | example (the end of a completion)                             | answer | graded |
+    |---------------------|---------------------------------------------------------------|--------|--------|
+    | boxed               | \\boxed{18}                                                   | 18     | right  |
+    | currency, percent   | \\boxed{\\$18.00}, \\boxed{50\\%}                             | 18, 50 | right  |
+    | unit words          | \\boxed{18 \\text{ dollars}}, \\boxed{18 eggs}                | 18     | right  |
+    | TeX space, unit     | \\boxed{18~\\text{minutes}}                                   | 18     | right  |
+    | unit with exponent  | \\boxed{54\\text{ cm}^{2}}                                    | 54     | right  |
+    | unit with exponent  | \\boxed{3\\text{ m}^2}                                        | 9      | wrong  |
+    | thousands separator | \\boxed{1\\,600}, \\boxed{1,600}                              | 1600   | right  |
+    | fraction            | \\boxed{\\frac{1}{2}}                                         | 0.5    | right  |
+    | answer line         | Answer: 42                                                    | 42     | right  |
+    | markdown bold       | **Answer: 18**, Answer: **18**                                | 18     | right  |
+    | Minerva format      | Final Answer: The final answer is $42$. I hope it is correct. | 42     | right  |
+    | hedge, two values   | \\boxed{x=18 \\text{ or } x=20}                               | 20     | wrong  |
+    | hedge, one value    | \\boxed{x=20 \\text{ or } x=20}                               | 20     | right  |
+    | two boxes: the last | \\boxed{17} ... no: \\boxed{18}                               | 18     | right  |
+    | no final answer     | ... 3 * 6 = 18 ... I give up.                                 | 18     | wrong  |
 
 Pitfalls this module exists for:
 - math-verify's timeouts use `signal.alarm`, which raises off the main thread (and `parse` re-raises it
@@ -31,7 +58,22 @@ import threading
 TIMEOUT_S = 5  # per parse / verify call, on the main thread
 _NUM_GOLD = re.compile(r"^\s*[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?\s*$")
 _ANSWER_LINE = re.compile(r"^\W*(?:final\s+)?answer\W*:\s*(.+?)\s*$", re.I | re.M)
-_TEXT_WORDS = re.compile(r"\\(?:text|textrm|textnormal|mbox|mathrm|textbf|textit)\s*\{\s*([^{}]*)\}")
+_EXPONENT = r"\^\s*(?:\{[^{}]*\}|\w)"  # ^2, ^{2}, ^{-1}
+_TEXT_WORDS = re.compile(
+    r"\\(?:text|textrm|textnormal|mbox|mathrm|textbf|textit)\s*\{\s*([^{}]*)\}(\s*" + _EXPONENT + ")?"
+)
+# A bare unit with an exponent after a number and a space: `5 m^2`, `54 cm^{2}` (not `2x^2`, an expression).
+_BARE_UNIT_POWER = re.compile(r"(?<=[\d}])\s+[A-Za-z]+\s*" + _EXPONENT + r"\s*\.?\s*$")
+# Alternatives in one answer: `x=18 \text{ or } x=20`, `18 or 20` (not `\lor`, `color`, `for`).
+_OR = re.compile(
+    r"\s*(?:\\(?:text|textrm|textnormal|mbox|mathrm)\s*\{\s*or\s*\}|(?<![\\A-Za-z])or(?![A-Za-z]))\s*"
+)
+# Markdown emphasis around an answer line's value: `**Answer: 18**` leaves `18**`, `Answer: **18**` `**18**`.
+_EMPHASIS = re.compile(r"^[*_\s]+|[*_\s]+(?=\.?$)")
+# The Minerva format's phrases: `Final Answer: The final answer is $42$. I hope it is correct.`
+_MINERVA = re.compile(
+    r"^(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*(.+?)\s*(?:\.?\s*I hope it is correct\.?)?$", re.I | re.S
+)
 _TRAILING_WORDS = re.compile(r"^(.*?[\d}%.])(?:\s*[A-Za-z][A-Za-z'/.-]*)+\s*\.?\s*$", re.S)
 
 
@@ -74,18 +116,38 @@ def final_span(completion: str) -> tuple[int, str] | None:
     later."""
     boxed = last_boxed(completion)
     lines = list(_ANSWER_LINE.finditer(completion))
-    line = (lines[-1].start(), lines[-1].group(1)) if lines else None
+    line = (lines[-1].start(), _answer_line_value(lines[-1].group(1))) if lines else None
     candidates = [c for c in (boxed, line) if c is not None]
     return max(candidates, key=lambda c: c[0]) if candidates else None
 
 
+def _answer_line_value(text: str) -> str:
+    """An answer line's value without the Minerva format's phrases and markdown emphasis."""
+    m = _MINERVA.match(text)
+    if m:
+        text = m.group(1)
+    return _EMPHASIS.sub("", text).strip()
+
+
+def alternatives(span: str) -> list[str]:
+    """The values a span names joined by "or" (`x=18 \\text{ or } x=20` -> two); the span alone when it names
+    one, or when a split would cut a brace group (an "or" inside `\\text{...}`)."""
+    parts = _OR.split(span)
+    if len(parts) < 2 or any(p.count("{") != p.count("}") or not p.strip() for p in parts):
+        return [span]
+    return parts
+
+
 def strip_units(span: str) -> str:
-    """A numeric answer without currency, percent, TeX spacing, thousands separators and unit words."""
+    """A numeric answer without currency, percent, TeX spacing, thousands separators and unit words (with
+    their exponents)."""
     s = span.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = re.sub(r"(?<=\d)(?:\\[,!;: ]|\{,\})\s*(?=\d{3})", "", s)  # 1\,600 and 1{,}600 -> 1600
-    s = re.sub(r"\\[!;: ,]", " ", s).strip()  # other TeX spaces
-    # \text{18} -> 18; \text{ dollars} -> "" (words only)
-    s = _TEXT_WORDS.sub(lambda m: m.group(1) if re.search(r"\d", m.group(1)) else " ", s).strip()
+    s = re.sub(r"\\[!;: ,]|~", " ", s).strip()  # other TeX spaces; ~ is TeX's unbreakable space
+    # \text{18} -> 18; \text{ dollars} -> "" and \text{ cm}^{2} -> "" (words only: the exponent is the unit's)
+    s = _TEXT_WORDS.sub(lambda m: m.group(1) + (m.group(2) or "") if re.search(r"\d", m.group(1)) else " ", s)
+    s = s.strip()
+    s = _BARE_UNIT_POWER.sub("", s)
     m = _TRAILING_WORDS.match(s)
     if m and re.search(r"\d", m.group(1)):
         s = m.group(1).rstrip(".").strip()
@@ -114,10 +176,17 @@ def check(completion: str, answer: str) -> bool:
     span = final_span(completion)
     if not gold_text or span is None:
         return False
-    pred_text = strip_units(span[1]) if numeric else span[1]
-    if not pred_text:
+    # A plain number answers with one value: each alternative of a hedge must be it. Other references (a
+    # set of solutions, `x=2 \\text{ or } x=3`) go to math-verify whole, which reads "or" as a set.
+    preds = [strip_units(p) for p in alternatives(span[1])] if numeric else [span[1]]
+    if not all(preds):
         return False
     to = _timeout()
     gold = parse("\\boxed{" + gold_text + "}", extraction_config=config, parsing_timeout=to)
-    pred = parse("\\boxed{" + pred_text + "}", extraction_config=config, parsing_timeout=to)
-    return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=to))
+    if not gold:
+        return False
+    for pred_text in preds:
+        pred = parse("\\boxed{" + pred_text + "}", extraction_config=config, parsing_timeout=to)
+        if not (pred and verify(gold, pred, timeout_seconds=to)):
+            return False
+    return True

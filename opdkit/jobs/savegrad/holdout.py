@@ -107,7 +107,7 @@ class TeacherSampler:
                 gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                 distributed=world > 1,
             )
-            self.stop_ids = eos_ids(tok, SimpleNamespace(generation_config=_generation_config(path)))
+            self.stop_ids = teacher_stop_ids(tok, path)
         else:
             self.teacher = load_model(cfg.teacher_model, dtype, device).eval()
             self.stop_ids = eos_ids(tok, self.teacher)
@@ -132,13 +132,17 @@ class TeacherSampler:
         )
 
 
-def _generation_config(path: str):
-    from transformers import GenerationConfig
+def teacher_stop_ids(tok: PreTrainedTokenizerBase, path: str) -> list[int]:
+    """The vLLM path's stop ids for the model at `path`, the same as the HF loop's `eos_ids(tok, teacher)`:
+    the tokenizer's EOS plus the generation config transformers gives the loaded model, its
+    generation_config.json or, in a folder without one, the config derived from config.json."""
+    from transformers import AutoConfig, GenerationConfig
 
     try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:  # a folder without generation_config.json: the tokenizer's EOS alone
-        return None
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: what from_pretrained derives (config.json's eos_token_id)
+        gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    return eos_ids(tok, SimpleNamespace(generation_config=gen))
 
 
 def generate_batch(
