@@ -235,13 +235,20 @@ def test_kv_bytes_per_token_match_a_real_cache():
 # ---------------------------------------------------------------- the activation estimate
 
 
-def _saved_bytes(cfg: dict, layers: int, rows: int, length: int, autocast: bool, padded: bool) -> int:
+def _saved_bytes(
+    cfg: dict, layers: int, rows: int, length: int, autocast: bool, padded: bool, checkpointing: bool = False
+) -> int:
     """Bytes autograd keeps for one training forward, each storage once, the parameters and autocast's
     weight casts (bf16, shaped like a weight or its transpose) excluded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**cfg, "num_hidden_layers": layers}))
+    if checkpointing:
+        from opdkit.models import enable_activation_checkpointing
+
+        model.train()
+        enable_activation_checkpointing(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
     kept: dict[int, int] = {}
@@ -288,6 +295,18 @@ def test_activation_estimate_is_what_autograd_keeps(family, autocast, padded):
         masked_len=length if padded else 0,
     )
     assert per_layer / (rows * length) == estimate
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_checkpointing_keeps_only_each_layers_input(autocast):
+    """What the plan counts per layer under gradient checkpointing: the layer's input, h x 4 B (fp32
+    weights); one layer's activations come back only while its backward runs."""
+    cfg = {**SMALL, "hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 352}
+    per_layer = (
+        _saved_bytes(cfg, 4, 3, 37, autocast, True, checkpointing=True)
+        - _saved_bytes(cfg, 2, 3, 37, autocast, True, checkpointing=True)
+    ) / 2
+    assert per_layer / (3 * 37) == 128 * 4
 
 
 # ---------------------------------------------------------------- components by hand
