@@ -4,7 +4,8 @@ tree, so that every rule is tested twice: on this repository (no violation) and 
 
 Rooms, from the bottom up; a module imports its own room and rooms of a lower rank only (`ROOMS`):
   0  opdkit.config, opdkit.tiny (the shipped tiny world), opdkit.params
-  1  opdkit.models, opdkit.run (run folders, files, launching, sharding, tracking, cli)
+  1  opdkit.models, opdkit.memory (the memory plan), opdkit.run (run folders, files, launching, sharding,
+     tracking, cli)
   2  opdkit.rollout (sampling, engines, evaluation)
   3  opdkit.data (prompts, tasks, answers, traces, SFT)
   4  opdkit.opd, opdkit.ads (the two methods, independent of each other)
@@ -37,6 +38,7 @@ ROOMS = {  # the longest matching prefix decides a module's room
     "opdkit.params": 0,
     "opdkit.tiny": 0,
     "opdkit.models": 1,
+    "opdkit.memory": 1,
     "opdkit.run": 1,
     "opdkit.rollout": 2,
     "opdkit.data": 3,
