@@ -234,7 +234,31 @@ def readme_layout(root: Path = REPO) -> list[str]:
     return bad
 
 
+NOT_MODULES = {"layout", "bench", "params", "notebooks", "notebooks_jupyterlab"}  # tests of other folders
+
+
+def mirrored_test_names(root: Path = REPO) -> list[str]:
+    """Tests mirror the package: `test_<room>_<module>[_<aspect>].py` names the module (or subpackage) it
+    tests, e.g. test_rollout_engines.py tests opdkit/rollout/engines.py, test_rollout_engines_vllm.py its vLLM
+    engine, test_jobs_whitebox.py opdkit/jobs/whitebox/; a few test folders outside the package
+    (`NOT_MODULES`)."""
+    bad = []
+    for path in sorted((root / "tests").glob("test_*.py")):
+        name = path.stem[len("test_") :]
+        if name in NOT_MODULES:
+            continue
+        where, parts = root / "opdkit", name.split("_")
+        while parts and (where / parts[0]).is_dir():
+            where = where / parts.pop(0)
+        if parts and (where / f"{parts[0]}.py").is_file():
+            where = where / parts.pop(0)
+        if where == root / "opdkit" or len(parts) > 1:  # at most one word of aspect after the module
+            bad.append(f"tests/{path.name} names no module of opdkit (left over: {'_'.join(parts)})")
+    return bad
+
+
 RULES = [
+    mirrored_test_names,
     private_imports,
     upward_imports,
     import_cycles,
@@ -257,6 +281,7 @@ def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
     shutil.copytree(REPO / "notebooks", root / "notebooks")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     shutil.copy(REPO / "README.md", root / "README.md")
+    shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     for rel, text in edits.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +308,7 @@ BREAKS = {  # rule -> (edits, a fragment of the violation it must report)
     "main_blocks": ({"opdkit/whitebox.py": "\nprint('hello')\n"}, "entry point"),
     "unlisted_packages": ({"opdkit/extra/__init__.py": ""}, "opdkit.extra"),
     "readme_layout": ({"opdkit/extra/__init__.py": ""}, "opdkit/extra/"),
+    "mirrored_test_names": ({"tests/test_whatever.py": ""}, "test_whatever.py"),
 }
 
 

@@ -19,7 +19,7 @@ What it does: a thin pre-normalisation, then math-verify does the maths.
    hedge between two different values is wrong, the same value twice is not.
 3. ``verify(parse(boxed reference), parse(boxed span))``: reference first, since `verify` is not symmetric.
 
-Forms, as a person grades them (`answer` is the reference; each form is in tests/test_mathcheck.py, right
+Forms, as a person grades them (`answer` is the reference; each form is in tests/test_data_answers.py, right
 and wrong):
 
     | form                | example (the end of a completion)                             | answer | graded |
