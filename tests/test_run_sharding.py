@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
+from test_jobs_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit.config import ConfigError, available_modes, load_config
@@ -95,7 +95,7 @@ def run_two_fsdp_processes(
     script = textwrap.dedent(f"""
         import sys, torch; torch.set_num_threads(1)
         sys.path.insert(0, {str(TESTS)!r})
-        from test_fsdp import ReshardAfterEveryForward, ShardingProbe, spy_on_head_weight
+        from test_run_sharding import ReshardAfterEveryForward, ShardingProbe, spy_on_head_weight
         from opdkit.jobs import whitebox
         from opdkit.opd.callbacks import GradientDump
         spy_on_head_weight()
@@ -394,7 +394,7 @@ def test_the_loss_must_run_inside_the_root_forward_of_a_plain_fsdp2_student(tmp_
         import sys, socket, torch
         sys.path.insert(0, {str(TESTS)!r})
         from torch.multiprocessing import start_processes
-        from test_fsdp import _plain_fsdp2_rank
+        from test_run_sharding import _plain_fsdp2_rank
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
