@@ -320,9 +320,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
         )
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
-    prompts = load_prompts(
-        "tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"]
-    )
+    prompts = load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
     probe = StepProbe(side, student, teacher, tok.eos_token_id)
     clock = _clock_callback(probe, p["warmup"])
     build = {

@@ -114,7 +114,8 @@ def private_imports(root: Path = REPO) -> list[str]:
 
 def upward_imports(root: Path = REPO) -> list[str]:
     """An import of a room of a higher rank, or of another room of the same rank; and a job's import of
-    another job's internals (another job is reached through its package: `from opdkit.jobs import whitebox`)."""
+    another job's internals (another job is reached through its package: `from opdkit.jobs import
+    whitebox`)."""
     known, bad = modules(root), []
     for name, path in known.items():
         mine = room(name)

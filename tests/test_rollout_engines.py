@@ -1,5 +1,6 @@
 """The rollout-engine seam: one call per optimizer step cut back into micro-batches, the engine-neutral
-Rollout assembly, and the error that names both remedies when vLLM is missing. (vLLM itself: test_rollout_engines_vllm.py.)"""
+Rollout assembly, and the error that names both remedies when vLLM is missing. (vLLM itself:
+test_rollout_engines_vllm.py.)"""
 
 from __future__ import annotations
 

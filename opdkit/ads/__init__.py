@@ -1,3 +1,3 @@
-"""Antidistillation sampling: `gradient` (the proxy's mean completion gradient), `gradfile` (that gradient as a
-file, checked on load), `direction` (Δ: finite difference or JVP along it), `sampler` (the teacher sampled with
-λ·Δ, and coupled with plain sampling)."""
+"""Antidistillation sampling: `gradient` (the proxy's mean completion gradient), `gradfile` (that gradient
+as a file, checked on load), `direction` (Δ: finite difference or JVP along it), `sampler` (the teacher
+sampled with λ·Δ, and coupled with plain sampling)."""

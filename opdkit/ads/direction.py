@@ -77,8 +77,8 @@ def _check_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> N
         raise ValueError(
             f"the gradient does not fit the proxy: {len(missing)} parameter(s) without a gradient (e.g. "
             f"{missing[:2]}), {len(extra)} gradient(s) without a parameter (e.g. {extra[:2]}); load it with "
-            "opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy it "
-            "belongs to."
+            "opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer), which checks this against the proxy "
+            "it belongs to."
         )
 
 

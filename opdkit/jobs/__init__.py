@@ -1,13 +1,14 @@
 """The notebooks' jobs, one folder each, named as the job: `config.py` (its settings), `job.py` (`prepare`,
-`run`, `process`, `main`), `report.py` (a finished run as tables, text and figures). A notebook calls its job's
-`parameters`, `prepare` and `run`, then its report.
+`run`, `process`, `main`), `report.py` (a finished run as tables, text and figures). A notebook calls its
+job's `parameters`, `prepare` and `run`, then its report. One name per job: its folder, config class,
+entry point (`python -m opdkit.<job>`), presets (`params/<job>/`) and runs (`runs/<job>/`).
 
-| notebook                | job          | config            | entry point                  | runs under         |
-|-------------------------|--------------|-------------------|------------------------------|--------------------|
-| 01_save_grad.ipynb      | savegrad     | SaveGradConfig    | python -m opdkit.savegrad    | runs/savegrad/     |
-| 02_whitebox.ipynb       | whitebox     | WhiteboxConfig    | python -m opdkit.whitebox    | runs/whitebox/     |
-| 03_clip_vs_noclip.ipynb | cliplesson   | ClipLessonConfig  | python -m opdkit.cliplesson  | runs/cliplesson/   |
-| 04_antidistill.ipynb    | antidistill  | AntidistillConfig | python -m opdkit.antidistill | runs/antidistill/  |
+| notebook                | job         | config            |
+|-------------------------|-------------|-------------------|
+| 01_save_grad.ipynb      | savegrad    | SaveGradConfig    |
+| 02_whitebox.ipynb       | whitebox    | WhiteboxConfig    |
+| 03_clip_vs_noclip.ipynb | cliplesson  | ClipLessonConfig  |
+| 04_antidistill.ipynb    | antidistill | AntidistillConfig |
 
 Which room may import which (tests/test_layout.py checks it):
 - a job imports the library (`opdkit.*` outside `jobs/`) and another job's package (e.g. `from opdkit.jobs

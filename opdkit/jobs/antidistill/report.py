@@ -178,7 +178,8 @@ def token_changes(run: RunDir, lens: TokenLens, cfg: AntidistillConfig, prompts:
 
 
 def token_explorer(lens: TokenLens, cfg: AntidistillConfig):
-    """A widget: any training prompt, λ (the sweep's, and twice the largest), gradient and seed (JupyterLab)."""
+    """A widget: any training prompt, λ (the sweep's, and twice the largest), gradient and seed
+    (JupyterLab)."""
     methods = ["ads", "ads-answer"] if cfg.answer_lams else ["ads"]
     lams = sorted({0.0, *cfg.lams, *cfg.answer_lams, 2 * shown_lam(cfg)})
     return tradeoff_figures.ads_token_explorer(lens.compare, lens.labels, lams, methods)

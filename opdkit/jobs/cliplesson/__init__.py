@@ -1,5 +1,5 @@
-"""cliplesson (notebooks/03_clip_vs_noclip.ipynb): clipped against unclipped reverse-KL training, arms of whitebox runs.
-`job.py` runs the arms, `report.py` and `figures.py` show the lesson."""
+"""cliplesson (notebooks/03_clip_vs_noclip.ipynb): clipped against unclipped reverse-KL training, arms of
+whitebox runs. `job.py` runs the arms, `report.py` and `figures.py` show the lesson."""
 
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.cliplesson.job import JOB, arms, main, prepare, run

@@ -1,4 +1,5 @@
-"""The clip lesson's own figures: every arm's loss and pre-clip gradient norm, and the accuracy each arm ends at.
+"""The clip lesson's own figures: every arm's loss and pre-clip gradient norm, and the accuracy each arm
+ends at.
 
 fig = lesson_curves(arm_records, thresholds, path=lesson.figure("loss_and_grad_norm"))
 """

@@ -1,5 +1,5 @@
-"""savegrad (notebooks/01_save_grad.ipynb): the proxy student"s mean completion gradient for ADS. `job.py` computes it,
-`holdout.py` makes the traces it is computed on, `report.py` shows the run."""
+"""savegrad (notebooks/01_save_grad.ipynb): the proxy student"s mean completion gradient for ADS. `job.py`
+computes it, `holdout.py` makes the traces it is computed on, `report.py` shows the run."""
 
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.job import JOB, main, prepare, run

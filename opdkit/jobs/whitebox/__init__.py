@@ -1,4 +1,5 @@
-"""whitebox (notebooks/02_whitebox.ipynb): white-box on-policy distillation. `job.py` trains, `report.py` shows the run."""
+"""whitebox (notebooks/02_whitebox.ipynb): white-box on-policy distillation. `job.py` trains, `report.py`
+shows the run."""
 
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.job import JOB, main, prepare, run
