@@ -39,7 +39,9 @@ USER_SETTINGS = {
     "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
 }
 
-# Shortened runs: (name, value) set in the parameters cell, replacing its line or appended.
+NOTEBOOKS = {"savegrad": "01_save_grad", "whitebox": "02_whitebox", "cliplesson": "03_clip_vs_noclip"}
+NOTEBOOKS["antidistill"] = "04_antidistill"
+# Shortened runs, by job: (name, value) set in the parameters cell, replacing its line or appended.
 SHORT = {
     "savegrad": {"subset_size": 8},
     "whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
@@ -267,7 +269,7 @@ def test_every_notebook_in_jupyterlab(tmp_path):
     timings = {}
     with jupyter_lab(tmp_path) as (base, _root), browser_page(chromium) as page:
         for name, short in SHORT.items():
-            path = f"notebooks/{name}.ipynb"
+            path = f"notebooks/{NOTEBOOKS[name]}.ipynb"
             open_notebook(page, base, path)
             if name == "antidistill":  # the gradient of the 01 run above, instead of a new one
                 short = {
