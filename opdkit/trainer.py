@@ -186,6 +186,12 @@ class DistillTrainer(Trainer):
                 )
         return self._engine
 
+    def close_engine(self) -> None:
+        """Shut the rollout engine down when the run is over (a vLLM engine gives its memory back; see
+        `engines.VLLMEngine.close`); the job calls it however the run ends."""
+        if self._engine is not None:
+            self._engine.close()
+
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
         """All of the step's prompts sampled in one engine call, then cut back into the micro-batches.
         Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken run would

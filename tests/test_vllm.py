@@ -173,6 +173,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     """The engine samples step k from the weights after k-1 updates: greedy tokens equal that checkpoint's
     under the HF loop, and every step's engine_logprob_gap is at float32 rounding."""
     rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(DistillTrainer, "close_engine", lambda trainer: None)  # looked into below
     run = whitebox.run(
         "tiny",
         {
@@ -197,6 +198,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), (
         "training should have moved greedy decoding"
     )
+    engine.close()
 
 
 def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path, monkeypatch):
@@ -369,6 +371,70 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
     records = [json.loads(r) for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
     assert len(records) == 2 and all(r["engine_logprob_gap"] < 1e-3 for r in records), records
+
+
+TEARDOWN_SCRIPT = """
+import json, sys, tempfile
+import psutil, torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+from opdkit import engines, tiny
+from opdkit.jobs import whitebox
+
+def rss():
+    return psutil.Process().memory_info().rss
+
+def run(name, over):
+    whitebox.run("tiny", {**over, "run_dir": tempfile.mkdtemp() + "/" + name})
+    return {"rss": rss(), "default_group": dist.is_initialized(), "live": len(engines._PROCESS.live)}
+
+if __name__ == "__main__":
+    over = json.loads(sys.argv[1])
+    out = {"before": rss(), "runs": [run(n, over) for n in "ab"]}
+    # Another engine of this process stays up through two more runs: theirs must not take its groups.
+    keep = engines.make_engine("vllm", model_path=tiny.resolve("tiny:student"),
+                               gpu_memory_utilization=over["vllm_gpu_memory_utilization"], max_model_len=128)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    greedy = engines.SamplingSettings(8, 0.0, 1.0, [0], 0)
+    decode = lambda: keep.sample(None, ids, torch.ones_like(ids), greedy, seed=0).input_ids_BT.tolist()
+    first = decode()
+    out["runs"] += [run(n, over) for n in "cd"]
+    out["kept_engine_repeats"] = decode() == first
+    keep.close()
+    out["default_group_after_all"] = dist.is_initialized()
+    with open("/proc/self/status") as f:
+        out["peak"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_runs_in_one_process_give_their_engines_memory_back(tmp_path):
+    """02 tiny with vLLM twice in one process, then twice more while another engine of the process stays up:
+    each run shuts its engine down (its KV cache, a share of RAM on CPU, goes back: a second run leaves
+    under 100 MB behind), the other engine keeps working, and vLLM's default process group goes with the
+    last engine."""
+    import psutil
+
+    over = {**VLLM, "max_steps": 2, "per_device_train_batch_size": 16}
+    (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "teardown.py"), json.dumps(over)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    out = json.loads(
+        next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
+    )
+    a, b, c, d = out["runs"]
+    kv_bytes = MEMORY * psutil.virtual_memory().total
+    assert out["peak"] - a["rss"] > kv_bytes / 2, "the engine's KV cache should have been allocated"
+    assert b["rss"] - a["rss"] < 100 * 2**20 and d["rss"] - c["rss"] < 100 * 2**20, out
+    assert [r["default_group"] for r in (a, b, c, d)] == [False, False, True, True], out
+    assert [r["live"] for r in (a, b, c, d)] == [0, 0, 1, 1], out
+    assert out["kept_engine_repeats"] and not out["default_group_after_all"], out
 
 
 def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
