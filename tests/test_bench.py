@@ -226,3 +226,27 @@ def test_fresh_process_run_from_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| P4 " in proc.stdout
     assert sorted(json.loads((tmp_path / "results.json").read_text())["figures"]) == ["P1", "P2", "P3", "P4"]
+
+
+def test_p1b_is_a_mid_size_step_with_each_side_in_its_venv():
+    """P1b (issue 22): a 40-100M Qwen3 student, a 2-4x teacher, 64 prompts x 256 new tokens per step;
+    opdkit samples through vLLM in .venv-vllm, TRL through generate in this venv; figure keys any case."""
+    from bench import opd_step, registry
+    from opdkit.models import load_tokenizer
+
+    bench = registry.BENCHES["P1b"]
+    p = bench.default_params(quick=False)
+    assert (p["batch"], p["max_new_tokens"]) == (64, 256)
+    tok = load_tokenizer("tiny:student")
+    (sh, sl), (th, tl) = (
+        map(int, part.split(",")) for part in p["models"].removeprefix("random:").split("/")
+    )
+    with torch.device("meta"):
+        student, teacher = opd_step.random_qwen3(tok, sh, sl, 0), opd_step.random_qwen3(tok, th, tl, 1)
+    n_s, n_t = (sum(x.numel() for x in m.parameters()) for m in (student, teacher))
+    assert 40e6 <= n_s <= 100e6 and 2 <= n_t / n_s <= 4
+    assert bench.sides == ("opdkit-vllm", "trl")
+    assert (bench.venv_of("opdkit-vllm"), bench.venv_of("trl")) == (".venv-vllm", "")
+    assert 1 <= bench.max_reps <= 3 and "P1b" in registry.FIGURES
+    with pytest.raises(SystemExit):
+        run.main(["--only", "p1c"])
