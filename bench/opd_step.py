@@ -237,10 +237,14 @@ def qwen3_standin(tok, size: str, seed: int, device: str, dtype: torch.dtype):
 
 
 def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
+    """`p["batch"]` prompts per optimizer step, in `p["accum"]` micro-batches (default 1)."""
+    accum = p.get("accum", 1)
+    if p["batch"] % accum:
+        raise ValueError(f"batch={p['batch']} is not a multiple of accum={accum}; pick a divisor of it.")
     return dict(
         output_dir=out_dir,
-        per_device_train_batch_size=p["batch"],
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=p["batch"] // accum,
+        gradient_accumulation_steps=accum,
         max_steps=p["warmup"] + p["steps"],
         learning_rate=p["lr"],
         lr_scheduler_type="constant",

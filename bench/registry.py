@@ -97,11 +97,13 @@ def p1b_params(quick: bool = False) -> dict[str, Any]:
     """P1b: random Qwen3 stand-ins on the tiny tokenizer (vocabulary 101, so the parameters sit in the
     layers): a 50M student (hidden 512, 16 layers) and a 113M teacher (hidden 768, 16 layers, 2.3x), 64
     tiny-task prompts per step, up to 256 new tokens (random weights stop at the EOS about once in 101
-    tokens, the same on both sides), fp32, lr 1e-5. `quick`: toy sizes that check the machinery."""
+    tokens, the same on both sides), fp32, lr 1e-5, 4 accumulation micro-batches of 16 (opdkit samples the
+    step's 64 prompts in one engine call; TRL generates as its trainer does). `quick`: toy sizes."""
     if quick:
         return dict(
             models="random:64,2/128,2",
             batch=4,
+            accum=2,
             max_new_tokens=8,
             warmup=1,
             steps=1,
@@ -112,6 +114,7 @@ def p1b_params(quick: bool = False) -> dict[str, Any]:
     return dict(
         models="random:512,16/768,16",
         batch=64,
+        accum=4,  # micro-batches of 16: with 64 rows at once the opdkit side's RSS passed 12 GB (measured)
         max_new_tokens=256,
         warmup=1,
         steps=2,
