@@ -27,7 +27,7 @@ VLLM_KIT_DEPS := "accelerate>=1.10" "datasets>=3.0" "safetensors>=0.4" "pyyaml>=
 # by side: one thread each is faster on a laptop and far faster on a shared 2-core machine.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast test-vllm vllm-env install bench lint clean-runs
+.PHONY: demo test test-fast test-vllm vllm-env install bench gpu-wheels lint clean-runs
 
 .venv/.opdkit-installed: pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -70,6 +70,12 @@ test-fast: install
 # about 25 minutes on 2 CPU cores; see bench/README.md.
 bench: install $(VLLM_VENV)/.opdkit-installed
 	$(PY) -m bench.run --out runs/bench $(BENCH_ARGS)
+
+# For an offline GPU node: every wheel bench/gpu.sh needs beyond a CUDA torch, into .whl/ (git-ignored, ~50 MB,
+# Python 3.11 manylinux x86_64; GPU_WHEELS_ARGS="--python-version 3.12" for another). Needs PyPI, not the kit.
+GPU_WHEELS_PY ?= python3
+gpu-wheels:
+	$(GPU_WHEELS_PY) bench/gpu_wheels.py --out .whl $(GPU_WHEELS_ARGS)
 
 lint: install
 	$(PY) -m ruff check opdkit tests

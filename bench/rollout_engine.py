@@ -6,8 +6,8 @@ optimizer step time with each engine.
 
 Rollout: both sides get the same random 42M-parameter Qwen3 stand-in (float32, hidden 512, 8 layers,
 vocabulary 32,768, saved as a Hugging Face folder because vLLM loads from one) and the same 64 random
-prompts of 24-40 tokens, and sample 256 new tokens at temperature 1 through `opdkit.rollout.engines`
-exactly as the trainer does: `engine.sync(model)` then one `engine.sample(...)` call for all prompts. Random
+prompts of 24-40 tokens, and sample 256 new tokens at temperature 1 through `opdkit.rollout.engines` exactly
+as the trainer does: `engine.sync(model)` then one `engine.sample(...)` call for all prompts. Random
 weights almost never emit the EOS, so the work is ~64 x 256 tokens on both sides. The clock covers the
 sync and the sample, after a 4-token warm-up; the vLLM engine's start is reported beside it (`start_s`),
 not in the figure: it is paid once per run. Step: the tiny world's whitebox (batch 64, 40 new

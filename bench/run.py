@@ -34,10 +34,11 @@ def run(only: list[str], reps: int, quick: bool, log=print, in_process: bool = F
         if bench in done:
             continue
         done.append(bench)
-        params = bench.module().default_params(quick)
-        log(f"{bench.worker}: {reps} alternating run(s) per side, OMP_NUM_THREADS={bench.threads}")
+        params = bench.default_params(quick)
+        n = min(reps, bench.max_reps) if bench.max_reps else reps
+        log(f"{bench.worker}: {n} alternating run(s) per side, OMP_NUM_THREADS={bench.threads}")
         samples = alternate(
-            bench.worker, bench.sides, params, reps, bench.threads, log=log, in_process=in_process
+            bench.worker, bench.sides, params, n, bench.threads, log=log, in_process=in_process
         )
         figures += [f for f in bench.figures(samples, params, bench.threads) if f.figure in only]
     return sorted(figures, key=lambda f: f.figure)
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> list[Figure]:
         "--in-process", action="store_true", help="no fresh processes (with --quick, for the tests)"
     )
     a = p.parse_args(argv)
-    only = [f.strip().upper() for f in a.only.split(",") if f.strip()]
+    names = {f.upper(): f for f in BENCHES}  # P1b, p1b and P1B alike
+    only = [names.get(f.strip().upper(), f.strip()) for f in a.only.split(",") if f.strip()]
     unknown = [f for f in only if f not in BENCHES]
     if unknown or a.reps < 1:
         p.error(f"--only takes figures from {list(FIGURES)} (got {unknown}); --reps must be >= 1")

@@ -31,7 +31,14 @@ def run_worker(bench: str, side: str, params: dict, threads: int, timeout: float
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     env.update(TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    cmd = [_python(bench), "-m", "bench.worker", bench, side, json.dumps({**params, "threads": threads})]
+    cmd = [
+        _python(bench, side),
+        "-m",
+        "bench.worker",
+        bench,
+        side,
+        json.dumps({**params, "threads": threads}),
+    ]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     lines = [
@@ -47,16 +54,18 @@ def run_worker(bench: str, side: str, params: dict, threads: int, timeout: float
     return json.loads(lines[-1])
 
 
-def _python(bench: str) -> str:
-    """The interpreter of the benchmark's virtualenv (`Bench.venv`), else this one."""
+def _python(bench: str, side: str) -> str:
+    """The interpreter of the side's virtualenv (`Bench.venv_of`), else this one."""
     from bench.registry import WORKERS
 
-    venv = WORKERS[bench].venv
+    venv = WORKERS[bench].venv_of(side)
     if not venv:
         return sys.executable
     python = REPO / venv / "bin" / "python"
     if not python.exists():
-        raise WorkerFailed(f"{bench} runs in {venv}/, which does not exist; create it with `make vllm-env`.")
+        raise WorkerFailed(
+            f"{bench}/{side} runs in {venv}/, which does not exist; create it with `make vllm-env`."
+        )
     return str(python)
 
 

