@@ -28,7 +28,7 @@ from opdkit.notebook import live
 from opdkit.opd.callbacks import StepAccuracy
 from opdkit.opd.trainer import DistillTrainer, OPDArguments
 from opdkit.rollout import engines, evaluate
-from opdkit.run import sharding, tracking
+from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import launched_world_size, start_run
@@ -202,7 +202,8 @@ def process(
     # its rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
     acc = lambda m, e=None: sharded_accuracy(m, prep, world, rank, engine=e)  # noqa: E731
-    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    last = checkpoints.resume_checkpoint(run.path / "checkpoints") if cfg.resume else None
+    resumed = last is not None
     before = (
         run.read_summary().get("student_accuracy_before")
         if resumed and (run.path / "summary.json").exists()
@@ -229,9 +230,9 @@ def process(
             lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size, engine),
             cfg.eval_steps,
         )
-    if resumed:
-        _truncate_metrics(run, trainer)
-    trainer.train(resume_from_checkpoint=True if resumed else None)
+    if cfg.resume:
+        truncate_metrics(run, checkpoints.checkpoint_step(last) if last else 0)
+    trainer.train(resume_from_checkpoint=str(last) if last else None)
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
@@ -274,12 +275,9 @@ def trained_student(trainer: DistillTrainer, saved: Path):
     return load_model(str(saved), torch.float32, trainer.args.device)
 
 
-def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
-    """Drop records logged after the checkpoint we resume from, so the log has each step once."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(run.path / "checkpoints"))
-    step = int(Path(last).name.split("-")[-1])
+def truncate_metrics(run: RunDir, step: int) -> None:
+    """Drop records logged after `step`, the checkpoint a resumed run continues from (0: none), so the log
+    has each step once."""
     if run.writer:
         for name in ("metrics.jsonl", "samples.jsonl"):
             kept = [r for r in run.read_jsonl(name) if r.get("step", 0) <= step]
