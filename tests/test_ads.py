@@ -20,6 +20,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.data import sft, tasks, traces
 from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import figures, report, steering, students
+from opdkit.jobs.antidistill import points as ad_points
 from opdkit.jobs.antidistill import sweep as ad_sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.lens import TokenLens
@@ -405,6 +406,31 @@ def test_resume_reuses_finished_points(small_run, grads_run):
     }
     again = antidistill.run("tiny", over).read_summary()["points"]
     assert [p["runs"] for p in again] == [p["runs"] for p in before]
+
+
+def test_resume_reuses_a_points_complete_traces(small_run, grads_run, monkeypatch):
+    """A point killed after its traces were written: resume distils its student on those traces (the teacher
+    writes nothing) to the result an unbroken run had; traces that do not fit the run are written again."""
+    entry = small_run.read_summary()["points"][1]
+    folder = small_run.path / "points" / entry["name"]
+    run_folder = folder / "seed43"
+    old = json.loads((run_folder / "result.json").read_text())
+    (run_folder / "result.json").unlink()
+    (folder / "point.json").unlink()
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("resume wrote the traces again")
+
+    monkeypatch.setattr(ad_points, "write_traces", no_teacher)
+    over = {"run_dir": str(small_run.path), "grads_run": str(grads_run), **SMALL_SWEEP, "resume": True}
+    again = antidistill.run("tiny", over).read_summary()["points"][1]["runs"][1]
+    assert {k: v for k, v in again.items() if k != "seconds"} == {
+        k: v for k, v in old.items() if k != "seconds"
+    }
+    prep = antidistill.prepare("tiny", over)
+    assert ad_points.saved_traces(run_folder / ad_points.TRACES_FILE, prep) is not None
+    prep.train_messages = prep.train_messages[:-1]
+    assert ad_points.saved_traces(run_folder / ad_points.TRACES_FILE, prep) is None
 
 
 def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):

@@ -26,10 +26,12 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
                                           traceback)
     points/<name>/error.txt               the traceback of a point that failed (the other points go on)
     points/<name>/seed<seed>/traces.jsonl prompt, completion, answer, correct, truncated per training prompt
+                                          (reused by resume=True when it has every training prompt's)
     points/<name>/seed<seed>/result.json  that run's accuracies, losses, error kinds (reused by resume=True)
     points/<name>/seed<seed>/metrics.jsonl the student's SFT log: step, loss, grad_norm, learning_rate
     points/<name>/seed<seed>/student/     the distilled student (`student_save`: LoRA adapter, or model)
-    points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`) and tracker logs
+    points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`), each with the hash of
+                                          the rows it trained on, and tracker logs
     baseline.json                         the student before distillation, the gradients' norms
     metrics.jsonl                         one record per point, plus the students' SFT losses (`sft_loss`)
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,
@@ -41,7 +43,9 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
 The points are spread over `num_processes` processes (0: one per visible GPU, 1 on a CPU), round-robin in
 sweep order (`spread.py`); each holds its own teacher and proxies on its own GPU and runs its points one after
 another, the teacher and proxies waiting in CPU memory while each student trains. A point's seeds are its own,
-so the summary does not depend on the number of processes. `resume=True` runs only the points not finished.
+so the summary does not depend on the number of processes. `resume=True` runs only the points not finished;
+an unfinished point reuses its complete traces and continues its student from the newest complete checkpoint
+(refused when that checkpoint trained on other traces).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -29,10 +30,11 @@ from opdkit.jobs.antidistill.students import (
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.models import eos_ids
 from opdkit.rollout import sampling
-from opdkit.run.files import atomic_write_text, write_jsonl
+from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
 
 POINTS_DIR = "points"
+TRACES_FILE = "traces.jsonl"  # a point's traces, reused by resume=True when complete
 
 
 def write_traces(
@@ -79,6 +81,24 @@ def write_traces(
     ]
 
 
+def saved_traces(path: Path, prep: Prepared) -> list[dict] | None:
+    """A point's traces written by an earlier run, when they are complete: one record with a completion
+    per training prompt, in order. None (with the reason said) when they must be written again."""
+    if not path.is_file():
+        return None
+    records = read_jsonl(path)  # written atomically: the whole file or none
+    problem = None
+    if len(records) != len(prep.train_messages):
+        problem = f"{len(records)} traces for {len(prep.train_messages)} training prompts"
+    elif any(r.get("messages") != m or "completion" not in r for r, m in zip(records, prep.train_messages)):
+        problem = "their prompts are not this run's training prompts"
+    if problem:
+        print0(f"resume: writing the traces again, {path} does not fit ({problem})")
+        return None
+    print0(f"resume: reusing the {len(records)} traces in {path}")
+    return records
+
+
 def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
     """Traces at this point, a fresh student distilled on them, both accuracies; in
     points/<name>/seed<seed>/."""
@@ -88,8 +108,10 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
         return json.loads((folder / "result.json").read_text())
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    records = write_traces(cfg, prep, models, point, seed, dev)
-    write_jsonl(folder / "traces.jsonl", records)
+    records = saved_traces(folder / TRACES_FILE, prep) if cfg.resume else None
+    if records is None:
+        records = write_traces(cfg, prep, models, point, seed, dev)
+        write_jsonl(folder / TRACES_FILE, records)
     offload(models, dev, off=True)
     student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
