@@ -372,12 +372,19 @@ def test_small_tradeoff_run_writes_every_point(small_run):
         assert set(p) >= {"method", "lam", "temperature", "teacher_accuracy", "student_accuracy", "runs"}
         assert [r["seed"] for r in p["runs"]] == [42, 43]
         assert p["student_accuracy"] == pytest.approx(sum(r["student_accuracy"] for r in p["runs"]) / 2)
+        forced = [r["student_accuracy_forced"] for r in p["runs"]]  # raw and forced, as the reference
+        assert all(0 <= f <= 1 for f in forced) and p["student_accuracy_forced"] == pytest.approx(
+            sum(forced) / 2
+        )
         for r in p["runs"]:
             traces = (small_run.path / "points" / p["name"] / f"seed{r['seed']}" / "traces.jsonl").read_text()
             records = [json.loads(line) for line in traces.splitlines()]
             assert len(records) == 24
             assert r["teacher_accuracy"] == sum(x["correct"] for x in records) / 24
-    assert 0 <= summary["student_accuracy_before"] <= 1
+    assert (
+        0 <= summary["student_accuracy_before"] <= 1 and 0 <= summary["student_accuracy_before_forced"] <= 1
+    )
+    assert "<th>student_accuracy_forced</th>" in report.summary_table_html(summary)
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
     assert summary["student_holdout_loss_before"] == pytest.approx(
         gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5

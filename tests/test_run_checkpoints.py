@@ -50,6 +50,7 @@ def test_a_complete_newest_checkpoint_is_taken(tmp_path):
         (lambda p: _cut(p / "model.safetensors", 0.001), "model.safetensors"),
         (lambda p: (p / "model.safetensors").unlink(), "no weights"),
         (lambda p: _cut(p / "optimizer.pt"), "optimizer.pt is not a whole torch archive"),
+        (lambda p: (p / "optimizer.bin").write_bytes(b"PK\x03\x04cut"), "optimizer.bin"),  # FSDP's
     ],
 )
 def test_a_half_written_newest_checkpoint_is_skipped_said_and_removed(tmp_path, damage, reason):

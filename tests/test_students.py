@@ -115,7 +115,7 @@ def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
     again = students.load_student(cfg, tmp_path, 3, dev)
     for (name, a), b in zip(merged.named_parameters(), again.parameters()):
         torch.testing.assert_close(a, b, msg=name)
-    assert students.student_accuracy(again, prep) == students.student_accuracy(merged, prep)
+    assert students.student_accuracies(again, prep) == students.student_accuracies(merged, prep)
     held = rows[:8]
     assert students.holdout_loss(again, held, tok.pad_token_id, 4) == students.holdout_loss(
         merged, held, tok.pad_token_id, 4

@@ -6,9 +6,9 @@
 transformers writes `checkpoint-N` in place, weights first and `trainer_state.json` last, so a run killed
 while saving leaves a half-written newest checkpoint beside a complete older one. Resuming from it fails
 (a `SafetensorError`) or, worse, starts from half a state. A checkpoint is complete when its
-`trainer_state.json` reads as JSON, every weights file it names opens (a safetensors file holds every byte
-its header promises; a torch file is a whole zip archive) and its torch files (optimizer, scheduler, RNG
-states) are whole archives. `resume_checkpoint` takes the newest complete one and removes each incomplete
+`trainer_state.json` reads as JSON, its weights are whole (a safetensors file holds every byte its header
+promises, an index's shards are all there) and its torch files (weights, optimizer, scheduler, RNG states)
+are whole zip archives. `resume_checkpoint` takes the newest complete one and removes each incomplete
 one, saying which and why: a half-written folder would otherwise count against `save_total_limit` when the
 Trainer rotates checkpoints, and mix its stale files into the save that rewrites `checkpoint-N`.
 """
@@ -30,6 +30,9 @@ STATE_FILE = "trainer_state.json"
 # Weights as transformers and peft save them: one file, or an index naming its shards.
 WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# torch.save files: optimizer.pt, scheduler.pt, rng_state*.pth, scaler.pt; under FSDP optimizer.bin and
+# pytorch_model_fsdp.bin; training_args.bin.
+TORCH_FILES = ("*.pt", "*.pth", "*.bin")
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -115,7 +118,7 @@ def checkpoint_problem(folder: str | Path) -> str | None:
         problem = _weights_problem(folder)
         if problem:
             return problem
-        for path in sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth")):
+        for path in sorted(p for pattern in TORCH_FILES for p in folder.glob(pattern)):
             problem = torch_file_problem(path)
             if problem:
                 return problem

@@ -35,7 +35,8 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
     baseline.json                         the student before distillation, the gradients' norms
     metrics.jsonl                         one record per point, plus the students' SFT losses (`sft_loss`)
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,
-                                          student_accuracy, student_holdout_loss, errors, runs}],
+                                          student_accuracy (raw), student_accuracy_forced (its final
+                                          answer forced), student_holdout_loss, errors, runs}],
                                           "failed_points": [{name, error}], "status": "done" | "incomplete"}
     figures/tradeoff.png                  teacher accuracy (x) against distilled-student accuracy (y)
     figures/tradeoff_holdout_loss.png     teacher accuracy against the students' NLL on held-out traces
@@ -179,7 +180,14 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     return run
 
 
-TRACKED = ("lam", "temperature", "teacher_accuracy", "student_accuracy", "student_holdout_loss")
+TRACKED = (
+    "lam",
+    "temperature",
+    "teacher_accuracy",
+    "student_accuracy",
+    "student_accuracy_forced",
+    "student_holdout_loss",
+)
 
 
 def process(
@@ -214,7 +222,11 @@ def track(cfg: AntidistillConfig, run: RunDir, summary: dict) -> None:
     tracker.log(
         {
             k: summary[k]
-            for k in ("student_accuracy_before", "student_holdout_loss_before")
+            for k in (
+                "student_accuracy_before",
+                "student_accuracy_before_forced",
+                "student_holdout_loss_before",
+            )
             if summary.get(k) is not None
         },
         step=0,

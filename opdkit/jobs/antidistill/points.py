@@ -25,7 +25,7 @@ from opdkit.jobs.antidistill.students import (
     keep_student,
     sft_rows,
     sft_seed,
-    student_accuracy,
+    student_accuracies,
 )
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.models import eos_ids
@@ -120,10 +120,12 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     )
     student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
     steps = trainer.step_log()
+    raw, forced = student_accuracies(student, prep)
     result = {
         "seed": seed,
         "teacher_accuracy": traces.accuracy(records),
-        "student_accuracy": student_accuracy(student, prep),
+        "student_accuracy": raw,
+        "student_accuracy_forced": forced,
         "student_holdout_loss": holdout_loss(
             student,
             models.holdout,
@@ -140,7 +142,12 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     trainer.log(
         {
             k: result[k]
-            for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
+            for k in (
+                "teacher_accuracy",
+                "student_accuracy",
+                "student_accuracy_forced",
+                "student_holdout_loss",
+            )
             if result[k] is not None
         }
     )  # to report_to, after the SFT steps
@@ -183,6 +190,7 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
         "name": point.name,
         "teacher_accuracy": _mean([r["teacher_accuracy"] for r in runs]),
         "student_accuracy": _mean([r["student_accuracy"] for r in runs]),
+        "student_accuracy_forced": _mean([r.get("student_accuracy_forced") for r in runs]),
         "student_holdout_loss": _mean([r.get("student_holdout_loss") for r in runs]),
         "errors": _mean_errors([r.get("errors") for r in runs]),
         "runs": runs,
@@ -199,4 +207,9 @@ def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
         prep.student_tokenizer.pad_token_id,
         cfg.sft_micro_batch_size or cfg.sft_batch_size,
     )
-    return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}
+    raw, forced = student_accuracies(student, prep)
+    return {
+        "student_accuracy_before": raw,
+        "student_accuracy_before_forced": forced,
+        "student_holdout_loss_before": loss,
+    }

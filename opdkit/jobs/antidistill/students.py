@@ -214,14 +214,16 @@ def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.dev
     return PeftModel.from_pretrained(fresh_student(cfg, dev, seed), path).merge_and_unload().eval()
 
 
-def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:
+def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
+    """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
+    final answers forced as the ADS reference does (`evaluate.forced_completions`)."""
     cfg = prep.cfg
-    return evaluate.accuracy(
+    return evaluate.accuracies(
         model,
         prep.student_tokenizer,
         prep.eval_messages,
         prep.eval_answers,
-        prep.task.check,
+        prep.task,
         max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         batch_size=cfg.gen_batch_size,
         enable_thinking=cfg.enable_thinking,
