@@ -20,6 +20,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.data import sft, tasks, traces
 from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import figures, report, steering, students
+from opdkit.jobs.antidistill import points as ad_points
 from opdkit.jobs.antidistill import sweep as ad_sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.lens import TokenLens
@@ -371,12 +372,19 @@ def test_small_tradeoff_run_writes_every_point(small_run):
         assert set(p) >= {"method", "lam", "temperature", "teacher_accuracy", "student_accuracy", "runs"}
         assert [r["seed"] for r in p["runs"]] == [42, 43]
         assert p["student_accuracy"] == pytest.approx(sum(r["student_accuracy"] for r in p["runs"]) / 2)
+        forced = [r["student_accuracy_forced"] for r in p["runs"]]  # raw and forced, as the reference
+        assert all(0 <= f <= 1 for f in forced) and p["student_accuracy_forced"] == pytest.approx(
+            sum(forced) / 2
+        )
         for r in p["runs"]:
             traces = (small_run.path / "points" / p["name"] / f"seed{r['seed']}" / "traces.jsonl").read_text()
             records = [json.loads(line) for line in traces.splitlines()]
             assert len(records) == 24
             assert r["teacher_accuracy"] == sum(x["correct"] for x in records) / 24
-    assert 0 <= summary["student_accuracy_before"] <= 1
+    assert (
+        0 <= summary["student_accuracy_before"] <= 1 and 0 <= summary["student_accuracy_before_forced"] <= 1
+    )
+    assert "<th>student_accuracy_forced</th>" in report.summary_table_html(summary)
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
     assert summary["student_holdout_loss_before"] == pytest.approx(
         gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5
@@ -405,6 +413,31 @@ def test_resume_reuses_finished_points(small_run, grads_run):
     }
     again = antidistill.run("tiny", over).read_summary()["points"]
     assert [p["runs"] for p in again] == [p["runs"] for p in before]
+
+
+def test_resume_reuses_a_points_complete_traces(small_run, grads_run, monkeypatch):
+    """A point killed after its traces were written: resume distils its student on those traces (the teacher
+    writes nothing) to the result an unbroken run had; traces that do not fit the run are written again."""
+    entry = small_run.read_summary()["points"][1]
+    folder = small_run.path / "points" / entry["name"]
+    run_folder = folder / "seed43"
+    old = json.loads((run_folder / "result.json").read_text())
+    (run_folder / "result.json").unlink()
+    (folder / "point.json").unlink()
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("resume wrote the traces again")
+
+    monkeypatch.setattr(ad_points, "write_traces", no_teacher)
+    over = {"run_dir": str(small_run.path), "grads_run": str(grads_run), **SMALL_SWEEP, "resume": True}
+    again = antidistill.run("tiny", over).read_summary()["points"][1]["runs"][1]
+    assert {k: v for k, v in again.items() if k != "seconds"} == {
+        k: v for k, v in old.items() if k != "seconds"
+    }
+    prep = antidistill.prepare("tiny", over)
+    assert ad_points.saved_traces(run_folder / ad_points.TRACES_FILE, prep) is not None
+    prep.train_messages = prep.train_messages[:-1]
+    assert ad_points.saved_traces(run_folder / ad_points.TRACES_FILE, prep) is None
 
 
 def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):

@@ -121,3 +121,9 @@ def test_tiny_task_keeps_its_exact_check():
     assert task.check("8+7=15,5+6+1=12,3+4+1=8;825", "825")
     assert not task.check("8+7=15,5+6+1=12,3+4+1=8;825 dollars", "825")
     assert not task.check("8+7=15;825.0", "825")
+
+
+def test_boxed_extraction_handles_nesting_and_last_box():
+    assert answers.extract_boxed(r"so \boxed{1} then \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
+    assert answers.extract_boxed("no box") is None
+    assert answers.extract_boxed(r"\boxed{unclosed") is None

@@ -4,11 +4,14 @@ same."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import Interrupted
 from transformers import TrainerCallback
 
-from opdkit.config import load_config
+from opdkit.config import ConfigError, load_config
 from opdkit.data import sft
 from opdkit.jobs.antidistill import students
 from opdkit.jobs.antidistill.config import AntidistillConfig
@@ -112,7 +115,7 @@ def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
     again = students.load_student(cfg, tmp_path, 3, dev)
     for (name, a), b in zip(merged.named_parameters(), again.parameters()):
         torch.testing.assert_close(a, b, msg=name)
-    assert students.student_accuracy(again, prep) == students.student_accuracy(merged, prep)
+    assert students.student_accuracies(again, prep) == students.student_accuracies(merged, prep)
     held = rows[:8]
     assert students.holdout_loss(again, held, tok.pad_token_id, 4) == students.holdout_loss(
         merged, held, tok.pad_token_id, 4
@@ -141,34 +144,77 @@ class _StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+class _KilledWhileSaving(sft.CompletionSFTTrainer):
+    """Dies while writing checkpoint-4: its adapter half-written, no optimizer, no trainer_state.json."""
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self.state.global_step == 4:
+            weights = Path(output_dir) / "adapter_model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:500])
+            raise Interrupted("killed while writing checkpoint-4")
+        super()._save_optimizer_and_scheduler(output_dir)
+
+
 def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monkeypatch):
+    """Stopped after step 2, and killed while writing checkpoint-4 beside a complete checkpoint-2: both
+    continue from checkpoint-2 to the losses and weights of an unbroken run."""
     cfg = _cfg(sft_save_steps=2, student_lora_r=4)
     rows = students.sft_rows(_records(), tok, cfg)
     whole = students.distill_student(
         students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "whole"
     )
 
-    class Interrupted(sft.CompletionSFTTrainer):
+    class Stopped(sft.CompletionSFTTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.add_callback(_StopAt(2))
 
-    monkeypatch.setattr(students, "CompletionSFTTrainer", Interrupted)
+    monkeypatch.setattr(students, "CompletionSFTTrainer", Stopped)
     first = students.distill_student(
-        students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "cut"
+        students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "stopped"
     )
-    assert first.state.global_step == 2 and (tmp_path / "cut" / "sft" / "checkpoint-2").is_dir()
+    assert first.state.global_step == 2 and (tmp_path / "stopped" / "sft" / "checkpoint-2").is_dir()
+    monkeypatch.setattr(students, "CompletionSFTTrainer", _KilledWhileSaving)
+    with pytest.raises(Interrupted):
+        students.distill_student(
+            students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "cut"
+        )
+    cut = tmp_path / "cut" / "sft"
+    assert (cut / "checkpoint-2" / "trainer_state.json").is_file()
+    assert not (cut / "checkpoint-4" / "trainer_state.json").exists()
     monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
     resumed_cfg = _cfg(sft_save_steps=2, student_lora_r=4, resume=True)
-    second = students.distill_student(
-        students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2, tmp_path / "cut"
-    )
-    assert [r["step"] for r in second.step_log()] == [3, 4]
-    assert [r["loss"] for r in second.step_log()] == pytest.approx(
-        [r["loss"] for r in whole.step_log()][2:], rel=1e-5
-    )
-    for a, b in zip(whole.model.parameters(), second.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for name in ("stopped", "cut"):
+        second = students.distill_student(
+            students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2, tmp_path / name
+        )
+        assert [r["step"] for r in second.step_log()] == [3, 4], name
+        assert [r["loss"] for r in second.step_log()] == pytest.approx(
+            [r["loss"] for r in whole.step_log()][2:], rel=1e-5
+        )
+        for a, b in zip(whole.model.parameters(), second.model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_student_checkpoint_trained_on_other_traces_is_refused(tok, tmp_path):
+    """Each checkpoint records the hash of the rows it trained on; resuming it on other rows is refused."""
+    cfg = _cfg(sft_save_steps=2, sft_max_steps=2)
+    rows = students.sft_rows(_records(), tok, cfg)
+    students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path)
+    checkpoint = tmp_path / "sft" / "checkpoint-2"
+    assert (checkpoint / sft.TRAINED_ON_FILE).read_text().strip() == sft.rows_sha256(rows)
+    assert sft.trained_on_problem(checkpoint, rows) is None
+    other = students.sft_rows(_records(seed=6), tok, cfg)
+    resumed = _cfg(sft_save_steps=2, sft_max_steps=2, resume=True)
+    with pytest.raises(ConfigError, match="traces changed since it was saved.*Delete .*sft"):
+        students.distill_student(
+            students.fresh_student(cfg, torch.device("cpu"), 2), other, resumed, tok, 2, tmp_path
+        )
+    (checkpoint / sft.TRAINED_ON_FILE).unlink()
+    with pytest.raises(ConfigError, match="records no hash"):
+        students.distill_student(
+            students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed, tok, 2, tmp_path
+        )
 
 
 def test_sft_metrics_and_final_scores_reach_report_to(tok, tmp_path):

@@ -98,3 +98,24 @@ def test_existing_runs_can_be_the_arms(tmp_path):
 def test_missing_partner_run_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="noclip_run"):
         cliplesson.run("tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(tmp_path)})
+
+
+def test_resume_reuses_finished_arms_and_resumes_the_others(tmp_path, monkeypatch):
+    """With resume=True an arm whose run finished is reused as it is, an unfinished one continues (its
+    whitebox run resumes from its newest complete checkpoint), and one not started starts."""
+    from opdkit.run.folders import RunDir
+
+    started = []
+    monkeypatch.setattr(whitebox, "run", lambda mode, over: started.append(over) or RunDir(tmp_path))
+    cfg = load_config(ClipLessonConfig, "tiny", {"resume": True})
+    clip, noclip = cliplesson_job.arms(cfg)[:2]
+    lesson = RunDir(tmp_path)
+    for arm, status in ((clip, "done"), (noclip, "training")):
+        folder = tmp_path / "arms" / f"{arm.name}-seed42"
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(f'{{"status": "{status}"}}')
+    assert cliplesson_job.run_arm(clip, 42, cfg, lesson).path == tmp_path / "arms" / "clip-seed42"
+    assert started == []
+    cliplesson_job.run_arm(noclip, 42, cfg, lesson)
+    cliplesson_job.run_arm(clip, 43, cfg, lesson)
+    assert [o.get("resume") for o in started] == [True, None]

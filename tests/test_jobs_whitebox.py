@@ -18,10 +18,13 @@ from transformers import AutoModelForCausalLM
 from opdkit import tiny
 from opdkit.config import ConfigError
 from opdkit.jobs import whitebox
+from opdkit.jobs.whitebox import report as whitebox_report
 from opdkit.models import TokenizerMismatch, small_qwen3
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
+from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling
+from opdkit.run import checkpoints
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
 # different batch shapes see the same completions.
@@ -150,21 +153,45 @@ def test_failing_rank_traceback_reaches_the_caller(tmp_path):
     assert "missing" in proc.stderr
 
 
-def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path):
+def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path, monkeypatch, capsys):
+    """Killed after step 3, and killed while writing checkpoint-4 (its weights half-written, no
+    trainer_state.json): both resume from checkpoint-2 to the unbroken run's losses and weights."""
     over = dict(max_steps=4, save_steps=2, max_grad_norm=1.0, gen_temperature=1.0, save_rollouts=False)
     unbroken = run_tiny(tmp_path, "unbroken", **over)
     with pytest.raises(Interrupted):
         run_tiny(tmp_path, "broken", [InterruptAt(3)], **over)
-    resumed = run_tiny(tmp_path, "broken", resume=True, **over)
-    a, b = unbroken.read_jsonl(), resumed.read_jsonl()
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a, b):
-        for key in ("loss", "grad_norm", "completion_length", "entropy"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-5), (ra["step"], key)
-    sd_a = AutoModelForCausalLM.from_pretrained(unbroken.path / "model").state_dict()
-    sd_b = AutoModelForCausalLM.from_pretrained(resumed.path / "model").state_dict()
-    for k in sd_a:
-        torch.testing.assert_close(sd_a[k], sd_b[k])
+    save_state = DistillTrainer._save_optimizer_and_scheduler
+
+    def killed_while_saving_step_4(self, output_dir):
+        if self.state.global_step == 4:
+            weights = Path(output_dir) / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])  # the kill came mid-write
+            raise Interrupted("killed while writing checkpoint-4")
+        save_state(self, output_dir)
+
+    monkeypatch.setattr(DistillTrainer, "_save_optimizer_and_scheduler", killed_while_saving_step_4)
+    with pytest.raises(Interrupted):
+        run_tiny(tmp_path, "cut", **over)
+    monkeypatch.undo()
+    cut = tmp_path / "cut" / "checkpoints"
+    assert (cut / "checkpoint-4" / "model.safetensors").is_file()
+    assert not (cut / "checkpoint-4" / "trainer_state.json").exists()
+    for name in ("broken", "cut"):
+        capsys.readouterr()
+        resumed = run_tiny(tmp_path, name, resume=True, **over)
+        said = capsys.readouterr().out  # it resumed (a restart would give the same metrics: seeded steps)
+        assert f"continuing from {tmp_path / name / 'checkpoints' / 'checkpoint-2'}" in said, said
+        assert ("skipping" in said and "no trainer_state.json" in said) == (name == "cut"), said
+        a, b = unbroken.read_jsonl(), resumed.read_jsonl()
+        assert [r["step"] for r in b] == [1, 2, 3, 4], name
+        for ra, rb in zip(a, b):
+            for key in ("loss", "grad_norm", "completion_length", "entropy"):
+                assert rb[key] == pytest.approx(ra[key], rel=1e-5), (name, ra["step"], key)
+        sd_a = AutoModelForCausalLM.from_pretrained(unbroken.path / "model").state_dict()
+        sd_b = AutoModelForCausalLM.from_pretrained(resumed.path / "model").state_dict()
+        for k in sd_a:
+            torch.testing.assert_close(sd_a[k], sd_b[k])
+    assert checkpoints.checkpoint_problem(cut / "checkpoint-4") is None  # written again, whole
 
 
 def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monkeypatch):
@@ -338,3 +365,16 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
         gradient_checkpointing=True,
     )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))
+
+
+def test_forced_accuracy_when_asked(tmp_path):
+    """forced_accuracy adds the accuracies with each final answer forced, beside the raw ones; completions cut
+    before their answer (20 tokens) are mostly wrong raw, and forcing answers more of them right."""
+    over = dict(eval_size=16, eval_max_new_tokens=20, save_rollouts=False, gen_temperature=1.0)
+    run = run_tiny(tmp_path, "forced", forced_accuracy=True, **over)
+    s = run.read_summary()
+    for key in ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy"):
+        assert 0 <= s[key] <= 1 and 0 <= s[key + "_forced"] <= 1, key
+    assert s["teacher_accuracy_forced"] > s["teacher_accuracy"]
+    assert "teacher_accuracy_forced" not in run_tiny(tmp_path, "raw", **over).read_summary()
+    whitebox_report.accuracy(run)

@@ -11,7 +11,10 @@ antidistill: checkpoints, LoRA through peft, `report_to`).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,10 @@ from transformers import (
 )
 from transformers.trainer_callback import ProgressCallback
 
+from opdkit.run.files import atomic_write_text
+
 IGNORE = -100
+TRAINED_ON_FILE = "trained_on.sha256"  # in each checkpoint of a CompletionSFTTrainer: its rows' hash
 
 
 def completion_labels(
@@ -235,6 +241,29 @@ class StepBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def rows_sha256(rows: Sequence[dict]) -> str:
+    """sha256 of SFT rows' input_ids and labels, in order: what a student trained on, exactly."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([list(row["input_ids"]), list(row["labels"])]).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def trained_on_problem(checkpoint: str | Path, rows: Sequence[dict]) -> str | None:
+    """Why resuming `checkpoint` (a `CompletionSFTTrainer` checkpoint) on `rows` would mix two trainings:
+    its `TRAINED_ON_FILE` is missing or names other rows; None when it trained on these rows."""
+    path = Path(checkpoint) / TRAINED_ON_FILE
+    if not path.is_file():
+        return f"{checkpoint} records no hash of the rows it trained on (no {TRAINED_ON_FILE})"
+    recorded, now = path.read_text().strip(), rows_sha256(rows)
+    if recorded != now:
+        return (
+            f"{checkpoint} trained on rows with sha256 {recorded[:12]}..., but the rows given now hash to "
+            f"{now[:12]}...: the traces changed since it was saved"
+        )
+    return None
+
+
 class CompletionSFTTrainer(Trainer):
     """Completion-only SFT on transformers' `Trainer`, the same objective as `train_sft`: each optimizer
     step's summed completion-token losses divided by all of the step's completion tokens
@@ -257,10 +286,20 @@ class CompletionSFTTrainer(Trainer):
                 f"micro-batches of up to {micro} rows; set it to ceil(step rows / micro-batch rows)."
             )
         self.order, self.step_losses, self._step_loss = order, [], 0.0
+        self.rows_sha256 = rows_sha256(self.train_dataset)
         self.model_accepts_loss_kwargs = True  # compute_loss divides by num_items_in_batch itself
         self.add_callback(_StepLoss(self))
         if self.pop_callback(ProgressCallback):  # the bar without a printed dict per step
             self.add_callback(_QuietProgress())
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """transformers' checkpoint, which first gets `TRAINED_ON_FILE`, the hash of the rows it trains on:
+        written before `trainer_state.json`, so every complete checkpoint has it."""
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / TRAINED_ON_FILE, self.rows_sha256 + "\n")
+        super()._save_checkpoint(model, trial)
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         sampler = StepBatches(self.order, self.args.per_device_train_batch_size)

@@ -7,9 +7,10 @@ problems, checks a completion against a reference answer, and finds where the an
     task.answer_start(completion)                  # where the final answer begins (answer-token losses)
 
 - `tiny`: the tiny world's 3-digit addition (`opdkit.tiny.task`): its own problem streams, exact match
-  of the text after the last ';'.
+  of the text after the last ';'; a forced answer follows a ';' after the working.
 - `math`: problems with a reference answer from a dataset (GSM8K, DAPO-Math-17k): the final answer (the
-  last `\\boxed{}` or `Answer:` line, whichever is later) judged equal by math-verify (`opdkit.data.answers`).
+  last `\\boxed{}` or `Answer:` line, whichever is later) judged equal by math-verify (`opdkit.data.answers`);
+  a forced answer follows the ADS reference's cue, "**Final Answer**" and an open `\\[\\boxed{`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class Task:
 
     name: str = ""
     max_new_tokens: int | None = None  # a completion budget that always suffices, where the task has one
+    answer_cue: str = ""  # appended after a completion to force its final answer (`forced_prefix`)
+    forced_answer_tokens: int = 0  # greedy tokens a forced answer may take after the cue
+
+    def forced_prefix(self, completion: str) -> str:
+        """The text a forced final answer continues (`opdkit.rollout.evaluate.forced_completions`): the
+        completion, ended or cut, then the answer cue."""
+        return completion + self.answer_cue
 
     def check(self, completion: str, answer: str) -> bool:
         """Is `completion`'s final answer the reference `answer`?"""
@@ -77,6 +85,14 @@ class Task:
 class TinyTask(Task):
     name = "tiny"
     max_new_tokens = tiny_task.MAX_COMPLETION_TOKENS
+    answer_cue = tiny_task.ANSWER_SEP
+    forced_answer_tokens = 5  # up to 4 digits (999 + 999 = 1998), then EOS
+
+    def forced_prefix(self, completion: str) -> str:
+        """The working before the completion's answer (all of it when it has none), then `;`: a finished
+        completion's answer is written again (greedily: the same one), a cut one gets one."""
+        at = completion.rfind(tiny_task.ANSWER_SEP)
+        return (completion if at < 0 else completion[:at]) + self.answer_cue
 
     def check(self, completion: str, answer: str) -> bool:
         return tiny_task.extract_answer(completion) == answer
@@ -126,6 +142,8 @@ class TinyTask(Task):
 
 class MathTask(Task):
     name = "math"
+    answer_cue = "\n\n**Final Answer**\n\\[\\boxed{"  # the ADS reference's answer-forcing string
+    forced_answer_tokens = 32  # as the reference
 
     def check(self, completion: str, answer: str) -> bool:
         """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5

@@ -92,9 +92,14 @@ def _summary_or_empty(run: RunDir) -> dict:
 def accuracy_bars(run: RunDir, summary: dict | None = None):
     s = summary or run.read_summary()
     names = ["student before", "student after", "teacher"]
-    vals = [s.get("student_accuracy_before"), s.get("student_accuracy_after"), s.get("teacher_accuracy")]
-    fig, ax = plt.subplots(figsize=(5, 3))
-    bars = ax.bar(names, [v or 0 for v in vals], color=["#bbb", "#3a7", "#37a"])
+    keys = ["student_accuracy_before", "student_accuracy_after", "teacher_accuracy"]
+    colours = ["#bbb", "#3a7", "#37a"]
+    if any(s.get(k + "_forced") is not None for k in keys):  # whitebox's forced_accuracy: beside the raw
+        names = [n + "\nraw" for n in names] + [n + "\nforced" for n in names]
+        keys, colours = keys + [k + "_forced" for k in keys], colours + ["#ddd", "#8c9", "#8ac"]
+    vals = [s.get(k) for k in keys]
+    fig, ax = plt.subplots(figsize=(5 if len(keys) == 3 else 8, 3))
+    bars = ax.bar(names, [v or 0 for v in vals], color=colours)
     for b, v in zip(bars, vals):
         ax.text(
             b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center"

@@ -1,11 +1,23 @@
-"""Accuracy: batched greedy completions checked by a task (`opdkit.data.tasks`).
+"""Accuracy: batched greedy completions checked by a task (`opdkit.data.tasks`), raw and forced.
 
 acc = accuracy(model, tok, *task.heldout(500), task.check, max_new_tokens=task.max_new_tokens)
+raw, forced = accuracies(model, tok, messages, answers, task, max_new_tokens=...)
+
+Forced accuracy, as the ADS reference reports beside raw accuracy: after each completion ends or is cut,
+the task's answer cue is appended (`task.forced_prefix`: math's "**Final Answer**" and an open
+`\\boxed{`; the tiny task's working before its answer, then `;`) and the model greedily writes up to
+`task.forced_answer_tokens` more tokens; the whole text is graded by the task (its last answer counts). A
+completion cut before its answer is then graded on the answer its writer gives when asked for one: raw
+accuracy also measures whether a model finishes within the budget, forced accuracy less so. In thinking
+mode a completion that never closed its thinking gets `</think>` first. Differences from the reference:
+it grades the forced text as right when any of its pieces is; here the forced answer, the last one, is
+graded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -13,6 +25,18 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit.models import eos_ids
 from opdkit.rollout import engines, sampling
+
+THINK_END = "</think>"
+
+
+class ForcingTask(Protocol):
+    """What forcing asks of a task (`opdkit.data.tasks.Task` answers it)."""
+
+    forced_answer_tokens: int
+
+    def check(self, completion: str, answer: str) -> bool: ...
+
+    def forced_prefix(self, completion: str) -> str: ...
 
 
 @torch.no_grad()
@@ -48,6 +72,86 @@ def greedy_completions(
         )
         out += sampling.decode_completions(tokenizer, engine.sample(model, ids, mask, greedy, seed=0))
     return out
+
+
+@torch.no_grad()
+def forced_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[list[dict]],
+    completions: Sequence[str],
+    task: ForcingTask,
+    *,
+    batch_size: int = 256,
+    enable_thinking: bool = False,
+    progress: bool = False,
+    engine: engines.HFEngine | engines.VLLMEngine | None = None,
+) -> list[str]:
+    """Each completion with its final answer forced: `task.forced_prefix(completion)` (after `</think>` in
+    thinking mode when the completion never closed it), continued greedily for up to
+    `task.forced_answer_tokens` tokens, returned whole (prefix and continuation)."""
+    if len(messages) != len(completions):
+        raise ValueError(f"{len(messages)} prompts but {len(completions)} completions; pass one per prompt.")
+    prefixes = [
+        task.forced_prefix(c + "\n" + THINK_END if enable_thinking and THINK_END not in c else c)
+        for c in completions
+    ]
+    greedy = engines.SamplingSettings(
+        task.forced_answer_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
+    )
+    if engine is None:
+        engine = engines.HFEngine()
+    elif engine.name == "vllm":
+        batch_size = max(1, len(messages))
+    device = next(model.parameters()).device
+    out: list[str] = []
+    starts = range(0, len(messages), batch_size)
+    for s in tqdm(starts, desc="forcing answers", disable=not progress, leave=False):
+        # The chat-templated prompt and the prefix's own tokens, as the completion followed the prompt.
+        padded_BP, pad_mask_BP = sampling.encode_prompts(
+            tokenizer, list(messages[s : s + batch_size]), enable_thinking
+        )
+        ids = [
+            row[mask.bool()].tolist() + tokenizer.encode(prefix, add_special_tokens=False)
+            for row, mask, prefix in zip(padded_BP, pad_mask_BP, prefixes[s : s + batch_size])
+        ]
+        ids_BP, mask_BP = sampling.left_pad(ids, tokenizer.pad_token_id, device)
+        texts = sampling.decode_completions(tokenizer, engine.sample(model, ids_BP, mask_BP, greedy, seed=0))
+        out += [p + t for p, t in zip(prefixes[s : s + batch_size], texts)]
+    return out
+
+
+def accuracies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[list[dict]],
+    answers: Sequence[str],
+    task: ForcingTask,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 256,
+    enable_thinking: bool = False,
+) -> tuple[float, float]:
+    """(raw, forced) greedy accuracy: the completions as written, and with their final answers forced
+    (`forced_completions`), both checked by `task.check`."""
+    if not messages:
+        raise ValueError("accuracies() got no evaluation problems; pass at least one.")
+    comps = greedy_completions(
+        model,
+        tokenizer,
+        messages,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        enable_thinking=enable_thinking,
+    )
+    forced = forced_completions(
+        model, tokenizer, messages, comps, task, batch_size=batch_size, enable_thinking=enable_thinking
+    )
+    n = len(answers)
+    return (
+        sum(task.check(c, a) for c, a in zip(comps, answers)) / n,
+        sum(task.check(c, a) for c, a in zip(forced, answers)) / n,
+    )
 
 
 def accuracy(

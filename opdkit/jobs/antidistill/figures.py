@@ -17,9 +17,12 @@ ADS_COLOURS = ("#d33", "#e90", "#a2a", "#c60")
 TEMPERATURE_COLOUR = "#37a"
 
 
-def _accuracy_xy(points: Sequence[dict]) -> tuple[list[float], list[float]]:
-    kept = [p for p in points if p.get("teacher_accuracy") is not None]
-    return [p["teacher_accuracy"] for p in kept], [p["student_accuracy"] for p in kept]
+RAW, FORCED = "student_accuracy", "student_accuracy_forced"  # a point's two student accuracies
+
+
+def _accuracy_xy(points: Sequence[dict], key: str = RAW) -> tuple[list[float], list[float]]:
+    kept = [p for p in points if p.get("teacher_accuracy") is not None and p.get(key) is not None]
+    return [p["teacher_accuracy"] for p in kept], [p[key] for p in kept]
 
 
 ADS_LABELS = {"ads": "ADS", "ads-answer": "ADS, answer-token gradient"}
@@ -45,46 +48,57 @@ def tradeoff_curves(summary: dict) -> dict[str, list[dict]]:
 def tradeoff(summary: dict, path=None, title: str = ""):
     """Teacher accuracy (x) against distilled-student accuracy (y), ADS against temperature sampling, as in
     the ADS paper's headline figure: a method is better for the teacher where its curve lies lower at the
-    same x (the teacher stays accurate, students distilled from it do not)."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    same x (the teacher stays accurate, students distilled from it do not). The students' raw accuracy on
+    the left; with their final answers forced (as the ADS reference reports too) beside it, on the right,
+    when the run measured it."""
+    forced = any(p.get(FORCED) is not None for p in summary["points"])
+    fig, axes = plt.subplots(1, 2 if forced else 1, figsize=(12.4 if forced else 6.4, 4.6), squeeze=False)
+    panels = ((RAW, "student_accuracy_before", "raw"), (FORCED, "student_accuracy_before_forced", "forced"))
+    for ax, (key, before_key, kind) in zip(axes[0], panels):
+        _tradeoff_panel(ax, summary, key, summary.get(before_key), kind)
+    axes[0][0].set_title(title or "antidistillation sampling vs temperature sampling", fontsize=10)
+    if forced:
+        axes[0][1].set_title("the same students, each final answer forced", fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def _tradeoff_panel(ax, summary: dict, key: str, before: float | None, kind: str) -> None:
+    """One panel of `tradeoff`: the students' `key` accuracy (raw or forced) against teacher accuracy."""
     for i, (label, line) in enumerate(tradeoff_curves(summary).items()):
         is_temp = label == "temperature"
         colour = TEMPERATURE_COLOUR if is_temp else ADS_COLOURS[(i - 1) % len(ADS_COLOURS)]
-        x, y = _accuracy_xy(line)
+        x, y = _accuracy_xy(line, key)
         ax.plot(x, y, "o-" if is_temp else "s-", color=colour, label=label, lw=1.4, ms=5)
         runs = [r for p in line for r in p.get("runs", []) if len(p.get("runs", [])) > 1]
         if runs:  # every repeat of a point, around the mean the line goes through
-            rx, ry = _accuracy_xy(runs)
+            rx, ry = _accuracy_xy(runs, key)
             ax.scatter(rx, ry, color=colour, s=9, alpha=0.35, marker="o" if is_temp else "s")
         for p in line:
-            if p.get("teacher_accuracy") is None or (not is_temp and p["lam"] == 0):
+            if p.get("teacher_accuracy") is None or p.get(key) is None or (not is_temp and p["lam"] == 0):
                 continue
             tag = f"τ={p['temperature']:g}" if is_temp else f"λ={p['lam']:g}"
             ax.annotate(
                 tag,
-                (p["teacher_accuracy"], p["student_accuracy"]),
+                (p["teacher_accuracy"], p[key]),
                 textcoords="offset points",
                 xytext=(4, 4 if is_temp else -10),
                 fontsize=7,
                 color=colour,
             )
-    before = summary.get("student_accuracy_before")
     if before is not None:
         ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
     ax.plot([0, 1], [0, 1], color="#ccc", lw=0.8, zorder=0)
-    xs = [p["teacher_accuracy"] for p in summary["points"] if p.get("teacher_accuracy") is not None]
-    ys = [p["student_accuracy"] for p in summary["points"]] + ([before] if before is not None else [])
+    xs, ys = _accuracy_xy(summary["points"], key)
+    ys += [before] if before is not None else []
     if xs:
         ax.set_xlim(max(0.0, min(xs) - 0.05), min(1.0, max(xs) + 0.05))
         ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.02, max(ys) + 0.08))
     ax.set_xlabel("teacher accuracy (its training traces)")
-    ax.set_ylabel("distilled student accuracy (held out)")
-    ax.set_title(title or "antidistillation sampling vs temperature sampling", fontsize=10)
+    ax.set_ylabel(f"distilled student accuracy, {kind} (held out)")
     ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
 
 
 def _token_span(t: dict) -> str:

@@ -26,14 +26,17 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
                                           traceback)
     points/<name>/error.txt               the traceback of a point that failed (the other points go on)
     points/<name>/seed<seed>/traces.jsonl prompt, completion, answer, correct, truncated per training prompt
+                                          (reused by resume=True when it has every training prompt's)
     points/<name>/seed<seed>/result.json  that run's accuracies, losses, error kinds (reused by resume=True)
     points/<name>/seed<seed>/metrics.jsonl the student's SFT log: step, loss, grad_norm, learning_rate
     points/<name>/seed<seed>/student/     the distilled student (`student_save`: LoRA adapter, or model)
-    points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`) and tracker logs
+    points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`), each with the hash of
+                                          the rows it trained on, and tracker logs
     baseline.json                         the student before distillation, the gradients' norms
     metrics.jsonl                         one record per point, plus the students' SFT losses (`sft_loss`)
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,
-                                          student_accuracy, student_holdout_loss, errors, runs}],
+                                          student_accuracy (raw), student_accuracy_forced (its final
+                                          answer forced), student_holdout_loss, errors, runs}],
                                           "failed_points": [{name, error}], "status": "done" | "incomplete"}
     figures/tradeoff.png                  teacher accuracy (x) against distilled-student accuracy (y)
     figures/tradeoff_holdout_loss.png     teacher accuracy against the students' NLL on held-out traces
@@ -41,7 +44,9 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
 The points are spread over `num_processes` processes (0: one per visible GPU, 1 on a CPU), round-robin in
 sweep order (`spread.py`); each holds its own teacher and proxies on its own GPU and runs its points one after
 another, the teacher and proxies waiting in CPU memory while each student trains. A point's seeds are its own,
-so the summary does not depend on the number of processes. `resume=True` runs only the points not finished.
+so the summary does not depend on the number of processes. `resume=True` runs only the points not finished;
+an unfinished point reuses its complete traces and continues its student from the newest complete checkpoint
+(refused when that checkpoint trained on other traces).
 """
 
 from __future__ import annotations
@@ -175,7 +180,14 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     return run
 
 
-TRACKED = ("lam", "temperature", "teacher_accuracy", "student_accuracy", "student_holdout_loss")
+TRACKED = (
+    "lam",
+    "temperature",
+    "teacher_accuracy",
+    "student_accuracy",
+    "student_accuracy_forced",
+    "student_holdout_loss",
+)
 
 
 def process(
@@ -210,7 +222,11 @@ def track(cfg: AntidistillConfig, run: RunDir, summary: dict) -> None:
     tracker.log(
         {
             k: summary[k]
-            for k in ("student_accuracy_before", "student_holdout_loss_before")
+            for k in (
+                "student_accuracy_before",
+                "student_accuracy_before_forced",
+                "student_holdout_loss_before",
+            )
             if summary.get(k) is not None
         },
         step=0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -24,15 +25,16 @@ from opdkit.jobs.antidistill.students import (
     keep_student,
     sft_rows,
     sft_seed,
-    student_accuracy,
+    student_accuracies,
 )
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.models import eos_ids
 from opdkit.rollout import sampling
-from opdkit.run.files import atomic_write_text, write_jsonl
+from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
 
 POINTS_DIR = "points"
+TRACES_FILE = "traces.jsonl"  # a point's traces, reused by resume=True when complete
 
 
 def write_traces(
@@ -79,6 +81,24 @@ def write_traces(
     ]
 
 
+def saved_traces(path: Path, prep: Prepared) -> list[dict] | None:
+    """A point's traces written by an earlier run, when they are complete: one record with a completion
+    per training prompt, in order. None (with the reason said) when they must be written again."""
+    if not path.is_file():
+        return None
+    records = read_jsonl(path)  # written atomically: the whole file or none
+    problem = None
+    if len(records) != len(prep.train_messages):
+        problem = f"{len(records)} traces for {len(prep.train_messages)} training prompts"
+    elif any(r.get("messages") != m or "completion" not in r for r, m in zip(records, prep.train_messages)):
+        problem = "their prompts are not this run's training prompts"
+    if problem:
+        print0(f"resume: writing the traces again, {path} does not fit ({problem})")
+        return None
+    print0(f"resume: reusing the {len(records)} traces in {path}")
+    return records
+
+
 def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
     """Traces at this point, a fresh student distilled on them, both accuracies; in
     points/<name>/seed<seed>/."""
@@ -88,8 +108,10 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
         return json.loads((folder / "result.json").read_text())
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    records = write_traces(cfg, prep, models, point, seed, dev)
-    write_jsonl(folder / "traces.jsonl", records)
+    records = saved_traces(folder / TRACES_FILE, prep) if cfg.resume else None
+    if records is None:
+        records = write_traces(cfg, prep, models, point, seed, dev)
+        write_jsonl(folder / TRACES_FILE, records)
     offload(models, dev, off=True)
     student = fresh_student(cfg, dev, sft_seed(cfg, seed))
     rows = sft_rows(records, prep.student_tokenizer, cfg)
@@ -98,10 +120,12 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     )
     student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
     steps = trainer.step_log()
+    raw, forced = student_accuracies(student, prep)
     result = {
         "seed": seed,
         "teacher_accuracy": traces.accuracy(records),
-        "student_accuracy": student_accuracy(student, prep),
+        "student_accuracy": raw,
+        "student_accuracy_forced": forced,
         "student_holdout_loss": holdout_loss(
             student,
             models.holdout,
@@ -118,7 +142,12 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     trainer.log(
         {
             k: result[k]
-            for k in ("teacher_accuracy", "student_accuracy", "student_holdout_loss")
+            for k in (
+                "teacher_accuracy",
+                "student_accuracy",
+                "student_accuracy_forced",
+                "student_holdout_loss",
+            )
             if result[k] is not None
         }
     )  # to report_to, after the SFT steps
@@ -161,6 +190,7 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
         "name": point.name,
         "teacher_accuracy": _mean([r["teacher_accuracy"] for r in runs]),
         "student_accuracy": _mean([r["student_accuracy"] for r in runs]),
+        "student_accuracy_forced": _mean([r.get("student_accuracy_forced") for r in runs]),
         "student_holdout_loss": _mean([r.get("student_holdout_loss") for r in runs]),
         "errors": _mean_errors([r.get("errors") for r in runs]),
         "runs": runs,
@@ -177,4 +207,9 @@ def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
         prep.student_tokenizer.pad_token_id,
         cfg.sft_micro_batch_size or cfg.sft_batch_size,
     )
-    return {"student_accuracy_before": student_accuracy(student, prep), "student_holdout_loss_before": loss}
+    raw, forced = student_accuracies(student, prep)
+    return {
+        "student_accuracy_before": raw,
+        "student_accuracy_before_forced": forced,
+        "student_holdout_loss_before": loss,
+    }

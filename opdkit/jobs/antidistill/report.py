@@ -55,7 +55,9 @@ def _pct(v: float | None) -> str:
 
 def summary_table_html(summary: dict) -> str:
     """One row per point; `slip` and `contradiction` split the teacher's wrong traces (tiny task): a wrong
-    answer that follows from its own working, or one that contradicts it."""
+    answer that follows from its own working, or one that contradicts it. `student_accuracy` is raw (the
+    completions as written), `student_accuracy_forced` with each final answer forced, as the ADS reference
+    reports both."""
     cols = [
         "method",
         "lam",
@@ -64,6 +66,7 @@ def summary_table_html(summary: dict) -> str:
         "slip",
         "contradiction",
         "student_accuracy",
+        "student_accuracy_forced",
         "student_holdout_loss",
         "runs",
         "seconds",
@@ -80,6 +83,7 @@ def summary_table_html(summary: dict) -> str:
             _pct(err.get("slip")),
             _pct(err.get("contradiction")),
             _pct(p["student_accuracy"]),
+            _pct(p.get("student_accuracy_forced")),
             "–" if loss is None else f"{loss:.3f}",
             str(len(p.get("runs", [1]))),
             f"{p['seconds']:.0f}",
@@ -109,7 +113,11 @@ def _error_lines(summary: dict) -> list[str]:
 def explain(summary: dict) -> str:
     """What this run measured, in sentences built from summary.json: each ADS point against the temperature
     sweep at the same teacher accuracy."""
-    lines = [f"- student before distillation: {_pct(summary.get('student_accuracy_before'))}"]
+    lines = [
+        f"- student before distillation: {_pct(summary.get('student_accuracy_before'))} raw, "
+        f"{_pct(summary.get('student_accuracy_before_forced'))} with its final answer forced; the "
+        "comparisons below are of raw accuracy, the forced one is in the table and the figure's right panel."
+    ]
     for p in summary.get("failed_points", []):
         last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
         lines.append(

@@ -98,13 +98,18 @@ def run_point_safely(point: Point, prep: Prepared, models, run: RunDir, dev: tor
     return result
 
 
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
 def result_line(r: dict) -> str:
     if r["status"] != "done":
         return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
     acc = r["teacher_accuracy"]
     return (
         f"{r['name']:28s} teacher {'n/a' if acc is None else f'{acc:.3f}'}  "
-        f"student {r['student_accuracy']:.3f}  ({r['seconds']:.0f} s)"
+        f"student {r['student_accuracy']:.3f} (forced {_num(r.get('student_accuracy_forced'))})  "
+        f"({r['seconds']:.0f} s)"
     )
 
 

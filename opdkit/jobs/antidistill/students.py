@@ -15,15 +15,16 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from opdkit import tiny
+from opdkit.config import ConfigError
 from opdkit.data import sft, traces
 from opdkit.data.sft import CompletionSFTTrainer
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared
 from opdkit.models import enable_activation_checkpointing
 from opdkit.rollout import evaluate
+from opdkit.run import checkpoints
 from opdkit.run.folders import print0
 
 SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
@@ -157,7 +158,8 @@ def distill_student(
 ) -> CompletionSFTTrainer:
     """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's
     loss the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it
-    continues from the last checkpoint in `folder`/sft/. Returns the trainer (its `step_log()`, its `model`
+    continues from the newest complete checkpoint in `folder`/sft/, refused when that checkpoint
+    trained on other rows (`sft.trained_on_problem`). Returns the trainer (its `step_log()`, its `model`
     trained)."""
     steps = sft_steps(cfg, len(rows))
     model = with_lora(model, cfg, seed)
@@ -170,8 +172,16 @@ def distill_student(
         order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
         pad_token_id=tok.pad_token_id,
     )
-    last = get_last_checkpoint(args.output_dir) if cfg.resume and Path(args.output_dir).is_dir() else None
-    trainer.train(resume_from_checkpoint=last)
+    last = checkpoints.resume_checkpoint(args.output_dir) if cfg.resume else None
+    if last is not None:
+        problem = sft.trained_on_problem(last, rows)
+        if problem:
+            raise ConfigError(
+                f"resume refused: {problem}. Continuing it would train one student on two sets of traces. "
+                f"Delete {args.output_dir} to distil this student again from the traces beside it, or "
+                "restore the traces it was trained on."
+            )
+    trainer.train(resume_from_checkpoint=str(last) if last else None)
     trainer.model.eval()
     return trainer
 
@@ -204,14 +214,16 @@ def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.dev
     return PeftModel.from_pretrained(fresh_student(cfg, dev, seed), path).merge_and_unload().eval()
 
 
-def student_accuracy(model: torch.nn.Module, prep: Prepared) -> float:
+def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
+    """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
+    final answers forced as the ADS reference does (`evaluate.forced_completions`)."""
     cfg = prep.cfg
-    return evaluate.accuracy(
+    return evaluate.accuracies(
         model,
         prep.student_tokenizer,
         prep.eval_messages,
         prep.eval_answers,
-        prep.task.check,
+        prep.task,
         max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         batch_size=cfg.gen_batch_size,
         enable_thinking=cfg.enable_thinking,

@@ -119,7 +119,18 @@ def arm_stats(run: RunDir, arm: Arm) -> dict:
 
 
 def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
-    over = {**arm.overrides, "seed": seed, "run_dir": str(lesson.path / "arms" / f"{arm.name}-seed{seed}")}
+    """The arm's whitebox run in arms/<arm>-seed<seed>/. With resume=True a finished arm is reused and an
+    unfinished one continues from its newest complete checkpoint."""
+    path = lesson.path / "arms" / f"{arm.name}-seed{seed}"
+    over = {**arm.overrides, "seed": seed, "run_dir": str(path)}
+    if cfg.resume and path.is_dir() and any(path.iterdir()):
+        status = (
+            RunDir.attach(path).read_summary().get("status") if (path / "summary.json").is_file() else None
+        )
+        if status not in (None, "training"):
+            print0(f"--- arm {arm.name} (seed {seed}): reusing the finished run in {path} ({status})")
+            return RunDir.attach(path)
+        over["resume"] = True
     if cfg.num_processes:
         over["num_processes"] = cfg.num_processes
     if cfg.eval_size >= 0:  # -1 keeps the preset's

@@ -33,6 +33,11 @@ class WhiteboxConfig(RunFields, OPDSettings):
     eval_batch_size: int = setting(
         64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1
     )
+    forced_accuracy: bool = setting(
+        False,
+        "also measure accuracy before and after with each final answer forced, as the ADS reference reports "
+        "beside raw accuracy: the task's answer cue appended to each completion, a few greedy tokens more",
+    )
     eval_steps: int = setting(
         0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0
     )

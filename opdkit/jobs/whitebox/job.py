@@ -28,7 +28,7 @@ from opdkit.notebook import live
 from opdkit.opd.callbacks import StepAccuracy
 from opdkit.opd.trainer import DistillTrainer, OPDArguments
 from opdkit.rollout import engines, evaluate
-from opdkit.run import sharding, tracking
+from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import launched_world_size, start_run
@@ -95,37 +95,68 @@ def engine_dtype(bf16: bool) -> str:
 def sharded_accuracy(
     model, prep: Prepared, world: int, rank: int, limit: int | None = None, engine=None
 ) -> float | None:
-    """Greedy accuracy with the evaluation set (its first `limit` problems) split across processes and the
-    counts summed. The kit's loop decodes every model under the same autocast (`accuracy_precision`), so
-    before and after compare one precision; a vLLM `engine` is first synced with `model` on every rank
-    (a sharded model's sync gathers) and decodes from those weights."""
+    """Raw greedy accuracy (`sharded_accuracies` without forcing)."""
+    return sharded_accuracies(model, prep, world, rank, limit, engine, forced=False)[0]
+
+
+def sharded_accuracies(
+    model,
+    prep: Prepared,
+    world: int,
+    rank: int,
+    limit: int | None = None,
+    engine=None,
+    forced: bool | None = None,
+) -> tuple[float | None, float | None]:
+    """(raw, forced) greedy accuracy with the evaluation set (its first `limit` problems) split across
+    processes and the counts summed; forced (each final answer forced, `evaluate.forced_completions`) only
+    when `forced` (default: the config's `forced_accuracy`), else None. The kit's loop decodes every model
+    under the same autocast (`accuracy_precision`), so before and after compare one precision; a vLLM
+    `engine` is first synced with `model` on every rank (a sharded model's sync gathers) and decodes from
+    those weights."""
     cfg, tok = prep.cfg, prep.tokenizer
+    forced = cfg.forced_accuracy if forced is None else forced
     messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     if not messages:
-        return None
+        return None, None
     if engine is not None:
         engine.sync(model)
     mine = list(range(rank, len(messages), world))
-    correct = 0.0
+    correct, correct_forced = 0.0, 0.0
     device = next(model.parameters()).device
     if mine:
+        mine_messages = [messages[i] for i in mine]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and engine is None):
             comps = evaluate.greedy_completions(
                 model,
                 tok,
-                [messages[i] for i in mine],
+                mine_messages,
                 max_new_tokens=eval_new_tokens(cfg),
                 batch_size=cfg.eval_batch_size,
                 enable_thinking=cfg.enable_thinking,
                 progress=rank == 0,
                 engine=engine,
             )
+            if forced:
+                comps_forced = evaluate.forced_completions(
+                    model,
+                    tok,
+                    mine_messages,
+                    comps,
+                    prep.task,
+                    batch_size=cfg.eval_batch_size,
+                    enable_thinking=cfg.enable_thinking,
+                    engine=engine,
+                )
+                correct_forced = float(
+                    sum(prep.task.check(c, answers[i]) for c, i in zip(comps_forced, mine))
+                )
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
-        t = torch.tensor([correct], dtype=torch.float64, device=device)
+        t = torch.tensor([correct, correct_forced], dtype=torch.float64, device=device)
         dist.all_reduce(t)
-        correct = t.item()
-    return correct / len(messages)
+        correct, correct_forced = t.tolist()
+    return correct / len(messages), correct_forced / len(messages) if forced else None
 
 
 def eval_new_tokens(cfg: WhiteboxConfig) -> int:
@@ -220,20 +251,28 @@ def _distil(
     # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as
     # its rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
-    acc = lambda m, e=None: sharded_accuracy(m, prep, world, rank, engine=e)  # noqa: E731
-    resumed = cfg.resume and any((run.path / "checkpoints").glob("checkpoint-*"))
+    acc = lambda m, e=None: sharded_accuracies(m, prep, world, rank, engine=e)  # noqa: E731
+    last = checkpoints.resume_checkpoint(run.path / "checkpoints") if cfg.resume else None
+    resumed = last is not None
     before = (
         run.read_summary().get("student_accuracy_before")
         if resumed and (run.path / "summary.json").exists()
         else None
     )
-    teacher_acc = acc(teacher)
+    before_forced = run.read_summary().get("student_accuracy_before_forced") if before is not None else None
+    teacher_acc, teacher_forced = acc(teacher)
     if before is None:
-        before = acc(student, engine)
+        before, before_forced = acc(student, engine)
     print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    forced_before = (
+        {"student_accuracy_before_forced": before_forced, "teacher_accuracy_forced": teacher_forced}
+        if cfg.forced_accuracy
+        else {}
+    )
     run.write_summary(
         {
             "student_accuracy_before": before,
+            **forced_before,
             "teacher_accuracy": teacher_acc,
             "accuracy_precision": accuracy_precision(cfg),
             "status": "training",
@@ -248,17 +287,19 @@ def _distil(
             lambda m: sharded_accuracy(m, prep, world, rank, cfg.eval_steps_size, engine),
             cfg.eval_steps,
         )
-    if resumed:
-        _truncate_metrics(run, trainer)
-    trainer.train(resume_from_checkpoint=True if resumed else None)
+    if cfg.resume:
+        truncate_metrics(run, checkpoints.checkpoint_step(last) if last else 0)
+    trainer.train(resume_from_checkpoint=str(last) if last else None)
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         tok.save_pretrained(run.path / "model")
-    after = acc(trained_student(trainer, run.path / "model"), engine)
+    after, after_forced = acc(trained_student(trainer, run.path / "model"), engine)
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
         "teacher_accuracy": teacher_acc,
+        **forced_before,
+        **({"student_accuracy_after_forced": after_forced} if cfg.forced_accuracy else {}),
         "accuracy_precision": accuracy_precision(cfg),
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
@@ -293,12 +334,9 @@ def trained_student(trainer: DistillTrainer, saved: Path):
     return load_model(str(saved), torch.float32, trainer.args.device)
 
 
-def _truncate_metrics(run: RunDir, trainer: DistillTrainer) -> None:
-    """Drop records logged after the checkpoint we resume from, so the log has each step once."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(str(run.path / "checkpoints"))
-    step = int(Path(last).name.split("-")[-1])
+def truncate_metrics(run: RunDir, step: int) -> None:
+    """Drop records logged after `step`, the checkpoint a resumed run continues from (0: none), so the log
+    has each step once."""
     if run.writer:
         for name in ("metrics.jsonl", "samples.jsonl"):
             kept = [r for r in run.read_jsonl(name) if r.get("step", 0) <= step]
