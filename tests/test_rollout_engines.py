@@ -156,3 +156,26 @@ def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
     assert torch.equal(torch.get_rng_state(), state), "greedy decoding must not reseed the global RNG"
     want = hf_greedy(model, tok, ids, mask)
     assert torch.equal(a.input_ids_BT, want.input_ids_BT) and torch.equal(b.input_ids_BT, want.input_ids_BT)
+
+
+def test_vllms_per_sync_notes_are_dropped_and_nothing_else():
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger, handler = logging.getLogger("vllm"), Keep()
+    logger.addHandler(handler)
+    try:
+        engines._quiet_sync_logs()
+        engines._quiet_sync_logs()  # twice: one filter
+        child = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        child.warning("RotaryEmbedding: Failed to load weights")
+        logging.getLogger("vllm.v1.core").warning("Successfully reset prefix cache")
+        child.warning("KV cache is full")
+        assert seen == ["KV cache is full"] and len(handler.filters) == 1
+    finally:
+        logger.removeHandler(handler)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import os
 import weakref
 from collections.abc import Iterator
@@ -155,6 +156,23 @@ class _Process:
 _PROCESS = _Process()
 
 
+# What vLLM logs at every weight sync, once per optimizer step: the layerwise reload's notes on the layers it
+# repacks afterwards (the rotary cache, a tied head) and the prefix cache's reset. Nothing to act on.
+_SYNC_NOISE = ("Failed to load weights", "Successfully reset prefix cache")
+
+
+class _DropSyncNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in record.getMessage() for s in _SYNC_NOISE)
+
+
+def _quiet_sync_logs() -> None:
+    """Keep a run's log readable: vLLM's handlers drop the per-sync notes above, and nothing else."""
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _DropSyncNoise) for f in handler.filters):
+            handler.addFilter(_DropSyncNoise())
+
+
 def free_memory() -> None:
     """A garbage collection, then the CUDA cache given back to the device."""
     gc.collect()
@@ -258,6 +276,8 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (read at import)
         from transformers import AutoConfig
         from vllm import LLM
+
+        _quiet_sync_logs()
 
         limits = [
             x
