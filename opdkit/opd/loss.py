@@ -193,15 +193,15 @@ class _ChunkedDivergence(torch.autograd.Function):
         )
         token_logprob_N = torch.empty_like(div_N) if target_N is not None else div_N.new_empty(0)
         for rows in heads.chunks(n_rows):
-            s_logits_CV = heads.student_logits(rows)
+            s_logits_RV = heads.student_logits(rows)
             if target_N is not None:  # read before the softmax below overwrites the logits
-                target_logit_C, raw_lse_C = heads.student_target_logits(rows, s_logits_CV, target_N[rows])
-            logp_s_CV, lse_s_N[rows] = _log_softmax_(s_logits_CV, spec.temperature)
+                target_logit_R, raw_lse_R = heads.student_target_logits(rows, s_logits_RV, target_N[rows])
+            logp_s_RV, lse_s_N[rows] = _log_softmax_(s_logits_RV, spec.temperature)
             if target_N is not None:
-                token_logprob_N[rows] = target_logit_C - (lse_s_N[rows] if raw_lse_C is None else raw_lse_C)
-            logp_t_CV, lse_t_N[rows] = _log_softmax_(heads.teacher_logits(rows), spec.temperature)
-            div_N[rows], entropy_N[rows] = _chunk_forward(logp_s_CV, logp_t_CV, spec.beta)
-            del s_logits_CV, logp_s_CV, logp_t_CV  # free both before the next chunk's logits exist
+                token_logprob_N[rows] = target_logit_R - (lse_s_N[rows] if raw_lse_R is None else raw_lse_R)
+            logp_t_RV, lse_t_N[rows] = _log_softmax_(heads.teacher_logits(rows), spec.temperature)
+            div_N[rows], entropy_N[rows] = _chunk_forward(logp_s_RV, logp_t_RV, spec.beta)
+            del s_logits_RV, logp_s_RV, logp_t_RV  # free both before the next chunk's logits exist
         ctx.save_for_backward(s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH, lse_s_N, lse_t_N, div_N)
         ctx.spec, ctx.dtypes = spec, heads.dtypes
         ctx.mark_non_differentiable(entropy_N, token_logprob_N)
@@ -218,14 +218,14 @@ class _ChunkedDivergence(torch.autograd.Function):
         # Accumulated in (at least) float32 over the full head, so its padding rows get an exact zero.
         grad_w_VH = s_w_VH.new_zeros(s_w_VH.shape, dtype=heads.softmax_dtype) if want_w else None
         for rows in heads.chunks(s_hidden_NH.shape[0]):
-            lse_s_C, lse_t_C = lse_s_N[rows].unsqueeze(1), lse_t_N[rows].unsqueeze(1)
-            logp_s_CV = heads.student_logits(rows).div_(spec.temperature).sub_(lse_s_C)
-            logp_t_CV = heads.teacher_logits(rows).div_(spec.temperature).sub_(lse_t_C)
-            grad_z_CV = _chunk_logits_grad_(logp_s_CV, logp_t_CV, div_N[rows], spec.beta)
-            del logp_s_CV, logp_t_CV  # grad_z_CV took logp_s_CV's place; logp_t_CV is free now
-            grad_z_CV.mul_((grad_div_N[rows].to(grad_z_CV.dtype) / spec.temperature).unsqueeze(1))
-            heads.accumulate_student_grads(rows, grad_z_CV.to(ctx.dtypes[0]), grad_h_NH, grad_w_VH)
-            del grad_z_CV  # before the next chunk's logits exist
+            lse_s_R, lse_t_R = lse_s_N[rows].unsqueeze(1), lse_t_N[rows].unsqueeze(1)
+            logp_s_RV = heads.student_logits(rows).div_(spec.temperature).sub_(lse_s_R)
+            logp_t_RV = heads.teacher_logits(rows).div_(spec.temperature).sub_(lse_t_R)
+            grad_z_RV = _chunk_logits_grad_(logp_s_RV, logp_t_RV, div_N[rows], spec.beta)
+            del logp_s_RV, logp_t_RV  # grad_z_RV took logp_s_RV's place; logp_t_RV is free now
+            grad_z_RV.mul_((grad_div_N[rows].to(grad_z_RV.dtype) / spec.temperature).unsqueeze(1))
+            heads.accumulate_student_grads(rows, grad_z_RV.to(ctx.dtypes[0]), grad_h_NH, grad_w_VH)
+            del grad_z_RV  # before the next chunk's logits exist
         if grad_w_VH is not None:
             grad_w_VH = grad_w_VH.to(s_w_VH.dtype)
         return grad_h_NH, grad_w_VH, None, None, None, None
@@ -241,7 +241,7 @@ class _Heads:
     t_hidden_NH: torch.Tensor
     t_w_VH: torch.Tensor
     chunk_size: int
-    s_w_pad_RH: torch.Tensor  # the student head's rows beyond the shared vocabulary (often none)
+    s_w_pad_EH: torch.Tensor  # the student head's rows beyond the shared vocabulary (often none)
     temperature: float
 
     @classmethod
@@ -279,39 +279,39 @@ class _Heads:
         return _logits(self.t_hidden_NH[rows], self.t_w_VH, self.softmax_dtype)
 
     def student_target_logits(
-        self, rows: slice, s_logits_CV: torch.Tensor, target_C: torch.Tensor
+        self, rows: slice, s_logits_RV: torch.Tensor, target_R: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(raw logit of each row's target, log-sum-exp of the raw logits over the whole head), from the
         chunk's unscaled student logits; the log-sum-exp is None where the softmax's own equals it
         (temperature 1, no padding rows)."""
-        vocab = s_logits_CV.shape[1]
-        target_logit_C = s_logits_CV.gather(1, target_C.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1)
-        lse_C = None if self.temperature == 1.0 else _row_logsumexp(s_logits_CV)
-        if self.s_w_pad_RH.shape[0]:
-            pad_CR = _logits(self.s_hidden_NH[rows], self.s_w_pad_RH, self.softmax_dtype)
-            pad_target_C = pad_CR.gather(1, (target_C - vocab).clamp(min=0).unsqueeze(1)).squeeze(1)
-            target_logit_C = torch.where(target_C >= vocab, pad_target_C, target_logit_C)
-            lse_C = torch.logaddexp(
-                _row_logsumexp(s_logits_CV) if lse_C is None else lse_C, torch.logsumexp(pad_CR, dim=-1)
+        vocab = s_logits_RV.shape[1]
+        target_logit_R = s_logits_RV.gather(1, target_R.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1)
+        lse_R = None if self.temperature == 1.0 else _row_logsumexp(s_logits_RV)
+        if self.s_w_pad_EH.shape[0]:
+            pad_RE = _logits(self.s_hidden_NH[rows], self.s_w_pad_EH, self.softmax_dtype)
+            pad_target_R = pad_RE.gather(1, (target_R - vocab).clamp(min=0).unsqueeze(1)).squeeze(1)
+            target_logit_R = torch.where(target_R >= vocab, pad_target_R, target_logit_R)
+            lse_R = torch.logaddexp(
+                _row_logsumexp(s_logits_RV) if lse_R is None else lse_R, torch.logsumexp(pad_RE, dim=-1)
             )
-        return target_logit_C, lse_C
+        return target_logit_R, lse_R
 
-    def accumulate_student_grads(self, rows, grad_z_CV, grad_h_NH, grad_w_VH) -> None:
+    def accumulate_student_grads(self, rows, grad_z_RV, grad_h_NH, grad_w_VH) -> None:
         with torch.autocast(self.s_w_VH.device.type, enabled=False):
             if grad_h_NH is not None:
-                grad_h_NH[rows] = (grad_z_CV @ self.s_w_VH).to(grad_h_NH.dtype)
+                grad_h_NH[rows] = (grad_z_RV @ self.s_w_VH).to(grad_h_NH.dtype)
             if grad_w_VH is not None:
-                hidden_CH = self.s_hidden_NH[rows].to(grad_z_CV.dtype)
-                if grad_z_CV.dtype == grad_w_VH.dtype:
-                    grad_w_VH[: grad_z_CV.shape[1]].addmm_(grad_z_CV.T, hidden_CH)
+                hidden_RH = self.s_hidden_NH[rows].to(grad_z_RV.dtype)
+                if grad_z_RV.dtype == grad_w_VH.dtype:
+                    grad_w_VH[: grad_z_RV.shape[1]].addmm_(grad_z_RV.T, hidden_RH)
                 else:
-                    grad_w_VH[: grad_z_CV.shape[1]] += grad_z_CV.T @ hidden_CH
+                    grad_w_VH[: grad_z_RV.shape[1]] += grad_z_RV.T @ hidden_RH
 
 
-def _logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _logits(hidden_RH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Logits as a fresh `dtype` tensor the caller may overwrite; the matmul in the weight's dtype."""
     with torch.autocast(weight_VH.device.type, enabled=False):
-        return F.linear(hidden_CH.to(weight_VH.dtype), weight_VH).to(dtype)
+        return F.linear(hidden_RH.to(weight_VH.dtype), weight_VH).to(dtype)
 
 
 # Elementwise work runs a block of rows at a time, so exp() and product temporaries stay this many
@@ -323,36 +323,36 @@ def _row_blocks(n_rows: int):
     return (slice(start, start + _ROW_BLOCK) for start in range(0, n_rows, _ROW_BLOCK))
 
 
-def _row_logsumexp(logits_CV: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.logsumexp(logits_CV[b], dim=-1) for b in _row_blocks(logits_CV.shape[0])])
+def _row_logsumexp(logits_RV: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.logsumexp(logits_RV[b], dim=-1) for b in _row_blocks(logits_RV.shape[0])])
 
 
-def _log_softmax_(logits_CV: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_softmax_(logits_RV: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities computed in place, per-row log-sum-exp)."""
     if temperature != 1.0:
-        logits_CV.div_(temperature)
-    lse_C = _row_logsumexp(logits_CV)
-    return logits_CV.sub_(lse_C.unsqueeze(1)), lse_C
+        logits_RV.div_(temperature)
+    lse_R = _row_logsumexp(logits_RV)
+    return logits_RV.sub_(lse_R.unsqueeze(1)), lse_R
 
 
 def _chunk_forward(
-    logp_s_CV: torch.Tensor, logp_t_CV: torch.Tensor, beta: float
+    logp_s_RV: torch.Tensor, logp_t_RV: torch.Tensor, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(divergence, student entropy) per row."""
     div, entropy = [], []
-    for b in _row_blocks(logp_s_CV.shape[0]):
-        div.append(_divergence_N(logp_s_CV[b], logp_t_CV[b], beta))
-        entropy.append(-(logp_s_CV[b].exp() * logp_s_CV[b]).sum(-1))
+    for b in _row_blocks(logp_s_RV.shape[0]):
+        div.append(_divergence_N(logp_s_RV[b], logp_t_RV[b], beta))
+        entropy.append(-(logp_s_RV[b].exp() * logp_s_RV[b]).sum(-1))
     return torch.cat(div), torch.cat(entropy)
 
 
 def _chunk_logits_grad_(
-    logp_s_CV: torch.Tensor, logp_t_CV: torch.Tensor, div_C: torch.Tensor, beta: float
+    logp_s_RV: torch.Tensor, logp_t_RV: torch.Tensor, div_R: torch.Tensor, beta: float
 ) -> torch.Tensor:
-    """d divergence / d (temperature-scaled student logits) per row, written over logp_s_CV."""
-    for b in _row_blocks(logp_s_CV.shape[0]):
-        logp_s_CV[b] = _logits_grad(logp_s_CV[b], logp_t_CV[b], div_C[b], beta)
-    return logp_s_CV
+    """d divergence / d (temperature-scaled student logits) per row, written over logp_s_RV."""
+    for b in _row_blocks(logp_s_RV.shape[0]):
+        logp_s_RV[b] = _logits_grad(logp_s_RV[b], logp_t_RV[b], div_R[b], beta)
+    return logp_s_RV
 
 
 def _logits_grad(
