@@ -82,7 +82,7 @@ def test_step_gradient_equals_direct_trl_computation(tmp_path, batch, accum):
         "r",
         [GradientDump(str(dump))],
         per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accum,
+        global_batch_size=batch * accum,
     )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))
 
@@ -96,7 +96,7 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
             f"r{batch}",
             [GradientDump(str(dump))],
             per_device_train_batch_size=batch,
-            gradient_accumulation_steps=accum,
+            global_batch_size=batch * accum,
         )
         grads.append(torch.load(dump))
     assert completions(tmp_path / "r4") == completions(tmp_path / "r2"), (
@@ -274,7 +274,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
         max_prompt_length=300,
         bf16=False,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        global_batch_size=4,
         save_steps=0,
         run_dir=str(tmp_path / "full"),
         loss_chunk_size=5,
@@ -287,7 +287,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
     assert summary["steps"] == 2 and summary["status"] == "done"
     assert len(run.read_jsonl()) == 2
     cfg = json.loads(json.dumps(__import__("yaml").safe_load((run.path / "config.yaml").read_text())))
-    assert cfg["learning_rate"] == 1e-6 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["learning_rate"] == 1e-6 and cfg["global_batch_size"] == 4
 
 
 # ---- cheap errors first ---------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
         "gc",
         [GradientDump(str(dump))],
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        global_batch_size=4,
         gradient_checkpointing=True,
     )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))

@@ -13,11 +13,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from opdkit import memory
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 
 JOB = ClipLessonConfig.job
@@ -118,14 +120,36 @@ def arm_stats(run: RunDir, arm: Arm) -> dict:
     }
 
 
-def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
-    over = {**arm.overrides, "seed": seed, "run_dir": str(lesson.path / "arms" / f"{arm.name}-seed{seed}")}
+def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
+    """What the lesson sets in an arm's whitebox config, beside the arm's own overrides."""
+    over = {**arm.overrides, "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb}
     if cfg.num_processes:
         over["num_processes"] = cfg.num_processes
     if cfg.eval_size >= 0:  # -1 keeps the preset's
         over["eval_size"] = cfg.eval_size
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
+    return over
+
+
+def memory_plan(cfg: ClipLessonConfig, arm_list: list[Arm]) -> memory.JobPlan:
+    """Every arm's whitebox plan per process (the arms run one after another), against one budget."""
+    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
+    plans = {
+        arm.name: whitebox.memory_plan(
+            load_config(whitebox.WhiteboxConfig, arm.mode, arm_overrides(arm, cfg)), budget
+        ).plan
+        for arm in arm_list
+    }
+    return memory.JobPlan(plans)
+
+
+def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
+    over = {
+        **arm_overrides(arm, cfg),
+        "seed": seed,
+        "run_dir": str(lesson.path / "arms" / f"{arm.name}-seed{seed}"),
+    }
     print0(
         f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
         f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}"
@@ -149,6 +173,7 @@ class Prepared:
     arms: list[Arm]
     seeds: list[int]
     existing: list[tuple[Arm, str, int]]  # clip_run and noclip_run, when given
+    plan: memory.JobPlan | None = None  # every arm's memory plan per process (None when existing)
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -156,14 +181,28 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     arm's own prompts and tokenizers are checked by whitebox's `prepare` when it runs."""
     cfg = load_config(ClipLessonConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
-    return Prepared(cfg, mode, arms(cfg), parse_seeds(cfg.seeds), existing_arms(cfg))
+    arm_list, existing = arms(cfg), existing_arms(cfg)
+    plan = None if existing else memory_plan(cfg, arm_list)
+    return Prepared(cfg, mode, arm_list, parse_seeds(cfg.seeds), existing, plan)
 
 
-def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
-    """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
+    """Show every arm's memory plan and stop there under `dry_run` (None) or when one does not fit
+    (ConfigError, before any weight is loaded); else run (or collect) every arm for every seed, write
+    summary.json (and plan.json); return the lesson's run dir."""
     prep = prepared or prepare(mode, overrides)
     cfg, seeds, existing = prep.cfg, prep.seeds, prep.existing
+    if prep.plan is not None:
+        print0(prep.plan.table())
+        if cfg.dry_run:
+            return None
+        prep.plan.check()
+    elif cfg.dry_run:
+        print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
+        return None
     lesson = RunDir.create(cfg, job=JOB, mode=prep.mode)
+    if prep.plan is not None:
+        atomic_write_text(lesson.path / memory.PLAN_FILE, prep.plan.to_json())
     results: dict[str, dict[int, dict]] = {}
     for arm, path, seed in existing:
         results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}
