@@ -16,7 +16,7 @@ from conftest import InterruptAt, Interrupted
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
-from opdkit.config import ConfigError
+from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.models import TokenizerMismatch, small_qwen3
 from opdkit.opd.callbacks import GradientDump
@@ -134,6 +134,45 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     assert_grads_close(two, one, rtol=1e-4)
     env = json.loads((tmp_path / "two" / "env.json").read_text())
     assert env["world_size"] == 2
+
+
+@pytest.mark.parametrize("processes,accumulation", [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)])
+def test_the_global_batch_is_the_same_whatever_the_process_count(processes, accumulation):
+    """02 full: 64 prompts per optimizer step, 4 per process per micro-batch: 64 / (4 x processes)."""
+    cfg = load_config(whitebox.WhiteboxConfig, "full")
+    assert (cfg.global_batch_size, cfg.per_device_train_batch_size) == (64, 4)
+    assert cfg.accumulation_steps(processes) == accumulation
+    assert accumulation * 4 * processes == 64
+
+
+@pytest.mark.parametrize("processes,hint", [(3, "num_processes"), (32, "per_device_train_batch_size=2")])
+def test_a_global_batch_that_does_not_divide_is_a_clear_error(processes, hint):
+    cfg = load_config(whitebox.WhiteboxConfig, "full")
+    with pytest.raises(ConfigError, match="global_batch_size=64") as err:
+        cfg.accumulation_steps(processes)
+    assert hint in str(err.value)
+
+
+@pytest.mark.slow
+def test_one_and_two_gloo_processes_take_the_same_global_batch_and_first_update(tmp_path):
+    """global_batch_size 8 in micro-batches of 2: 4 accumulated on one process, 2 on each of two."""
+    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8}
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        from opdkit.opd.callbacks import GradientDump
+        over = {common!r}
+        whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
+                     callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    dump_one = tmp_path / "one.pt"
+    run_tiny(tmp_path, "one", [GradientDump(str(dump_one))], **common)
+    assert len(completions(tmp_path / "one")) == len(completions(tmp_path / "two")) == 8
+    assert sorted(completions(tmp_path / "one")) == sorted(completions(tmp_path / "two"))
+    two, one = torch.load(tmp_path / "two.pt"), torch.load(dump_one)
+    assert_grads_close(two, direct_gradient(tmp_path / "two"))
+    assert_grads_close(two, one, rtol=1e-4)
 
 
 @pytest.mark.slow
