@@ -20,8 +20,8 @@ Pitfalls this module exists for:
   head before SDPA and SDPA keeps the mask in the matmul dtype: a GQA model's attention activations grow
   by heads / KV heads, plus one value per column (`activation_bytes_per_token`, counted with
   `saved_tensors_hooks`); eager attention would also keep heads x length probabilities, not planned;
-- `engines.VLLMEngine.sync` casts every parameter to the engine's dtype before handing them over, so the
-  sync buffer is the whole model in bf16, not one tensor (`Stage.sync_streamed` plans the streamed way);
+- a vLLM weight sync that casts every parameter to the engine's dtype before handing them over holds the
+  whole model in bf16; `engines.VLLMEngine.sync` streams them, one tensor at a time (`Stage.sync_streamed`);
 - AdamW steps one tensor at a time on CPU but with `foreach` on CUDA, whose sqrt(v) temporary is as large
   as all parameters together;
 - on CPU, torch 2.13's bf16 linear of the last position's (strided) hidden state copies the head's weight
@@ -376,7 +376,7 @@ class Stage:
         prompt_len + completion_len tokens (02 samples every row of an optimizer step at once);
         with rollout_engine "vllm" the engine's share replaces it.
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
-    sync_streamed: the vLLM weight sync hands over one tensor at a time (VLLMEngine.sync does not yet).
+    sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
     """
 
     student: ModelShape | None = None

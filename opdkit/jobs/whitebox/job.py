@@ -114,6 +114,7 @@ def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_sleep=cfg.vllm_sleep,
         engine_dtype=engine_dtype(cfg.bf16),
+        sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
     )
 
 
