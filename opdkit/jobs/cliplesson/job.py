@@ -133,7 +133,15 @@ def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
 
 
 def memory_plan(cfg: ClipLessonConfig, arm_list: list[Arm]) -> memory.JobPlan:
-    """Every arm's whitebox plan per process (the arms run one after another), against one budget."""
+    """Every arm's whitebox plan per process (the arms run one after another), against one budget. A dry
+    run also runs each arm's cheap checks (its data, tokenizers and model configs): whitebox's `prepare`."""
+    if cfg.dry_run:
+        return memory.JobPlan(
+            {
+                a.name: whitebox.prepare(a.mode, {**arm_overrides(a, cfg), "dry_run": True}).plan.plan
+                for a in arm_list
+            }
+        )
     budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
     plans = {
         arm.name: whitebox.memory_plan(
