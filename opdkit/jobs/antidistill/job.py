@@ -205,6 +205,7 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
         "run_dir": str(path),
         "overwrite": path.exists(),
         "num_processes": procs,
+        "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb,
     }
     print0(f"no grads_run: computing the proxy gradient with savegrad --mode {cfg.grads_mode} in {path}")
     return savegrad.run(cfg.grads_mode, over).path
