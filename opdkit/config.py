@@ -88,6 +88,17 @@ class RunFields:
     num_processes: int = setting(
         0, "processes to launch (one per GPU); 0 means every visible GPU, or 1 on CPU", min=0
     )
+    dry_run: bool = setting(
+        False,
+        "resolve the config, run the cheap checks (data, tokenizers, model configs), print the memory plan "
+        "and stop, writing nothing",
+    )
+    plan_gpu_memory_gb: float = setting(
+        0.0,
+        "GPU memory per process the memory plan must fit, in GB (1e9 bytes); 0 means the visible GPU's, "
+        "and on a CPU no budget is enforced",
+        min=0.0,
+    )
     report_to: str = setting(
         "none",
         "experiment tracker that receives the metrics and sample tables: none, tensorboard, trackio "

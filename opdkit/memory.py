@@ -20,8 +20,8 @@ Pitfalls this module exists for:
   head before SDPA and SDPA keeps the mask in the matmul dtype: a GQA model's attention activations grow
   by heads / KV heads, plus one value per column (`activation_bytes_per_token`, counted with
   `saved_tensors_hooks`); eager attention would also keep heads x length probabilities, not planned;
-- `engines.VLLMEngine.sync` casts every parameter to the engine's dtype before handing them over, so the
-  sync buffer is the whole model in bf16, not one tensor (`Stage.sync_streamed` plans the streamed way);
+- a vLLM weight sync that casts every parameter to the engine's dtype before handing them over holds the
+  whole model in bf16; `engines.VLLMEngine.sync` streams them, one tensor at a time (`Stage.sync_streamed`);
 - AdamW steps one tensor at a time on CPU but with `foreach` on CUDA, whose sqrt(v) temporary is as large
   as all parameters together;
 - on CPU, torch 2.13's bf16 linear of the last position's (strided) hidden state copies the head's weight
@@ -32,10 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from opdkit.config import ConfigError
 
 GB = 1e9
 ALWAYS = "always"
@@ -372,7 +376,7 @@ class Stage:
         prompt_len + completion_len tokens (02 samples every row of an optimizer step at once);
         with rollout_engine "vllm" the engine's share replaces it.
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
-    sync_streamed: the vLLM weight sync hands over one tensor at a time (VLLMEngine.sync does not yet).
+    sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
     """
 
     student: ModelShape | None = None
@@ -742,3 +746,119 @@ def _largest(stage: Stage, budget_gb: float, key: str) -> int | float:
 
 def _fits(stage: Stage, budget_gb: float, change: dict[str, Any]) -> bool:
     return plan(dataclasses.replace(stage, **change), budget_gb, suggest=False).fits
+
+
+# ---------------------------------------------------------------- a job's plan: budget, stages, verdict
+
+
+def visible_gpu_memory_gb() -> float | None:
+    """The first visible GPU's memory in GB (1e9 B), None without a GPU. Read through NVML or nvidia-smi,
+    which leave CUDA uninitialised, so that a notebook can still fork one process per GPU afterwards."""
+    import torch
+
+    count = torch.cuda.device_count()  # NVML-based where it can be: safe before a fork
+    if count == 0:
+        return None
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", first, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return float(out.split()[0]) * 2**20 / GB  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    if count == 1:  # one process, no fork to protect: CUDA may be initialised here
+        return torch.cuda.get_device_properties(0).total_memory / GB
+    raise ConfigError(
+        f"{count} GPUs are visible but their memory could not be read without initialising CUDA (no "
+        "nvidia-smi); set plan_gpu_memory_gb to one GPU's memory in GB, e.g. plan_gpu_memory_gb=80."
+    )
+
+
+def budget_gb(plan_gpu_memory_gb: float) -> float | None:
+    """The memory one process's plan must fit: `plan_gpu_memory_gb` when set, else the visible GPU's; None
+    (nothing enforced) on a CPU without it."""
+    return plan_gpu_memory_gb if plan_gpu_memory_gb > 0 else visible_gpu_memory_gb()
+
+
+PLAN_FILE = "plan.json"  # a run folder's copy of its plan (JobPlan.to_json)
+
+
+def optimizer_kind(optim: str, optim_args: str = "") -> str:
+    """A transformers `optim` name as the plan counts its state: "adamw" (2 states, also for any optimizer
+    not known here), "sgd" with momentum (1), "none" for plain SGD (gradients only)."""
+    if optim.startswith("sgd"):
+        return (
+            "sgd" if "momentum" in optim_args and "momentum=0" not in optim_args.replace(" ", "") else "none"
+        )
+    return "adamw"
+
+
+@dataclass
+class JobPlan:
+    """A job's plan: every stage's (the stages follow one another) and the largest, which decides."""
+
+    plans: dict[str, Plan]
+
+    @property
+    def stage(self) -> str:
+        return max(self.plans, key=lambda name: self.plans[name].total)
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[self.stage]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+    def table(self) -> str:
+        """The largest stage's table (its last line the verdict), headed by every stage's total."""
+        head = "memory plan per process"
+        if len(self.plans) > 1:
+            totals = ", ".join(f"{name} {p.total / GB:.1f} GB" for name, p in self.plans.items())
+            head += f", stages {totals}; the largest, {self.stage}:"
+        else:
+            head += f", {self.stage}:"
+        return head + "\n" + self.plan.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            **self.plan.to_dict(),
+            "stages": {k: p.to_dict() for k, p in self.plans.items()},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def check(self) -> None:
+        """Raise ConfigError, with the table and what would fit, when the plan does not fit its budget."""
+        if not self.fits:
+            raise ConfigError(
+                f"this run does not fit its memory budget (nothing has been loaded):\n{self.table()}\n"
+                "Change the settings named under 'would fit with', use more processes or a larger GPU, or "
+                "set plan_gpu_memory_gb if the budget is not this GPU's."
+            )
+
+
+def plan_job(stages: Mapping[str, Stage], budget: float | None) -> JobPlan:
+    """Plan each stage of a job against `budget` GB (None: nothing enforced). Without a budget a vLLM
+    engine's share is taken of this machine's memory, as vLLM on a CPU takes it."""
+    plans = {}
+    for name, stage in stages.items():
+        if budget is None and stage.rollout_engine == "vllm":
+            p = plan(stage, _host_memory_gb(), suggest=False)
+            p.budget_bytes = None
+        else:
+            p = plan(stage, budget)
+        plans[name] = p
+    return JobPlan(plans)
+
+
+def _host_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB

@@ -56,7 +56,7 @@ def test_full_whitebox_preset_is_the_original_configuration():
         gen_top_p=1.0,
         learning_rate=1e-6,
         per_device_train_batch_size=4,
-        gradient_accumulation_steps=4,
+        global_batch_size=64,  # the original's 4 per GPU x 4 GPUs x 4 accumulation
         num_train_epochs=1.0,
         max_steps=-1,
         max_grad_norm=1.0,

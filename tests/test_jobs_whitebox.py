@@ -16,7 +16,7 @@ from conftest import InterruptAt, Interrupted
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
-from opdkit.config import ConfigError
+from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import report as whitebox_report
 from opdkit.models import TokenizerMismatch, small_qwen3
@@ -85,7 +85,7 @@ def test_step_gradient_equals_direct_trl_computation(tmp_path, batch, accum):
         "r",
         [GradientDump(str(dump))],
         per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accum,
+        global_batch_size=batch * accum,
     )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))
 
@@ -99,7 +99,7 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
             f"r{batch}",
             [GradientDump(str(dump))],
             per_device_train_batch_size=batch,
-            gradient_accumulation_steps=accum,
+            global_batch_size=batch * accum,
         )
         grads.append(torch.load(dump))
     assert completions(tmp_path / "r4") == completions(tmp_path / "r2"), (
@@ -137,6 +137,45 @@ def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     assert_grads_close(two, one, rtol=1e-4)
     env = json.loads((tmp_path / "two" / "env.json").read_text())
     assert env["world_size"] == 2
+
+
+@pytest.mark.parametrize("processes,accumulation", [(1, 16), (2, 8), (4, 4), (8, 2), (16, 1)])
+def test_the_global_batch_is_the_same_whatever_the_process_count(processes, accumulation):
+    """02 full: 64 prompts per optimizer step, 4 per process per micro-batch: 64 / (4 x processes)."""
+    cfg = load_config(whitebox.WhiteboxConfig, "full")
+    assert (cfg.global_batch_size, cfg.per_device_train_batch_size) == (64, 4)
+    assert cfg.accumulation_steps(processes) == accumulation
+    assert accumulation * 4 * processes == 64
+
+
+@pytest.mark.parametrize("processes,hint", [(3, "num_processes"), (32, "per_device_train_batch_size=2")])
+def test_a_global_batch_that_does_not_divide_is_a_clear_error(processes, hint):
+    cfg = load_config(whitebox.WhiteboxConfig, "full")
+    with pytest.raises(ConfigError, match="global_batch_size=64") as err:
+        cfg.accumulation_steps(processes)
+    assert hint in str(err.value)
+
+
+@pytest.mark.slow
+def test_one_and_two_gloo_processes_take_the_same_global_batch_and_first_update(tmp_path):
+    """global_batch_size 8 in micro-batches of 2: 4 accumulated on one process, 2 on each of two."""
+    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8}
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        from opdkit.opd.callbacks import GradientDump
+        over = {common!r}
+        whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
+                     callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    dump_one = tmp_path / "one.pt"
+    run_tiny(tmp_path, "one", [GradientDump(str(dump_one))], **common)
+    assert len(completions(tmp_path / "one")) == len(completions(tmp_path / "two")) == 8
+    assert sorted(completions(tmp_path / "one")) == sorted(completions(tmp_path / "two"))
+    two, one = torch.load(tmp_path / "two.pt"), torch.load(dump_one)
+    assert_grads_close(two, direct_gradient(tmp_path / "two"))
+    assert_grads_close(two, one, rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -301,7 +340,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
         max_prompt_length=300,
         bf16=False,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        global_batch_size=4,
         save_steps=0,
         run_dir=str(tmp_path / "full"),
         loss_chunk_size=5,
@@ -314,7 +353,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
     assert summary["steps"] == 2 and summary["status"] == "done"
     assert len(run.read_jsonl()) == 2
     cfg = json.loads(json.dumps(__import__("yaml").safe_load((run.path / "config.yaml").read_text())))
-    assert cfg["learning_rate"] == 1e-6 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["learning_rate"] == 1e-6 and cfg["global_batch_size"] == 4
 
 
 # ---- cheap errors first ---------------------------------------------------------------------------
@@ -361,7 +400,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
         "gc",
         [GradientDump(str(dump))],
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        global_batch_size=4,
         gradient_checkpointing=True,
     )
     assert_grads_close(torch.load(dump), direct_gradient(run.path))

@@ -16,7 +16,6 @@ STILL = dict(
     subset_size=8,
     eval_size=24,
     per_device_train_batch_size=4,
-    gradient_accumulation_steps=1,
     max_new_tokens=12,
     save_steps=0,
     sample_every=0,

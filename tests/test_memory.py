@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit import memory, rollout
+from opdkit import memory
 from opdkit.memory import ModelShape, Stage, kv_bytes_per_token, largest_batch, plan
+from opdkit.rollout import sampling
 
 # The published config.json of each model (Qwen/Qwen3-*), the fields that shape it.
 _QWEN3_COMMON = {
@@ -227,7 +228,7 @@ def test_kv_bytes_per_token_match_a_real_cache():
     ids = torch.randint(0, 1000, (3, 11))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{rollout.cache_kwarg(model): cache})
+        model(input_ids=ids, use_cache=True, **{sampling.cache_kwarg(model): cache})
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert held == 3 * 11 * kv_bytes_per_token(ModelShape.from_config(SMALL), "float32")
 

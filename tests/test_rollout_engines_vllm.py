@@ -310,7 +310,7 @@ def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp
             "save_rollouts": True,
             "subset_size": 64,
             "per_device_train_batch_size": 2,
-            "gradient_accumulation_steps": 3,
+            "global_batch_size": 6,  # 3 micro-batches of 2
         },
         callbacks=[GradientDump(str(dump))],
     )
@@ -366,7 +366,7 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
         "save_rollouts": True,
         "subset_size": 64,
         "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2,
+        "global_batch_size": 16,  # 2 micro-batches of 4 on each of 2 processes
         "num_processes": 2,
         "run_dir": str(tmp_path / "two"),
         "parallelism": parallelism,

@@ -130,14 +130,18 @@ class SamplingSettings:
     pad_token_id: int
 
 
-def check_available(name: str) -> None:
-    """Stop before any heavy work if `name` cannot run here (vllm not installed)."""
+def check_available(name: str, dry_run: bool = False) -> None:
+    """Stop before any heavy work if `name` cannot run here (vllm not installed); a dry run, which plans a
+    run for another machine, only says so."""
     if name not in ENGINES:
         raise ValueError(f"rollout_engine={name!r} is not one of {list(ENGINES)}.")
     if name == "vllm":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
+            if dry_run:
+                print("note: rollout_engine=vllm, and vllm is not installed here; the run needs it")
+                return
             raise EngineUnavailable(
                 "rollout_engine=vllm needs the vllm package, which is not installed here; install the extra "
                 "(pip install -e '.[vllm]' on a GPU node, `make .venv-vllm` for the CPU build) "

@@ -41,13 +41,17 @@ def parse_cli(cls: type[RunFields], description: str, argv: list[str] | None = N
 def run_from_cli(
     cls: type[RunFields],
     description: str,
-    run: Callable[[str, dict], RunDir],
+    run: Callable[[str, dict], RunDir | None],
     figures: Callable[[RunDir], None],
     argv: list[str] | None = None,
-) -> RunDir:
-    """Parse the command line, run the job, draw its report's figures (rank 0), say where the run is."""
+) -> RunDir | None:
+    """Parse the command line, run the job, draw its report's figures (rank 0), say where the run is. A
+    dry run (`dry_run=true`) returns None and prints nothing after the job's memory plan, whose last line
+    (`plan: <total> GB of <budget> GB per process: fits`) scripts read."""
     mode, overrides = parse_cli(cls, description, argv)
     done = run(mode, overrides)
+    if done is None:
+        return None
     if done.writer:
         figures(done)
     print0(f"run directory: {done.path}")

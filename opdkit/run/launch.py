@@ -112,14 +112,17 @@ def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) 
         ) from exc
 
 
-def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> RunDir:
+def start_run(
+    fn: Callable, cfg, job: str, mode: str, prepared=None, *extra, files: dict[str, str] | None = None
+) -> RunDir:
     """A job's processes: create the run directory (on rank 0 only under torchrun / accelerate launch,
-    where every process must be told the same `run_dir`), then call `fn(cfg_dict, mode, run_path, prepared,
-    *extra)` in `cfg.num_processes` processes (0: every GPU). In-process runs reuse `prepared`; forked
-    processes prepare their own (cheap) copy."""
+    where every process must be told the same `run_dir`) with `files` (name: text) in it, then call
+    `fn(cfg_dict, mode, run_path, prepared, *extra)` in `cfg.num_processes` processes (0: every GPU).
+    In-process runs reuse `prepared`; forked processes prepare their own (cheap) copy."""
     import dataclasses
 
     from opdkit.config import ConfigError
+    from opdkit.run.files import atomic_write_text
     from opdkit.run.folders import RunDir
 
     if under_external_launcher():
@@ -135,6 +138,9 @@ def start_run(fn: Callable, cfg, job: str, mode: str, prepared=None, *extra) -> 
         )
     else:
         run = RunDir.create(cfg, job=job, mode=mode)
+    if run.writer:
+        for name, text in (files or {}).items():
+            atomic_write_text(run.path / name, text)
     n = default_num_processes(cfg.num_processes)
     local = n <= 1 or under_external_launcher()
     launch(

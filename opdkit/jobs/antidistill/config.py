@@ -106,7 +106,12 @@ class AntidistillConfig(RunFields):
         "(small models)",
         choices=direction.METHODS,
     )
-    gen_batch_size: int = setting(256, "prompts per generation batch", min=1)
+    gen_batch_size: int = setting(
+        256,
+        "prompts per generation batch (and per greedy evaluation batch of the students); 0 means the largest "
+        "that fits the memory plan",
+        min=0,
+    )
     sft_seed: int = setting(
         -1,
         "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "

@@ -51,6 +51,7 @@ an unfinished point reuses its complete traces and continues its student from th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import time
@@ -60,6 +61,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from opdkit import memory
 from opdkit.ads import gradfile
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.data import prompts, tasks
@@ -104,6 +106,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         len(messages) - len(keep),
     )
     first = teacher_tok.decode(prompts.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
+    cfg, plan = planned(cfg)
     return Prepared(
         cfg,
         mode,
@@ -117,7 +120,77 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         eval_answers,
         dropped,
         first,
+        plan,
     )
+
+
+def stages(cfg: AntidistillConfig, budget: float | None) -> dict[str, memory.Stage]:
+    """What one process holds, for the memory plan, at the two stages of every point: the teacher sampling
+    `gen_batch_size` traces steered by the proxy's perturbed copies (the proxy and its gradients wait in
+    CPU memory on a GPU; fd: two copies, each with its KV cache), then, with teacher and proxies moved
+    to CPU memory, the student's SFT (`sft_micro_batch_size` traces) and its greedy evaluation. The SFT
+    of a LoRA student is planned without optimizer state but with every weight's gradient, an upper bound."""
+    gpu = budget is not None
+    completion = cfg.max_new_tokens
+    sft_completion = completion
+    if cfg.sft_max_length:
+        sft_completion = max(1, min(completion, cfg.sft_max_length - cfg.max_prompt_length))
+    teacher_dtype = "bfloat16" if cfg.bf16 and gpu else "float32"
+    gradients = 2 if cfg.answer_lams else 1
+    micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
+    return {
+        "ADS sampling": memory.Stage(
+            teacher=memory.ModelShape.from_config(cfg.teacher_model),
+            proxy=memory.ModelShape.from_config(cfg.proxy_model),
+            teacher_dtype=teacher_dtype,
+            proxy_dtype="float32",
+            bf16=False,
+            device="cuda" if gpu else "cpu",
+            sampler="teacher",
+            gen_batch_size=cfg.gen_batch_size,
+            prompt_len=cfg.max_prompt_length,
+            completion_len=completion,
+            ads_copies=2 if cfg.ads_method == "fd" else 0,
+            proxy_gradients=gradients,
+            proxy_on_host=gpu,
+        ),
+        "student SFT": memory.Stage(
+            student=memory.ModelShape.from_config(cfg.student_model),
+            student_dtype="float32",
+            bf16=cfg.bf16 and gpu,
+            device="cuda" if gpu else "cpu",
+            optimizer="none" if cfg.student_lora_r else "adamw",
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            train_batch_size=micro,
+            prompt_len=cfg.max_prompt_length,
+            completion_len=sft_completion,
+            eval_model="student",
+            eval_batch_size=cfg.gen_batch_size,
+            eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        ),
+    }
+
+
+def planned(cfg: AntidistillConfig) -> tuple[AntidistillConfig, memory.JobPlan]:
+    """The memory plan per process, against `plan_gpu_memory_gb` or the visible GPU's; `gen_batch_size` 0
+    becomes the largest batch that fits both stages (the config returned says which)."""
+    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
+    if cfg.gen_batch_size == 0:
+        if budget is None:
+            raise ConfigError(
+                "gen_batch_size=0 means the largest batch that fits the memory plan, which needs a budget: "
+                "a GPU, or plan_gpu_memory_gb; or give a batch size."
+            )
+        largest = min(memory.largest_batch(stage, budget) for stage in stages(cfg, budget).values())
+        if not largest:
+            raise ConfigError(
+                f"not even one trace of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits "
+                f"{budget:.1f} GB beside the teacher and the proxy's copies; shorten max_new_tokens or use a "
+                "larger GPU."
+            )
+        print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
+        cfg = dataclasses.replace(cfg, gen_batch_size=largest)
+    return cfg, memory.plan_job(stages(cfg, budget), budget)
 
 
 def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) -> Path:
@@ -137,17 +210,24 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
         "run_dir": str(path),
         "overwrite": path.exists(),
         "num_processes": procs,
+        "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb,
     }
     print0(f"no grads_run: computing the proxy gradient with savegrad --mode {cfg.grads_mode} in {path}")
     return savegrad.run(cfg.grads_mode, over).path
 
 
-def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
-    """Prepare, create the run directory, compute or check the gradient, run the points not yet finished in
-    `num_processes` processes, gather the summary; returns the run."""
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
+    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), compute or
+    check the gradient, run the points not yet finished in `num_processes` processes, gather the summary;
+    returns the run."""
     t0 = time.time()
     prep = prepared or prepare(mode, overrides)
     cfg = prep.cfg
+    print0(prep.plan.table())
+    if cfg.dry_run:
+        return None
+    prep.plan.check()
     if under_external_launcher():
         raise ConfigError(
             "antidistill spreads its points over processes itself: start it as one process with "
@@ -155,6 +235,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
         )
     points = sweep_points(cfg)
     run = RunDir.create(cfg, job=JOB, mode=mode)
+    atomic_write_text(run.path / memory.PLAN_FILE, prep.plan.to_json())
     todo = [p for p in points if not (cfg.resume and finished(run, p))]
     n = max(1, min(default_num_processes(cfg.num_processes), len(todo)))
     grads_dir = ensure_grads(cfg, run, n)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from opdkit import memory
 from opdkit.ads import gradfile
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, tasks, traces
@@ -70,6 +71,7 @@ class Prepared:
     eval_answers: list[str]
     dropped: int
     first_prompt: str
+    plan: memory.JobPlan | None = None  # what each process will hold, from the models' config.json
 
 
 def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dict]]:

@@ -13,11 +13,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from opdkit import memory
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 
 JOB = ClipLessonConfig.job
@@ -118,11 +120,43 @@ def arm_stats(run: RunDir, arm: Arm) -> dict:
     }
 
 
+def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
+    """What the lesson sets in an arm's whitebox config, beside the arm's own overrides."""
+    over = {**arm.overrides, "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb}
+    if cfg.num_processes:
+        over["num_processes"] = cfg.num_processes
+    if cfg.eval_size >= 0:  # -1 keeps the preset's
+        over["eval_size"] = cfg.eval_size
+    over["sample_every"] = 1  # the spike's completions must be there to look at
+    over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
+    return over
+
+
+def memory_plan(cfg: ClipLessonConfig, arm_list: list[Arm]) -> memory.JobPlan:
+    """Every arm's whitebox plan per process (the arms run one after another), against one budget. A dry
+    run also runs each arm's cheap checks (its data, tokenizers and model configs): whitebox's `prepare`."""
+    if cfg.dry_run:
+        return memory.JobPlan(
+            {
+                a.name: whitebox.prepare(a.mode, {**arm_overrides(a, cfg), "dry_run": True}).plan.plan
+                for a in arm_list
+            }
+        )
+    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
+    plans = {
+        arm.name: whitebox.memory_plan(
+            load_config(whitebox.WhiteboxConfig, arm.mode, arm_overrides(arm, cfg)), budget
+        ).plan
+        for arm in arm_list
+    }
+    return memory.JobPlan(plans)
+
+
 def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
     """The arm's whitebox run in arms/<arm>-seed<seed>/. With resume=True a finished arm is reused and an
     unfinished one continues from its newest complete checkpoint."""
     path = lesson.path / "arms" / f"{arm.name}-seed{seed}"
-    over = {**arm.overrides, "seed": seed, "run_dir": str(path)}
+    over = {**arm_overrides(arm, cfg), "seed": seed, "run_dir": str(path)}
     if cfg.resume and path.is_dir() and any(path.iterdir()):
         status = (
             RunDir.attach(path).read_summary().get("status") if (path / "summary.json").is_file() else None
@@ -131,12 +165,6 @@ def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDi
             print0(f"--- arm {arm.name} (seed {seed}): reusing the finished run in {path} ({status})")
             return RunDir.attach(path)
         over["resume"] = True
-    if cfg.num_processes:
-        over["num_processes"] = cfg.num_processes
-    if cfg.eval_size >= 0:  # -1 keeps the preset's
-        over["eval_size"] = cfg.eval_size
-    over["sample_every"] = 1  # the spike's completions must be there to look at
-    over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
     print0(
         f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
         f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}"
@@ -160,6 +188,7 @@ class Prepared:
     arms: list[Arm]
     seeds: list[int]
     existing: list[tuple[Arm, str, int]]  # clip_run and noclip_run, when given
+    plan: memory.JobPlan | None = None  # every arm's memory plan per process (None when existing)
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -167,14 +196,28 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     arm's own prompts and tokenizers are checked by whitebox's `prepare` when it runs."""
     cfg = load_config(ClipLessonConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
-    return Prepared(cfg, mode, arms(cfg), parse_seeds(cfg.seeds), existing_arms(cfg))
+    arm_list, existing = arms(cfg), existing_arms(cfg)
+    plan = None if existing else memory_plan(cfg, arm_list)
+    return Prepared(cfg, mode, arm_list, parse_seeds(cfg.seeds), existing, plan)
 
 
-def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
-    """Run (or collect) every arm for every seed; write summary.json; return the lesson's run dir."""
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
+    """Show every arm's memory plan and stop there under `dry_run` (None) or when one does not fit
+    (ConfigError, before any weight is loaded); else run (or collect) every arm for every seed, write
+    summary.json (and plan.json); return the lesson's run dir."""
     prep = prepared or prepare(mode, overrides)
     cfg, seeds, existing = prep.cfg, prep.seeds, prep.existing
+    if prep.plan is not None:
+        print0(prep.plan.table())
+        if cfg.dry_run:
+            return None
+        prep.plan.check()
+    elif cfg.dry_run:
+        print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
+        return None
     lesson = RunDir.create(cfg, job=JOB, mode=prep.mode)
+    if prep.plan is not None:
+        atomic_write_text(lesson.path / memory.PLAN_FILE, prep.plan.to_json())
     results: dict[str, dict[int, dict]] = {}
     for arm, path, seed in existing:
         results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}

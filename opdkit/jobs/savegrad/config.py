@@ -54,7 +54,12 @@ class SaveGradConfig(RunFields, EngineSettings):
     gen_top_p: float = setting(
         1.0, "nucleus of the teacher's sampling (unused when greedy)", min=1e-3, max=1.0
     )
-    gen_batch_size: int = setting(64, "prompts per generation batch, per process", min=1)
+    gen_batch_size: int = setting(
+        64,
+        "prompts per generation batch, per process; 0 means the largest batch that fits the memory plan "
+        "(rollout_engine hf)",
+        min=0,
+    )
     proxy_tokens: str = setting(
         "proxy",
         "what the proxy reads: proxy, each trace re-rendered in the proxy's chat template; teacher, the "

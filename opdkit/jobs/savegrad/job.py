@@ -20,6 +20,7 @@ with `opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer)`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import tiny
+from opdkit import memory, tiny
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.data import prompts, tasks
@@ -61,6 +62,7 @@ class Prepared:
     traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
     dropped: int  # holdout prompts dropped as longer than max_prompt_length
     first_example: str  # the first prompt (or supplied trace) as the model sees it
+    plan: memory.JobPlan | None = None  # what each process will hold, from the models' config.json
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -83,8 +85,9 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
+        cfg, plan = planned(cfg)
         return Prepared(
-            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
+            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels), plan
         )
     holdout = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
@@ -95,7 +98,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     )
     collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = prompts.format_first_prompt(holdout, collator, teacher_tok)
-    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
+    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
+    cfg, plan = planned(cfg)
     return Prepared(
         cfg,
         mode,
@@ -107,7 +111,66 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         None,
         dropped,
         first,
+        plan,
     )
+
+
+def stages(cfg: SaveGradConfig, budget: float | None) -> dict[str, memory.Stage]:
+    """What one process holds, for the memory plan, in the job's two stages one after the other: the
+    teacher writing traces (the kit's loop, `gen_batch_size` rows, or the vLLM engine's share, which loads
+    the teacher itself), then the fp32 proxy's gradient pass (`batch_size` traces, no optimizer; every
+    process holds the whole proxy). Without traces_path both; with it the gradient pass only."""
+    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    trace = (min(longest, cfg.max_length) if cfg.max_length else longest) - cfg.max_prompt_length
+    device = "cpu" if budget is None else "cuda"
+    out = {}
+    if not cfg.traces_path:
+        hf = cfg.rollout_engine == "hf"
+        out["teacher traces"] = memory.Stage(
+            teacher=memory.ModelShape.from_config(cfg.teacher_model) if hf else None,
+            teacher_dtype="bfloat16" if cfg.bf16 else "float32",
+            bf16=False,
+            device=device,
+            sampler="teacher",
+            gen_batch_size=cfg.gen_batch_size if hf else 0,
+            prompt_len=cfg.max_prompt_length,
+            completion_len=trace,
+            rollout_engine=cfg.rollout_engine,
+            vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            engine_dtype="bfloat16" if cfg.bf16 else "float32",
+        )
+    out["proxy gradient"] = memory.Stage(
+        student=memory.ModelShape.from_config(cfg.proxy_model),
+        student_dtype="float32",
+        bf16=False,
+        device=device,
+        optimizer="none",
+        train_batch_size=cfg.batch_size,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=trace,
+    )
+    return out
+
+
+def planned(cfg: SaveGradConfig) -> tuple[SaveGradConfig, memory.JobPlan]:
+    """The memory plan per process, against `plan_gpu_memory_gb` or the visible GPU's; `gen_batch_size` 0
+    becomes the largest batch that fits it (the config returned says which)."""
+    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
+    if cfg.gen_batch_size == 0 and not cfg.traces_path:
+        if budget is None or cfg.rollout_engine != "hf":
+            raise ConfigError(
+                "gen_batch_size=0 means the largest batch that fits the memory plan, which needs the kit's "
+                "loop (rollout_engine=hf) and a budget: a GPU, or plan_gpu_memory_gb; or give a batch size."
+            )
+        largest = memory.largest_batch(stages(cfg, budget)["teacher traces"], budget)
+        if not largest:
+            raise ConfigError(
+                f"not even one trace of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits "
+                f"{budget:.1f} GB beside the teacher; shorten max_new_tokens or use a larger GPU."
+            )
+        print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
+        cfg = dataclasses.replace(cfg, gen_batch_size=largest)
+    return cfg, memory.plan_job(stages(cfg, budget), budget)
 
 
 def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:
@@ -237,12 +300,18 @@ def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], 
     tracker.finish()
 
 
-def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir:
-    """Prepare, create the run directory, launch the processes; returns the run directory."""
+def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
+    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), launch
+    the processes; returns the run directory."""
     prep = prepared or prepare(mode, overrides)
     if prepared is None:  # a notebook has shown it already
         print0(prep.first_example)
-    return start_run(process, prep.cfg, JOB, mode, prep)
+    print0(prep.plan.table())
+    if prep.cfg.dry_run:
+        return None
+    prep.plan.check()
+    return start_run(process, prep.cfg, JOB, mode, prep, files={memory.PLAN_FILE: prep.plan.to_json()})
 
 
 def main(argv: list[str] | None = None) -> None:

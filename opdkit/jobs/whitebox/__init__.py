@@ -2,7 +2,7 @@
 shows the run."""
 
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.job import JOB, main, prepare, run
+from opdkit.jobs.whitebox.job import JOB, main, memory_plan, prepare, run
 from opdkit.notebook.parameters import notebook_parameters
 
 
@@ -11,4 +11,4 @@ def parameters(namespace: dict) -> tuple[str, dict]:
     return notebook_parameters(WhiteboxConfig, namespace)
 
 
-__all__ = ["JOB", "WhiteboxConfig", "main", "parameters", "prepare", "run"]
+__all__ = ["JOB", "WhiteboxConfig", "main", "memory_plan", "parameters", "prepare", "run"]

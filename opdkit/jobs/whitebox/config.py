@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from opdkit.config import RunFields, setting
+from opdkit.config import ConfigError, RunFields, setting
 from opdkit.opd.arguments import OPDSettings
 
 
@@ -58,7 +58,13 @@ class WhiteboxConfig(RunFields, OPDSettings):
     weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
     adam_beta2: float = setting(0.999, "AdamW beta2", min=0.0, max=1.0)
     per_device_train_batch_size: int = setting(4, "prompts per process per micro-batch", min=1)
-    gradient_accumulation_steps: int = setting(4, "micro-batches per optimizer step", min=1)
+    global_batch_size: int = setting(
+        0,
+        "prompts per optimizer step over all processes, whatever their number; the micro-batches each "
+        "process accumulates are derived: global_batch_size / (per_device_train_batch_size x processes). "
+        "0 means one micro-batch per process",
+        min=0,
+    )
     num_train_epochs: float = setting(1.0, "passes over the prompts (ignored when max_steps > 0)", min=0.0)
     max_steps: int = setting(-1, "optimizer steps; -1 means num_train_epochs", min=-1)
     max_grad_norm: float = setting(
@@ -75,3 +81,20 @@ class WhiteboxConfig(RunFields, OPDSettings):
     logging_steps: int = setting(1, "log metrics every this many optimizer steps", min=1)
     save_steps: int = setting(100, "checkpoint every this many steps; 0 only at the end", min=0)
     save_total_limit: int = setting(2, "checkpoints kept", min=1)
+
+    def accumulation_steps(self, processes: int) -> int:
+        """Micro-batches each process accumulates per optimizer step, so that a step takes
+        `global_batch_size` prompts over `processes` processes."""
+        per_device, total = self.per_device_train_batch_size, self.global_batch_size
+        if not total:
+            return 1
+        if total % (per_device * processes):
+            fits = [n for n in range(1, per_device + 1) if total % (n * processes) == 0]
+            hint = f" or per_device_train_batch_size={max(fits)}," if fits else ""
+            raise ConfigError(
+                f"global_batch_size={total} prompts per optimizer step do not split into micro-batches of "
+                f"per_device_train_batch_size={per_device} on {processes} process(es), "
+                f"{per_device * processes} prompts a round; set global_batch_size to a multiple of "
+                f"{per_device * processes},{hint} or change the number of processes (num_processes)."
+            )
+        return total // (per_device * processes)

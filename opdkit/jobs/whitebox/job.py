@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from opdkit import memory
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, tasks
 from opdkit.jobs.whitebox.config import WhiteboxConfig
@@ -31,7 +32,7 @@ from opdkit.rollout import engines, evaluate
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import launched_world_size, start_run
+from opdkit.run.launch import default_num_processes, launched_world_size, start_run, under_external_launcher
 
 JOB = WhiteboxConfig.job
 
@@ -47,6 +48,7 @@ class Prepared:
     eval_answers: list
     dropped: int
     first_prompt: str
+    plan: memory.JobPlan  # what each process will hold, from the models' config.json
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
 
     @property
@@ -71,11 +73,54 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     train, dropped = prompts.filter_long_prompts(train, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = prompts.format_first_prompt(train, collator, tok)
-    engines.check_available(cfg.rollout_engine)  # an import check, after the data and tokenizers
+    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
         raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
     longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
-    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, longest)
+    plan = memory_plan(cfg, memory.budget_gb(cfg.plan_gpu_memory_gb))
+    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, plan, longest)
+
+
+def processes(cfg: WhiteboxConfig) -> int:
+    """The processes the run will have: the launcher's, or `num_processes` (0: every visible GPU)."""
+    return launched_world_size() if under_external_launcher() else default_num_processes(cfg.num_processes)
+
+
+def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage:
+    """What one process of this run holds, for the memory plan: the fp32 student (bf16 autocast), its
+    optimizer, the teacher, every prompt of an optimizer step sampled at once (the kit's loop) or the vLLM
+    engine's share, and the greedy evaluation of the teacher. Planned for a GPU when there is a budget."""
+    return memory.Stage(
+        student=memory.ModelShape.from_config(cfg.student_model),
+        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+        student_dtype="float32",
+        teacher_dtype=engine_dtype(cfg.bf16),
+        bf16=cfg.bf16,
+        device="cpu" if budget is None else "cuda",
+        optimizer=memory.optimizer_kind(cfg.optim, cfg.optim_args),
+        parallelism=cfg.parallelism,
+        world_size=world,
+        shard_teacher=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=cfg.max_new_tokens,
+        train_batch_size=cfg.per_device_train_batch_size,
+        loss_chunk_size=cfg.loss_chunk_size,
+        gen_batch_size=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
+        eval_model="teacher",
+        eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
+        eval_completion_len=eval_new_tokens(cfg),
+        rollout_engine=cfg.rollout_engine,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_sleep=cfg.vllm_sleep,
+        engine_dtype=engine_dtype(cfg.bf16),
+        sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
+    )
+
+
+def memory_plan(cfg: WhiteboxConfig, budget: float | None) -> memory.JobPlan:
+    """The run's memory plan per process against `budget` GB (None: nothing enforced)."""
+    return memory.plan_job({"distillation": stage(cfg, processes(cfg), budget)}, budget)
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -176,6 +221,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
         optim_args=cfg.optim_args or None,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
         **checkpointing_argument(cfg.gradient_checkpointing),
+        gradient_accumulation_steps=cfg.accumulation_steps(launched_world_size()),
         data_seed=cfg.seed,
         logging_first_step=True,
         logging_nan_inf_filter=False,  # a NaN loss must show, not be replaced by the running mean
@@ -348,14 +394,22 @@ def run(
     overrides: dict | None = None,
     prepared: Prepared | None = None,
     callbacks: list | None = None,
-) -> RunDir:
-    """Prepare, create the run directory, launch the processes; returns the run directory.
+) -> RunDir | None:
+    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it) and launch
+    the processes; returns the run directory.
 
     `callbacks` (transformers `TrainerCallback`s) are handed to the trainer in every process."""
     prep = prepared or prepare(mode, overrides)
     if prepared is None:  # a notebook has shown it already
         print0(prep.first_prompt)
-    return start_run(process, prep.cfg, JOB, mode, prep, callbacks)
+    print0(prep.plan.table())
+    if prep.cfg.dry_run:
+        return None
+    prep.plan.check()
+    return start_run(
+        process, prep.cfg, JOB, mode, prep, callbacks, files={memory.PLAN_FILE: prep.plan.to_json()}
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
