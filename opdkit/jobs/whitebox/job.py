@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, tasks
+from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.notebook import live
@@ -48,6 +49,7 @@ class Prepared:
     dropped: int
     first_prompt: str
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
+    removed: dict[str, int] = field(default_factory=tasks.removed)  # rows passed over to keep sets apart
 
     @property
     def train_messages(self) -> list[list[dict]]:
@@ -60,12 +62,9 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     cfg = load_config(WhiteboxConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
-    train = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    msgs, answers = (
-        ([], [])
-        if cfg.eval_size == 0
-        else task.eval_rows(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    )
+    exclude = prompts.prompt_keys(savegrad.run_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
+    split = task.split(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed, exclude)
+    train, msgs, answers = split.train, split.eval_messages, split.eval_answers
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
     train, dropped = prompts.filter_long_prompts(train, tok, cfg.max_prompt_length, cfg.enable_thinking)
@@ -75,7 +74,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
         raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
     longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
-    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, longest)
+    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, longest, split.removed)
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -244,12 +243,23 @@ def process(
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
+        **overlap_facts(cfg, prep),
         "world_size": world,
         "wall_time_s": round(time.time() - t0, 1),
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}")
+
+
+def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
+    """The rows passed over to keep evaluation off training and training off savegrad's holdout, and
+    whether that holdout was known."""
+    return {
+        "prompts_removed_for_overlap": prep.removed,
+        "exclude_run": cfg.exclude_run
+        or "not given: training prompts were not checked against a savegrad run's holdout",
+    }
 
 
 def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
