@@ -145,8 +145,11 @@ def test_antidistill_one_file_for_both_sets(repeated_parquet, tiny_tokenizer, mo
     assert prep.removed["eval_in_train"] > 0  # the head of the same shuffle: every row was a training row
 
 
-def test_antidistill_refuses_a_gradient_holdout_it_trains_on(dapo_parquet, tmp_path):
+def test_antidistill_refuses_a_gradient_holdout_it_trains_on(dapo_parquet, tmp_path, monkeypatch):
     from opdkit.jobs import antidistill, savegrad
+    from opdkit.jobs.antidistill import sweep
+
+    monkeypatch.setattr(sweep, "check_grads_run", lambda cfg, tok: None)  # a config-only savegrad run
 
     grads = _savegrad_run(tmp_path / "grads", str(dapo_parquet), seed=7)  # another seed: another tail
     shared = prompts.overlap_count(
@@ -182,3 +185,12 @@ def test_antidistill_accepts_the_holdout_of_its_own_shuffle(dapo_parquet, tmp_pa
         AntidistillConfig, "tiny", {"dataset_path": str(dapo_parquet), "subset_size": 8, "grads_run": grads}
     )
     sweep.check_apart_from_gradient(cfg, sweep.training_prompts(cfg)[0])  # no ConfigError
+
+
+def test_a_bare_gradient_file_is_used_unchecked_and_the_summary_says_so(tmp_path):
+    from opdkit.config import load_config
+    from opdkit.jobs.antidistill import sweep
+    from opdkit.jobs.antidistill.config import AntidistillConfig
+
+    cfg = load_config(AntidistillConfig, "tiny", {"grads_run": str(tmp_path)})
+    assert sweep.check_apart_from_gradient(cfg, []).startswith("not checked")

@@ -84,12 +84,12 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     task = tasks.for_dataset(cfg.dataset_path)
     messages, answers = sweep.training_prompts(cfg)
     eval_messages, eval_answers, removed = sweep.eval_prompts(cfg, task, messages)
-    sweep.check_apart_from_gradient(cfg, messages)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     proxy_tok = load_tokenizer(cfg.proxy_model)
     student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
     check_shared_vocab(teacher_tok, proxy_tok)
     sweep.check_grads_run(cfg, proxy_tok)
+    holdout_check = sweep.check_apart_from_gradient(cfg, messages)
     if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
@@ -115,6 +115,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         dropped,
         first,
         removed,
+        holdout_check,
     )
 
 
@@ -231,7 +232,7 @@ def facts(cfg: AntidistillConfig, prep: Prepared, grads_dir: Path, n: int, secon
         "num_traces": len(prep.train_messages),
         "prompts_dropped": prep.dropped,
         "prompts_removed_for_overlap": prep.removed,
-        "train_prompts_in_gradient_holdout": 0,  # any is refused in prepare
+        "gradient_holdout": prep.gradient_holdout,  # any training prompt in it is refused in prepare
         "eval_size": len(prep.eval_messages),
         "num_processes": n,
         "wall_time_s": round(seconds, 1),

@@ -18,7 +18,7 @@ from opdkit.data import prompts, tasks, traces
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.models import model_skeleton
-from opdkit.run.folders import RunDir
+from opdkit.run.folders import RunDir, print0
 
 JOB = AntidistillConfig.job
 GRADS_DIR = "grads"  # where a run without grads_run keeps the savegrad run it made
@@ -84,6 +84,7 @@ class Prepared:
     dropped: int
     first_prompt: str
     removed: dict[str, int] = field(default_factory=tasks.removed)  # evaluation rows passed over (overlap)
+    gradient_holdout: str = ""  # what `check_apart_from_gradient` found
 
 
 def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dict]]:
@@ -140,12 +141,19 @@ def grads_overrides(cfg: AntidistillConfig, run_dir: str = "") -> dict:
     }
 
 
-def check_apart_from_gradient(cfg: AntidistillConfig, train_messages: list[list[dict]]) -> None:
+def check_apart_from_gradient(cfg: AntidistillConfig, train_messages: list[list[dict]]) -> str:
     """The teacher's prompts must stay off the holdout the gradient was computed on (ADS steers away from
     what helps a student there, and `student_holdout_loss` is measured on it): `grads_run`'s, rebuilt from its
-    config.yaml, or the one `grads_mode` will compute. Any shared prompt is a ConfigError that counts them."""
+    config.yaml, or the one `grads_mode` will compute. Any shared prompt is a ConfigError that counts them;
+    returns what was checked (for the summary), or that a bare gradient file left nothing to check."""
     if cfg.grads_run:
         holdout, source = savegrad.run_holdout(cfg.grads_run), f"grads_run {cfg.grads_run}"
+        if holdout is None:
+            print0(
+                f"grads_run {cfg.grads_run} has neither config.yaml nor traces/: its holdout is unknown, so "
+                "the training prompts are not checked against it"
+            )
+            return f"not checked: {cfg.grads_run} has neither config.yaml nor traces/"
     else:
         saved = load_config(savegrad.SaveGradConfig, cfg.grads_mode, grads_overrides(cfg))
         holdout, source = savegrad.holdout_messages(saved), f"savegrad --mode {cfg.grads_mode}"
@@ -154,11 +162,11 @@ def check_apart_from_gradient(cfg: AntidistillConfig, train_messages: list[list[
         raise ConfigError(
             f"{shared} of the {len(train_messages)} training prompts are in the holdout of {source} "
             f"({len(holdout)} prompts), which the gradient is computed on; antidistillation needs them "
-            "apart. "
-            "Use a gradient computed on the same dataset_path with the same seed (its holdout is the tail of "
-            "the shuffle, the training prompts its head) and a holdout_fraction that leaves subset_size rows "
-            "before it, or lower subset_size."
+            "apart. Use a gradient computed on the same dataset_path with the same seed (its holdout is the "
+            "tail of the shuffle, the training prompts its head) and a holdout_fraction that leaves "
+            "subset_size rows before it, or lower subset_size."
         )
+    return f"checked: none of the training prompts is among the {len(holdout)} of {source}"
 
 
 def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) -> None:

@@ -52,16 +52,13 @@ def holdout_messages(cfg: SaveGradConfig) -> list[list[dict]]:
     return list(holdout_prompts(cfg)["messages"])
 
 
-def run_holdout(run_dir: str | Path) -> list[list[dict]]:
+def run_holdout(run_dir: str | Path) -> list[list[dict]] | None:
     """`holdout_messages` of the savegrad run in `run_dir`, rebuilt from its config.yaml (a folder without
-    one: the prompts of its traces/)."""
+    one: the prompts of its traces/; neither, as a bare gradient file: None, unknown)."""
     run = RunDir.attach(run_dir)
     if not (run.path / "config.yaml").is_file():
         if not (run.path / traces.TRACES_DIR).is_dir():
-            raise ConfigError(
-                f"{run_dir} has neither config.yaml nor {traces.TRACES_DIR}/, so its holdout prompts are "
-                "unknown and cannot be kept apart from training; point to the savegrad run directory itself."
-            )
+            return None
         return [m[:-1] for m in traces.load_traces(run.path)["messages"]]
     saved = run.read_config(SaveGradConfig.job)
     names = {f.name for f in fields(SaveGradConfig)}

@@ -62,7 +62,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     cfg = load_config(WhiteboxConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
-    exclude = prompts.prompt_keys(savegrad.run_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
+    exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
     split = task.split(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed, exclude)
     train, msgs, answers = split.train, split.eval_messages, split.eval_answers
     tok = load_tokenizer(cfg.student_model)
@@ -75,6 +75,17 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
     longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
     return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, longest, split.removed)
+
+
+def excluded_holdout(run_dir: str) -> list[list[dict]]:
+    """The holdout prompts of the savegrad run `exclude_run` names."""
+    holdout = savegrad.run_holdout(run_dir)
+    if holdout is None:
+        raise ConfigError(
+            f"exclude_run={run_dir!r} has neither config.yaml nor traces/, so its holdout prompts are "
+            "unknown; point it to the savegrad run directory itself."
+        )
+    return holdout
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
