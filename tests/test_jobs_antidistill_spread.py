@@ -99,3 +99,49 @@ def test_explain_names_the_failed_points():
         "failed_points": [{"name": "ads-lam0.1-tau1", "error": "Traceback ...\nRuntimeError: boom\n"}],
     }
     assert "ads-lam0.1-tau1 failed** (RuntimeError: boom)" in report.explain(summary)
+
+
+def test_points_sharing_a_folder_name_are_refused_before_anything_is_written(tmp_path):
+    from opdkit.config import ConfigError, load_config
+    from opdkit.jobs.antidistill.config import AntidistillConfig
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"ads-lam0\.1-tau1: λ=0\.1 τ=1\.0, λ=0\.1000001 τ=1\.0"):
+        antidistill.run("tiny", {"lams": [0.1, 0.1000001], "run_dir": str(run_dir)})
+    assert not run_dir.exists()
+    close = antidistill.sweep_points(load_config(AntidistillConfig, "tiny", {"lams": [0.1, 0.100001]}))
+    assert len({p.name for p in close}) == len(close)  # six digits apart: two folders
+
+
+def test_answer_gradient_is_computed_once_before_the_processes_start(grads_run, tmp_path, monkeypatch):
+    from opdkit.ads import gradfile
+    from opdkit.jobs.antidistill import job, steering
+
+    computed, launched = [], []
+    real_grad, real_launch = steering.mean_completion_grad, job.launch
+
+    def counting_grad(*args, **kwargs):
+        computed.append(1)
+        return real_grad(*args, **kwargs)
+
+    def checking_launch(fn, args, n, run_path):
+        launched.append((Path(run_path) / steering.ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file())
+        return real_launch(fn, args, n, run_path)
+
+    monkeypatch.setattr(steering, "mean_completion_grad", counting_grad)
+    monkeypatch.setattr(job, "launch", checking_launch)
+    over = {
+        **SMALL,
+        "subset_size": 8,
+        "eval_size": 4,
+        "sft_max_steps": 1,
+        "lams": [],
+        "temperatures": [],
+        "answer_lams": [0.1],
+        "grads_run": str(grads_run),
+        "run_dir": str(tmp_path / "run"),
+    }
+    summary = antidistill.run("tiny", over).read_summary()
+    assert summary["status"] == "done" and set(summary["grad_norms"]) == {"completion", "answer"}
+    assert launched == [True]  # on disk before any sweep process starts
+    assert computed == [1]  # and the sweep's process loaded it instead of computing it again

@@ -107,3 +107,25 @@ def test_recipe_runs_a_few_steps(tmp_path):
         assert (tmp_path / part).is_dir()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "teacher").config.model_type == "qwen3"
     assert set(rec) >= {"teacher_heldout_accuracy", "student_heldout_accuracy", "build_seconds"}
+
+
+@pytest.mark.parametrize("seed", [0, 42, 1234 - 100_003])
+def test_training_streams_leave_the_evaluation_pool_and_the_holdouts_out(seed):
+    from opdkit.data import prompts
+
+    stream_seed = prompts.tiny_prompt_seed(seed)
+    train = task.training_problems(20_000, stream_seed)
+    plain = task.problems(20_000, stream_seed)
+    assert not {p.prompt for p in train} & task.heldout_pool()  # problems() alone shares 13 with 500 at 42
+    assert not any(task.in_holdout_class(p) for p in train)
+    replaced = sum(a != b for a, b in zip(train, plain))
+    assert 0 < replaced < 0.03 * len(train)  # the other positions keep their problems
+    holdout = task.holdout_problems(1000, seed + 7_919)
+    assert all(task.in_holdout_class(p) for p in holdout)
+    assert not {p.prompt for p in holdout} & (task.heldout_pool() | {p.prompt for p in train})
+    assert {p.prompt for p in task.heldout_problems(500)} <= task.heldout_pool()
+
+
+def test_more_held_out_problems_than_the_pool_is_an_error():
+    with pytest.raises(ValueError, match=f"only the first {task.HELDOUT_POOL}"):
+        task.heldout_problems(task.HELDOUT_POOL + 1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,7 @@ PROMPT_COLUMNS = ("messages", "prompt", "question", "problem")  # in order of pr
 # The held-out evaluation seed, read from its one definition so the two cannot drift apart.
 HELDOUT_SEED: int = inspect.signature(task.heldout_problems).parameters["seed"].default
 # Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses
-# (0..3, 777) and from HELDOUT_SEED, so they overlap the evaluation problems only by chance.
+# (0..3, 777) and from HELDOUT_SEED; `task.training_problems` leaves the evaluation pool out.
 TINY_SEED_OFFSET = 100_003
 # A Hub repo id: "name" or "owner/name" with letters, digits, "-", "_", ".".
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -97,17 +98,87 @@ def tiny_prompt_seed(seed: int) -> int:
 
 def tiny_prompt_rows(n: int, seed: int) -> list[dict[str, Any]]:
     """The rows `load_prompts("tiny", subset_size=n, seed=seed)` holds, as a list (no `datasets` needed)."""
-    probs = task.problems(n, tiny_prompt_seed(seed))
+    return tiny_rows(task.training_problems(n, tiny_prompt_seed(seed)))
+
+
+def tiny_rows(probs: list[task.Problem]) -> list[dict[str, Any]]:
+    """Tiny-world problems as prompts: `messages` (one user turn) and `answer`."""
     return [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in probs]
 
 
 def _tiny_prompts(n: int, seed: int) -> datasets.Dataset:
+    return tiny_dataset(task.training_problems(n, tiny_prompt_seed(seed)))
+
+
+def tiny_dataset(probs: list[task.Problem]) -> datasets.Dataset:
+    """Tiny-world problems as a `datasets.Dataset` of prompts (`tiny_rows`)."""
     import datasets
 
-    rows = tiny_prompt_rows(n, seed)
+    rows = tiny_rows(probs)
     return datasets.Dataset.from_dict(
         {"messages": [r["messages"] for r in rows], "answer": [r["answer"] for r in rows]}
     )
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """What makes two prompts the same: the conversation's turns other than system messages (an instruction,
+    not the problem), each with its whitespace collapsed. Jobs keep their sets apart by it."""
+    return "\n".join(
+        f"{m['role']}: {' '.join(str(m['content']).split())}" for m in messages if m["role"] != "system"
+    )
+
+
+def prompt_keys(conversations: Sequence[list[dict]]) -> set[str]:
+    return {prompt_key(m) for m in conversations}
+
+
+@dataclass
+class Apart:
+    """Rows kept by `apart_from`, in their order, and how many it passed over and why."""
+
+    kept: list[int]
+    overlap: int = 0  # rows whose prompt is among the ones to keep apart from
+    repeats: int = 0  # rows repeating the prompt of a row kept before (when distinct)
+
+
+def apart_from(
+    conversations: Sequence[list[dict]], taken: set[str], limit: int = -1, distinct: bool = False
+) -> Apart:
+    """The first `limit` (-1: all) of `conversations` whose prompt (`prompt_key`) is not in `taken`, and,
+    with `distinct`, not a repeat of one kept before: the one rule by which every job keeps its evaluation
+    prompts off its training prompts, and its training prompts off a gradient's holdout."""
+    out, seen = Apart([]), set()
+    for i, messages in enumerate(conversations):
+        if 0 <= limit <= len(out.kept):
+            break
+        key = prompt_key(messages)
+        if key in taken:
+            out.overlap += 1
+        elif distinct and key in seen:
+            out.repeats += 1
+        else:
+            out.kept.append(i)
+            seen.add(key)
+    return out
+
+
+def overlap_count(conversations: Sequence[list[dict]], taken: set[str]) -> int:
+    """How many of `conversations` have a prompt in `taken`."""
+    return sum(prompt_key(m) in taken for m in conversations)
+
+
+def load_apart(
+    path: str, split: str, size: int, seed: int, taken: set[str], distinct: bool = True
+) -> tuple[datasets.Dataset, Apart]:
+    """`size` prompts (-1: all) of `path` in its `seed` shuffle whose prompts are not in `taken` (and
+    distinct): (the rows, what was passed over). The head of the shuffle is read first; the whole file only
+    when passing over rows leaves too few (as in raw DAPO-Math-17k, which repeats each prompt)."""
+    ds = load_prompts(path, split, size, seed)
+    got = apart_from(list(ds["messages"]), taken, size, distinct)
+    if size != -1 and len(got.kept) < size and len(ds) == size:
+        ds = load_prompts(path, split, -1, seed)
+        got = apart_from(list(ds["messages"]), taken, size, distinct)
+    return ds.select(got.kept), got
 
 
 def _looks_local(path: str) -> bool:

@@ -16,14 +16,36 @@ problems, checks a completion against a reference answer, and finds where the an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import datasets
 
 from opdkit.config import ConfigError
 from opdkit.data import answers, prompts
+from opdkit.run.folders import print0
 from opdkit.tiny import task as tiny_task
 
 Messages = list[dict]
+OVERLAP_KINDS = ("train_in_eval", "eval_in_train", "train_in_excluded", "eval_repeats")
+
+
+def removed(**counts: int) -> dict[str, int]:
+    """Rows passed over to keep the sets apart, by kind (every kind present): `train_in_eval`, training rows
+    whose prompt is an evaluation prompt; `eval_in_train`, evaluation candidates that are training prompts;
+    `train_in_excluded`, training rows in the excluded set (a gradient's holdout); `eval_repeats`,
+    evaluation candidates repeating one already taken."""
+    return {k: counts.get(k, 0) for k in OVERLAP_KINDS}
+
+
+@dataclass
+class Split:
+    """A job's training prompts and evaluation problems, apart by text, and what was passed over for that."""
+
+    train: datasets.Dataset
+    eval_messages: list[Messages]
+    eval_answers: list[str]
+    removed: dict[str, int] = field(default_factory=removed)
+
 
 # The tiny holdout of savegrad is its own problem stream, apart from the training prompts whitebox
 # draws with the same run seed (and from the evaluation seed): overlap is only by chance.
@@ -60,15 +82,18 @@ class Task:
             f"the {self.name} task has no built-in held-out problems; give an evaluation dataset."
         )
 
-    def train_prompts(
-        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
-    ) -> datasets.Dataset:
-        """whitebox's training prompts: `subset_size` of `path` (-1: all), never one of `eval_rows`'."""
-        raise NotImplementedError
-
-    def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """Held-out problems for a run trained on `train_prompts(...)` of the same arguments:
-        (messages, answers)."""
+    def split(
+        self,
+        path: str,
+        split: str,
+        subset_size: int,
+        eval_size: int,
+        seed: int,
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> Split:
+        """whitebox's training prompts (`subset_size` of `path`, -1: all) and `eval_size` evaluation problems,
+        no evaluation prompt among the training prompts, no training prompt in `exclude` (`prompt_key`s,
+        e.g. a gradient's holdout)."""
         raise NotImplementedError
 
     def holdout_prompts(
@@ -109,22 +134,36 @@ class TinyTask(Task):
         probs = tiny_task.heldout_problems(n) if seed is None else tiny_task.problems(n, seed)
         return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
 
-    def train_prompts(
-        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
-    ) -> datasets.Dataset:
-        return prompts.load_prompts(
-            prompts.TINY, subset_size=subset_size, seed=seed
-        )  # its own stream, apart from heldout
-
-    def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        return self.heldout(eval_size)
+    def split(
+        self,
+        path: str,
+        split: str,
+        subset_size: int,
+        eval_size: int,
+        seed: int,
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> Split:
+        """Training prompts from the tiny world's own stream, evaluation from its held-out pool, which no
+        training stream holds (`tiny.task.training_problems`)."""
+        ds = prompts.load_prompts(prompts.TINY, subset_size=subset_size, seed=seed)
+        train = prompts.apart_from(ds["messages"], set(exclude))
+        ds = ds.select(train.kept)
+        messages, answers = self.heldout(eval_size) if eval_size else ([], [])
+        held = prompts.apart_from(messages, prompts.prompt_keys(ds["messages"]))
+        return Split(
+            ds,
+            [messages[i] for i in held.kept],
+            [answers[i] for i in held.kept],
+            removed(train_in_excluded=train.overlap, eval_in_train=held.overlap),
+        )
 
     def holdout_prompts(
         self, path: str, split: str, fraction: float, subset_size: int, seed: int
     ) -> datasets.Dataset:
-        return prompts.load_prompts(
-            prompts.TINY, subset_size=subset_size, seed=seed + TINY_HOLDOUT_SEED_OFFSET
-        )
+        """The holdout's own share of problems (`tiny.task.holdout_problems`), apart from every training
+        stream and the evaluation pool by construction."""
+        n = prompts.TINY_DEFAULT_SIZE if subset_size == -1 else subset_size
+        return prompts.tiny_dataset(tiny_task.holdout_problems(n, seed + TINY_HOLDOUT_SEED_OFFSET))
 
     def error_kinds(self, records: Sequence[dict]) -> dict[str, float] | None:
         """The share of checked traces whose wrong answer follows from their own (mistaken) working, `slip`,
@@ -158,44 +197,79 @@ class MathTask(Task):
         span = answers.final_span(completion)
         return None if span is None else span[0]
 
-    def train_prompts(
-        self, path: str, split: str, subset_size: int, eval_size: int, seed: int
-    ) -> datasets.Dataset:
-        """The head of the seed-shuffled dataset: `subset_size` rows, or (-1) all but the last `eval_size`."""
-        ds, (train, _) = self._split(path, split, subset_size, eval_size, seed)
-        return ds.select(train)
-
-    def eval_rows(self, path: str, split: str, subset_size: int, eval_size: int, seed: int):
-        """The `eval_size` rows after the training rows in the same seed-shuffled order (fewer if the file
-        ends)."""
-        ds, (_, held) = self._split(path, split, subset_size, eval_size, seed)
-        rows = ds.select(held)
-        return list(rows["messages"]), list(rows["answer"])
-
-    @staticmethod
-    def _split(
-        path: str, split: str, subset_size: int, eval_size: int, seed: int
-    ) -> tuple[datasets.Dataset, tuple]:
-        """The shuffled rows and (training indices, evaluation indices): two disjoint ranges, by
-        construction."""
-        ds = prompts.load_prompts(path, split, subset_size + eval_size if subset_size > 0 else -1, seed)
-        n_train = min(subset_size, len(ds)) if subset_size > 0 else len(ds) - eval_size
-        if n_train < 1 or (eval_size > 0 and n_train >= len(ds)):
+    def split(
+        self,
+        path: str,
+        split: str,
+        subset_size: int,
+        eval_size: int,
+        seed: int,
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> Split:
+        """In the seed-shuffled dataset: `subset_size` > 0 trains on the head (rows in `exclude` passed over)
+        and evaluates on the next distinct prompts that are not training prompts; -1 evaluates on the last
+        `eval_size` distinct prompts and trains on every row whose prompt is neither one of them nor in
+        `exclude`. Apart by text (`prompts.prompt_key`), not by row, since a file may repeat a prompt (raw
+        DAPO-Math-17k holds each about 100 times)."""
+        exclude = set(exclude)
+        if subset_size == -1:
+            ds = prompts.load_prompts(path, split, -1, seed)
+            msgs = list(ds["messages"])
+            back = prompts.apart_from(msgs[::-1], set(), eval_size, distinct=True) if eval_size else None
+            held = sorted(len(msgs) - 1 - i for i in back.kept) if back else []
+            rest = sorted(set(range(len(msgs))) - set(held))
+            in_eval = prompts.apart_from(
+                [msgs[i] for i in rest], prompts.prompt_keys([msgs[i] for i in held])
+            )
+            rest = [rest[j] for j in in_eval.kept]
+            excluded = prompts.apart_from([msgs[i] for i in rest], exclude)
+            train = [rest[j] for j in excluded.kept]
+            counts = removed(
+                train_in_eval=in_eval.overlap,
+                train_in_excluded=excluded.overlap,
+                eval_repeats=back.repeats if back else 0,
+            )
+        else:
+            want = subset_size + eval_size
+            ds = prompts.load_prompts(path, split, want, seed)
+            train, held, counts = self._head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+            if (len(train) < subset_size or len(held) < eval_size) and len(ds) == want:
+                ds = prompts.load_prompts(path, split, -1, seed)  # passed-over rows: read further
+                train, held, counts = self._head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+        if not train or (eval_size > 0 and not held):
             raise ConfigError(
                 f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts "
-                f"and eval_size={eval_size} held-out ones apart from them; lower subset_size or eval_size."
+                f"and eval_size={eval_size} held-out ones apart from them by text (prompts passed over: "
+                f"{counts}); lower subset_size or eval_size."
             )
-        return ds, (range(n_train), range(n_train, min(len(ds), n_train + eval_size)))
+        rows = ds.select(held)
+        return Split(ds.select(train), list(rows["messages"]), list(rows["answer"]), counts)
+
+    @staticmethod
+    def _head_split(
+        msgs: list[Messages], subset_size: int, eval_size: int, exclude: set[str]
+    ) -> tuple[list[int], list[int], dict[str, int]]:
+        train = prompts.apart_from(msgs, exclude, subset_size)
+        start = train.kept[-1] + 1 if train.kept else len(msgs)
+        taken = prompts.prompt_keys([msgs[i] for i in train.kept])
+        held = prompts.apart_from(msgs[start:], taken, eval_size, distinct=True)
+        counts = removed(
+            train_in_excluded=train.overlap, eval_in_train=held.overlap, eval_repeats=held.repeats
+        )
+        return train.kept, [start + i for i in held.kept], counts
 
     def holdout_prompts(
         self, path: str, split: str, fraction: float, subset_size: int, seed: int
     ) -> datasets.Dataset:
-        """The tail `fraction` of the seed-shuffled dataset (the other jobs train on its head), first
-        `subset_size` of it."""
+        """The tail `fraction` of the seed-shuffled dataset (the other jobs train on its head) without the
+        prompts the head holds too, first `subset_size` of it."""
         ds = prompts.load_prompts(path, split, -1, seed)
         start = len(ds) - round(len(ds) * fraction)
-        stop = len(ds) if subset_size == -1 else min(len(ds), start + subset_size)
-        return ds.select(range(start, stop)) if stop > start else ds.select([])
+        msgs = list(ds["messages"])
+        tail = prompts.apart_from(msgs[start:], prompts.prompt_keys(msgs[:start]), subset_size)
+        if tail.overlap:
+            print0(f"holdout: {tail.overlap} rows left out, their prompts are in the training part too")
+        return ds.select([start + i for i in tail.kept])
 
 
 TASKS: dict[str, type[Task]] = {"tiny": TinyTask, "math": MathTask}

@@ -19,14 +19,23 @@ format long before it carries correctly), while a ~1M-parameter teacher learns i
 
 from __future__ import annotations
 
+import functools
 import random
 import re
+import zlib
 from dataclasses import dataclass
 
 N_DIGITS = 3
 ANSWER_SEP = ";"
 # Longest completion "9+9+1=19," x3 + ";1999" is 32 characters; one more for EOS, plus slack.
 MAX_COMPLETION_TOKENS = 40
+HELDOUT_SEED = 1234
+# Evaluation problems are the first of the HELDOUT_SEED stream, at most this many; no training stream
+# (`training_problems`) and no gradient holdout (`holdout_problems`) holds one of them.
+HELDOUT_POOL = 5000
+# One problem in HOLDOUT_CLASS (by a CRC of its prompt) belongs to gradient holdouts (savegrad's), the
+# others to training streams: the two never share a problem, whatever their seeds and sizes.
+HOLDOUT_CLASS = 64
 
 
 @dataclass(frozen=True)
@@ -54,9 +63,50 @@ def problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
     return [sample_problem(rng, n_digits) for _ in range(n)]
 
 
-def heldout_problems(n: int, seed: int = 1234) -> list[Problem]:
-    """Evaluation problems; the training streams use other seeds, so overlap is only by chance."""
+def heldout_problems(n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
+    """Evaluation problems: the first `n` of the `seed` stream. At the default seed they come from the
+    reserved pool that training streams and gradient holdouts leave out, so `n` is at most HELDOUT_POOL."""
+    if seed == HELDOUT_SEED and n > HELDOUT_POOL:
+        raise ValueError(
+            f"{n} held-out problems asked for, but only the first {HELDOUT_POOL} of the held-out stream are "
+            "kept apart from training; ask for at most that many."
+        )
     return problems(n, seed)
+
+
+@functools.cache
+def heldout_pool() -> frozenset[str]:
+    """The prompts reserved for evaluation (every `heldout_problems(n)` is among them)."""
+    return frozenset(p.prompt for p in problems(HELDOUT_POOL, HELDOUT_SEED))
+
+
+def in_holdout_class(problem: Problem) -> bool:
+    """Does `problem` belong to the gradient holdouts' share of the problem space (1 in HOLDOUT_CLASS)?"""
+    return zlib.crc32(problem.prompt.encode()) % HOLDOUT_CLASS == 0
+
+
+def training_problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
+    """`n` training problems from `seed`: `problems(n, seed)`, except that a problem held out for evaluation
+    or in the gradient holdouts' class is replaced by the next fitting draw of a second stream, so the other
+    positions keep their problems."""
+    spare = random.Random(f"{seed}-replacement")
+    out = []
+    for p in problems(n, seed, n_digits):
+        while p.prompt in heldout_pool() or in_holdout_class(p):
+            p = sample_problem(spare, n_digits)
+        out.append(p)
+    return out
+
+
+def holdout_problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
+    """`n` gradient-holdout problems from `seed`: draws of the `seed` stream in the holdout class and not
+    held out for evaluation, so apart from every training stream and every evaluation set by construction."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        p = sample_problem(rng, n_digits)
+        if in_holdout_class(p) and p.prompt not in heldout_pool():
+            out.append(p)
+    return out
 
 
 def scratchpad(problem: Problem, rng: random.Random | None = None) -> str:

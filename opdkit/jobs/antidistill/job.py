@@ -70,7 +70,7 @@ from opdkit.jobs.antidistill import spread, sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.points import baseline
 from opdkit.jobs.antidistill.spread import BASELINE_FILE, assign, finished, gather
-from opdkit.jobs.antidistill.steering import load_models
+from opdkit.jobs.antidistill.steering import ensure_answer_gradient, load_models
 from opdkit.jobs.antidistill.sweep import GRADS_DIR, Prepared, sweep_points
 from opdkit.models import check_shared_vocab, load_tokenizer
 from opdkit.run import tracking
@@ -87,14 +87,16 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     original's order (data files in milliseconds, before any download): every cheap failure happens here."""
     cfg = load_config(AntidistillConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
+    sweep_points(cfg)  # two points sharing a folder name are a ConfigError
     task = tasks.for_dataset(cfg.dataset_path)
     messages, answers = sweep.training_prompts(cfg)
-    eval_messages, eval_answers = sweep.eval_prompts(cfg, task)
+    eval_messages, eval_answers, removed = sweep.eval_prompts(cfg, task, messages)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     proxy_tok = load_tokenizer(cfg.proxy_model)
     student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
     check_shared_vocab(teacher_tok, proxy_tok)
     sweep.check_grads_run(cfg, proxy_tok)
+    holdout_check = sweep.check_apart_from_gradient(cfg, messages)
     if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
@@ -120,6 +122,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         eval_answers,
         dropped,
         first,
+        removed,
+        holdout_check,
         plan,
     )
 
@@ -204,10 +208,7 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
         return path
     procs = num_processes if torch.cuda.device_count() > 1 else 1  # NVML's count: safe before a fork
     over = {
-        "teacher_model": cfg.teacher_model,
-        "proxy_model": cfg.proxy_model,
-        "seed": cfg.seed,
-        "run_dir": str(path),
+        **sweep.grads_overrides(cfg, str(path)),
         "overwrite": path.exists(),
         "num_processes": procs,
         "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb,
@@ -239,6 +240,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     todo = [p for p in points if not (cfg.resume and finished(run, p))]
     n = max(1, min(default_num_processes(cfg.num_processes), len(todo)))
     grads_dir = ensure_grads(cfg, run, n)
+    ensure_answer_gradient(cfg, grads_dir, run, n)
     print0(
         f"{len(points)} points ({len(points) - len(todo)} finished before), "
         f"{len(prep.train_messages)} traces each, {n} process(es)"
@@ -330,6 +332,8 @@ def facts(cfg: AntidistillConfig, prep: Prepared, grads_dir: Path, n: int, secon
         "grad_scale": cfg.grad_scale,
         "num_traces": len(prep.train_messages),
         "prompts_dropped": prep.dropped,
+        "prompts_removed_for_overlap": prep.removed,
+        "gradient_holdout": prep.gradient_holdout,  # any training prompt in it is refused in prepare
         "eval_size": len(prep.eval_messages),
         "num_processes": n,
         "wall_time_s": round(seconds, 1),

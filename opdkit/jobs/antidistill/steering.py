@@ -7,7 +7,8 @@ gradient, and the answer-token gradient computed here from the same traces) and 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import multiprocessing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from opdkit.data import sft, tasks, traces
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.students import holdout_rows
 from opdkit.jobs.antidistill.sweep import Prepared, sweep_points
-from opdkit.models import load_model
+from opdkit.models import load_model, load_tokenizer
 from opdkit.run.folders import RunDir
 
 ANSWER_GRADS_DIR = "grads_answer"
@@ -60,7 +61,7 @@ def load_models(
     teacher = load_model(cfg.teacher_model, dtype, dev).eval()
     proxy = load_model(cfg.proxy_model, torch.float32, "cpu").eval()
     named = {"completion": gradfile.load_grads(grads_dir, proxy, prep.proxy_tokenizer)}
-    if any(p.gradient == "answer" for p in sweep_points(cfg)):
+    if needs_answer_gradient(cfg):
         named["answer"] = answer_gradient(cfg, proxy, prep.proxy_tokenizer, grads_dir, run)
     if cfg.grad_scale != 1.0:  # e.g. the ADS reference's 1/W-scaled gradient (W = 8 DDP processes)
         named = {kind: {k: g * cfg.grad_scale for k, g in g_named.items()} for kind, g_named in named.items()}
@@ -113,7 +114,8 @@ def answer_gradient(
     run: RunDir | None,
 ) -> dict[str, torch.Tensor]:
     """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
-    savegrad), saved in grads_answer/ of this run; reused from there when it exists."""
+    savegrad), on the proxy's device, saved in grads_answer/ of this run; loaded from there when it exists
+    (a sweep's processes always find it: `ensure_answer_gradient` writes it before they start)."""
     saved = run.path / ANSWER_GRADS_DIR if run is not None else None
     if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
         return gradfile.load_grads(saved, proxy, tok)
@@ -128,10 +130,45 @@ def answer_gradient(
     named, stats = mean_completion_grad(
         work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id, progress=True
     )
-    named = {k: v.detach().clone() for k, v in named.items()}
-    if saved is not None:
+    named = {k: v.detach().to("cpu", torch.float32).clone() for k, v in named.items()}
+    if saved is not None and run.writer:
         saved.mkdir(exist_ok=True)
         gradfile.save_grads(
             saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)}
         )
     return named
+
+
+def needs_answer_gradient(cfg: AntidistillConfig) -> bool:
+    return any(p.gradient == "answer" for p in sweep_points(cfg))
+
+
+def compute_answer_gradient(cfg_dict: dict, grads_dir: str, run_path: str, device: str) -> None:
+    """The answer-token gradient of a run, computed on `device` and saved in its grads_answer/."""
+    cfg = AntidistillConfig(**cfg_dict)
+    proxy = load_model(cfg.proxy_model, torch.float32, device).eval()
+    answer_gradient(cfg, proxy, load_tokenizer(cfg.proxy_model), Path(grads_dir), RunDir.attach(run_path))
+
+
+def ensure_answer_gradient(cfg: AntidistillConfig, grads_dir: Path, run: RunDir, num_processes: int) -> None:
+    """Compute the answer-token gradient once, before the sweep's processes start, so that each of them loads
+    it from grads_answer/ instead of computing it again: on the first GPU when there is one (in a process of
+    its own when the sweep forks several, which must find CUDA untouched here), else on the CPU."""
+    if not needs_answer_gradient(cfg) or (run.path / ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file():
+        return
+    args = (asdict(cfg), str(grads_dir), str(run.path))
+    if torch.cuda.device_count() == 0:  # NVML's count: safe before a fork
+        compute_answer_gradient(*args, "cpu")
+    elif num_processes == 1:
+        compute_answer_gradient(*args, "cuda")
+    else:
+        worker = multiprocessing.get_context("spawn").Process(
+            target=compute_answer_gradient, args=(*args, "cuda")
+        )
+        worker.start()
+        worker.join()
+        if worker.exitcode != 0:
+            raise RuntimeError(
+                f"computing the answer-token gradient failed (exit code {worker.exitcode}; its traceback is "
+                f"above); the gradient in {grads_dir} and its traces/ are its inputs."
+            )

@@ -4,6 +4,8 @@ proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.data.trac
 from __future__ import annotations
 
 import re
+from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
@@ -32,12 +34,35 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
     if len(ds) == 0:
         raise ConfigError(
             f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
-            "raise holdout_fraction so that it keeps at least one prompt."
+            "raise holdout_fraction so that it keeps at least one prompt. A file that repeats its prompts "
+            "(raw DAPO-Math-17k) may keep none apart from the training part: use one row per prompt "
+            "(python -m opdkit.prepare_data writes data/dapo-math-17k-unique.parquet)."
         )
     if not cfg.system_prompt:
         return ds
     system = {"role": "system", "content": cfg.system_prompt}
     return ds.map(lambda row: {"messages": [system, *row["messages"]]}, desc="system prompt")
+
+
+def holdout_messages(cfg: SaveGradConfig) -> list[list[dict]]:
+    """The prompt conversations a run of `cfg` computes its gradient on: its holdout prompts, or the prompts
+    of its supplied traces. What the other jobs keep their training prompts apart from."""
+    if cfg.traces_path:
+        return [t["messages"][:-1] for t in supplied_traces(cfg)]
+    return list(holdout_prompts(cfg)["messages"])
+
+
+def run_holdout(run_dir: str | Path) -> list[list[dict]] | None:
+    """`holdout_messages` of the savegrad run in `run_dir`, rebuilt from its config.yaml (a folder without
+    one: the prompts of its traces/; neither, as a bare gradient file: None, unknown)."""
+    run = RunDir.attach(run_dir)
+    if not (run.path / "config.yaml").is_file():
+        if not (run.path / traces.TRACES_DIR).is_dir():
+            return None
+        return [m[:-1] for m in traces.load_traces(run.path)["messages"]]
+    saved = run.read_config(SaveGradConfig.job)
+    names = {f.name for f in fields(SaveGradConfig)}
+    return holdout_messages(SaveGradConfig(**{k: v for k, v in saved.items() if k in names}))
 
 
 def supplied_traces(cfg: SaveGradConfig) -> list[dict]:

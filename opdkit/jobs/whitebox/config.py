@@ -26,6 +26,11 @@ class WhiteboxConfig(RunFields, OPDSettings):
     )
     dataset_split: str = setting("train", "split to read from a datasets folder or hub dataset")
     subset_size: int = setting(1000, "prompts used, a deterministic subset by seed; -1 means all", min=-1)
+    exclude_run: str = setting(
+        "",
+        "a savegrad run whose holdout prompts are left out of training (subset_size -1 would take them); "
+        "empty: not checked, which the summary says",
+    )
     eval_size: int = setting(
         500, "held-out problems for accuracy before and after; 0 skips evaluation", min=0
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from opdkit import memory
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, tasks
+from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.notebook import live
@@ -50,6 +51,7 @@ class Prepared:
     first_prompt: str
     plan: memory.JobPlan  # what each process will hold, from the models' config.json
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
+    removed: dict[str, int] = field(default_factory=tasks.removed)  # rows passed over to keep sets apart
 
     @property
     def train_messages(self) -> list[list[dict]]:
@@ -62,12 +64,9 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     cfg = load_config(WhiteboxConfig, mode, overrides)
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
-    train = task.train_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    msgs, answers = (
-        ([], [])
-        if cfg.eval_size == 0
-        else task.eval_rows(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed)
-    )
+    exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
+    split = task.split(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed, exclude)
+    train, msgs, answers = split.train, split.eval_messages, split.eval_answers
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
     train, dropped = prompts.filter_long_prompts(train, tok, cfg.max_prompt_length, cfg.enable_thinking)
@@ -78,7 +77,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
     longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
     plan = memory_plan(cfg, memory.budget_gb(cfg.plan_gpu_memory_gb))
-    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, plan, longest)
+    return Prepared(cfg, mode, task, tok, train, msgs, answers, dropped, first, plan, longest, split.removed)
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -121,6 +120,17 @@ def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage
 def memory_plan(cfg: WhiteboxConfig, budget: float | None) -> memory.JobPlan:
     """The run's memory plan per process against `budget` GB (None: nothing enforced)."""
     return memory.plan_job({"distillation": stage(cfg, processes(cfg), budget)}, budget)
+
+
+def excluded_holdout(run_dir: str) -> list[list[dict]]:
+    """The holdout prompts of the savegrad run `exclude_run` names."""
+    holdout = savegrad.run_holdout(run_dir)
+    if holdout is None:
+        raise ConfigError(
+            f"exclude_run={run_dir!r} has neither config.yaml nor traces/, so its holdout prompts are "
+            "unknown; point it to the savegrad run directory itself."
+        )
+    return holdout
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -350,12 +360,23 @@ def _distil(
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
+        **overlap_facts(cfg, prep),
         "world_size": world,
         "wall_time_s": round(time.time() - t0, 1),
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}")
+
+
+def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
+    """The rows passed over to keep evaluation off training and training off savegrad's holdout, and
+    whether that holdout was known."""
+    return {
+        "prompts_removed_for_overlap": prep.removed,
+        "exclude_run": cfg.exclude_run
+        or "not given: training prompts were not checked against a savegrad run's holdout",
+    }
 
 
 def add_step_accuracy(trainer: DistillTrainer, measure, every: int) -> None:
