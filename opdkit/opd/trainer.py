@@ -113,7 +113,9 @@ class StepStats:
 class DistillTrainer(Trainer):
     """White-box on-policy distillation on `Trainer`: `args` is an `OPDArguments`, `processing_class` the
     student's tokenizer, `teacher_model` the frozen teacher (its tokenizer, if given, is checked against the
-    student's); `run` receives metrics.jsonl, samples.jsonl and rollouts/."""
+    student's); `run` receives metrics.jsonl, samples.jsonl and rollouts/. The teacher is used through
+    `base_model(...).last_hidden_state` and `get_output_embeddings().weight` only, so any frozen module that
+    presents these scores (antidistillation's `ADSTeacher` serves its ADS logits this way)."""
 
     def __init__(
         self,

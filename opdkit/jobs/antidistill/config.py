@@ -8,6 +8,8 @@ from typing import ClassVar
 from opdkit.ads import direction
 from opdkit.config import ConfigError, RunFields, float_list, name_list, setting
 
+ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in attackers.py
+
 
 @dataclass
 class AntidistillConfig(RunFields):
@@ -167,6 +169,18 @@ class AntidistillConfig(RunFields):
         0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0
     )
 
+    attackers: list = setting(
+        ("sft",),
+        "students distilled at every point: sft (on the teacher's traces), opd (on-policy, the teacher "
+        "scoring with the ADS distribution at the point's λ and τ), opd-plain (on-policy, the plain teacher "
+        "at τ); sft is always among them",
+    )
+    opd_max_steps: int = setting(60, "optimizer steps of every on-policy attacker (opd, opd-plain)", min=1)
+    opd_batch_size: int = setting(32, "prompts per step of the on-policy attackers", min=1)
+    opd_learning_rate: float = setting(
+        1e-3, "constant learning rate of the on-policy attackers (AdamW, reverse KL, clipped at 1)", min=0.0
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
@@ -189,6 +203,24 @@ class AntidistillConfig(RunFields):
         if negative:
             raise ConfigError(
                 f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy)."
+            )
+        self.attackers = name_list("attackers", self.attackers)
+        unknown = [a for a in self.attackers if a not in ATTACKER_NAMES]
+        if unknown or "sft" not in self.attackers:
+            raise ConfigError(
+                f"attackers={self.attackers}: each is one of {list(ATTACKER_NAMES)}, and sft is among them "
+                "(every point distils its SFT student)."
+            )
+        on_policy = [a for a in self.attackers if a != "sft"]
+        if on_policy and self.ads_method != "fd":
+            raise ConfigError(
+                f"attackers {on_policy} score with the ADS teacher, which stacks the finite difference's two "
+                "proxies; set ads_method fd."
+            )
+        if on_policy and 0.0 in [*self.ads_temperatures, *self.temperatures]:
+            raise ConfigError(
+                f"attackers {on_policy} read the teacher's log-probabilities at the point's temperature, and "
+                "temperature 0 (greedy) has none; leave 0 out of the temperatures."
             )
         self.student_lora_target_modules = name_list(
             "student_lora_target_modules", self.student_lora_target_modules

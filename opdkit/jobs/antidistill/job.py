@@ -14,7 +14,9 @@ The ADS paper's headline experiment in miniature. For every point of the sweeps
 (`opdkit.ads.ads_sample`: z_teacher + λΔ, then temperature, then top-p), the traces' answers are checked
 (teacher accuracy), a fresh copy of the student is distilled on them by completion-only SFT, and its greedy
 accuracy on held-out problems is measured (student accuracy). ADS works if, at equal teacher accuracy, its
-students are worse.
+students are worse. `attackers` adds on-policy students beside that SFT one (`attackers.py`): `opd`, distilled
+by 02's trainer with the teacher scoring by the ADS distribution of the point, and `opd-plain`, its control
+scored by the plain teacher.
 
 The proxy gradient comes from `grads_run` (a savegrad run, checked with `load_grads`), or, when that
 is empty, savegrad runs in `grads/` inside this run with the preset `grads_mode`. The answer-token
@@ -32,6 +34,8 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
     points/<name>/seed<seed>/student/     the distilled student (`student_save`: LoRA adapter, or model)
     points/<name>/seed<seed>/sft/         the Trainer's checkpoints (`sft_save_steps`), each with the hash of
                                           the rows it trained on, and tracker logs
+    points/<name>/seed<seed>/opd/         the ADS-scored on-policy student's metrics.jsonl (attackers opd)
+    plain/tau<τ>-seed<seed>/              the plain-scored on-policy student of that τ, shared by the points
     baseline.json                         the student before distillation, the gradients' norms
     metrics.jsonl                         one record per point, plus the students' SFT losses (`sft_loss`)
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,
@@ -40,6 +44,8 @@ gradient is the proxy's NLL gradient on the same traces with the loss kept on th
                                           "failed_points": [{name, error}], "status": "done" | "incomplete"}
     figures/tradeoff.png                  teacher accuracy (x) against distilled-student accuracy (y)
     figures/tradeoff_holdout_loss.png     teacher accuracy against the students' NLL on held-out traces
+    figures/attackers.png                 teacher accuracy against each attacker's student accuracy (with
+                                          opd_student_accuracy, opd_plain_student_accuracy in summary.json)
 
 The points are spread over `num_processes` processes (0: one per visible GPU, 1 on a CPU), round-robin in
 sweep order (`spread.py`); each holds its own teacher and proxies on its own GPU and runs its points one after

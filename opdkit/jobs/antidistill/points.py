@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from opdkit.ads import sampler
 from opdkit.data import prompts, traces
+from opdkit.jobs.antidistill.attackers import mean_over_runs, run_attackers
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.steering import Models
 from opdkit.jobs.antidistill.students import (
@@ -151,6 +152,9 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
             if result[k] is not None
         }
     )  # to report_to, after the SFT steps
+    result.update(
+        run_attackers(point, seed, prep, models, run, folder, dev)
+    )  # the on-policy attackers, if any
     write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
     del trainer
@@ -193,6 +197,7 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
         "student_accuracy_forced": _mean([r.get("student_accuracy_forced") for r in runs]),
         "student_holdout_loss": _mean([r.get("student_holdout_loss") for r in runs]),
         "errors": _mean_errors([r.get("errors") for r in runs]),
+        **mean_over_runs(runs),
         "runs": runs,
         "seconds": round(sum(r["seconds"] for r in runs), 1),
     }

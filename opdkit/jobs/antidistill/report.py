@@ -6,6 +6,7 @@ against the temperature sweep at the same teacher accuracy, in sentences built f
 
 from __future__ import annotations
 
+from opdkit.jobs.antidistill import attack_report
 from opdkit.jobs.antidistill import figures as tradeoff_figures
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.lens import TokenLens
@@ -193,7 +194,22 @@ def token_explorer(lens: TokenLens, cfg: AntidistillConfig):
     return tradeoff_figures.ads_token_explorer(lens.compare, lens.labels, lams, methods)
 
 
+def attackers(run: RunDir):
+    """Teacher accuracy against each attacker's student accuracy (figures/attackers.png); None when only the
+    SFT attacker ran."""
+    summary = run.read_summary()
+    if attack_report.attackers_in(summary) in ([], ["sft"]):
+        return None
+    return attack_report.attackers_figure(summary, path=run.figure("attackers"))
+
+
+def attackers_explained(summary: dict) -> str:
+    """What the attackers' students show, in sentences built from summary.json (`attack_report`)."""
+    return attack_report.attackers_explained(summary)
+
+
 def figures(run: RunDir) -> None:
     """Every figure of the run that needs no models, as a headless run keeps them."""
     tradeoff(run)
     tradeoff_loss(run)
+    attackers(run)
