@@ -368,7 +368,8 @@ class Stage:
     student: the trained model (02/03's student; 01's proxy in its gradient pass, with optimizer "none").
     teacher: frozen; under fsdp sharded too when `shard_teacher` (issue 20, item 6), else replicated.
     proxy: ADS (04): the proxy and `proxy_gradients` loaded gradients (in CPU memory when
-        `proxy_on_host`), and `ads_copies` perturbed copies (finite differences: 2), each with a KV cache.
+        `proxy_on_host`), and `ads_copies` perturbed copies (finite differences: 2), each with a KV cache
+        when the teacher samples (`sampler` "teacher"); none when they score a student's rollouts.
     bf16: autocast mixed precision for training and evaluation. device: "cuda" or "cpu" (AdamW's
         temporaries, the CPU bf16 head copies).
     optimizer: "adamw" (2 states), "sgd" (with momentum: 1), "none" (gradients only).
@@ -445,8 +446,6 @@ class Stage:
                     f"{role}={getattr(self, role)!r} decodes, but that model is not in the stage; pass it or "
                     f"choose the other model."
                 )
-        if self.proxy is not None and self.gen_batch_size and self.sampler != "teacher":
-            raise ValueError("ADS proxies steer the teacher's sampling: set sampler='teacher'.")
 
     @property
     def sharded(self) -> bool:
@@ -632,7 +631,9 @@ def _rows(s: Stage, budget: float | None) -> list[Row]:
         rows += _engine_rows(s, budget)
     elif s.gen_batch_size:
         rows += _decode_rows(s, s.sampler, s.gen_batch_size, length, "rollout", s.model(s.sampler)[1])
-        if s.proxy is not None and s.ads_copies:
+        # Steering the teacher's sampling, the copies decode beside it, each with its KV cache; scoring a
+        # student's rollouts (04's on-policy attackers, `sampler` "student"), they read whole sequences.
+        if s.proxy is not None and s.ads_copies and s.sampler == "teacher":
             m, dt = s.model("proxy")
             per = kv_bytes_per_token(m, dt)
             how = f"{s.ads_copies} copies x {s.gen_batch_size} rows x {_n(length)} tokens x {_n(per)} B/token"

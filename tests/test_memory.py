@@ -616,7 +616,8 @@ def _run_opd(spec: dict, peaks: _Peaks) -> None:
     """Two OPD steps as DistillTrainer takes them: the student samples every row of the step with the kit's
     loop, then per micro-batch the teacher's backbone (no grad), the student's under bf16 autocast, the
     chunked divergence from hidden states, backward; AdamW steps and drops the gradients."""
-    from opdkit import losses, rollout
+    from opdkit.opd import loss as losses
+    from opdkit.rollout import sampling as rollout
 
     student = _build(STUDENT, torch.float32)
     teacher = _build(TEACHER, torch.bfloat16).eval().requires_grad_(False)
@@ -659,16 +660,16 @@ def _run_opd(spec: dict, peaks: _Peaks) -> None:
 def _run_ads(spec: dict, peaks: _Peaks) -> None:
     """04's sampling: the teacher decodes with the kit's loop, steered by two perturbed fp32 proxy copies
     (finite differences), each with its own KV cache; proxy and gradient stay in this process's memory."""
-    from opdkit import ads
+    from opdkit.ads import direction, sampler
 
     teacher = _build(TEACHER, getattr(torch, spec["teacher_dtype"])).eval().requires_grad_(False)
     proxy = _build(STUDENT, torch.float32).eval().requires_grad_(False)
     grads = {name: 1e-3 * torch.randn_like(p) for name, p in proxy.named_parameters()}
-    direction = ads.FiniteDifference(proxy, grads, eps=1e-2)
+    direction = direction.FiniteDifference(proxy, grads, eps=1e-2)
     peaks.mark("setup")
     vocab = TEACHER["vocab_size"]
     ids_BP, mask_BP = _left_padded_prompts(spec["rows"], spec["prompt"], vocab)
-    r = ads.ads_sample(
+    r = sampler.ads_sample(
         teacher,
         ids_BP,
         mask_BP,
@@ -768,7 +769,9 @@ def _main(spec: dict) -> None:
 
     import transformers  # noqa: F401  (imported before the baseline, as in any job)
 
-    from opdkit import ads, losses, rollout  # noqa: F401
+    from opdkit.ads import direction, sampler  # noqa: F401
+    from opdkit.opd import loss  # noqa: F401
+    from opdkit.rollout import sampling  # noqa: F401
 
     gc.collect()
     peaks = _Peaks(_status()["VmRSS"])

@@ -187,6 +187,19 @@ def test_every_full_and_ads_paper_preset_fits_80gb_by_its_own_plan(hub_cache, jo
     assert sorted(p.relative_to(hub_cache) for p in hub_cache.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,verdict", [("full", "fits"), ("ads-paper", "does not fit")])
+def test_04_plans_its_on_policy_attackers(hub_cache, mode, verdict):
+    """issue 23: the full presets give the on-policy attackers 02 full's recipe, and the plan has their stage:
+    with the Qwen3 family it fits one 80 GB GPU; with ads-paper's models (a 3B student in fp32 with AdamW
+    beside the 7B teacher and two fp32 3B proxy copies) it does not, and the dry run says so."""
+    proc = dry_run("antidistill", mode, hub_cache, "plan_gpu_memory_gb=80", "attackers=[sft,opd,opd-plain]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on-policy attackers" in proc.stdout
+    match = VERDICT.fullmatch(proc.stdout.strip().splitlines()[-1])
+    assert match and match[3] == verdict, proc.stdout[-2000:]
+
+
 def test_presets_list_is_every_full_and_ads_paper_preset():
     found = sorted(
         (p.parent.name, p.stem) for p in (REPO / "params").glob("*/*.yaml") if p.stem in ("full", "ads-paper")

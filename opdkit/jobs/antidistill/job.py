@@ -178,7 +178,39 @@ def stages(cfg: AntidistillConfig, budget: float | None) -> dict[str, memory.Sta
             eval_batch_size=cfg.gen_batch_size,
             eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         ),
+        **({"on-policy attackers": on_policy_stage(cfg, gpu)} if set(cfg.attackers) - {"sft"} else {}),
     }
+
+
+def on_policy_stage(cfg: AntidistillConfig, gpu: bool) -> memory.Stage:
+    """The on-policy attackers (`attackers` opd, opd-plain): a fresh student trained by DistillTrainer on its
+    own rollouts (`opd_batch_size` prompts, the kit's loop, AdamW), scored by the teacher with the proxy's two
+    perturbed fp32 copies beside it (the ADS teacher), then evaluated greedily. Not counted: the ADS
+    teacher's stacked fp32 head, V x (teacher + 2 proxy hidden sizes), ~2.8 GB for Qwen3-4B with 0.6B."""
+    return memory.Stage(
+        student=memory.ModelShape.from_config(cfg.student_model),
+        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+        proxy=memory.ModelShape.from_config(cfg.proxy_model),
+        student_dtype="float32",
+        teacher_dtype="bfloat16" if cfg.bf16 and gpu else "float32",
+        proxy_dtype="float32",
+        bf16=cfg.bf16 and gpu,
+        device="cuda" if gpu else "cpu",
+        optimizer="adamw",
+        shard_teacher=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=cfg.max_new_tokens,
+        train_batch_size=cfg.opd_batch_size,
+        sampler="student",
+        gen_batch_size=cfg.opd_batch_size,
+        ads_copies=2,
+        proxy_gradients=2 if cfg.answer_lams else 1,
+        proxy_on_host=gpu,
+        eval_model="student",
+        eval_batch_size=cfg.gen_batch_size,
+        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+    )
 
 
 def planned(cfg: AntidistillConfig) -> tuple[AntidistillConfig, memory.JobPlan]:

@@ -36,7 +36,7 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
             f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
             "raise holdout_fraction so that it keeps at least one prompt. A file that repeats its prompts "
             "(raw DAPO-Math-17k) may keep none apart from the training part: use one row per prompt "
-            "(python -m opdkit.prepare_data writes data/dapo-math-17k-unique.parquet)."
+            "(python -m opdkit.data.prepare writes data/dapo-math-17k-unique.parquet)."
         )
     if not cfg.system_prompt:
         return ds
