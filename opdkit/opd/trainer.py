@@ -135,12 +135,15 @@ class DistillTrainer(Trainer):
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
         # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
         self.stop_ids = eos_ids(tok, self.model)
-        self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        self.teacher = teacher_model.eval().requires_grad_(False)
         # Under FSDP the frozen teacher is sharded like the student (weights only: it has no gradients or
-        # optimizer state), so its memory per process falls with the process count.
+        # optimizer state), so its memory per process falls with the process count. Sharding moves each
+        # unit to the device as it shards it, so a teacher loaded in host memory is never whole on a GPU.
         self.teacher_sharded = self.is_fsdp_enabled and self.args.world_size > 1
         if self.teacher_sharded:
             sharding.shard_frozen(self.teacher)
+        else:
+            self.teacher.to(self.args.device)
         self.run = run
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
         self.stats = StepStats()

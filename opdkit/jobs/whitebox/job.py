@@ -286,7 +286,10 @@ def _distil(
         print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     tok = prep.tokenizer
     student = load_model(cfg.student_model, torch.float32, args.device)
-    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, args.device)
+    # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to
+    # the device one unit at a time, so it never needs to fit a GPU whole.
+    teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
+    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, teacher_device)
     print0(
         f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
         f"{world} process(es) on {args.device}"
