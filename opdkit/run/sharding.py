@@ -1,8 +1,9 @@
-"""How the student is spread over processes: DDP (replicated) or FSDP2 (sharded), and the one rule
-both impose on a loss that reads the student's weights directly.
+"""How the models are spread over processes: DDP (replicated) or FSDP2 (sharded; the frozen teacher
+too, with `shard_frozen`), and the one rule both impose on a loss that reads a model's weights directly.
 
     args = TrainingArguments(..., **fsdp_arguments("fsdp", world_size))
     loss = call_inside_forward(wrapped_model, student, loss_fn, inputs)
+    shard_frozen(teacher)   # then its parts run inside its own forward too: call_inside_forward(teacher, ...)
 
 Pitfalls this module exists for:
 - under FSDP a parameter is a shard (a DTensor) except between the pre- and post-forward hooks of

@@ -2,7 +2,7 @@
 
     python -m opdkit.whitebox --mode tiny                                    # CPU, ~2 minutes
     torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
-    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # the student sharded (FSDP2)
+    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # both models sharded (FSDP2)
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
 
 `prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
