@@ -597,6 +597,31 @@ def _engine_rows(s: Stage, budget: float | None) -> list[Row]:
     return rows
 
 
+def _sharded_teacher_rows(s: Stage) -> list[Row]:
+    """What a sharded teacher holds whole beyond its shard: while it decodes, its root unit (embedding,
+    head) and one decoder layer gathered; in training, the copy of its head the divergence keeps from the
+    loss's forward to its backward (`DistillTrainer._teacher_part`)."""
+    m, dt = s.model("teacher")
+    b = dtype_bytes(dt)
+    rows = []
+    if s.train_batch_size:
+        how = f"{_n(m.embedding_params)} x {b} B, from the loss's forward to its backward"
+        rows.append(Row("teacher head copy (fsdp)", m.embedding_params * b, how, "train"))
+    decodes = [
+        phase
+        for phase, runs in (
+            ("rollout", s.gen_batch_size and s.sampler == "teacher" and s.rollout_engine == "hf"),
+            ("eval", s.eval_batch_size and s.eval_model == "teacher"),
+        )
+        if runs
+    ]
+    if decodes:
+        root = m.embedding_params * (1 if m.tie_embeddings else 2)
+        how = f"(root {_n(root)} + one layer {_n(m.layer_params)} params) x {b} B, while it decodes"
+        rows.append(Row("teacher gathered units (fsdp)", (root + m.layer_params) * b, how, "+".join(decodes)))
+    return rows
+
+
 def _rows(s: Stage, budget: float | None) -> list[Row]:
     rows: list[Row] = _student_rows(s) if s.student is not None else []
     if s.teacher is not None:
@@ -606,6 +631,8 @@ def _rows(s: Stage, budget: float | None) -> list[Row]:
             f" / {div} (fsdp)" if div > 1 else ""
         )
         rows.append(Row("teacher weights", m.num_params * dtype_bytes(dt) // div, how))
+        if div > 1:
+            rows += _sharded_teacher_rows(s)
     if s.proxy is not None:
         m, dt = s.model("proxy")
         b, n = m.num_params * dtype_bytes(dt), _n(m.num_params)

@@ -424,8 +424,15 @@ def test_component_variants_by_hand(size):
     assert fsdp["mixed-precision copies"] == (d["V"] * d["h"] * (1 if d["tied"] else 2) + 2 * layer) * 2
     assert "ddp gradient buckets" not in fsdp
     assert fsdp["divergence head gradient"] == d["V"] * d["h"] * 4  # fp32 sum for the bf16 unsharded head
+    # The sharded teacher (8B, untied: head and embedding apart) holds whole: a head copy in training; its
+    # embedding, head and one decoder layer while it decodes its evaluation.
+    t = _dims(QWEN3["Qwen3-8B"])
+    t_layer = (n_t - 2 * t["V"] * t["h"] - t["h"]) // t["L"]
+    assert fsdp["teacher head copy (fsdp)"] == t["V"] * t["h"] * 2
+    assert fsdp["teacher gathered units (fsdp)"] == (2 * t["V"] * t["h"] + t_layer) * 2
     replicated = _rows(plan(_opd_stage(size, world_size=8, parallelism="fsdp", shard_teacher=False)))
     assert replicated["teacher weights"] == n_t * 2
+    assert not {"teacher head copy (fsdp)", "teacher gathered units (fsdp)"} & replicated.keys()
 
     q, kv = d["nH"] * d["d"], d["nKV"] * d["d"]
     per_layer = _activation_hand(d, 1, 2048) // d["L"]

@@ -39,17 +39,29 @@ class ShardingProbe(TrainerCallback):
     (recorded by `spy_on_head_weight`) and as it is between steps, outside any forward."""
 
     seen_in_loss: list = []
+    teacher_seen_in_loss: list = []
+    teachers: list = []  # what `shard_frozen` sharded (recorded by `spy_on_head_weight`)
 
     def __init__(self, path: str):
         self.path, self.between_steps = path, []
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
         self.wrapped = sorted({type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)})
         self.all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())
         self.checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        self.teacher = {}
+        for teacher in ShardingProbe.teachers:
+            optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            self.teacher = dict(
+                wrapped=sorted({type(m).__name__ for m in teacher.modules() if isinstance(m, FSDPModule)}),
+                all_dtensor=all(isinstance(p, DTensor) for p in teacher.parameters()),
+                frozen=not any(p.requires_grad for p in teacher.parameters()),
+                optimized=any(id(p) in optimized for p in teacher.parameters()),
+                head=_describe(teacher.get_output_embeddings().weight),
+            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.between_steps.append(_describe(model.get_output_embeddings().weight))
@@ -61,6 +73,8 @@ class ShardingProbe(TrainerCallback):
             checkpointing=self.checkpointing,
             between_steps=self.between_steps,
             in_loss=ShardingProbe.seen_in_loss,
+            teacher=self.teacher,
+            teacher_in_loss=ShardingProbe.teacher_seen_in_loss,
         )
         Path(f"{self.path}.rank{args.process_index}.json").write_text(json.dumps(record))
 
@@ -73,16 +87,23 @@ def _describe(weight: torch.Tensor) -> dict:
 
 
 def spy_on_head_weight() -> None:
-    """Record the student head weight every call of the trainer's divergence receives."""
+    """Record both head weights every call of the trainer's divergence receives, and what the trainer
+    shards with `shard_frozen` (the teacher)."""
     import opdkit.opd.trainer
 
-    real = opdkit.opd.trainer.chunked_divergence
+    real, real_shard = opdkit.opd.trainer.chunked_divergence, sharding.shard_frozen
 
-    def spy(s_hidden_NH, s_head_VH, *args, **kwargs):
+    def spy(s_hidden_NH, s_head_VH, t_hidden_NH, t_head_VH, **kwargs):
         ShardingProbe.seen_in_loss.append(_describe(s_head_VH))
-        return real(s_hidden_NH, s_head_VH, *args, **kwargs)
+        ShardingProbe.teacher_seen_in_loss.append(_describe(t_head_VH))
+        return real(s_hidden_NH, s_head_VH, t_hidden_NH, t_head_VH, **kwargs)
+
+    def shard_spy(model):
+        ShardingProbe.teachers.append(model)
+        return real_shard(model)
 
     opdkit.opd.trainer.chunked_divergence = spy
+    sharding.shard_frozen = shard_spy
 
 
 def run_two_fsdp_processes(
@@ -203,6 +224,59 @@ def test_fsdp_first_update_equals_one_process_and_trl(tmp_path, one_process):
         assert_adamw_weights_close(sd_two, sd_one, well_conditioned(one_dumps[:steps]), steps, lr)
     summary = json.loads((two / "summary.json").read_text())
     assert (summary["steps"], summary["world_size"], summary["status"]) == (2, 2, "done")
+
+
+@pytest.mark.slow
+def test_sharded_teacher_gives_the_replicated_teachers_loss_first_update_and_accuracy(tmp_path, one_process):
+    """Under fsdp the teacher is sharded too (weights only, frozen, outside the optimizer); the loss, the
+    first update and the teacher's accuracy (decoded in step, 5 prompts over 2 ranks: one repeated) are
+    the replicated teacher's in one process."""
+    from opdkit.jobs import whitebox
+    from opdkit.jobs.whitebox.job import sharded_accuracy
+    from opdkit.models import load_model
+
+    one_path, one_grads = one_process
+    over = {**CLIPPED, "max_steps": 1, "per_device_train_batch_size": 2, "eval_size": 5}
+    two = run_two_fsdp_processes(tmp_path, "teacher", over)
+    vocab = AutoModelForCausalLM.from_pretrained(one_path / "model").get_output_embeddings().weight.shape[0]
+    for probe in probes(two):
+        t = probe["teacher"]
+        assert {"FSDPQwen3DecoderLayer", "FSDPQwen3ForCausalLM"} <= set(t["wrapped"]), t
+        assert t["all_dtensor"] and t["frozen"] and not t["optimized"]
+        assert t["head"]["dtensor"] and t["head"]["local_rows"] < vocab  # a shard outside its forward
+        # The divergence got the whole head (a copy taken inside the teacher's forward).
+        assert probe["teacher_in_loss"] and all(
+            not w["dtensor"] and w["local_rows"] == vocab for w in probe["teacher_in_loss"]
+        )
+
+    m_two, m_one = (json.loads((p / "metrics.jsonl").read_text().splitlines()[0]) for p in (two, one_path))
+    grads = torch.load(f"{two}.pt")
+    errors = {
+        "loss_rel": abs(m_two["loss"] - m_one["loss"]) / abs(m_one["loss"]),
+        "grad_max_abs": max((grads[n] - g).abs().max().item() for n, g in one_grads.items()),
+        "grad_max_rel": max(
+            ((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in one_grads.items() if g.any()
+        ),
+    }
+    sd_two = AutoModelForCausalLM.from_pretrained(two / "model").state_dict()
+    sd_one = AutoModelForCausalLM.from_pretrained(one_path / "checkpoints/checkpoint-1").state_dict()
+    sd_zero = load_model("tiny:student", torch.float32, "cpu").state_dict()
+    errors["update_max_abs"] = max((sd_two[k] - v).abs().max().item() for k, v in sd_one.items())
+    errors["update_max_rel"] = errors["update_max_abs"] / max(
+        (v - sd_zero[k]).abs().max().item() for k, v in sd_one.items()
+    )
+    print("sharded teacher vs one process:", errors)
+    assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4)
+    assert m_two["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-4)
+    assert_grads_close(grads, one_grads, rtol=1e-4)
+    lr = load_config(WhiteboxConfig, "tiny").learning_rate
+    assert_adamw_weights_close(sd_two, sd_one, well_conditioned([one_grads]), 1, lr)
+
+    # The teacher's accuracy decoded in step by the sharded teacher, against the whole teacher here.
+    prep = whitebox.prepare("tiny", over)
+    teacher = load_model(prep.cfg.teacher_model, torch.float32, "cpu")
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["teacher_accuracy"] == sharded_accuracy(teacher, prep, 1, 0)
 
 
 def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_model(tmp_path):

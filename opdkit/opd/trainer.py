@@ -6,9 +6,10 @@ One optimizer step:
    samples a completion for every prompt of the step in one call; the result is cut back into the
    micro-batches, and the completion tokens of the whole step are counted across processes (N);
 2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
-   positions the sampler used, and sums the per-token divergence over completion tokens from the final
-   hidden states in chunks (`chunked_divergence`), divided by N; so batch size x gradient
-   accumulation x processes never changes the gradient. The student's part (backbone and head) runs
+   positions the sampler used (under FSDP both sharded, each part run as its own model's forward), and
+   sums the per-token divergence over completion tokens from the final hidden states in chunks
+   (`chunked_divergence`), divided by N; so batch size x gradient accumulation x processes never changes
+   the gradient. The student's part (backbone and head) runs
    as the wrapped student's forward, so DDP's and FSDP's hooks enclose it (`sharding.call_inside_forward`);
    with vLLM the same pass reads the student's log-probability of each sampled token, compared with the
    engine's (`engine_logprob_gap`) without a second forward;
@@ -136,7 +137,15 @@ class DistillTrainer(Trainer):
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
         # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
         self.stop_ids = eos_ids(tok, self.model)
-        self.teacher = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        self.teacher = teacher_model.eval().requires_grad_(False)
+        # Under FSDP the frozen teacher is sharded like the student (weights only: it has no gradients or
+        # optimizer state), so its memory per process falls with the process count. Sharding moves each
+        # unit to the device as it shards it, so a teacher loaded in host memory is never whole on a GPU.
+        self.teacher_sharded = self.is_fsdp_enabled and self.args.world_size > 1
+        if self.teacher_sharded:
+            sharding.shard_frozen(self.teacher)
+        else:
+            self.teacher.to(self.args.device)
         self.run = run
         self.model_accepts_loss_kwargs = True  # we normalise by num_items_in_batch ourselves
         self.stats = StepStats()
@@ -248,7 +257,9 @@ class DistillTrainer(Trainer):
         pred_BT[:, prompt_len - 1 : prompt_len - 1 + comp_BC.shape[1]] = comp_BC.bool()
         fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
         with torch.no_grad():  # the backbone alone: no other layer's output is kept
-            t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
+            t_hidden_NH, t_head_VH = sharding.call_inside_forward(
+                self.teacher, self.teacher, self._teacher_part, pred_BT, **fwd
+            )
         target_N = engine_logp_N = None
         if "engine_logprobs_BC" in inputs:
             # Selected here, where the selection above has already waited for the device, not after the
@@ -264,7 +275,7 @@ class DistillTrainer(Trainer):
                 fwd,
                 pred_BT,
                 t_hidden_NH,
-                self.teacher.get_output_embeddings().weight,
+                t_head_VH,
                 beta=self.args.beta,
                 temperature=self.args.kl_temperature,
                 vocab_size=self.vocab_size,
@@ -291,6 +302,16 @@ class DistillTrainer(Trainer):
                 self._check_sync(gap_N)
         self._keep_samples(inputs, pred_BT, out.per_token_N)
         return (loss, out) if return_outputs else loss
+
+    def _teacher_part(self, pred_BT: torch.Tensor, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's final hidden states where `pred_BT` marks a predicted token, and its head weight:
+        run as the teacher's forward, the only place a sharded teacher's head is whole. The divergence
+        reads that head again in the student's backward (it recomputes each chunk's logits) after FSDP
+        has freed the gathered weight, so a sharded teacher hands over a copy: one head per micro-batch,
+        held until its backward, instead of a replicated teacher."""
+        t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
+        head_VH = self.teacher.get_output_embeddings().weight
+        return t_hidden_NH, head_VH.detach().clone() if self.teacher_sharded else head_VH
 
     def _check_sync(self, gap_N: torch.Tensor) -> None:
         """The one host read before a backward pass (first steps only): every rank stops together if the

@@ -1,8 +1,9 @@
-"""How the student is spread over processes: DDP (replicated) or FSDP2 (sharded), and the one rule
-both impose on a loss that reads the student's weights directly.
+"""How the models are spread over processes: DDP (replicated) or FSDP2 (sharded; the frozen teacher
+too, with `shard_frozen`), and the one rule both impose on a loss that reads a model's weights directly.
 
     args = TrainingArguments(..., **fsdp_arguments("fsdp", world_size))
     loss = call_inside_forward(wrapped_model, student, loss_fn, inputs)
+    shard_frozen(teacher)   # then its parts run inside its own forward too: call_inside_forward(teacher, ...)
 
 Pitfalls this module exists for:
 - under FSDP a parameter is a shard (a DTensor) except between the pre- and post-forward hooks of
@@ -104,6 +105,29 @@ def keep_fp32_outputs(fsdp_plugin) -> None:
     policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
     if policy is not None and getattr(policy, "output_dtype", None) is not None:
         fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, output_dtype=None)
+
+
+def shard_frozen(model: nn.Module) -> nn.Module:
+    """`model` frozen and sharded with FSDP2 over every process, as the student is: each decoder layer
+    (the model's `_no_split_modules`) its own unit, then the root (embedding, final norm, head), all
+    resharded after forward. No optimizer ever sees it, so nothing but its weights is sharded. Its
+    forward is then a collective: every rank must call it in step, through the root (`call_inside_forward`
+    for a part such as the backbone alone)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.eval().requires_grad_(False)
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in units:
+            fully_shard(module, reshard_after_forward=True)
+    return fully_shard(model, reshard_after_forward=True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` is an FSDP2 module, whose every forward is a collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,9 @@ class WhiteboxConfig(RunFields, OPDSettings):
     gradient_checkpointing: bool = setting(False, "recompute activations in backward to save memory")
     parallelism: str = setting(
         "ddp",
-        "how several processes hold the student: ddp replicates it; fsdp shards it with FSDP2 (accelerate), "
-        "for students too big to replicate; one process ignores it. The frozen teacher is always replicated",
+        "how several processes hold the models: ddp replicates them; fsdp shards the student with FSDP2 "
+        "(accelerate) and the frozen teacher too (weights only), for models too big to replicate; one "
+        "process ignores it",
         choices=("ddp", "fsdp"),
     )
     logging_steps: int = setting(1, "log metrics every this many optimizer steps", min=1)

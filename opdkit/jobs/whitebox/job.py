@@ -2,7 +2,7 @@
 
     python -m opdkit.whitebox --mode tiny                                    # CPU, ~2 minutes
     torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
-    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # the student sharded (FSDP2)
+    torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # both models sharded (FSDP2)
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
 
 `prepare` does everything that can fail cheaply (config, tokenizers, prompts) before anything is
@@ -99,7 +99,7 @@ def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage
         optimizer=memory.optimizer_kind(cfg.optim, cfg.optim_args),
         parallelism=cfg.parallelism,
         world_size=world,
-        shard_teacher=False,
+        shard_teacher=True,  # DistillTrainer shards the teacher too under fsdp with several processes
         gradient_checkpointing=cfg.gradient_checkpointing,
         prompt_len=cfg.max_prompt_length,
         completion_len=cfg.max_new_tokens,
@@ -168,7 +168,11 @@ def sharded_accuracies(
     when `forced` (default: the config's `forced_accuracy`), else None. The kit's loop decodes every model
     under the same autocast (`accuracy_precision`), so before and after compare one precision; a vLLM
     `engine` is first synced with `model` on every rank (a sharded model's sync gathers) and decodes from
-    those weights."""
+    those weights.
+
+    A sharded model (the teacher under FSDP) decodes in step: its every forward is a collective, so every
+    rank decodes as many prompts (where they do not divide, some repeat one whose answer is not counted)
+    with the kit's loop synced, each batch stepping until every rank's batch is done."""
     cfg, tok = prep.cfg, prep.tokenizer
     forced = cfg.forced_accuracy if forced is None else forced
     messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
@@ -177,11 +181,16 @@ def sharded_accuracies(
     if engine is not None:
         engine.sync(model)
     mine = list(range(rank, len(messages), world))
+    decoded = mine
+    if world > 1 and sharding.is_sharded(model) and engine is None:
+        engine = engines.make_engine("hf", synced=True)
+        decoded = mine + [(mine or [0])[-1]] * (-(-len(messages) // world) - len(mine))
     correct, correct_forced = 0.0, 0.0
     device = next(model.parameters()).device
-    if mine:
-        mine_messages = [messages[i] for i in mine]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and engine is None):
+    if decoded:
+        mine_messages = [messages[i] for i in decoded]
+        loop = engine is None or engine.name == "hf"
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and loop):
             comps = evaluate.greedy_completions(
                 model,
                 tok,
@@ -206,6 +215,7 @@ def sharded_accuracies(
                 correct_forced = float(
                     sum(prep.task.check(c, answers[i]) for c, i in zip(comps_forced, mine))
                 )
+        # zip stops at this rank's own prompts: the repeats decoded only to keep step are not counted.
         correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
     if world > 1 and dist.is_initialized():
         t = torch.tensor([correct, correct_forced], dtype=torch.float64, device=device)
@@ -286,7 +296,10 @@ def _distil(
         print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     tok = prep.tokenizer
     student = load_model(cfg.student_model, torch.float32, args.device)
-    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, args.device)
+    # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to
+    # the device one unit at a time, so it never needs to fit a GPU whole.
+    teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
+    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, teacher_device)
     print0(
         f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
         f"{world} process(es) on {args.device}"
