@@ -167,15 +167,17 @@ def test_vllms_per_sync_notes_are_dropped_and_nothing_else():
         def emit(self, record):
             seen.append(record.getMessage())
 
-    logger, handler = logging.getLogger("vllm"), Keep()
-    logger.addHandler(handler)
+    root, handler = logging.getLogger("vllm"), Keep()
+    root.addHandler(handler)
     try:
         engines._quiet_sync_logs()
-        engines._quiet_sync_logs()  # twice: one filter
-        child = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        child.warning("RotaryEmbedding: Failed to load weights")
-        logging.getLogger("vllm.v1.core").warning("Successfully reset prefix cache")
-        child.warning("KV cache is full")
-        assert seen == ["KV cache is full"] and len(handler.filters) == 1
+        engines._quiet_sync_logs()  # twice: one filter each
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        pool = logging.getLogger("vllm.v1.core.block_pool")
+        layerwise.warning("RotaryEmbedding: Failed to load weights")
+        pool.warning("Successfully reset prefix cache")
+        layerwise.warning("KV cache is full")
+        logging.getLogger("vllm.other").warning("Failed to load weights")  # another logger's: kept
+        assert seen == ["KV cache is full", "Failed to load weights"] and len(layerwise.filters) == 1
     finally:
-        logger.removeHandler(handler)
+        root.removeHandler(handler)

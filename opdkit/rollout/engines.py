@@ -162,19 +162,23 @@ _PROCESS = _Process()
 
 # What vLLM logs at every weight sync, once per optimizer step: the layerwise reload's notes on the layers it
 # repacks afterwards (the rotary cache, a tied head) and the prefix cache's reset. Nothing to act on.
-_SYNC_NOISE = ("Failed to load weights", "Successfully reset prefix cache")
+_SYNC_NOISE = {
+    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.v1.core.block_pool": "Successfully reset prefix cache",
+}
 
 
 class _DropSyncNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(s in record.getMessage() for s in _SYNC_NOISE)
+        return _SYNC_NOISE.get(record.name, "\0") not in record.getMessage()
 
 
 def _quiet_sync_logs() -> None:
-    """Keep a run's log readable: vLLM's handlers drop the per-sync notes above, and nothing else."""
-    for handler in logging.getLogger("vllm").handlers:
-        if not any(isinstance(f, _DropSyncNoise) for f in handler.filters):
-            handler.addFilter(_DropSyncNoise())
+    """Keep a run's log readable: the two loggers above drop their per-sync notes, and nothing else."""
+    for name in _SYNC_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropSyncNoise) for f in logger.filters):
+            logger.addFilter(_DropSyncNoise())
 
 
 def free_memory() -> None:
