@@ -39,6 +39,24 @@ class ForcingTask(Protocol):
     def forced_prefix(self, completion: str) -> str: ...
 
 
+def _greedy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    engine: engines.HFEngine | engines.VLLMEngine | None,
+    max_new_tokens: int,
+    batch_size: int,
+    n: int,
+) -> tuple[engines.HFEngine | engines.VLLMEngine, engines.SamplingSettings, int]:
+    """(engine, greedy settings stopping at the trainer's stop list, batch size): the kit's loop unless an
+    engine is given; a vLLM engine takes all `n` prompts in one call, as it batches by itself."""
+    greedy = engines.SamplingSettings(
+        max_new_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
+    )
+    if engine is None:
+        return engines.HFEngine(), greedy, batch_size
+    return engine, greedy, max(1, n) if engine.name == "vllm" else batch_size
+
+
 @torch.no_grad()
 def greedy_completions(
     model: PreTrainedModel,
@@ -56,13 +74,7 @@ def greedy_completions(
 
     By default the kit's loop decodes `model` in batches of `batch_size`. A vLLM `engine` decodes from the
     weights it was last synced with (sync `model` into it first) in one call, as it batches by itself."""
-    greedy = engines.SamplingSettings(
-        max_new_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
-    )
-    if engine is None:
-        engine = engines.HFEngine()
-    elif engine.name == "vllm":
-        batch_size = max(1, len(messages))
+    engine, greedy, batch_size = _greedy(model, tokenizer, engine, max_new_tokens, batch_size, len(messages))
     device = next(model.parameters()).device
     out: list[str] = []
     starts = range(0, len(messages), batch_size)
@@ -96,13 +108,8 @@ def forced_completions(
         task.forced_prefix(c + "\n" + THINK_END if enable_thinking and THINK_END not in c else c)
         for c in completions
     ]
-    greedy = engines.SamplingSettings(
-        task.forced_answer_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
-    )
-    if engine is None:
-        engine = engines.HFEngine()
-    elif engine.name == "vllm":
-        batch_size = max(1, len(messages))
+    budget = task.forced_answer_tokens
+    engine, greedy, batch_size = _greedy(model, tokenizer, engine, budget, batch_size, len(messages))
     device = next(model.parameters()).device
     out: list[str] = []
     starts = range(0, len(messages), batch_size)
