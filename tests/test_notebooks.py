@@ -92,6 +92,27 @@ def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
     assert not run_dir.exists()
 
 
+def test_dry_run_stops_the_notebook_at_the_run_cell_with_the_plan(tmp_path):
+    """`-p dry_run True`: the plan is shown, then one line says why the notebook stopped (not an
+    AttributeError from a report cell); nothing is written."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "out.ipynb"
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        pm.execute_notebook(
+            str(NB / "02_whitebox.ipynb"),
+            str(out),
+            parameters={"dry_run": True, "run_dir": str(run_dir)},
+            kernel_name="python3",
+            cwd=str(NB),
+            progress_bar=False,
+        )
+    assert err.value.ename == "PlanOnly" and "dry run" in err.value.evalue
+    assert err.value.traceback == [f"PlanOnly: {err.value.evalue}"], "one line, not a traceback"
+    run_cell = json.dumps(_cell_outputs(out, "whitebox.run("))
+    assert "held at each phase" in run_cell and "plan: " in run_cell
+    assert not run_dir.exists()
+
+
 @pytest.mark.slow
 def test_clip_lesson_notebook_runs_headless(tmp_path):
     run_dir = tmp_path / "lesson"

@@ -79,6 +79,7 @@ from opdkit.jobs.antidistill.spread import BASELINE_FILE, assign, finished, gath
 from opdkit.jobs.antidistill.steering import ensure_answer_gradient, load_models
 from opdkit.jobs.antidistill.sweep import GRADS_DIR, Prepared, sweep_points
 from opdkit.models import check_shared_vocab, load_tokenizer
+from opdkit.notebook.live import stop_after_plan
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
@@ -256,7 +257,7 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
     (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), compute or
     check the gradient, run the points not yet finished in `num_processes` processes, gather the summary;
     returns the run."""
@@ -265,6 +266,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     cfg = prep.cfg
     print0(prep.plan.table())
     if cfg.dry_run:
+        stop_after_plan(JOB)
         return None
     prep.plan.check()
     if under_external_launcher():

@@ -17,6 +17,7 @@ from opdkit import memory
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
+from opdkit.notebook.live import stop_after_plan
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
@@ -202,7 +203,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Show every arm's memory plan and stop there under `dry_run` (None) or when one does not fit
+    """Show every arm's memory plan and stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when one does not fit
     (ConfigError, before any weight is loaded); else run (or collect) every arm for every seed, write
     summary.json (and plan.json); return the lesson's run dir."""
     prep = prepared or prepare(mode, overrides)
@@ -210,10 +211,12 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
     if prep.plan is not None:
         print0(prep.plan.table())
         if cfg.dry_run:
+            stop_after_plan(JOB)
             return None
         prep.plan.check()
     elif cfg.dry_run:
         print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
+        stop_after_plan(JOB)
         return None
     lesson = RunDir.create(cfg, job=JOB, mode=prep.mode)
     if prep.plan is not None:

@@ -39,6 +39,7 @@ from opdkit.data.traces import accuracy as teacher_accuracy
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.models import check_shared_vocab, load_model, load_tokenizer
+from opdkit.notebook.live import stop_after_plan
 from opdkit.rollout import engines
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
@@ -301,7 +302,7 @@ def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], 
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
     (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), launch
     the processes; returns the run directory."""
     prep = prepared or prepare(mode, overrides)
@@ -309,6 +310,7 @@ def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | 
         print0(prep.first_example)
     print0(prep.plan.table())
     if prep.cfg.dry_run:
+        stop_after_plan(JOB)
         return None
     prep.plan.check()
     return start_run(process, prep.cfg, JOB, mode, prep, files={memory.PLAN_FILE: prep.plan.to_json()})

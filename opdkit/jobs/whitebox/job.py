@@ -429,7 +429,7 @@ def run(
     prepared: Prepared | None = None,
     callbacks: list | None = None,
 ) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None) or when the plan does not fit
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
     (ConfigError, before any weight is loaded); else create the run directory (plan.json in it) and launch
     the processes; returns the run directory.
 
@@ -439,6 +439,7 @@ def run(
         print0(prep.first_prompt)
     print0(prep.plan.table())
     if prep.cfg.dry_run:
+        live.stop_after_plan(JOB)
         return None
     prep.plan.check()
     return start_run(
