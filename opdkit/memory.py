@@ -190,6 +190,27 @@ class ModelShape:
         h = self.hidden_size
         return max(self.embedding_params, h * self.intermediate_size, h * self.q_dim)
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each decoder layer's matmuls, by their module names."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """The parameters LoRA adapters of `rank` add on the decoder layers' `targets` (module names, or
+        ["all-linear"]): r x (in + out) each, what peft's `get_peft_model` makes trainable. Names that are
+        not a layer's matmul add nothing."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if list(targets) == ["all-linear"] else targets
+        return self.num_layers * sum(rank * sum(shapes[t]) for t in names if t in shapes)
+
 
 def _config_path(text: str) -> Path:
     if text.startswith("tiny:"):
@@ -369,7 +390,8 @@ class Stage:
     teacher: frozen; under fsdp sharded too when `shard_teacher` (issue 20, item 6), else replicated.
     proxy: ADS (04): the proxy and `proxy_gradients` loaded gradients (in CPU memory when
         `proxy_on_host`), and `ads_copies` perturbed copies (finite differences: 2), each with a KV cache
-        when the teacher samples (`sampler` "teacher"); none when they score a student's rollouts.
+        when the teacher samples (`sampler` "teacher"); when they score a student's rollouts (`sampler`
+        "student", with a teacher) no cache, but the ADS teacher's stacked fp32 head.
     bf16: autocast mixed precision for training and evaluation. device: "cuda" or "cpu" (AdamW's
         temporaries, the CPU bf16 head copies).
     optimizer: "adamw" (2 states), "sgd" (with momentum: 1), "none" (gradients only).
@@ -378,6 +400,9 @@ class Stage:
         with rollout_engine "vllm" the engine's share replaces it.
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
     sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
+    trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
+        adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
+        have none. 0: every parameter trains.
     """
 
     student: ModelShape | None = None
@@ -410,6 +435,7 @@ class Stage:
     vllm_sleep: bool = False
     engine_dtype: str = "bfloat16"
     sync_streamed: bool = False
+    trainable_params: int = 0
 
     def __post_init__(self) -> None:
         choices = {
@@ -427,7 +453,7 @@ class Stage:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         counts = ("prompt_len", "completion_len", "train_batch_size", "gen_batch_size", "eval_batch_size")
-        for name in (*counts, "eval_completion_len", "ads_copies", "proxy_gradients"):
+        for name in (*counts, "eval_completion_len", "ads_copies", "proxy_gradients", "trainable_params"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative (0: none).")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -462,18 +488,24 @@ def _n(n: int) -> str:
 
 def _student_rows(s: Stage) -> list[Row]:
     m, wd = s.model("student")
-    wb, n, w = dtype_bytes(wd), m.num_params, s.world_size
+    wb, w = dtype_bytes(wd), s.world_size
     div = w if s.sharded else 1
     per = f" / {w} (fsdp)" if div > 1 else ""
     states = {"adamw": 2, "sgd": 1, "none": 0}[s.optimizer]
+    n = s.trainable_params or m.num_params  # what trains: gradients and optimizer state are theirs
+    which = f"{_n(n)} trainable params" if s.trainable_params else "params"
+    weights = m.num_params + s.trainable_params
+    how = f"{_n(m.num_params)} params" + (
+        f" + {_n(s.trainable_params)} adapter params" if s.trainable_params else ""
+    )
     rows = [
-        Row("student weights", n * wb // div, f"{_n(n)} params x {wb} B ({wd})" + per),
-        Row("optimizer state", states * n * wb // div, f"{s.optimizer}: {states} x params x {wb} B" + per),
+        Row("student weights", weights * wb // div, f"{how} x {wb} B ({wd})" + per),
+        Row("optimizer state", states * n * wb // div, f"{s.optimizer}: {states} x {which} x {wb} B" + per),
     ]
     if not s.train_batch_size:
         return rows
-    rows.append(Row("student gradients", n * wb // div, f"params x {wb} B" + per, "train+bwd-end+step"))
-    if m.tie_embeddings:
+    rows.append(Row("student gradients", n * wb // div, f"{which} x {wb} B" + per, "train+bwd-end+step"))
+    if m.tie_embeddings and not s.trainable_params:  # adapters leave the embedding frozen
         grad_bytes = 2 if (s.bf16 and s.sharded) else wb
         rows.append(
             Row(
@@ -489,7 +521,8 @@ def _student_rows(s: Stage) -> list[Row]:
         if s.device == "cuda":
             temp, how = n * wb // div, "foreach AdamW: sqrt(v) of all parameters at once"
         else:
-            temp, how = 2 * m.largest_tensor_numel * wb, "one tensor at a time: 2 x the largest tensor"
+            largest = min(m.largest_tensor_numel, n)
+            temp, how = 2 * largest * wb, "one tensor at a time: 2 x the largest tensor"
         rows.append(Row("optimizer step temporaries", temp, how, "step"))
     if s.bf16 and s.sharded:
         unit = m.embedding_params * (1 if m.tie_embeddings else 2) + 2 * m.layer_params
@@ -672,11 +705,23 @@ def _rows(s: Stage, budget: float | None) -> list[Row]:
                     "rollout",
                 )
             )
+    if s.proxy is not None and s.ads_copies and s.teacher is not None and s.sampler == "student":
+        rows.append(_stacked_head_row(s))
     if s.eval_batch_size:
         eval_len = s.prompt_len + (s.eval_completion_len or s.completion_len)
         kv_dtype = "bfloat16" if s.bf16 else s.model(s.eval_model)[1]
         rows += _decode_rows(s, s.eval_model, s.eval_batch_size, eval_len, "eval", kv_dtype)
     return rows
+
+
+def _stacked_head_row(s: Stage) -> Row:
+    """The ADS teacher scoring a student's rollouts (04's on-policy attackers, `ads.teacher`) puts the
+    teacher's and the perturbed copies' heads side by side in one fp32 matrix, built once."""
+    t, p = s.teacher, s.proxy
+    cols = t.hidden_size + s.ads_copies * p.hidden_size
+    bytes_ = max(4, dtype_bytes(s.teacher_dtype), dtype_bytes(s.proxy_dtype))
+    how = f"{_n(t.vocab_size)} x ({t.hidden_size} + {s.ads_copies} x {p.hidden_size}) x {bytes_} B"
+    return Row("ADS teacher stacked head", t.vocab_size * cols * bytes_, how)
 
 
 def plan(stage: Stage, budget_gb: float | None = None, suggest: bool = True) -> Plan:

@@ -484,6 +484,69 @@ def test_ads_stage_by_hand(size):
     assert on_cpu["CPU bfloat16 head copies, teacher rollout"] == 128 * d["V"] * d["h"] * 2
 
 
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj"], ["all-linear"], ["k_proj", "down_proj", "lm_head"]]
+)
+def test_lora_params_are_what_peft_trains(targets):
+    """`ModelShape.lora_params` against peft's own adapters on a grouped-query Qwen3 (k/v narrower than q)."""
+    peft = pytest.importorskip("peft")
+    from opdkit.models import small_qwen3
+
+    model = small_qwen3(128, 2, 101, seed=0)
+    shape = ModelShape.from_config(model.config.to_dict())
+    assert shape.kv_dim < shape.q_dim
+    wanted = [t for t in targets if t != "lm_head"]  # the plan counts the decoder layers' matmuls only
+    lora = peft.LoraConfig(r=8, target_modules="all-linear" if targets == ["all-linear"] else wanted)
+    trained = peft.get_peft_model(model, lora)
+    assert shape.lora_params(8, targets) == sum(p.numel() for p in trained.parameters() if p.requires_grad)
+
+
+def test_lora_student_plans_gradients_and_optimizer_state_of_the_adapters_only():
+    """04 full's SFT student: Qwen3-1.7B with rank-128 adapters on all seven matmuls of its 28 layers."""
+    shape = ModelShape.from_config(QWEN3["Qwen3-1.7B"])
+    # per layer r x (in + out): q 2048+2048, k and v 2048+1024, o 2048+2048, gate and up 2048+6144,
+    # down 6144+2048
+    adapters = 28 * 128 * (4096 + 3072 + 3072 + 4096 + 8192 + 8192 + 8192)
+    assert shape.lora_params(128, ["all-linear"]) == adapters == 139_460_608
+    full = Stage(student=shape, train_batch_size=2, prompt_len=512, completion_len=1024, optimizer="adamw")
+    lora = dataclasses.replace(full, trainable_params=adapters)
+    f, r = _rows(plan(full)), _rows(plan(lora))
+    assert r["student weights"] == (HAND_PARAMS["Qwen3-1.7B"] + adapters) * 4
+    assert r["student gradients"] == adapters * 4 and f["student gradients"] == HAND_PARAMS["Qwen3-1.7B"] * 4
+    assert r["optimizer state"] == 2 * adapters * 4
+    assert "tied embedding gradient sum" in f and "tied embedding gradient sum" not in r
+    assert r["activations"] == f["activations"]
+    # At the peak (train): fp32 weights + AdamW's 2 states + gradients, 16 B per parameter, for every
+    # parameter; with adapters 4 B per frozen parameter and 16 B per adapter parameter.
+    n = HAND_PARAMS["Qwen3-1.7B"]
+    assert plan(full).peak_phase == plan(lora).peak_phase == "train"
+    assert plan(full).total - plan(lora).total == 16 * n - (4 * n + 16 * adapters)
+
+
+def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
+    """Scoring a student's rollouts, the ADS teacher stacks its head and the two perturbed copies' heads."""
+    from opdkit.ads.teacher import stacked_head
+    from opdkit.models import small_qwen3
+
+    teacher, proxy = small_qwen3(128, 2, 101, seed=0), small_qwen3(64, 2, 101, seed=1)
+    real = stacked_head([teacher, proxy, proxy]).weight
+    stage = Stage(
+        student=ModelShape.from_config(proxy.config.to_dict()),
+        teacher=ModelShape.from_config(teacher.config.to_dict()),
+        proxy=ModelShape.from_config(proxy.config.to_dict()),
+        teacher_dtype="bfloat16",
+        train_batch_size=2,
+        gen_batch_size=2,
+        prompt_len=8,
+        completion_len=8,
+    )
+    assert (
+        _rows(plan(stage))["ADS teacher stacked head"] == real.numel() * real.element_size() == 101 * 256 * 4
+    )
+    steering = dataclasses.replace(stage, student=None, train_batch_size=0, sampler="teacher")
+    assert "ADS teacher stacked head" not in _rows(plan(steering)), "sampling with ADS stacks nothing"
+
+
 # ---------------------------------------------------------------- plan, table, suggestions
 
 

@@ -149,6 +149,7 @@ def stages(cfg: AntidistillConfig, budget: float | None) -> dict[str, memory.Sta
     teacher_dtype = "bfloat16" if cfg.bf16 and gpu else "float32"
     gradients = 2 if cfg.answer_lams else 1
     micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
+    student = memory.ModelShape.from_config(cfg.student_model)
     return {
         "ADS sampling": memory.Stage(
             teacher=memory.ModelShape.from_config(cfg.teacher_model),
@@ -166,11 +167,12 @@ def stages(cfg: AntidistillConfig, budget: float | None) -> dict[str, memory.Sta
             proxy_on_host=gpu,
         ),
         "student SFT": memory.Stage(
-            student=memory.ModelShape.from_config(cfg.student_model),
+            student=student,
             student_dtype="float32",
             bf16=cfg.bf16 and gpu,
             device="cuda" if gpu else "cpu",
-            optimizer="none" if cfg.student_lora_r else "adamw",
+            optimizer="adamw",
+            trainable_params=student.lora_params(cfg.student_lora_r, cfg.student_lora_target_modules),
             gradient_checkpointing=cfg.gradient_checkpointing,
             train_batch_size=micro,
             prompt_len=cfg.max_prompt_length,
@@ -186,8 +188,7 @@ def stages(cfg: AntidistillConfig, budget: float | None) -> dict[str, memory.Sta
 def on_policy_stage(cfg: AntidistillConfig, gpu: bool) -> memory.Stage:
     """The on-policy attackers (`attackers` opd, opd-plain): a fresh student trained by DistillTrainer on its
     own rollouts (`opd_batch_size` prompts, the kit's loop, AdamW), scored by the teacher with the proxy's two
-    perturbed fp32 copies beside it (the ADS teacher), then evaluated greedily. Not counted: the ADS
-    teacher's stacked fp32 head, V x (teacher + 2 proxy hidden sizes), ~2.8 GB for Qwen3-4B with 0.6B."""
+    perturbed fp32 copies beside it (the ADS teacher, with its stacked fp32 head), then evaluated greedily."""
     return memory.Stage(
         student=memory.ModelShape.from_config(cfg.student_model),
         teacher=memory.ModelShape.from_config(cfg.teacher_model),
@@ -257,10 +258,10 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
-    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), compute or
-    check the gradient, run the points not yet finished in `num_processes` processes, gather the summary;
-    returns the run."""
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
+    when the plan does not fit (ConfigError, before any weight is loaded); else create the run directory
+    (plan.json in it), compute or check the gradient, run the points not yet finished in `num_processes`
+    processes, gather the summary; returns the run."""
     t0 = time.time()
     prep = prepared or prepare(mode, overrides)
     cfg = prep.cfg

@@ -203,9 +203,9 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Show every arm's memory plan and stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when one does not fit
-    (ConfigError, before any weight is loaded); else run (or collect) every arm for every seed, write
-    summary.json (and plan.json); return the lesson's run dir."""
+    """Show every arm's memory plan and stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
+    when one does not fit (ConfigError, before any weight is loaded); else run (or collect) every arm for
+    every seed, write summary.json (and plan.json); return the lesson's run dir."""
     prep = prepared or prepare(mode, overrides)
     cfg, seeds, existing = prep.cfg, prep.seeds, prep.existing
     if prep.plan is not None:

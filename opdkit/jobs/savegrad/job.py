@@ -302,9 +302,9 @@ def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], 
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
-    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it), launch
-    the processes; returns the run directory."""
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
+    when the plan does not fit (ConfigError, before any weight is loaded); else create the run directory
+    (plan.json in it), launch the processes; returns the run directory."""
     prep = prepared or prepare(mode, overrides)
     if prepared is None:  # a notebook has shown it already
         print0(prep.first_example)

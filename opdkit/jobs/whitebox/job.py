@@ -429,9 +429,9 @@ def run(
     prepared: Prepared | None = None,
     callbacks: list | None = None,
 ) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or when the plan does not fit
-    (ConfigError, before any weight is loaded); else create the run directory (plan.json in it) and launch
-    the processes; returns the run directory.
+    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
+    when the plan does not fit (ConfigError, before any weight is loaded); else create the run directory
+    (plan.json in it) and launch the processes; returns the run directory.
 
     `callbacks` (transformers `TrainerCallback`s) are handed to the trainer in every process."""
     prep = prepared or prepare(mode, overrides)
