@@ -108,6 +108,43 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
     assert_grads_close(grads[0], grads[1], rtol=1e-4)
 
 
+def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone(tmp_path, monkeypatch):
+    """The step's rows regrouped by completion length (`engines.length_order`) against the same samples in
+    sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
+    from opdkit.rollout import engines
+
+    common = dict(
+        gen_temperature=1.0,
+        per_device_train_batch_size=4,
+        global_batch_size=16,
+        sample_every=1,
+        samples_per_log=5,
+    )
+    dump = {"grouped": tmp_path / "grouped.pt", "plain": tmp_path / "plain.pt"}
+    run_tiny(tmp_path, "grouped", [GradientDump(str(dump["grouped"]))], **common)
+    with monkeypatch.context() as m:
+        m.setattr(engines, "length_order", lambda r: torch.arange(r.input_ids_BT.shape[0]))
+        run_tiny(tmp_path, "plain", [GradientDump(str(dump["plain"]))], **common)
+    assert sorted(completions(tmp_path / "grouped")) == sorted(completions(tmp_path / "plain"))
+    assert completions(tmp_path / "grouped") != completions(tmp_path / "plain"), "regrouped"
+    assert_grads_close(torch.load(dump["grouped"]), torch.load(dump["plain"]), rtol=1e-4)
+    assert_grads_close(torch.load(dump["grouped"]), direct_gradient(tmp_path / "grouped"))
+
+    def columns(name: str) -> int:
+        files = sorted((tmp_path / name / "rollouts").glob("step000001-rank*.pt"))
+        return sum(mb["input_ids"].numel() for f in files for mb in torch.load(f))
+
+    assert columns("grouped") < columns("plain")
+    shown = {
+        name: [json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()]
+        for name in dump
+    }
+    assert len(shown["grouped"]) == 5
+    for a, b in zip(shown["grouped"], shown["plain"], strict=True):
+        assert (a["prompt"], a["tokens"], a["answer"]) == (b["prompt"], b["tokens"], b["answer"])
+        assert a["divergence"] == pytest.approx(b["divergence"], abs=1e-4)
+
+
 def completions(run_path: Path) -> list[list[int]]:
     rows = []
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):

@@ -3,8 +3,10 @@
 One optimizer step:
 1. `get_batch_samples` pulls the step's prompt micro-batches; the rollout engine (`rollout_engine`: the
    kit's KV-cached loop, or vLLM colocated in this process with the student's weights synced first)
-   samples a completion for every prompt of the step in one call; the result is cut back into the
-   micro-batches, and the completion tokens of the whole step are counted across processes (N);
+   samples a completion for every prompt of the step in one call; the rows are regrouped by completion
+   length into micro-batches of the same sizes, each trimmed to its own longest row, so the forward and
+   backward passes skip most of the padding (`engines.length_order`), and the completion tokens of the
+   whole step are counted across processes (N);
 2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
    positions the sampler used (under FSDP both sharded, each part run as its own model's forward), and
    sums the per-token divergence over completion tokens from the final hidden states in chunks
@@ -17,7 +19,8 @@ One optimizer step:
    with the last good weights.
 
 Step statistics stay on the device (no host read between forward and backward) until a logging step
-reads them once, samples for samples.jsonl included. The exception: with vLLM the first micro-batch of each
+reads them once, samples for samples.jsonl included (the rows sampled first, whatever micro-batch their
+length put them in). The exception: with vLLM the first micro-batch of each
 of the first `SYNC_CHECK_STEPS` steps reads its gap and stops the run (`engines.WeightSyncError`) before the
 backward pass if the engine's log-probabilities differ from the student's by more than rounding. In a fresh
 run the engine loaded the first step's weights from the student's own folder, so a wrong sync first shows
@@ -206,9 +209,10 @@ class DistillTrainer(Trainer):
             self._engine.close()
 
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
-        """All of the step's prompts sampled in one engine call, then cut back into the micro-batches.
-        Sampling is seeded by (seed, step, rank): a resumed run samples exactly what an unbroken run would
-        have, whatever the RNG history before the checkpoint."""
+        """All of the step's prompts sampled in one engine call, then regrouped by completion length
+        (`engines.length_order`) and cut back into micro-batches of the same sizes. Sampling is seeded by
+        (seed, step, rank): a resumed run samples exactly what an unbroken run would have, whatever the RNG
+        history before the checkpoint."""
         tok = self.processing_class
         model = self.accelerator.unwrap_model(self.model)
         # Once per optimizer step, so also before the first rollout after a resume.
@@ -223,12 +227,20 @@ class DistillTrainer(Trainer):
         ids_BP, mask_BP = engines.concat_prompts(batches, tok.pad_token_id)
         seed = engines.rollout_seed(self.args.seed, step, self.args.process_index)
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
-        parts = engines.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
+        sizes = [b["prompts"].shape[0] for b in batches]
+        answers = [a for b, n in zip(batches, sizes) for a in (b.get("answers") or [None] * n)]
+        order = engines.length_order(whole).tolist()
+        parts = engines.split_rollout(whole.rows(torch.tensor(order)), sizes)
         self._check_sync_now = whole.logprobs_BC is not None and self._sync_checks_left > 0
         self._sync_checks_left -= self._check_sync_now
-        return [self._sample_dict(r, b) for r, b in zip(parts, batches)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [
+            self._sample_dict(r, order[s : s + n], [answers[i] for i in order[s : s + n]])
+            for r, s, n in zip(parts, starts, sizes)
+        ]
 
-    def _sample_dict(self, r: sampling.Rollout, batch: dict) -> dict:
+    def _sample_dict(self, r: sampling.Rollout, sampled_as: list[int], answers: list) -> dict:
+        """A micro-batch for `compute_loss`; `sampled_as`: each row's place in the step's sampling order."""
         self.stats.sequences += r.input_ids_BT.shape[0]
         self.stats.completion_tokens += r.completion_mask_BC.sum()
         self.stats.truncated += r.truncated_B(self.stop_ids).sum()
@@ -236,7 +248,8 @@ class DistillTrainer(Trainer):
             "input_ids": r.input_ids_BT,
             "attention_mask": r.attention_mask_BT,
             "completion_mask_BC": r.completion_mask_BC,
-            "answers": batch.get("answers"),
+            "answers": answers,
+            "sampled_as": sampled_as,
         }
         if r.logprobs_BC is not None:  # the engine's; the training forward compares the student's
             sample["engine_logprobs_BC"] = r.logprobs_BC
@@ -322,51 +335,52 @@ class DistillTrainer(Trainer):
         engines.check_sync(*sums.tolist(), dtype=self._engine.dtype, step=self.state.global_step + 1)
 
     def _keep_samples(self, inputs, pred_BT, per_token_N) -> None:
-        """Keep the step's first rows as device tensors; `_sample_records` reads them at logging time."""
+        """Keep the rows sampled first in the step (micro-batches are grouped by length, so these are a
+        fair draw, not the shortest) as device tensors; `_sample_records` reads them at logging time."""
         step = self.state.global_step + 1
         per_log = self.args.samples_per_log
         if not (self.run and self.args.sample_every and step % self.args.sample_every == 0):
             return
-        kept = sum(s["rows"] for s in self._step_samples)
-        if kept >= per_log:
+        rows_B = inputs["input_ids"].shape[0]
+        sampled_as = inputs.get("sampled_as") or list(range(rows_B))
+        keep = [b for b in range(rows_B) if sampled_as[b] < per_log]
+        if not keep:
             return
-        rows = min(per_log - kept, inputs["input_ids"].shape[0])
         keys = ("input_ids", "attention_mask", "completion_mask_BC")
         self._step_samples.append(
             {
                 "step": step,
-                "rows": rows,
-                **{k: inputs[k][:rows].detach() for k in keys},
-                "pred_BT": pred_BT[:rows],
-                # per_token_N's rows of the first `rows` sequences come first (row-major order).
-                "per_token_N": per_token_N,
-                "answers": (inputs.get("answers") or [None] * rows)[:rows],
+                "keep": keep,
+                "sampled_as": [sampled_as[b] for b in keep],
+                **{k: inputs[k].detach() for k in keys},
+                "pred_BT": pred_BT,
+                "per_token_N": per_token_N,  # every row's predicted positions, row after row
+                "answers": inputs.get("answers") or [None] * rows_B,
             }
         )
 
     def _sample_records(self) -> list[dict]:
-        """The kept samples as samples.jsonl records: one host copy per kept micro-batch."""
+        """The kept samples as samples.jsonl records in sampling order, one host copy per kept micro-batch."""
         tok, records = self.processing_class, []
         for s in self._step_samples:
             ids_BT, attn_BT, comp_BC = (
                 s[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask_BC")
             )
             counts = s["pred_BT"].sum(1).cpu().tolist()
-            divs = s["per_token_N"].cpu()[: sum(counts)].split(counts)
+            divs = s["per_token_N"].cpu().split(counts)
             prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
-            for b in range(s["rows"]):
+            for b, place in zip(s["keep"], s["sampled_as"]):
                 prompt = ids_BT[b, :prompt_len][attn_BT[b, :prompt_len].bool()]
                 comp = ids_BT[b, prompt_len:][comp_BC[b].bool()]
-                records.append(
-                    {
-                        "step": s["step"],
-                        "prompt": tok.decode(prompt),
-                        "tokens": tok.convert_ids_to_tokens(comp.tolist()),
-                        "divergence": [round(d, 5) for d in divs[b].tolist()],
-                        "answer": s["answers"][b],
-                    }
-                )
-        return records
+                record = {
+                    "step": s["step"],
+                    "prompt": tok.decode(prompt),
+                    "tokens": tok.convert_ids_to_tokens(comp.tolist()),
+                    "divergence": [round(d, 5) for d in divs[b].tolist()],
+                    "answer": s["answers"][b],
+                }
+                records.append(((s["step"], place), record))
+        return [record for _, record in sorted(records, key=lambda r: r[0])]
 
     def _get_grad_norm(self, model, grad_norm=None):
         # Under FSDP2 the norm of sharded gradients is a DTensor; every rank gathers its value.

@@ -545,6 +545,15 @@ def concat_prompts(batches: list[dict], pad_token_id: int) -> tuple[torch.Tensor
     return torch.cat(ids), torch.cat(masks)
 
 
+def length_order(r: sampling.Rollout) -> torch.Tensor:
+    """The rows by completion length, shortest first (a stable sort). Cut into micro-batches in this order
+    (`split_rollout`), each micro-batch is trimmed to about its own rows' length, so the teacher's forward
+    and the student's forward and backward skip most of the padding that the sampling order leaves (long
+    completions are rare but set the width of every micro-batch they land in). It leaves the gradient
+    alone: the step's loss is a sum over all its completion tokens divided by their count."""
+    return torch.argsort(r.completion_mask_BC.sum(1), stable=True)
+
+
 def split_rollout(r: sampling.Rollout, sizes: list[int]) -> list[sampling.Rollout]:
     """One rollout of the whole step cut back into micro-batches of `sizes` rows, each trimmed to its own
     widest prompt and longest completion (so a micro-batch looks as if it had been sampled alone)."""

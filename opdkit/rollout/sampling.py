@@ -50,6 +50,16 @@ class Rollout:
         """True where the completion never produced an EOS."""
         return ~_is_eos(self.completion_ids_BC, eos_token_id).any(dim=1)
 
+    def rows(self, index_B: torch.Tensor) -> Rollout:
+        """The rows at `index_B`, in that order; columns unchanged."""
+        return Rollout(
+            input_ids_BT=self.input_ids_BT[index_B],
+            attention_mask_BT=self.attention_mask_BT[index_B],
+            completion_mask_BC=self.completion_mask_BC[index_B],
+            prompt_len=self.prompt_len,
+            logprobs_BC=None if self.logprobs_BC is None else self.logprobs_BC[index_B],
+        )
+
 
 def _is_eos(ids: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     eos = torch.as_tensor(eos_token_id, device=ids.device).reshape(-1)
