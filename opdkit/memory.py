@@ -163,8 +163,7 @@ class ModelShape:
     @property
     def layer_linear_params(self) -> int:
         """One decoder layer's matmul weights (what autocast casts): q, k, v, o, gate, up, down."""
-        h, i = self.hidden_size, self.intermediate_size
-        return 2 * h * self.q_dim + 2 * h * self.kv_dim + 3 * h * i
+        return sum(n_in * n_out for n_in, n_out in self.linear_shapes().values())
 
     @property
     def layer_params(self) -> int:

@@ -23,7 +23,7 @@ from opdkit.models import TokenizerMismatch, small_qwen3
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import sampling
+from opdkit.rollout import engines, sampling
 from opdkit.run import checkpoints
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
@@ -111,8 +111,6 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
 def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone(tmp_path, monkeypatch):
     """The step's rows regrouped by completion length (`engines.length_order`) against the same samples in
     sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
-    from opdkit.rollout import engines
-
     common = dict(
         gen_temperature=1.0,
         per_device_train_batch_size=4,

@@ -229,14 +229,14 @@ class DistillTrainer(Trainer):
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
         sizes = [b["prompts"].shape[0] for b in batches]
         answers = [a for b, n in zip(batches, sizes) for a in (b.get("answers") or [None] * n)]
-        order = engines.length_order(whole).tolist()
-        parts = engines.split_rollout(whole.rows(torch.tensor(order)), sizes)
+        order_B = engines.length_order(whole)
+        parts = engines.split_rollout(whole.rows(order_B), sizes)
         self._check_sync_now = whole.logprobs_BC is not None and self._sync_checks_left > 0
         self._sync_checks_left -= self._check_sync_now
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        places = order_B.split(sizes)  # each micro-batch's rows, as places in the sampling order
         return [
-            self._sample_dict(r, order[s : s + n], [answers[i] for i in order[s : s + n]])
-            for r, s, n in zip(parts, starts, sizes)
+            self._sample_dict(r, rows.tolist(), [answers[i] for i in rows.tolist()])
+            for r, rows in zip(parts, places)
         ]
 
     def _sample_dict(self, r: sampling.Rollout, sampled_as: list[int], answers: list) -> dict:
@@ -342,7 +342,7 @@ class DistillTrainer(Trainer):
         if not (self.run and self.args.sample_every and step % self.args.sample_every == 0):
             return
         rows_B = inputs["input_ids"].shape[0]
-        sampled_as = inputs.get("sampled_as") or list(range(rows_B))
+        sampled_as = inputs["sampled_as"]
         keep = [b for b in range(rows_B) if sampled_as[b] < per_log]
         if not keep:
             return
