@@ -270,11 +270,11 @@ def tiny_prompts(n: int, seed: int) -> Any:
     list (what DistillTrainer needs; bench/gpu.sh's offline install has no datasets)."""
     import importlib.util
 
-    from opdkit.data import prompts
+    from opdkit.tasks import tiny
 
     if importlib.util.find_spec("datasets") is None:
-        return prompts.tiny_prompt_rows(n, seed)
-    return prompts.load_prompts("tiny", subset_size=n, seed=seed)
+        return tiny.training_rows(n, seed)
+    return tiny.TinyTask().load_prompts("tiny", subset_size=n, seed=seed)
 
 
 def _opdkit_trainer(p: dict, tok, student, teacher, prompts, out_dir: str, callback, engine: str = "hf"):

@@ -17,7 +17,8 @@ from opdkit.ads import gradfile, gradient, sampler
 from opdkit.ads.direction import JVP, Direction, FiniteDifference, make_direction, rounded_away_fraction
 from opdkit.ads.sampler import ADSLogitsProcessor, ads_processors, ads_sample
 from opdkit.config import ConfigError, load_config
-from opdkit.data import sft, tasks, traces
+from opdkit import tasks
+from opdkit.data import sft, traces
 from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import figures, report, steering, students
 from opdkit.jobs.antidistill import points as ad_points
@@ -25,7 +26,7 @@ from opdkit.jobs.antidistill import sweep as ad_sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.lens import TokenLens
 from opdkit.rollout import sampling
-from opdkit.tiny import task
+from opdkit.tasks import tiny as task
 
 REPO = Path(__file__).resolve().parent.parent
 

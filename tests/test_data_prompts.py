@@ -11,8 +11,11 @@ import datasets
 import pytest
 import torch
 
+from opdkit import tasks
 from opdkit.data import prompts
-from opdkit.tiny import task
+from opdkit.tasks import tiny as task
+
+MATH = tasks.get_task("math")  # the loader with math reference answers (GSM8K's ####, boxed)
 
 GEN_PROMPT = "<|im_start|>assistant\n"  # both test tokenizers' generation prompt (thinking on, for Qwen3)
 QWEN3_NO_THINK = "<think>\n\n</think>\n\n"
@@ -30,7 +33,7 @@ def dapo_raw(dapo_parquet: Path) -> datasets.Dataset:
 
 @pytest.fixture(scope="module")
 def dapo_prompts(dapo_parquet: Path) -> datasets.Dataset:
-    return prompts.load_prompts(str(dapo_parquet), seed=0)
+    return MATH.load_prompts(str(dapo_parquet), seed=0)
 
 
 def _save_jsonl(ds: datasets.Dataset, d: Path) -> Path:
@@ -78,7 +81,7 @@ def _save_disk_dict(ds: datasets.Dataset, d: Path) -> Path:
     ids=["jsonl", "json", "arrow", "save_to_disk", "save_to_disk_dict", "folder_of_files"],
 )
 def test_every_format_loads_the_same_prompts(save, split, dapo_raw, dapo_prompts, tmp_path):
-    ds = prompts.load_prompts(str(save(dapo_raw, tmp_path)), split=split, seed=0)
+    ds = MATH.load_prompts(str(save(dapo_raw, tmp_path)), split=split, seed=0)
     assert ds.column_names == ["messages", "answer"]
     assert ds["messages"] == dapo_prompts["messages"]
     assert ds["answer"] == dapo_prompts["answer"]
@@ -102,7 +105,7 @@ def test_messages_layout_drops_final_assistant_turn(tmp_path):
         [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}],
         [{"role": "user", "content": "No answer known."}],
     ]
-    ds = prompts.load_prompts(str(_write_parquet(tmp_path / "m.parquet", {"messages": convos})), seed=0)
+    ds = MATH.load_prompts(str(_write_parquet(tmp_path / "m.parquet", {"messages": convos})), seed=0)
     got = {tuple(m["content"] for m in r["messages"]): r["answer"] for r in ds}
     assert got == {("Be brief.", "1+1?"): "2", ("Say hi.",): "hi", ("No answer known.",): ""}
 
@@ -110,7 +113,7 @@ def test_messages_layout_drops_final_assistant_turn(tmp_path):
 def test_answer_column_wins_over_assistant_turn(tmp_path):
     convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long reasoning"}]
     path = _write_parquet(tmp_path / "m.parquet", {"messages": [convo], "answer": ["7"]})
-    ds = prompts.load_prompts(str(path))
+    ds = MATH.load_prompts(str(path))
     assert ds[0] == {"messages": [{"role": "user", "content": "q"}], "answer": "7"}
 
 
@@ -124,44 +127,44 @@ def test_answer_column_wins_over_assistant_turn(tmp_path):
     ids=["prompt", "gsm8k", "math"],
 )
 def test_text_layouts_become_one_user_message(columns, answer, tmp_path):
-    ds = prompts.load_prompts(str(_write_parquet(tmp_path / "t.parquet", columns)))
+    ds = MATH.load_prompts(str(_write_parquet(tmp_path / "t.parquet", columns)))
     assert ds[0] == {"messages": [{"role": "user", "content": "What is 6*7?"}], "answer": answer}
 
 
 def test_final_answer():
-    assert prompts.final_answer("work\n#### 1,234 ") == "1,234"
-    assert prompts.final_answer("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
-    assert prompts.final_answer(" 17 ") == "17"
+    assert tasks.math.final_answer("work\n#### 1,234 ") == "1,234"
+    assert tasks.math.final_answer("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
+    assert tasks.math.final_answer(" 17 ") == "17"
 
 
 def test_subset_is_deterministic(dapo_parquet):
-    a = prompts.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
-    b = prompts.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
-    c = prompts.load_prompts(str(dapo_parquet), subset_size=12, seed=2)
+    a = MATH.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
+    b = MATH.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
+    c = MATH.load_prompts(str(dapo_parquet), subset_size=12, seed=2)
     assert len(a) == 5 and a["messages"] == b["messages"] and a["answer"] == b["answer"]
     assert c["answer"][:5] != a["answer"]
-    everything = prompts.load_prompts(str(dapo_parquet), subset_size=-1, seed=1)
-    assert len(everything) == len(prompts.load_prompts(str(dapo_parquet), subset_size=100, seed=1)) == 12
+    everything = MATH.load_prompts(str(dapo_parquet), subset_size=-1, seed=1)
+    assert len(everything) == len(MATH.load_prompts(str(dapo_parquet), subset_size=100, seed=1)) == 12
     assert everything["messages"][:5] == a["messages"]  # the subset is a prefix of the same shuffle
 
 
 def test_tiny_prompts():
-    ds = prompts.load_prompts("tiny", subset_size=64, seed=42)
-    assert len(ds) == 64 and len(prompts.load_prompts("tiny")) == prompts.TINY_DEFAULT_SIZE
+    ds = task.TinyTask().load_prompts("tiny", subset_size=64, seed=42)
+    assert len(ds) == 64 and len(task.TinyTask().load_prompts("tiny")) == task.DEFAULT_SIZE
     for row in ds:
         (msg,) = row["messages"]
         a, b = msg["content"].split("+")
         assert msg["role"] == "user" and row["answer"] == str(int(a) + int(b))
-    assert ds["messages"] == prompts.load_prompts("tiny", subset_size=64, seed=42)["messages"]
-    assert ds["messages"] != prompts.load_prompts("tiny", subset_size=64, seed=43)["messages"]
+    assert ds["messages"] == task.TinyTask().load_prompts("tiny", subset_size=64, seed=42)["messages"]
+    assert ds["messages"] != task.TinyTask().load_prompts("tiny", subset_size=64, seed=43)["messages"]
     heldout = [p.prompt for p in task.heldout_problems(64)]
     assert [m[0]["content"] for m in ds["messages"]] != heldout
 
 
 def test_tiny_seed_is_never_the_heldout_seed():
-    assert prompts.HELDOUT_SEED == 1234
-    for seed in (0, 42, prompts.HELDOUT_SEED, prompts.HELDOUT_SEED - prompts.TINY_SEED_OFFSET):
-        assert prompts.tiny_prompt_seed(seed) != prompts.HELDOUT_SEED
+    assert task.HELDOUT_SEED == 1234
+    for seed in (0, 42, task.HELDOUT_SEED, task.HELDOUT_SEED - task.TRAINING_SEED_OFFSET):
+        assert task.training_seed(seed) != task.HELDOUT_SEED
 
 
 @pytest.fixture
@@ -178,7 +181,7 @@ def no_hub(monkeypatch):
 def test_missing_local_path_fails_without_the_hub(path, no_hub, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="no file or folder at"):
-        prompts.load_prompts(path)
+        MATH.load_prompts(path)
 
 
 def test_hub_name_goes_to_load_dataset(monkeypatch, tmp_path):
@@ -190,7 +193,7 @@ def test_hub_name_goes_to_load_dataset(monkeypatch, tmp_path):
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
     monkeypatch.chdir(tmp_path)
-    ds = prompts.load_prompts("openai/gsm8k", split="test")
+    ds = MATH.load_prompts("openai/gsm8k", split="test")
     assert calls == [("openai/gsm8k", "test")] and ds["answer"] == ["3"]
 
 
@@ -199,14 +202,14 @@ def test_no_usable_column_lists_columns(tmp_path, no_hub):
     with pytest.raises(
         ValueError, match=r"found \['text', 'label'\].*'messages', 'prompt', 'question', 'problem'"
     ):
-        prompts.load_prompts(str(path))
+        MATH.load_prompts(str(path))
 
 
 def test_empty_sources_fail(tmp_path, dapo_parquet, monkeypatch):
     with pytest.raises(ValueError, match="subset_size=0"):
-        prompts.load_prompts(str(dapo_parquet), subset_size=0)
+        MATH.load_prompts(str(dapo_parquet), subset_size=0)
     with pytest.raises(ValueError, match="subset_size=0"):
-        prompts.load_prompts("tiny", subset_size=0)
+        task.TinyTask().load_prompts("tiny", subset_size=0)
     empty = datasets.Dataset.from_dict(
         {"prompt": []}, features=datasets.Features({"prompt": datasets.Value("string")})
     )
@@ -215,18 +218,18 @@ def test_empty_sources_fail(tmp_path, dapo_parquet, monkeypatch):
     (tmp_path / "empty.json").write_text("[]\n")
     for name in ("empty.parquet", "empty.jsonl", "empty.json"):
         with pytest.raises(ValueError, match="holds no rows; expected at least one prompt"):
-            prompts.load_prompts(str(tmp_path / name))
+            MATH.load_prompts(str(tmp_path / name))
     monkeypatch.setattr(datasets, "load_dataset", lambda path, split: empty)
     with pytest.raises(ValueError, match="holds no rows; expected at least one prompt"):
-        prompts.load_prompts("owner/empty-dataset")
+        MATH.load_prompts("owner/empty-dataset")
 
 
 def test_unsupported_file_and_missing_split_fail(tmp_path, dapo_raw):
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     with pytest.raises(ValueError, match="'.csv' is not one of"):
-        prompts.load_prompts(str(tmp_path / "p.csv"))
+        MATH.load_prompts(str(tmp_path / "p.csv"))
     with pytest.raises(ValueError, match=r"no split 'validation'; it has \['test', 'train'\]"):
-        prompts.load_prompts(str(_save_disk_dict(dapo_raw, tmp_path)), split="validation")
+        MATH.load_prompts(str(_save_disk_dict(dapo_raw, tmp_path)), split="validation")
 
 
 def test_filter_long_prompts(dapo_prompts, qwen3_tokenizer):

@@ -17,7 +17,7 @@ from opdkit.jobs.antidistill import students
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.job import prepare
 from opdkit.models import load_tokenizer
-from opdkit.tiny import task
+from opdkit.tasks import tiny as task
 
 
 @pytest.fixture(scope="module")

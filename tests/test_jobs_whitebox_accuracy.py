@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from opdkit.jobs import whitebox
-from opdkit.rollout import evaluate
+from opdkit.rollout import greedy as evaluate
 
 STILL = dict(
     max_steps=1,

@@ -6,12 +6,14 @@ Rooms, from the bottom up; a module imports its own room and rooms of a lower ra
   0  opdkit.config, opdkit.tiny (the shipped tiny world), opdkit.params
   1  opdkit.models, opdkit.memory (the memory plan), opdkit.run (run folders, files, launching, sharding,
      tracking, cli)
-  2  opdkit.rollout (sampling, engines, evaluation)
-  3  opdkit.data (prompts, tasks, answers, traces, SFT)
-  4  opdkit.opd, opdkit.ads (the two methods, independent of each other)
-  5  opdkit.notebook, opdkit.tiny.build (the tiny world's recipe)
-  6  opdkit.jobs (one folder per job; another job only through its package)
-  7  the entry points `python -m opdkit.<job>`
+  2  opdkit.rollout (sampling, engines, greedy decoding)
+  3  opdkit.data (prompts, traces, SFT, data files)
+  4  opdkit.tasks (the tiny task, math tasks, grading, accuracy)
+  5  opdkit.opd, opdkit.ads (the two methods, independent of each other)
+  6  opdkit.notebook
+  7  opdkit.jobs (one folder per job; another job only through its package), opdkit.build (the tiny world's
+     recipe)
+  8  the entry points `python -m opdkit.<job>`
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ ROOMS = {  # the longest matching prefix decides a module's room
     "opdkit.run": 1,
     "opdkit.rollout": 2,
     "opdkit.data": 3,
-    "opdkit.opd": 4,
-    "opdkit.ads": 4,
-    "opdkit.notebook": 5,
-    "opdkit.tiny.build": 5,
-    "opdkit.jobs": 6,
-    **{name: 7 for name in ENTRY_POINTS},
+    "opdkit.tasks": 4,
+    "opdkit.opd": 5,
+    "opdkit.ads": 5,
+    "opdkit.notebook": 6,
+    "opdkit.jobs": 7,
+    "opdkit.build": 7,
+    **{name: 8 for name in ENTRY_POINTS},
 }
 
 

@@ -12,7 +12,7 @@ import torch
 from opdkit import models
 from opdkit.data import prompts
 from opdkit.opd.trainer import DistillTrainer, OPDArguments
-from opdkit.rollout import evaluate
+from opdkit.rollout import greedy as evaluate
 
 QWEN3_STOPS = [151645, 151643]  # Qwen3's generation_config.json: <|im_end|>, <|endoftext|>
 

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opdkit import tiny
-from opdkit.data import tasks
-from opdkit.rollout import evaluate
-from opdkit.tiny import build, task
+from opdkit import tasks
+from opdkit.build import tiny_world as build
+from opdkit.tasks import tiny as task
 
 
 def test_scratchpads_are_valid_and_varied():
@@ -74,8 +74,8 @@ def tok():
 def test_teacher_is_accurate_and_student_is_not(tok):
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
-    t_acc = evaluate.task_accuracy(teacher, tok, tasks.get_task("tiny"), n=500)
-    s_acc = evaluate.task_accuracy(student, tok, tasks.get_task("tiny"), n=500)
+    t_acc = build.heldout_accuracy(teacher, tok, n=500)
+    s_acc = build.heldout_accuracy(student, tok, n=500)
     recorded = json.loads((tiny.ASSETS / "recipe.json").read_text())
     assert t_acc >= 0.95 and s_acc <= 0.30, (t_acc, s_acc)
     assert t_acc == recorded["teacher_heldout_accuracy"] and s_acc == recorded["student_heldout_accuracy"]
@@ -113,7 +113,7 @@ def test_recipe_runs_a_few_steps(tmp_path):
 def test_training_streams_leave_the_evaluation_pool_and_the_holdouts_out(seed):
     from opdkit.data import prompts
 
-    stream_seed = prompts.tiny_prompt_seed(seed)
+    stream_seed = task.training_seed(seed)
     train = task.training_problems(20_000, stream_seed)
     plain = task.problems(20_000, stream_seed)
     assert not {p.prompt for p in train} & task.heldout_pool()  # problems() alone shares 13 with 500 at 42

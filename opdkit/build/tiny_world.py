@@ -1,6 +1,6 @@
 """The recipe that rebuilt the tiny world shipped in `opdkit/tiny/assets/`.
 
-    python -m opdkit.tiny.build --out opdkit/tiny/assets        # ~10 minutes on 2 CPU cores
+    python -m opdkit.build.tiny_world --out opdkit/tiny/assets        # ~10 minutes on 2 CPU cores
 
 Writes `tokenizer/`, `teacher/` and `student/` as ordinary Hugging Face folders (Qwen3 architecture,
 safetensors) plus `recipe.json` with the measured accuracies. The teacher is trained by SFT on
@@ -22,12 +22,11 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from opdkit.data import sft
-from opdkit.data.tasks import TinyTask
-from opdkit.rollout import evaluate
-from opdkit.tiny import task
+from opdkit.tasks import evaluate
+from opdkit.tasks import tiny as task
 from opdkit.tiny.tokenizer import build_tokenizer
 
-TINY = TinyTask()
+TINY = task.TinyTask()
 
 
 @dataclass
@@ -90,7 +89,7 @@ def train_on_task(
         return [sft.sft_batch(tokenizer, convs)]
 
     def evaluate_now(step: int) -> float:
-        return evaluate.task_accuracy(model, tokenizer, TINY, n=eval_n, seed=777)  # not the held-out seed
+        return heldout_accuracy(model, tokenizer, n=eval_n, seed=777)  # not the held-out seed
 
     _, history = sft.train_sft(
         model,
@@ -105,6 +104,17 @@ def train_on_task(
         desc=desc,
     )
     return history
+
+
+def heldout_accuracy(
+    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, n: int = 500, seed: int | None = None
+) -> float:
+    """Greedy exact match on `n` held-out problems (`seed`: another stream than the evaluation pool)."""
+    messages, answers = TINY.heldout(n, seed)
+    acc = evaluate.accuracy(
+        model, tokenizer, TINY, messages, answers, max_new_tokens=TINY.max_new_tokens, batch_size=256
+    )
+    return acc.raw
 
 
 def build_tiny_world(
@@ -150,12 +160,12 @@ def build_tiny_world(
     tokenizer.save_pretrained(out / "teacher")
     tokenizer.save_pretrained(out / "student")
     record = {
-        "task": "3-digit addition with a column scratchpad (opdkit.tiny.task)",
+        "task": "3-digit addition with a column scratchpad (opdkit.tasks.tiny)",
         "seed": seed,
         "teacher": {**asdict(TEACHER), "params": teacher.num_parameters(), "history": t_hist},
         "student": {**asdict(STUDENT), "params": student.num_parameters(), "history": s_hist},
-        "teacher_heldout_accuracy": evaluate.task_accuracy(teacher, tokenizer, TINY),
-        "student_heldout_accuracy": evaluate.task_accuracy(student, tokenizer, TINY),
+        "teacher_heldout_accuracy": heldout_accuracy(teacher, tokenizer),
+        "student_heldout_accuracy": heldout_accuracy(student, tokenizer),
         "build_seconds": round(time.time() - t0, 1),
     }
     (out / "recipe.json").write_text(json.dumps(record, indent=2))

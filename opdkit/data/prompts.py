@@ -1,13 +1,14 @@
 """Prompt-only data for on-policy distillation: load, normalise, filter, collate.
 
-    ds = load_prompts("data/dapo-math-17k.parquet", subset_size=1000, seed=42)  # or "tiny", a hub name
+    ds = load_prompts("data/dapo-math-17k.parquet", subset_size=1000, seed=42)  # or a hub name
     ds, n_dropped = filter_long_prompts(ds, tokenizer, max_prompt_length=1024)
     collator = PromptCollator(tokenizer, max_prompt_length=1024)             # a Trainer data_collator
     print0(format_first_prompt(ds, collator, tokenizer))                       # look before training
 
 Every source becomes the same two columns: `messages` (the prompt conversation, no assistant answer)
-and `answer` (the reference final answer, "" when unknown). A Trainer must keep them, so set
-`remove_unused_columns=False`.
+and `answer` (the reference final answer, "" when unknown; a task reads it from its rows: `reference`,
+e.g. `opdkit.tasks.math.MathTask.reference_answer`). A Trainer must keep them, so set
+`remove_unused_columns=False`. The tiny world's prompts are its task's (`opdkit.tasks.tiny`), not a file.
 
 Pitfalls this module exists for:
 - a mistyped local path must fail here, in milliseconds, not reach the Hub (or a GB model load) and
@@ -19,18 +20,18 @@ Pitfalls this module exists for:
 - a prompt longer than `max_prompt_length` is dropped up front (with a warning), never truncated,
   since cutting either end would change the question or remove the generation prompt;
 - no BOS is assumed (Qwen tokenizers have none); whatever the template emits is the prompt;
-- `datasets` and pyarrow are imported only where a file or folder is read (`PromptCollator` and
-  `tiny_prompt_rows` work without them: bench/gpu.sh's offline install has neither, they are 50 MB).
+- `datasets` and pyarrow are imported only where a file or folder is read (`PromptCollator` works without
+  them: bench/gpu.sh's offline install has neither, they are 50 MB).
 """
 
 from __future__ import annotations
 
-import inspect
 import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,15 +39,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from opdkit.config import ConfigError
-from opdkit.data.answers import extract_boxed
 from opdkit.rollout import sampling
-from opdkit.tiny import task
 
 if TYPE_CHECKING:
     import datasets
 
-TINY = "tiny"
-TINY_DEFAULT_SIZE = 1000
 FILE_LOADERS = {  # suffix -> the datasets.Dataset constructor that reads it
     ".parquet": "from_parquet",
     ".jsonl": "from_json",
@@ -54,30 +51,67 @@ FILE_LOADERS = {  # suffix -> the datasets.Dataset constructor that reads it
     ".arrow": "from_file",
 }
 PROMPT_COLUMNS = ("messages", "prompt", "question", "problem")  # in order of preference
-# The held-out evaluation seed, read from its one definition so the two cannot drift apart.
-HELDOUT_SEED: int = inspect.signature(task.heldout_problems).parameters["seed"].default
-# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses
-# (0..3, 777) and from HELDOUT_SEED; `task.training_problems` leaves the evaluation pool out.
-TINY_SEED_OFFSET = 100_003
 # A Hub repo id: "name" or "owner/name" with letters, digits, "-", "_", ".".
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
-def load_prompts(path: str, split: str = "train", subset_size: int = -1, seed: int = 42) -> datasets.Dataset:
-    """Prompts as a Dataset with columns `messages` and `answer`, a deterministic subset of `path`.
+Reference = Callable[[dict, "str | None"], str]  # (row, its assistant turn or None) -> reference answer
+OVERLAP_KINDS = ("train_in_eval", "eval_in_train", "train_in_excluded", "eval_repeats")
 
-    `path` is "tiny" (the tiny world's addition problems), a local `.parquet`/`.jsonl`/`.json`/
-    `.arrow` file, a folder (from `save_to_disk`, or of data files), or a Hugging Face Hub dataset
-    name. `split` picks the split of a DatasetDict folder or a Hub dataset; a single file is one split.
-    The subset is the first `subset_size` rows after a shuffle with `seed` (-1: all rows, shuffled).
+
+def removed(**counts: int) -> dict[str, int]:
+    """Rows passed over to keep the sets apart, by kind (every kind present): `train_in_eval`, training rows
+    whose prompt is an evaluation prompt; `eval_in_train`, evaluation candidates that are training prompts;
+    `train_in_excluded`, training rows in the excluded set (a gradient's holdout); `eval_repeats`,
+    evaluation candidates repeating one already taken."""
+    return {k: counts.get(k, 0) for k in OVERLAP_KINDS}
+
+
+def plain_reference(row: dict, assistant: str | None) -> str:
+    """The reference answer as a row holds it: `answer`, then `reward_model.ground_truth`, `solution`, the
+    assistant turn, stripped; a task that knows its rows' format reads the final answer out of it."""
+    sources = reference_sources(row, assistant)
+    return sources[0].strip() if sources else ""
+
+
+def reference_sources(row: dict, assistant: str | None) -> list[str]:
+    """The non-empty places a row may keep its reference, in order: `answer`, `reward_model.ground_truth`
+    (the verl schema of DAPO-Math-17k), `solution`, the assistant turn."""
+    reward = row.get("reward_model")
+    sources = [
+        row.get("answer"),
+        reward.get("ground_truth") if isinstance(reward, dict) else None,
+        row.get("solution"),
+        assistant,
+    ]
+    return [str(v) for v in sources if v is not None and str(v).strip()]
+
+
+def load_prompts(
+    path: str,
+    split: str = "train",
+    subset_size: int = -1,
+    seed: int = 42,
+    reference: Reference = plain_reference,
+) -> datasets.Dataset:
+    """Prompts as a Dataset with columns `messages` and `answer` (`reference(row, assistant turn)`), a
+    deterministic subset of `path`.
+
+    `path` is a local `.parquet`/`.jsonl`/`.json`/`.arrow` file, a folder (from `save_to_disk`, or of data
+    files), or a Hugging Face Hub dataset name. `split` picks the split of a DatasetDict folder or a Hub
+    dataset; a single file is one split. The subset is the first `subset_size` rows after a shuffle with
+    `seed` (-1: all rows, shuffled). Jobs load through their task (`opdkit.tasks.Task.load_prompts`).
     """
     if subset_size == 0 or subset_size < -1:
         raise ValueError(
             f"subset_size={subset_size} is not a number of prompts to keep; expected -1 (all) or a positive "
             "count, so pass e.g. subset_size=1000."
         )
-    if path == TINY:
-        return _tiny_prompts(TINY_DEFAULT_SIZE if subset_size == -1 else subset_size, seed)
+    if path == "tiny":
+        raise ValueError(
+            "the tiny world's prompts are its task's, not a file: load them with "
+            "opdkit.tasks.get_task('tiny').load_prompts(...)."
+        )
     ds = load_raw(path, split)
     prompt_col = _prompt_column(ds, path)
     if len(ds) == 0:
@@ -87,37 +121,7 @@ def load_prompts(path: str, split: str = "train", subset_size: int = -1, seed: i
     ds = ds.shuffle(seed=seed)
     if subset_size != -1 and subset_size < len(ds):
         ds = ds.select(range(subset_size))
-    return _normalise(ds, prompt_col)
-
-
-def tiny_prompt_seed(seed: int) -> int:
-    """The seed of the tiny world's training prompts for a run `seed`; never the held-out seed."""
-    derived = seed + TINY_SEED_OFFSET
-    return derived + TINY_SEED_OFFSET if derived == HELDOUT_SEED else derived
-
-
-def tiny_prompt_rows(n: int, seed: int) -> list[dict[str, Any]]:
-    """The rows `load_prompts("tiny", subset_size=n, seed=seed)` holds, as a list (no `datasets` needed)."""
-    return tiny_rows(task.training_problems(n, tiny_prompt_seed(seed)))
-
-
-def tiny_rows(probs: list[task.Problem]) -> list[dict[str, Any]]:
-    """Tiny-world problems as prompts: `messages` (one user turn) and `answer`."""
-    return [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in probs]
-
-
-def _tiny_prompts(n: int, seed: int) -> datasets.Dataset:
-    return tiny_dataset(task.training_problems(n, tiny_prompt_seed(seed)))
-
-
-def tiny_dataset(probs: list[task.Problem]) -> datasets.Dataset:
-    """Tiny-world problems as a `datasets.Dataset` of prompts (`tiny_rows`)."""
-    import datasets
-
-    rows = tiny_rows(probs)
-    return datasets.Dataset.from_dict(
-        {"messages": [r["messages"] for r in rows], "answer": [r["answer"] for r in rows]}
-    )
+    return _normalise(ds, prompt_col, reference)
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -168,15 +172,21 @@ def overlap_count(conversations: Sequence[list[dict]], taken: set[str]) -> int:
 
 
 def load_apart(
-    path: str, split: str, size: int, seed: int, taken: set[str], distinct: bool = True
+    path: str,
+    split: str,
+    size: int,
+    seed: int,
+    taken: set[str],
+    distinct: bool = True,
+    reference: Reference = plain_reference,
 ) -> tuple[datasets.Dataset, Apart]:
     """`size` prompts (-1: all) of `path` in its `seed` shuffle whose prompts are not in `taken` (and
     distinct): (the rows, what was passed over). The head of the shuffle is read first; the whole file only
     when passing over rows leaves too few (as in raw DAPO-Math-17k, which repeats each prompt)."""
-    ds = load_prompts(path, split, size, seed)
+    ds = load_prompts(path, split, size, seed, reference)
     got = apart_from(list(ds["messages"]), taken, size, distinct)
     if size != -1 and len(got.kept) < size and len(ds) == size:
-        ds = load_prompts(path, split, -1, seed)
+        ds = load_prompts(path, split, -1, seed, reference)
         got = apart_from(list(ds["messages"]), taken, size, distinct)
     return ds.select(got.kept), got
 
@@ -278,7 +288,7 @@ def _prompt_column(ds: datasets.Dataset, path: str) -> str:
     )
 
 
-def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
+def _normalise(ds: datasets.Dataset, prompt_col: str, reference: Reference) -> datasets.Dataset:
     """Rows of any accepted layout as {"messages": prompt conversation, "answer": str}."""
     messages, answers = [], []
     for i, row in enumerate(ds):
@@ -290,7 +300,7 @@ def _normalise(ds: datasets.Dataset, prompt_col: str) -> datasets.Dataset:
                 "conversation (at least one user message) before it."
             )
         messages.append(convo)
-        answers.append(reference_answer(row, final))
+        answers.append(reference(row, final))
     import datasets
 
     return datasets.Dataset.from_dict({"messages": messages, "answer": answers})
@@ -309,29 +319,6 @@ def as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
         f"row {row} of column {col!r} is {type(value).__name__} {str(value)[:80]!r}; expected a string or a "
         "non-empty list of {'role': ..., 'content': ...} messages, so fix that row or drop it."
     )
-
-
-def reference_answer(row: dict, assistant: str | None) -> str:
-    """The reference answer: `answer`, then `reward_model.ground_truth`, `solution`, the assistant turn."""
-    reward = row.get("reward_model")
-    sources = [
-        row.get("answer"),
-        reward.get("ground_truth") if isinstance(reward, dict) else None,
-        row.get("solution"),
-        assistant,
-    ]
-    for value in sources:
-        if value is not None and str(value).strip():
-            return final_answer(str(value))
-    return ""
-
-
-def final_answer(text: str) -> str:
-    r"""The final answer in a worked solution: after GSM8K's ``####``, else a ``\boxed{}``, else all."""
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip()
-    boxed = extract_boxed(text)
-    return boxed if boxed is not None else text.strip()
 
 
 def prompt_ids(

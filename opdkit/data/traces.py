@@ -60,12 +60,6 @@ def load_traces(run_path: str | Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(path))
 
 
-def accuracy(records: list[dict]) -> float | None:
-    """Fraction of checkable traces (those with a reference answer) whose answer is right."""
-    checked = [r["correct"] for r in records if r.get("correct") is not None]
-    return sum(checked) / len(checked) if checked else None
-
-
 def format_trace(tok: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:
     """A trace as the proxy reads it, special tokens kept, the completion (where the loss is) in ⟦ ⟧."""
     out, start = [], 0

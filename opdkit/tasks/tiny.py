@@ -1,4 +1,9 @@
-"""The tiny world's task: 3-digit addition with a column-by-column scratchpad.
+"""The tiny world's task: 3-digit addition with a column-by-column scratchpad, its problem streams, prompts,
+grading (exact match of the text after the last ';') and forced-answer cue (a ';' after the working).
+
+    task = TinyTask(); task.check("8+7=15,5+6+1=12,3+4+1=8;825", "825")       # True
+    ds = task.load_prompts("tiny", subset_size=256, seed=42)                    # a training stream
+    messages, answers = task.heldout(500)                                       # the evaluation pool
 
     prompt      "358+467"
     completion  "8+7=15,5+6+1=12,3+4+1=8;825"
@@ -23,7 +28,17 @@ import functools
 import random
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from opdkit.tasks.base import Messages, Task
+
+if TYPE_CHECKING:
+    import datasets
+
+DATASET = "tiny"  # the dataset_path that names the tiny world's own prompts
+DEFAULT_SIZE = 1000  # training prompts of a stream when subset_size is -1
 
 N_DIGITS = 3
 ANSWER_SEP = ";"
@@ -175,3 +190,92 @@ def is_valid_scratchpad(problem: Problem, completion: str) -> bool:
             return False
         carry = sum(expected) // 10
     return True
+
+
+# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses (0..3, 777)
+# and from HELDOUT_SEED; `training_problems` leaves the evaluation pool out.
+TRAINING_SEED_OFFSET = 100_003
+# The gradient holdout is its own problem stream, apart from the training prompts other jobs draw with the
+# same run seed (and from the evaluation seed): overlap is only by chance, and the holdout class excludes it.
+HOLDOUT_SEED_OFFSET = 7_919
+
+
+def training_seed(seed: int) -> int:
+    """The seed of the tiny world's training prompts for a run `seed`; never the held-out seed."""
+    derived = seed + TRAINING_SEED_OFFSET
+    return derived + TRAINING_SEED_OFFSET if derived == HELDOUT_SEED else derived
+
+
+def prompt_rows(probs: list[Problem]) -> list[dict[str, Any]]:
+    """Problems as prompt rows: `messages` (one user turn) and `answer` (no `datasets` needed)."""
+    return [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in probs]
+
+
+def training_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """The rows `TinyTask().load_prompts("tiny", subset_size=n, seed=seed)` holds, as a list."""
+    return prompt_rows(training_problems(n, training_seed(seed)))
+
+
+def as_dataset(probs: list[Problem]) -> datasets.Dataset:
+    """Problems as a `datasets.Dataset` of prompts (`prompt_rows`)."""
+    import datasets
+
+    rows = prompt_rows(probs)
+    return datasets.Dataset.from_dict(
+        {"messages": [r["messages"] for r in rows], "answer": [r["answer"] for r in rows]}
+    )
+
+
+class TinyTask(Task):
+    name = "tiny"
+    max_new_tokens = MAX_COMPLETION_TOKENS
+    answer_cue = ANSWER_SEP
+    forced_answer_tokens = 5  # up to 4 digits (999 + 999 = 1998), then EOS
+    has_heldout = True
+
+    def load_prompts(
+        self, path: str = DATASET, split: str = "train", subset_size: int = -1, seed: int = 42
+    ) -> datasets.Dataset:
+        """A training stream of `subset_size` problems (-1: DEFAULT_SIZE) drawn from `seed`
+        (`training_problems`: none of them held out for evaluation or in the gradient holdouts' class);
+        `path` and `split` name the tiny world and are otherwise unused."""
+        if subset_size == 0 or subset_size < -1:
+            raise ValueError(f"subset_size={subset_size}; expected -1 (all) or a positive count.")
+        n = DEFAULT_SIZE if subset_size == -1 else subset_size
+        return as_dataset(training_problems(n, training_seed(seed)))
+
+    def heldout(self, n: int, seed: int | None = None) -> tuple[list[Messages], list[str]]:
+        """`n` held-out problems; `seed` draws another stream (the build's own evaluation uses one)."""
+        probs = heldout_problems(n) if seed is None else problems(n, seed)
+        return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
+
+    def reserved_holdout(self, n: int, seed: int) -> datasets.Dataset:
+        """The gradient holdout's own share of problems (`holdout_problems`), apart from every training stream
+        and the evaluation pool by construction; `n` -1 means DEFAULT_SIZE."""
+        return as_dataset(holdout_problems(DEFAULT_SIZE if n == -1 else n, seed + HOLDOUT_SEED_OFFSET))
+
+    def forced_prefix(self, completion: str) -> str:
+        """The working before the completion's answer (all of it when it has none), then `;`: a finished
+        completion's answer is written again (greedily: the same one), a cut one gets one."""
+        at = completion.rfind(ANSWER_SEP)
+        return (completion if at < 0 else completion[:at]) + self.answer_cue
+
+    def check(self, completion: str, answer: str) -> bool:
+        return extract_answer(completion) == answer
+
+    def extract_answer(self, completion: str) -> str | None:
+        return extract_answer(completion)
+
+    def answer_start(self, completion: str) -> int | None:
+        at = completion.rfind(ANSWER_SEP)
+        return None if at < 0 else at + 1
+
+    def error_kinds(self, records: Sequence[dict]) -> dict[str, float] | None:
+        """The share of checked traces whose wrong answer follows from their own (mistaken) working, `slip`,
+        and whose wrong answer contradicts it (or whose working is malformed), `contradiction`."""
+        checked = [r for r in records if r["correct"] is not None]
+        if not checked:
+            return None
+        wrong = [r for r in checked if not r["correct"]]
+        slips = sum(extract_answer(r["completion"]) == implied_answer(r["completion"]) for r in wrong)
+        return {"slip": slips / len(checked), "contradiction": (len(wrong) - slips) / len(checked)}

@@ -1,7 +1,9 @@
-"""The tiny world: a synthetic task, a character tokenizer, and a tiny teacher and student.
+"""The tiny world as shipped: a character tokenizer, and a tiny teacher and student (its task, 3-digit addition,
+is `opdkit.tasks.tiny`).
 
 `tiny:teacher`, `tiny:student` and `tiny:tokenizer` name the folders shipped in `assets/`; they load
-through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `build.py` rebuilds them.
+through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `opdkit.build.tiny_world`
+rebuilds them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def resolve(name: str) -> str:
     if not (path / "config.json").exists() and not (path / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"{name!r} is not part of the shipped tiny world (expected {path}); valid: tiny:teacher, "
-            "tiny:student, tiny:tokenizer. Rebuild with `python -m opdkit.tiny.build --out "
+            "tiny:student, tiny:tokenizer. Rebuild with `python -m opdkit.build.tiny_world --out "
             f"{ASSETS}` if the folder was deleted."
         )
     return str(path)

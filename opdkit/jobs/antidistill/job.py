@@ -70,7 +70,8 @@ from tqdm.auto import tqdm
 from opdkit import memory
 from opdkit.ads import gradfile
 from opdkit.config import ConfigError, load_config, to_dict
-from opdkit.data import prompts, tasks
+from opdkit import tasks
+from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill import spread, sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from opdkit.ads import sampler
-from opdkit.data import prompts, tasks
+from opdkit import tasks
+from opdkit.data import prompts
 from opdkit.jobs.antidistill.steering import load_models
 from opdkit.jobs.antidistill.sweep import (
     GRADIENTS,

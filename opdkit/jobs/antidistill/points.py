@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from opdkit.ads import sampler
-from opdkit.data import prompts, traces
+from opdkit.data import prompts
 from opdkit.jobs.antidistill.attackers import mean_over_runs, run_attackers
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.steering import Models
@@ -33,6 +33,7 @@ from opdkit.models import eos_ids
 from opdkit.rollout import sampling
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
+from opdkit.tasks.evaluate import fraction_correct
 
 POINTS_DIR = "points"
 TRACES_FILE = "traces.jsonl"  # a point's traces, reused by resume=True when complete
@@ -124,7 +125,7 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     raw, forced = student_accuracies(student, prep)
     result = {
         "seed": seed,
-        "teacher_accuracy": traces.accuracy(records),
+        "teacher_accuracy": fraction_correct(r["correct"] for r in records),
         "student_accuracy": raw,
         "student_accuracy_forced": forced,
         "student_holdout_loss": holdout_loss(

@@ -18,7 +18,8 @@ from opdkit.ads import gradfile
 from opdkit.ads.direction import Direction, make_direction
 from opdkit.ads.gradient import global_norm, mean_completion_grad
 from opdkit.config import ConfigError
-from opdkit.data import sft, tasks, traces
+from opdkit import tasks
+from opdkit.data import sft, traces
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.students import holdout_rows
 from opdkit.jobs.antidistill.sweep import Prepared, sweep_points

@@ -23,7 +23,7 @@ from opdkit.data.sft import CompletionSFTTrainer
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared
 from opdkit.models import enable_activation_checkpointing
-from opdkit.rollout import evaluate
+from opdkit.tasks import evaluate
 from opdkit.run import checkpoints
 from opdkit.run.folders import print0
 
@@ -216,18 +216,20 @@ def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.dev
 
 def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
     """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
-    final answers forced as the ADS reference does (`evaluate.forced_completions`)."""
+    final answers forced as the ADS reference does (`tasks.evaluate.accuracy`)."""
     cfg = prep.cfg
-    return evaluate.accuracies(
+    acc = evaluate.accuracy(
         model,
         prep.student_tokenizer,
+        prep.task,
         prep.eval_messages,
         prep.eval_answers,
-        prep.task,
         max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         batch_size=cfg.gen_batch_size,
         enable_thinking=cfg.enable_thinking,
+        forced=True,
     )
+    return acc.raw, acc.forced
 
 
 def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:

@@ -15,7 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from opdkit import memory
 from opdkit.ads import gradfile
 from opdkit.config import ConfigError, load_config
-from opdkit.data import prompts, tasks, traces
+from opdkit import tasks
+from opdkit.data import prompts, traces
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.models import model_skeleton
@@ -84,7 +85,7 @@ class Prepared:
     eval_answers: list[str]
     dropped: int
     first_prompt: str
-    removed: dict[str, int] = field(default_factory=tasks.removed)  # evaluation rows passed over (overlap)
+    removed: dict[str, int] = field(default_factory=prompts.removed)  # evaluation rows passed over (overlap)
     gradient_holdout: str = ""  # what `check_apart_from_gradient` found
     plan: memory.JobPlan | None = None  # what each process will hold, from the models' config.json
 
@@ -98,7 +99,8 @@ def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dic
 def training_prompts(cfg: AntidistillConfig) -> tuple[list[list[dict]], list[str]]:
     """The head of the seed-shuffled dataset (savegrad's holdout is its tail); tiny: 02's training
     stream."""
-    ds = prompts.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    task = tasks.for_dataset(cfg.dataset_path)
+    ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
     return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
 
 
@@ -110,17 +112,16 @@ def eval_prompts(
     that are not trained on), else the task's own held-out problems. Also the rows passed over."""
     taken = prompts.prompt_keys(train_messages)
     if not cfg.eval_dataset_path:
-        try:
-            messages, answers = task.heldout(300 if cfg.eval_size == -1 else cfg.eval_size)
-        except ConfigError:
+        if not task.has_heldout:
             raise ConfigError(
                 f"eval_dataset_path is empty but dataset_path is {cfg.dataset_path!r}; give the evaluation "
                 "prompts (e.g. the GSM8K test split as a parquet file)."
-            ) from None
+            )
+        messages, answers = task.heldout(300 if cfg.eval_size == -1 else cfg.eval_size)
         kept = prompts.apart_from(messages, taken)
         held = [messages[i] for i in kept.kept], [answers[i] for i in kept.kept]
     else:
-        ds, kept = prompts.load_apart(
+        ds, kept = tasks.for_dataset(cfg.eval_dataset_path).load_apart(
             cfg.eval_dataset_path, cfg.eval_dataset_split, cfg.eval_size, cfg.seed, taken
         )
         held = with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
@@ -130,7 +131,7 @@ def eval_prompts(
             f"prompt ({kept.overlap} passed over); give evaluation prompts apart from dataset_path's first "
             f"subset_size={cfg.subset_size}, or lower subset_size."
         )
-    return *held, tasks.removed(eval_in_train=kept.overlap, eval_repeats=kept.repeats)
+    return *held, prompts.removed(eval_in_train=kept.overlap, eval_repeats=kept.repeats)
 
 
 def grads_overrides(cfg: AntidistillConfig, run_dir: str = "") -> dict:

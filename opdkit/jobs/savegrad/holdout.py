@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerBase
 from opdkit import tiny
 from opdkit.ads import gradient
 from opdkit.config import ConfigError
-from opdkit.data import prompts, sft, tasks, traces
+from opdkit import tasks
+from opdkit.data import prompts, sft, traces
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.models import eos_ids, load_model
 from opdkit.rollout import engines, sampling
@@ -25,12 +26,12 @@ from opdkit.run.folders import RunDir, print0
 
 
 def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
-    """The task's holdout prompts (math: the tail `holdout_fraction` of the seed-shuffled dataset, first
-    `subset_size` of them; tiny: its own problem stream), with the system prompt."""
+    """The holdout prompts, with the system prompt: the task's own holdout stream where it has one (the tiny
+    world's), else `tail_holdout`."""
     task = tasks.for_dataset(cfg.dataset_path)
-    ds = task.holdout_prompts(
-        cfg.dataset_path, cfg.dataset_split, cfg.holdout_fraction, cfg.subset_size, cfg.seed
-    )
+    ds = task.reserved_holdout(cfg.subset_size, cfg.seed)
+    if ds is None:
+        ds = tail_holdout(task, cfg)
     if len(ds) == 0:
         raise ConfigError(
             f"the holdout of {cfg.dataset_path!r} is empty (holdout_fraction={cfg.holdout_fraction}); "
@@ -42,6 +43,18 @@ def holdout_prompts(cfg: SaveGradConfig) -> datasets.Dataset:
         return ds
     system = {"role": "system", "content": cfg.system_prompt}
     return ds.map(lambda row: {"messages": [system, *row["messages"]]}, desc="system prompt")
+
+
+def tail_holdout(task: tasks.Task, cfg: SaveGradConfig) -> datasets.Dataset:
+    """The tail `holdout_fraction` of the seed-shuffled dataset (the other jobs train on its head) without the
+    prompts the head holds too, first `subset_size` of it."""
+    ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, -1, cfg.seed)
+    start = len(ds) - round(len(ds) * cfg.holdout_fraction)
+    msgs = list(ds["messages"])
+    tail = prompts.apart_from(msgs[start:], prompts.prompt_keys(msgs[:start]), cfg.subset_size)
+    if tail.overlap:
+        print0(f"holdout: {tail.overlap} rows left out, their prompts are in the training part too")
+    return ds.select([start + i for i in tail.kept])
 
 
 def holdout_messages(cfg: SaveGradConfig) -> list[list[dict]]:
@@ -77,8 +90,9 @@ def supplied_traces(cfg: SaveGradConfig) -> list[dict]:
         raise ConfigError(f"{cfg.traces_path!r} holds no traces; expected at least one row.")
     if cfg.subset_size != -1:
         raw = raw.select(range(min(cfg.subset_size, len(raw))))
+    task = tasks.for_dataset(cfg.dataset_path)
     return [
-        {"messages": _trace_messages(row, cfg.trace_column, i), "answer": prompts.reference_answer(row, None)}
+        {"messages": _trace_messages(row, cfg.trace_column, i), "answer": task.reference_answer(row, None)}
         for i, row in enumerate(raw)
     ]
 

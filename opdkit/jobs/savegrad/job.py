@@ -32,10 +32,10 @@ import opdkit
 from opdkit import memory, tiny
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config, to_dict
-from opdkit.data import prompts, tasks
+from opdkit import tasks
+from opdkit.data import prompts
 from opdkit.data.sft import completion_labels
 from opdkit.data.traces import TRACES_DIR, format_trace, truncated_count
-from opdkit.data.traces import accuracy as teacher_accuracy
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.models import check_shared_vocab, load_model, load_tokenizer
@@ -45,6 +45,7 @@ from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import start_run
+from opdkit.tasks.evaluate import fraction_correct
 
 JOB = SaveGradConfig.job
 
@@ -172,6 +173,11 @@ def planned(cfg: SaveGradConfig) -> tuple[SaveGradConfig, memory.JobPlan]:
         print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
         cfg = dataclasses.replace(cfg, gen_batch_size=largest)
     return cfg, memory.plan_job(stages(cfg, budget), budget)
+
+
+def teacher_accuracy(records: list[dict]) -> float | None:
+    """The share of the teacher's checkable traces whose answer is right."""
+    return fraction_correct(r.get("correct") for r in records)
 
 
 def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:

@@ -18,18 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from opdkit import memory
 from opdkit.config import ConfigError, load_config
-from opdkit.data import prompts, tasks
+from opdkit import tasks
+from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.jobs.whitebox.split import split_prompts
 from opdkit.models import check_tokenizers, checkpointing_argument, load_model, load_tokenizer, num_params
 from opdkit.notebook import live
 from opdkit.opd.callbacks import StepAccuracy
 from opdkit.opd.trainer import DistillTrainer, OPDArguments
-from opdkit.rollout import engines, evaluate
+from opdkit.rollout import engines
+from opdkit.tasks import evaluate
+from opdkit.tasks.base import Task
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
@@ -42,7 +45,7 @@ JOB = WhiteboxConfig.job
 class Prepared:
     cfg: WhiteboxConfig
     mode: str
-    task: tasks.Task
+    task: Task
     tokenizer: object
     train_dataset: object  # datasets.Dataset of prompts: messages, answer
     eval_messages: list
@@ -51,7 +54,7 @@ class Prepared:
     first_prompt: str
     plan: memory.JobPlan  # what each process will hold, from the models' config.json
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
-    removed: dict[str, int] = field(default_factory=tasks.removed)  # rows passed over to keep sets apart
+    removed: dict[str, int] = field(default_factory=prompts.removed)  # rows passed over to keep sets apart
 
     @property
     def train_messages(self) -> list[list[dict]]:
@@ -65,7 +68,7 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     tracking.check_report_to(cfg.report_to)
     task = tasks.for_dataset(cfg.dataset_path)
     exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
-    split = task.split(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.eval_size, cfg.seed, exclude)
+    split = split_prompts(task, cfg, exclude)
     train, msgs, answers = split.train, split.eval_messages, split.eval_answers
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
@@ -147,81 +150,37 @@ def engine_dtype(bf16: bool) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
+def sharded_accuracies(
+    model, prep: Prepared, world: int, rank: int, limit: int | None = None, engine=None, forced: bool | None = None
+) -> tuple[float | None, float | None]:
+    """(raw, forced) greedy accuracy on the evaluation set (its first `limit` problems), split across processes
+    (`tasks.evaluate.accuracy`); forced only when `forced` (default: the config's `forced_accuracy`). The kit's
+    loop decodes every model under the run's one autocast (`accuracy_precision`)."""
+    cfg = prep.cfg
+    acc = evaluate.accuracy(
+        model,
+        prep.tokenizer,
+        prep.task,
+        prep.eval_messages[:limit],
+        prep.eval_answers[:limit],
+        max_new_tokens=eval_new_tokens(cfg),
+        batch_size=cfg.eval_batch_size,
+        enable_thinking=cfg.enable_thinking,
+        forced=cfg.forced_accuracy if forced is None else forced,
+        bf16=cfg.bf16,
+        engine=engine,
+        world=world,
+        rank=rank,
+        progress=rank == 0,
+    )
+    return acc.raw, acc.forced
+
+
 def sharded_accuracy(
     model, prep: Prepared, world: int, rank: int, limit: int | None = None, engine=None
 ) -> float | None:
     """Raw greedy accuracy (`sharded_accuracies` without forcing)."""
     return sharded_accuracies(model, prep, world, rank, limit, engine, forced=False)[0]
-
-
-def sharded_accuracies(
-    model,
-    prep: Prepared,
-    world: int,
-    rank: int,
-    limit: int | None = None,
-    engine=None,
-    forced: bool | None = None,
-) -> tuple[float | None, float | None]:
-    """(raw, forced) greedy accuracy with the evaluation set (its first `limit` problems) split across
-    processes and the counts summed; forced (each final answer forced, `evaluate.forced_completions`) only
-    when `forced` (default: the config's `forced_accuracy`), else None. The kit's loop decodes every model
-    under the same autocast (`accuracy_precision`), so before and after compare one precision; a vLLM
-    `engine` is first synced with `model` on every rank (a sharded model's sync gathers) and decodes from
-    those weights.
-
-    A sharded model (the teacher under FSDP) decodes in step: its every forward is a collective, so every
-    rank decodes as many prompts (where they do not divide, some repeat one whose answer is not counted)
-    with the kit's loop synced, each batch stepping until every rank's batch is done."""
-    cfg, tok = prep.cfg, prep.tokenizer
-    forced = cfg.forced_accuracy if forced is None else forced
-    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
-    if not messages:
-        return None, None
-    if engine is not None:
-        engine.sync(model)
-    mine = list(range(rank, len(messages), world))
-    decoded = mine
-    if world > 1 and sharding.is_sharded(model) and engine is None:
-        engine = engines.make_engine("hf", synced=True)
-        decoded = mine + [(mine or [0])[-1]] * (-(-len(messages) // world) - len(mine))
-    correct, correct_forced = 0.0, 0.0
-    device = next(model.parameters()).device
-    if decoded:
-        mine_messages = [messages[i] for i in decoded]
-        loop = engine is None or engine.name == "hf"
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16 and loop):
-            comps = evaluate.greedy_completions(
-                model,
-                tok,
-                mine_messages,
-                max_new_tokens=eval_new_tokens(cfg),
-                batch_size=cfg.eval_batch_size,
-                enable_thinking=cfg.enable_thinking,
-                progress=rank == 0,
-                engine=engine,
-            )
-            if forced:
-                comps_forced = evaluate.forced_completions(
-                    model,
-                    tok,
-                    mine_messages,
-                    comps,
-                    prep.task,
-                    batch_size=cfg.eval_batch_size,
-                    enable_thinking=cfg.enable_thinking,
-                    engine=engine,
-                )
-                correct_forced = float(
-                    sum(prep.task.check(c, answers[i]) for c, i in zip(comps_forced, mine))
-                )
-        # zip stops at this rank's own prompts: the repeats decoded only to keep step are not counted.
-        correct = float(sum(prep.task.check(c, answers[i]) for c, i in zip(comps, mine)))
-    if world > 1 and dist.is_initialized():
-        t = torch.tensor([correct, correct_forced], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        correct, correct_forced = t.tolist()
-    return correct / len(messages), correct_forced / len(messages) if forced else None
 
 
 def eval_new_tokens(cfg: WhiteboxConfig) -> int:

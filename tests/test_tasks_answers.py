@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from opdkit.data import answers, tasks
+from opdkit import tasks
+from opdkit.tasks import answers
 
 WORK = "Let me think. 3 * 6 = 18, then 18 + 5 = 23, and 23 - 5 = 18.\n"
 AREA = "The rectangle is 6 cm by 9 cm, so its area is 6 \\times 9 = 54 square centimetres.\n\n"

@@ -2,13 +2,16 @@
 (a file may repeat a prompt, as raw DAPO-Math-17k does); training prompts stay off a gradient's holdout."""
 
 import random
+from types import SimpleNamespace
 
 import datasets
 import pytest
 
 from opdkit.config import ConfigError
-from opdkit.data import prompts, tasks
+from opdkit import tasks
+from opdkit.data import prompts
 from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.jobs.whitebox.split import split_prompts
 from opdkit.run.folders import RunDir
 
 
@@ -17,7 +20,10 @@ def _texts(messages) -> list[str]:
 
 
 def _split(path, subset_size, eval_size, seed, exclude=frozenset()):
-    return tasks.get_task("math").split(str(path), "train", subset_size, eval_size, seed, exclude)
+    cfg = SimpleNamespace(
+        dataset_path=str(path), dataset_split="train", subset_size=subset_size, eval_size=eval_size, seed=seed
+    )
+    return split_prompts(tasks.get_task("math"), cfg, exclude)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +57,7 @@ def test_math_eval_rows_are_apart_from_training(dapo_parquet, subset_size, eval_
     path = str(dapo_parquet)
     split = _split(path, subset_size, eval_size, 42)
     train, held, answers = _texts(split.train["messages"]), split.eval_messages, split.eval_answers
-    everything = _texts(prompts.load_prompts(path, "train", -1, 42)["messages"])
+    everything = _texts(tasks.get_task("math").load_prompts(path, "train", -1, 42)["messages"])
     assert not set(train) & set(_texts(held))
     assert len(held) == len(answers) == min(eval_size, len(everything) - len(train))
     expected_train = len(everything) - eval_size if subset_size == -1 else subset_size

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from opdkit.data import tasks
+from opdkit import tasks
 from opdkit.models import load_model, load_tokenizer
-from opdkit.rollout import evaluate
+from opdkit.rollout import greedy as evaluate
+from opdkit.tasks.evaluate import accuracy
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def test_forcing_answers_a_cut_completion_and_keeps_a_finished_one(teacher, tok)
     assert forced_n >= raw_n + 4, (raw_n, forced_n)  # forcing answers cut completions, many right
     forced_full = evaluate.forced_completions(teacher, tok, messages, full, task)
     assert [task.extract_answer(f) for f in forced_full] == [task.extract_answer(c) for c in full]
-    raw, forced = evaluate.accuracies(teacher, tok, messages, answers, task, max_new_tokens=20)
+    acc = accuracy(teacher, tok, task, messages, answers, max_new_tokens=20, batch_size=256, forced=True)
+    raw, forced = acc.raw, acc.forced
     assert (raw, forced) == (raw_n / 24, forced_n / 24)
 
 

@@ -1,9 +1,10 @@
-"""Accuracy: batched greedy completions checked by a task (`opdkit.data.tasks`), raw and forced.
+"""Greedy decoding for evaluation: batched greedy completions, and the same completions with their final answers
+forced (graded by a task: `opdkit.tasks.evaluate.accuracy`).
 
-acc = accuracy(model, tok, *task.heldout(500), task.check, max_new_tokens=task.max_new_tokens)
-raw, forced = accuracies(model, tok, messages, answers, task, max_new_tokens=...)
+comps = greedy_completions(model, tok, messages, max_new_tokens=40)
+forced = forced_completions(model, tok, messages, comps, task)
 
-Forced accuracy, as the ADS reference reports beside raw accuracy: after each completion ends or is cut,
+Forced answers, as the ADS reference reports forced accuracy beside raw accuracy: after each completion ends or is cut,
 the task's answer cue is appended (`task.forced_prefix`: math's "**Final Answer**" and an open
 `\\boxed{`; the tiny task's working before its answer, then `;`) and the model greedily writes up to
 `task.forced_answer_tokens` more tokens; the whole text is graded by the task (its last answer counts). A
@@ -16,7 +17,7 @@ graded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -30,7 +31,7 @@ THINK_END = "</think>"
 
 
 class ForcingTask(Protocol):
-    """What forcing asks of a task (`opdkit.data.tasks.Task` answers it)."""
+    """What forcing asks of a task (`opdkit.tasks.base.Task` answers it)."""
 
     forced_answer_tokens: int
 
@@ -126,82 +127,3 @@ def forced_completions(
         texts = sampling.decode_completions(tokenizer, engine.sample(model, ids_BP, mask_BP, greedy, seed=0))
         out += [p + t for p, t in zip(prefixes[s : s + batch_size], texts)]
     return out
-
-
-def accuracies(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[list[dict]],
-    answers: Sequence[str],
-    task: ForcingTask,
-    *,
-    max_new_tokens: int,
-    batch_size: int = 256,
-    enable_thinking: bool = False,
-) -> tuple[float, float]:
-    """(raw, forced) greedy accuracy: the completions as written, and with their final answers forced
-    (`forced_completions`), both checked by `task.check`."""
-    if not messages:
-        raise ValueError("accuracies() got no evaluation problems; pass at least one.")
-    comps = greedy_completions(
-        model,
-        tokenizer,
-        messages,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        enable_thinking=enable_thinking,
-    )
-    forced = forced_completions(
-        model, tokenizer, messages, comps, task, batch_size=batch_size, enable_thinking=enable_thinking
-    )
-    n = len(answers)
-    return (
-        sum(task.check(c, a) for c, a in zip(comps, answers)) / n,
-        sum(task.check(c, a) for c, a in zip(forced, answers)) / n,
-    )
-
-
-def accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[list[dict]],
-    answers: Sequence[str],
-    check: Callable[[str, str], bool],
-    *,
-    max_new_tokens: int,
-    batch_size: int = 256,
-    enable_thinking: bool = False,
-) -> float:
-    """Fraction of greedy completions that `check(completion, answer)` accepts."""
-    if not messages:
-        raise ValueError("accuracy() got no evaluation problems; pass at least one.")
-    comps = greedy_completions(
-        model,
-        tokenizer,
-        messages,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        enable_thinking=enable_thinking,
-    )
-    return sum(check(c, a) for c, a in zip(comps, answers)) / len(answers)
-
-
-def task_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task,
-    n: int = 500,
-    batch_size: int = 256,
-    **heldout,
-) -> float:
-    """Greedy accuracy on `n` of a task's built-in held-out problems (`opdkit.data.tasks.Task.heldout`)."""
-    messages, answers = task.heldout(n, **heldout)
-    return accuracy(
-        model,
-        tokenizer,
-        messages,
-        answers,
-        task.check,
-        max_new_tokens=task.max_new_tokens,
-        batch_size=batch_size,
-    )

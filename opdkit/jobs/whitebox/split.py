@@ -1,0 +1,101 @@
+"""whitebox's prompts: the training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
+
+    split = split_prompts(task, cfg, exclude=prompt_keys(holdout))    # split.train, split.eval_messages, ...
+
+A task with held-out problems of its own (the tiny world) trains on its training stream and evaluates on those;
+any other cuts both from the dataset: in its seed shuffle, `subset_size` > 0 trains on the head (rows in
+`exclude` passed over) and evaluates on the next distinct prompts that are not training prompts; -1 evaluates
+on the last `eval_size` distinct prompts and trains on every row whose prompt is neither one of them nor in
+`exclude`. Apart by text, not by row, since a file may repeat a prompt (raw DAPO-Math-17k holds each about 100
+times).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import datasets
+
+from opdkit.config import ConfigError
+from opdkit.data import prompts
+from opdkit.tasks.base import Messages, Task
+
+
+@dataclass
+class Split:
+    """The training prompts and evaluation problems, and what was passed over to keep them apart."""
+
+    train: datasets.Dataset
+    eval_messages: list[Messages]
+    eval_answers: list[str]
+    removed: dict[str, int] = field(default_factory=prompts.removed)
+
+
+def split_prompts(task: Task, cfg, exclude: set[str] | frozenset[str] = frozenset()) -> Split:
+    """`subset_size` training prompts of `dataset_path` (-1: all) and `eval_size` evaluation problems, no
+    evaluation prompt among the training prompts, no training prompt in `exclude` (`prompt_key`s, e.g. a
+    gradient's holdout)."""
+    if task.has_heldout:
+        return _with_heldout(task, cfg, set(exclude))
+    return _from_dataset(task, cfg, set(exclude))
+
+
+def _with_heldout(task: Task, cfg, exclude: set[str]) -> Split:
+    ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
+    train = prompts.apart_from(ds["messages"], exclude)
+    ds = ds.select(train.kept)
+    messages, answers = task.heldout(cfg.eval_size) if cfg.eval_size else ([], [])
+    held = prompts.apart_from(messages, prompts.prompt_keys(ds["messages"]))
+    return Split(
+        ds,
+        [messages[i] for i in held.kept],
+        [answers[i] for i in held.kept],
+        prompts.removed(train_in_excluded=train.overlap, eval_in_train=held.overlap),
+    )
+
+
+def _from_dataset(task: Task, cfg, exclude: set[str]) -> Split:
+    path, subset_size, eval_size = cfg.dataset_path, cfg.subset_size, cfg.eval_size
+    if subset_size == -1:
+        ds = task.load_prompts(path, cfg.dataset_split, -1, cfg.seed)
+        msgs = list(ds["messages"])
+        back = prompts.apart_from(msgs[::-1], set(), eval_size, distinct=True) if eval_size else None
+        held = sorted(len(msgs) - 1 - i for i in back.kept) if back else []
+        rest = sorted(set(range(len(msgs))) - set(held))
+        in_eval = prompts.apart_from([msgs[i] for i in rest], prompts.prompt_keys([msgs[i] for i in held]))
+        rest = [rest[j] for j in in_eval.kept]
+        excluded = prompts.apart_from([msgs[i] for i in rest], exclude)
+        train = [rest[j] for j in excluded.kept]
+        counts = prompts.removed(
+            train_in_eval=in_eval.overlap,
+            train_in_excluded=excluded.overlap,
+            eval_repeats=back.repeats if back else 0,
+        )
+    else:
+        want = subset_size + eval_size
+        ds = task.load_prompts(path, cfg.dataset_split, want, cfg.seed)
+        train, held, counts = _head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+        if (len(train) < subset_size or len(held) < eval_size) and len(ds) == want:
+            ds = task.load_prompts(path, cfg.dataset_split, -1, cfg.seed)  # passed-over rows: read further
+            train, held, counts = _head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+    if not train or (eval_size > 0 and not held):
+        raise ConfigError(
+            f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts "
+            f"and eval_size={eval_size} held-out ones apart from them by text (prompts passed over: "
+            f"{counts}); lower subset_size or eval_size."
+        )
+    rows = ds.select(held)
+    return Split(ds.select(train), list(rows["messages"]), list(rows["answer"]), counts)
+
+
+def _head_split(
+    msgs: list[Messages], subset_size: int, eval_size: int, exclude: set[str]
+) -> tuple[list[int], list[int], dict[str, int]]:
+    train = prompts.apart_from(msgs, exclude, subset_size)
+    start = train.kept[-1] + 1 if train.kept else len(msgs)
+    taken = prompts.prompt_keys([msgs[i] for i in train.kept])
+    held = prompts.apart_from(msgs[start:], taken, eval_size, distinct=True)
+    counts = prompts.removed(
+        train_in_excluded=train.overlap, eval_in_train=held.overlap, eval_repeats=held.repeats
+    )
+    return train.kept, [start + i for i in held.kept], counts

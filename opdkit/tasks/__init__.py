@@ -1,0 +1,46 @@
+"""Tasks: one kind of problem each, chosen once from the config (`for_dataset(cfg.dataset_path)`), each owning its
+prompts, answer extraction, grading, forced-answer cue and held-out set; and the one accuracy function.
+
+    task = for_dataset("tiny")              # tiny.TinyTask; math.Gsm8k, math.DapoMath, math.Math by file name
+    acc = evaluate.accuracy(model, tok, task, messages, answers, max_new_tokens=40)   # raw (and forced)
+
+- `base`: `Task`, what the jobs ask of a task;
+- `tiny`: the tiny world's 3-digit addition with a scratchpad, its problem streams and exact-match grading;
+- `math`: GSM8K, DAPO-Math-17k and MATH-style problems graded by `answers` (math-verify);
+- `evaluate`: greedy accuracy of a model (raw, and with its final answer forced), sharded over processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opdkit.config import ConfigError
+from opdkit.tasks import math, tiny
+from opdkit.tasks.base import Task
+
+TASKS: dict[str, type[Task]] = {
+    "tiny": tiny.TinyTask,
+    "gsm8k": math.Gsm8k,
+    "dapo-math": math.DapoMath,
+    "math": math.Math,
+}
+
+
+def get_task(name: str) -> Task:
+    """The task called `name`: one of `TASKS`."""
+    if name not in TASKS:
+        raise ConfigError(f"unknown task {name!r}; valid: {sorted(TASKS)}.")
+    return TASKS[name]()
+
+
+def for_dataset(dataset_path: str) -> Task:
+    """The task a config's prompts belong to: the tiny world's own ("tiny"); GSM8K or DAPO-Math when the file
+    or hub name says so (gsm8k, dapo); any other math dataset otherwise."""
+    if dataset_path == tiny.DATASET:
+        return get_task("tiny")
+    name = Path(dataset_path).name.lower()
+    if "gsm8k" in name:
+        return get_task("gsm8k")
+    if "dapo" in name:
+        return get_task("dapo-math")
+    return get_task("math")

@@ -1,0 +1,113 @@
+"""Accuracy, the one way every job measures it: greedy completions of held-out problems graded by their task, raw
+and with each final answer forced, the problems split over the processes and the counts summed.
+
+    acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40)            # acc.raw, acc.forced
+    acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40, forced=True, world=2, rank=r)
+    share = fraction_correct(r["correct"] for r in traces)                             # a teacher's traces
+
+Pitfalls this module exists for:
+- every process decodes its own share (problems rank, rank + world, ...) and the counts are summed, so the
+  accuracy does not depend on the process count; a sharded model (a teacher under FSDP) runs every forward as
+  a collective, so each rank decodes as many prompts (where they do not divide, some repeat one whose answer is
+  not counted) with the kit's loop stepping in lock-step;
+- the kit's loop decodes under `bf16` autocast when asked, so before and after training compare one precision;
+  a vLLM `engine` is synced with `model` first and decodes from its own weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from opdkit.rollout import engines, greedy
+from opdkit.run import sharding
+from opdkit.tasks.base import Messages, Task
+
+
+@dataclass
+class Accuracy:
+    """Greedy accuracy on `n` problems: `raw` (completions as written) and `forced` (each final answer forced;
+    None when not measured)."""
+
+    raw: float | None
+    forced: float | None = None
+    n: int = 0
+
+
+def fraction_correct(flags: Iterable[bool | None]) -> float | None:
+    """The share of right answers among the checked ones (None: not checkable, e.g. no reference); None when
+    none was checked."""
+    checked = [bool(f) for f in flags if f is not None]
+    return sum(checked) / len(checked) if checked else None
+
+
+def accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    messages: Sequence[Messages],
+    answers: Sequence[str],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+    enable_thinking: bool = False,
+    forced: bool = False,
+    bf16: bool = False,
+    engine: engines.HFEngine | engines.VLLMEngine | None = None,
+    world: int = 1,
+    rank: int = 0,
+    progress: bool = False,
+) -> Accuracy:
+    """Greedy accuracy of `model` on `messages` graded by `task` against `answers`, this process decoding its
+    share (`rank` of `world`) and the counts summed over processes; with `forced`, also with each final answer
+    forced (`greedy.forced_completions`). The kit's loop decodes under bf16 autocast when `bf16`; a vLLM
+    `engine` is synced with `model` first (on every rank: a sharded model's sync gathers)."""
+    if not messages:
+        return Accuracy(None, None, 0)
+    if engine is not None:
+        engine.sync(model)
+    mine = list(range(rank, len(messages), world))
+    decoded = mine
+    if world > 1 and sharding.is_sharded(model) and engine is None:
+        engine = engines.make_engine("hf", synced=True)
+        decoded = mine + [(mine or [0])[-1]] * (-(-len(messages) // world) - len(mine))
+    correct, correct_forced = 0.0, 0.0
+    device = next(model.parameters()).device
+    if decoded:
+        mine_messages = [messages[i] for i in decoded]
+        loop = engine is None or engine.name == "hf"
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and loop):
+            comps = greedy.greedy_completions(
+                model,
+                tokenizer,
+                mine_messages,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                enable_thinking=enable_thinking,
+                progress=progress,
+                engine=engine,
+            )
+            if forced:
+                comps_forced = greedy.forced_completions(
+                    model,
+                    tokenizer,
+                    mine_messages,
+                    comps,
+                    task,
+                    batch_size=batch_size,
+                    enable_thinking=enable_thinking,
+                    engine=engine,
+                )
+                # zip stops at this rank's own prompts: repeats decoded only to keep step are not counted.
+                correct_forced = float(sum(task.check(c, answers[i]) for c, i in zip(comps_forced, mine)))
+        correct = float(sum(task.check(c, answers[i]) for c, i in zip(comps, mine)))
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor([correct, correct_forced], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        correct, correct_forced = t.tolist()
+    n = len(messages)
+    return Accuracy(correct / n, correct_forced / n if forced else None, n)
