@@ -76,8 +76,10 @@ def name_list(name: str, value: Any) -> list[str]:
 @dataclass
 class RunFields:
     """Fields every job shares: where it writes and how it treats an existing run directory. A job's config
-    subclasses it and names its job (`job`), which is also its presets' folder in `params/` and its runs'
-    folder in `runs/`."""
+    subclasses it and the settings groups it composes (each declared once, beside the code that reads it) and
+    names its job (`job`), which is also its presets' folder in `params/` and its runs' folder in `runs/`. A
+    group that normalises its values (a comma-separated list into a list) defines `normalise(self)`, run here
+    before the ranges are checked."""
 
     job: ClassVar[str] = ""
 
@@ -107,6 +109,9 @@ class RunFields:
     )
 
     def __post_init__(self) -> None:
+        for cls in reversed(type(self).__mro__):  # each settings group's own `normalise`, bases first
+            if "normalise" in vars(cls):
+                vars(cls)["normalise"](self)
         check_ranges(self)
         if self.overwrite and self.resume:
             raise ConfigError(

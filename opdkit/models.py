@@ -15,13 +15,55 @@ Pitfalls this module exists for:
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from opdkit import tiny
-from opdkit.config import ConfigError
+from opdkit.config import ConfigError, setting
+
+
+@dataclass
+class TeacherSettings:
+    teacher_model: str = setting(
+        "tiny:teacher",
+        "the teacher: a local Hugging Face folder, a hub name, or tiny:teacher; 02, 03 and 04's on-policy "
+        "attackers need it to share the student's tokenizer",
+    )
+
+
+@dataclass
+class StudentSettings:
+    student_model: str = setting(
+        "tiny:student", "the student distilled: a local Hugging Face folder, a hub name, or tiny:student"
+    )
+
+
+@dataclass
+class ProxySettings:
+    proxy_model: str = setting(
+        "tiny:student",
+        "the proxy student whose gradient steers ADS (shares the teacher's tokenizer): folder, hub name, or "
+        "tiny:student",
+    )
+
+
+@dataclass
+class PrecisionSettings:
+    bf16: bool = setting(
+        False,
+        "on a GPU: bf16 weights for the frozen models (teacher; never the proxies, always fp32) and bf16 "
+        "mixed precision for the trained students",
+    )
+
+
+@dataclass
+class CheckpointingSettings:
+    gradient_checkpointing: bool = setting(
+        False, "recompute the trained models' activations in backward to save memory"
+    )
 
 
 class TokenizerMismatch(ValueError):

@@ -10,21 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from opdkit.jobs.antidistill.lens import TokenLens
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from opdkit import models, tiny
+from opdkit import models, tasks, tiny
 from opdkit.ads import gradfile, gradient, sampler
 from opdkit.ads.direction import JVP, Direction, FiniteDifference, make_direction, rounded_away_fraction
 from opdkit.ads.sampler import ADSLogitsProcessor, ads_processors, ads_sample
 from opdkit.config import ConfigError, load_config
-from opdkit import tasks
-from opdkit.data import sft, traces
+from opdkit.data import traces
+from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill import figures, report, steering, students
 from opdkit.jobs.antidistill import points as ad_points
 from opdkit.jobs.antidistill import sweep as ad_sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.lens import TokenLens
 from opdkit.rollout import sampling
 from opdkit.tasks import tiny as task
 
@@ -584,9 +584,9 @@ def test_answer_labels_keep_exactly_the_answer(tok):
     cfg = load_config(AntidistillConfig, "tiny")
     text = "8+7=15,5+6+1=12,3+4+1=8;825"
     messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
-    ids, labels = sft.completion_labels(tok, messages)
+    ids, labels = completion_labels(tok, messages)
     kept = steering.answer_labels(tok, ids, labels, tasks.for_dataset(cfg.dataset_path).answer_start(text))
-    assert tok.decode([t for t in kept if t != sft.IGNORE]) == "825" + tok.eos_token
+    assert tok.decode([t for t in kept if t != IGNORE]) == "825" + tok.eos_token
     assert tasks.for_dataset(cfg.dataset_path).answer_start("no answer here") is None
     other = load_config(
         AntidistillConfig, "tiny", {"dataset_path": "x.parquet", "eval_dataset_path": "y.parquet"}

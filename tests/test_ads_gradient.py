@@ -22,7 +22,7 @@ from opdkit import models, tiny
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
-from opdkit.data.sft import IGNORE, completion_labels
+from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import savegrad
 from opdkit.jobs.savegrad import holdout as savegrad_holdout
 from opdkit.jobs.savegrad import report as savegrad_report
@@ -532,7 +532,9 @@ def test_holdout_is_the_tail_of_the_shuffle(dapo_parquet):
         list(savegrad_holdout.holdout_prompts(cfg)["answer"]) == list(shuffled["answer"])[-4:]
     )  # round(12 x 0.3)
     tiny_holdout = savegrad_holdout.holdout_prompts(SaveGradConfig(subset_size=50))
-    assert tiny_holdout["messages"] != task.TinyTask().load_prompts("tiny", subset_size=50, seed=42)["messages"]
+    assert (
+        tiny_holdout["messages"] != task.TinyTask().load_prompts("tiny", subset_size=50, seed=42)["messages"]
+    )
     with pytest.raises(ConfigError, match="holdout .* is empty"):
         savegrad_holdout.holdout_prompts(
             SaveGradConfig(dataset_path=str(dapo_parquet), holdout_fraction=0.01)

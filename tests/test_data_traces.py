@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
+from opdkit.jobs.antidistill.students import sft_rows
+
 from opdkit.config import load_config
-from opdkit.data import sft, traces
-from opdkit.data.sft import IGNORE
+from opdkit.data import traces
+from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.students import sft_rows
 
 CONTENT = "Let me add: 2 + 3 is 5, and then 5 + 4"  # cut off mid-sentence
 
@@ -21,12 +22,12 @@ def _messages(content: str = CONTENT) -> list[dict]:
 
 def test_qwen3_truncated_trace_labels_only_what_was_written(qwen3_tokenizer):
     tok = qwen3_tokenizer
-    ids, labels = sft.completion_labels(tok, _messages(), False, truncated=True)
+    ids, labels = completion_labels(tok, _messages(), False, truncated=True)
     assert [t for t in labels if t != IGNORE] == tok.encode(CONTENT, add_special_tokens=False)
     assert ids[-1] == labels[-1] and tok.decode(ids).endswith(
         CONTENT
     )  # the input ends where the teacher stopped
-    full_ids, full_labels = sft.completion_labels(tok, _messages(), False, truncated=False)
+    full_ids, full_labels = completion_labels(tok, _messages(), False, truncated=False)
     assert [t for t in full_labels if t != IGNORE] == tok.encode(
         CONTENT + "<|im_end|>", add_special_tokens=False
     )

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from opdkit import models, tiny
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
-from opdkit.data.sft import IGNORE
+from opdkit.data.labels import IGNORE
 from opdkit.jobs import savegrad
 from opdkit.jobs.savegrad.config import SaveGradConfig
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import datasets
 import pytest
 
-from opdkit.config import ConfigError
 from opdkit import tasks
+from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.whitebox.split import split_prompts

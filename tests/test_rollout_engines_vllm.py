@@ -29,8 +29,8 @@ from opdkit.models import load_tokenizer  # noqa: E402
 from opdkit.opd.callbacks import GradientDump  # noqa: E402
 from opdkit.opd.loss import generalized_jsd
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
-from opdkit.rollout import engines
-from opdkit.rollout import greedy as evaluate, sampling
+from opdkit.rollout import engines, sampling
+from opdkit.rollout import greedy as evaluate
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opdkit import tiny
-from opdkit import tasks
 from opdkit.build import tiny_world as build
 from opdkit.tasks import tiny as task
 
@@ -111,7 +110,6 @@ def test_recipe_runs_a_few_steps(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 42, 1234 - 100_003])
 def test_training_streams_leave_the_evaluation_pool_and_the_holdouts_out(seed):
-    from opdkit.data import prompts
 
     stream_seed = task.training_seed(seed)
     train = task.training_problems(20_000, stream_seed)

@@ -1,10 +1,12 @@
-"""The proxy student's mean completion-only gradient: the math, the file it is saved in, the check on load.
+"""The proxy student's mean completion-only gradient (savegrad's), and the same on the answer tokens only.
 
     named, stats = mean_completion_grad(proxy, rows, "trace", batch_size=8, pad_token_id=0)  # every process
+    rows = answer_rows(traces, tokenizer, task)            # the loss kept on each trace's final answer
     save_grads(run.path, named, meta)                                      # grads.safetensors + grads.json
     g = load_grads(run.path, proxy, tokenizer)                             # names, shapes, tokenizer checked
 
-`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion). The
+`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion; `answer_rows`
+keeps the final answer's tokens only, for the answer-token gradient). The
 saved gradient is, for `normalization="trace"`, the mean over traces of the gradient of each trace's
 mean token loss (what the ADS `save_grad.py` computes at batch size 1) and, for `"token"`, the gradient
 of the loss summed over every completion token divided by their number. Each trace's loss is scaled by
@@ -33,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from opdkit.data.sft import IGNORE, make_batches, shifted_labels, token_losses
+from opdkit.data.labels import IGNORE, make_batches, shifted_labels, token_losses
 
 NORMALIZATIONS = ("trace", "token")
 
@@ -330,3 +332,33 @@ def norms_by_layer(norms: dict[str, float]) -> dict[str, float]:
         group = m.group(1) if m else re.sub(r"\.(weight|bias)$", "", name)
         sq[group] = sq.get(group, 0.0) + norm**2
     return {k: v**0.5 for k, v in sq.items()}
+
+
+def answer_labels(tok: Any, input_ids: list[int], labels: list[int], start: int) -> list[int]:
+    """`labels` with everything before the answer (character `start` of the completion) set to -100: the first
+    completion token whose decoded prefix reaches past `start`, found by bisection, and all after it."""
+    pos = [i for i, t in enumerate(labels) if t != IGNORE]
+    lo, hi = 0, len(pos) - 1
+    while lo < hi:  # smallest j with len(decode(completion[: j + 1])) > start
+        mid = (lo + hi) // 2
+        if len(tok.decode(input_ids[pos[0] : pos[mid] + 1], skip_special_tokens=True)) > start:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [t if i >= pos[lo] else IGNORE for i, t in enumerate(labels)]
+
+
+def answer_rows(held: Sequence[dict], tok: Any, answer_start: Any) -> list[dict]:
+    """Traces ({messages, input_ids, labels}) with the loss on their answer tokens only (`answer_start(text)`:
+    where a completion's final answer begins, a task's); traces without an answer are left out."""
+    rows = []
+    for t in held:
+        start = answer_start(t["messages"][-1]["content"])
+        if start is not None and any(x != IGNORE for x in t["labels"]):
+            rows.append(
+                {
+                    "input_ids": t["input_ids"],
+                    "labels": answer_labels(tok, t["input_ids"], t["labels"], start),
+                }
+            )
+    return rows

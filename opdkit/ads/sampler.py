@@ -5,6 +5,7 @@ noise (Gumbel-max), so that where the two draws differ the ADS term moved the dr
     r = ads_sample(teacher, prompt_ids_BP, prompt_mask_BP, direction=direction, lam=0.1,
                    temperature=1.0, top_p=0.95, eos_token_id=tok.eos_token_id,
                    pad_token_id=tok.pad_token_id, max_new_tokens=40)          # a sampling.Rollout
+    texts = sample_traces(teacher, tok, messages, direction=direction, lam=0.1, temperature=1.0, seed=0)
     steps = coupled_sample(teacher, direction, prompt_ids, lam=0.1, temperature=1.0, ...)
 
 The order of operations is the reference's: λΔ is added to the *raw* teacher logits, then temperature, then
@@ -17,9 +18,12 @@ teacher's logits, so its λ is this kit's λ/τ.
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit.ads.direction import CachedLM, Direction
+from opdkit.data import prompts
+from opdkit.models import eos_ids
 from opdkit.rollout import sampling
 
 
@@ -115,6 +119,53 @@ def ads_sample(
         do_sample=temperature > 0,
         logits_processor=procs,
     )
+
+
+def sample_traces(
+    teacher: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    messages: list[list[dict]],
+    *,
+    direction: Direction | None,
+    lam: float,
+    temperature: float,
+    seed: int,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 512,
+    batch_size: int = 64,
+    enable_thinking: bool = False,
+    desc: str = "traces",
+) -> list[tuple[str, bool]]:
+    """The teacher's answer to every prompt conversation by `ads_sample`, as (completion text, truncated), in
+    the prompts' order. Prompts of similar length share a batch; the noise is seeded once by `seed`, so two
+    calls that differ only by λ and τ draw with the same stream."""
+    eos = eos_ids(tok, teacher)
+    dev = next(teacher.parameters()).device
+    ids = [prompts.prompt_ids(tok, m, enable_thinking) for m in messages]
+    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))  # similar lengths share a batch
+    torch.manual_seed(seed)
+    out: dict[int, tuple[str, bool]] = {}
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+        batch = order[s : s + batch_size]
+        prompts_BP, mask_BP = sampling.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
+        r = ads_sample(
+            teacher,
+            prompts_BP,
+            mask_BP,
+            direction=direction,
+            lam=lam,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+            max_new_tokens=max_new_tokens,
+            top_k=top_k,
+        )
+        done = ~r.truncated_B(eos)
+        for b, (i, text) in enumerate(zip(batch, sampling.decode_completions(tok, r))):
+            out[i] = (text, not bool(done[b]))
+    return [out[i] for i in range(len(ids))]
 
 
 def warp(logits_V: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:

@@ -3,8 +3,9 @@
     python -m opdkit.build.tiny_world --out opdkit/tiny/assets        # ~10 minutes on 2 CPU cores
 
 Writes `tokenizer/`, `teacher/` and `student/` as ordinary Hugging Face folders (Qwen3 architecture,
-safetensors) plus `recipe.json` with the measured accuracies. The teacher is trained by SFT on
-scratchpads whose column order is random, until it solves held-out problems almost perfectly. The
+safetensors) plus `recipe.json` with the measured accuracies. The teacher is trained by SFT (the kit's one SFT
+loop, `opdkit.sft.trainer`) on scratchpads whose column order is random, until it solves held-out problems almost
+perfectly. The
 student is 10x smaller and deliberately under-trained: it stops as soon as it writes the format and
 gets a few answers right, which leaves a training gap that on-policy distillation closes.
 """
@@ -14,14 +15,23 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    TrainerCallback,
+    TrainingArguments,
+)
 
-from opdkit.data import sft
+from opdkit.data import labels
+from opdkit.sft.trainer import CompletionSFTTrainer
 from opdkit.tasks import evaluate
 from opdkit.tasks import tiny as task
 from opdkit.tiny.tokenizer import build_tokenizer
@@ -69,6 +79,42 @@ def conversation(problem: task.Problem, rng: random.Random) -> list[dict]:
     ]
 
 
+class TaskRows(torch.utils.data.Dataset):
+    """An endless-looking stream of SFT rows on the task: row `i` is a problem with a scratchpad whose column
+    order is random, both drawn from (`seed`, `i`), tokenized when asked for (nothing is held in memory)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, n: int, seed: int):
+        self.tokenizer, self.n, self.seed = tokenizer, n, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        rng = random.Random(f"{self.seed}-{i}")
+        ids, labs = labels.completion_labels(self.tokenizer, conversation(task.sample_problem(rng), rng))
+        return {"input_ids": ids, "labels": labs}
+
+
+class EvaluateAndStop(TrainerCallback):
+    """Every `every` steps: `evaluate()` recorded in `history` with the step's loss; training stops once
+    `stop_when(value)`."""
+
+    def __init__(self, trainer: CompletionSFTTrainer, evaluate, every: int, stop_when):
+        self.trainer, self.evaluate, self.every, self.stop_when = trainer, evaluate, every, stop_when
+        self.history: list[dict] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if not self.every or state.global_step % self.every:
+            return control
+        model.eval()
+        value = self.evaluate()
+        model.train()
+        self.history.append({"step": state.global_step, "loss": self.trainer.step_losses[-1], "eval": value})
+        if self.stop_when(value):
+            control.should_training_stop = True
+        return control
+
+
 def train_on_task(
     model: Qwen3ForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
@@ -82,28 +128,43 @@ def train_on_task(
     eval_n: int = 500,
     desc: str = "sft",
 ) -> list[dict]:
-    rng = random.Random(seed)
-
-    def next_batch(step: int):
-        convs = [conversation(task.sample_problem(rng), rng) for _ in range(batch_size)]
-        return [sft.sft_batch(tokenizer, convs)]
-
-    def evaluate_now(step: int) -> float:
-        return heldout_accuracy(model, tokenizer, n=eval_n, seed=777)  # not the held-out seed
-
-    _, history = sft.train_sft(
-        model,
-        next_batch,
-        steps,
-        lr,
-        warmup_steps=50,
-        betas=(0.9, 0.98),
-        evaluate=evaluate_now,
-        eval_every=eval_every,
-        stop_when=stop_when,
-        desc=desc,
-    )
-    return history
+    """Completion-only SFT (`sft.trainer.CompletionSFTTrainer`) on fresh problems, `batch_size` a step: AdamW
+    (betas 0.9, 0.98), 50 warmup steps then cosine, clipping at 1; every `eval_every` steps the held-out
+    accuracy (another stream than the evaluation pool) is recorded, and training stops once `stop_when` says so.
+    Returns that history."""
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=lr,
+            adam_beta2=0.98,
+            lr_scheduler_type="cosine",
+            warmup_steps=50,
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            seed=seed,
+            save_strategy="no",
+            report_to=[],
+            logging_steps=max(1, eval_every),
+            disable_tqdm=False,
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            run_name=desc,
+        )
+        rows = TaskRows(tokenizer, steps * batch_size, seed)
+        order = [list(range(s * batch_size, (s + 1) * batch_size)) for s in range(steps)]
+        trainer = CompletionSFTTrainer(
+            model=model, args=args, train_dataset=rows, order=order, pad_token_id=tokenizer.pad_token_id
+        )
+        stopper = EvaluateAndStop(
+            trainer, lambda: heldout_accuracy(model, tokenizer, n=eval_n, seed=777), eval_every, stop_when
+        )
+        trainer.add_callback(stopper)
+        trainer.train()
+    model.eval()
+    return stopper.history
 
 
 def heldout_accuracy(

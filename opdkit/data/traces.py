@@ -14,7 +14,7 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit.data import sft
+from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.run.files import atomic_path
 
 TRACES_DIR = "traces"
@@ -29,9 +29,7 @@ def with_labels(records: list[dict], tok: PreTrainedTokenizerBase, enable_thinki
         tqdm(records, desc="tokenizing traces", leave=False, disable=len(records) < 1000)
     ):
         try:
-            ids, labels = sft.completion_labels(
-                tok, rec["messages"], enable_thinking, bool(rec.get("truncated"))
-            )
+            ids, labels = completion_labels(tok, rec["messages"], enable_thinking, bool(rec.get("truncated")))
         except ValueError as exc:
             raise ValueError(f"trace {i}: {exc}") from exc
         out.append({**rec, "input_ids": ids, "labels": labels})
@@ -64,8 +62,8 @@ def format_trace(tok: PreTrainedTokenizerBase, input_ids: list[int], labels: lis
     """A trace as the proxy reads it, special tokens kept, the completion (where the loss is) in ⟦ ⟧."""
     out, start = [], 0
     for k in range(1, len(input_ids) + 1):
-        if k == len(input_ids) or (labels[k] == sft.IGNORE) != (labels[start] == sft.IGNORE):
+        if k == len(input_ids) or (labels[k] == IGNORE) != (labels[start] == IGNORE):
             text = tok.decode(input_ids[start:k], skip_special_tokens=False)
-            out.append(text if labels[start] == sft.IGNORE else f"⟦{text}⟧")
+            out.append(text if labels[start] == IGNORE else f"⟦{text}⟧")
             start = k
     return "".join(out)

@@ -1,19 +1,26 @@
-"""On-policy distillation's settings, declared once: `OPDSettings` (mixed into 02's `WhiteboxConfig`) and
-`OPDArguments`, `TrainingArguments` plus those settings, which `DistillTrainer` reads from `self.args`.
+"""On-policy distillation's settings, declared once: `OPDSettings` (the divergence, the student's rollouts, what
+is logged) and `OPDTraining` (optimizer, schedule, batches, clipping, parallelism, checkpoints: TrainingArguments'
+own names), composed into 02's `WhiteboxConfig` and 04's (its on-policy attackers); `OPDArguments`,
+`TrainingArguments` plus `OPDSettings`, which `DistillTrainer` reads from `self.args`.
 
     args = OPDArguments(output_dir="runs/x", beta=1.0, max_new_tokens=1024, rollout_engine="vllm")
-    args = OPDArguments.from_config(cfg, output_dir=...)   # every field cfg shares with it, by name
+    args = training_arguments(cfg, "runs/x/checkpoints", run_name="whitebox/x")    # from a job's config
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
-from opdkit.config import check_ranges, setting
+from opdkit.config import ConfigError, check_ranges, setting
+from opdkit.models import checkpointing_argument
 from opdkit.rollout.engines import EngineSettings
+from opdkit.run import sharding, tracking
+from opdkit.run.launch import launched_world_size
 
 
 @dataclass
@@ -28,7 +35,6 @@ class OPDSettings(EngineSettings):
     gen_top_p: float = setting(
         1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
     )
-    max_new_tokens: int = setting(1024, "completion length the student samples", min=1)
     loss_chunk_size: int = setting(1024, "completion tokens per chunk of the divergence", min=1)
     sample_every: int = setting(
         10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0
@@ -43,6 +49,63 @@ class OPDSettings(EngineSettings):
         "between rollouts, for the training's forward and backward; the next weight sync brings it back. "
         "CUDA only",
     )
+
+
+@dataclass
+class OPDTraining:
+    """How on-policy distillation trains, under TrainingArguments' own names (`training_arguments` maps them)."""
+
+    learning_rate: float = setting(1e-6, "peak learning rate (AdamW)", min=0.0)
+    lr_scheduler_type: str = setting("constant", "transformers scheduler name: constant, linear, cosine, ...")
+    warmup_ratio: float = setting(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
+    optim: str = setting(
+        "adamw_torch_fused",
+        "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the "
+        "original), sgd, ...",
+    )
+    optim_args: str = setting("", "extra optimizer arguments, e.g. momentum=0.9 for sgd")
+    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
+    adam_beta2: float = setting(0.999, "AdamW beta2", min=0.0, max=1.0)
+    per_device_train_batch_size: int = setting(4, "prompts per process per micro-batch", min=1)
+    global_batch_size: int = setting(
+        0,
+        "prompts per optimizer step over all processes, whatever their number; the micro-batches each "
+        "process accumulates are derived: global_batch_size / (per_device_train_batch_size x processes). "
+        "0 means one micro-batch per process",
+        min=0,
+    )
+    num_train_epochs: float = setting(1.0, "passes over the prompts (ignored when max_steps > 0)", min=0.0)
+    max_steps: int = setting(-1, "optimizer steps; -1 means num_train_epochs", min=-1)
+    max_grad_norm: float = setting(
+        1.0, "clip the global gradient norm to this; 0 turns clipping off", min=0.0
+    )
+    parallelism: str = setting(
+        "ddp",
+        "how several processes hold the models: ddp replicates them; fsdp shards the student with FSDP2 "
+        "(accelerate) and the frozen teacher too (weights only), for models too big to replicate; one "
+        "process ignores it",
+        choices=("ddp", "fsdp"),
+    )
+    logging_steps: int = setting(1, "log metrics every this many optimizer steps", min=1)
+    save_steps: int = setting(100, "checkpoint every this many steps; 0 only at the end", min=0)
+    save_total_limit: int = setting(2, "checkpoints kept", min=1)
+
+    def accumulation_steps(self, processes: int) -> int:
+        """Micro-batches each process accumulates per optimizer step, so that a step takes
+        `global_batch_size` prompts over `processes` processes."""
+        per_device, total = self.per_device_train_batch_size, self.global_batch_size
+        if not total:
+            return 1
+        if total % (per_device * processes):
+            fits = [n for n in range(1, per_device + 1) if total % (n * processes) == 0]
+            hint = f" or per_device_train_batch_size={max(fits)}," if fits else ""
+            raise ConfigError(
+                f"global_batch_size={total} prompts per optimizer step do not split into micro-batches of "
+                f"per_device_train_batch_size={per_device} on {processes} process(es), "
+                f"{per_device * processes} prompts a round; set global_batch_size to a multiple of "
+                f"{per_device * processes},{hint} or change the number of processes (num_processes)."
+            )
+        return total // (per_device * processes)
 
 
 @dataclass
@@ -69,3 +132,37 @@ class OPDArguments(OPDSettings, TrainingArguments):
 
 
 _OWN = {f.name for f in fields(OPDSettings)} | {"vllm_max_model_len"}
+
+
+def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any) -> OPDArguments:
+    """A job's `OPDSettings` and `OPDTraining` as the trainer's arguments: every field the config shares with
+    `OPDArguments` by name, the few a job's settings translate (max_grad_norm 0 means never clip, save_steps 0
+    only at the end, global_batch_size's accumulation), the kit's fixed choices (a NaN loss is logged as it is,
+    accuracy is measured by the job, one data loader process), then `explicit`."""
+    world = launched_world_size()
+    return OPDArguments.from_config(
+        cfg,
+        **{
+            "output_dir": output_dir,
+            "remove_unused_columns": False,
+            "warmup_steps": cfg.warmup_ratio,  # transformers 5: a float in [0, 1) is a ratio
+            "optim_args": cfg.optim_args or None,
+            "max_grad_norm": cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"),
+            **checkpointing_argument(cfg.gradient_checkpointing),
+            "gradient_accumulation_steps": cfg.accumulation_steps(world),
+            "data_seed": cfg.seed,
+            "logging_first_step": True,
+            "logging_nan_inf_filter": False,  # a NaN loss must show, not be replaced by the running mean
+            "eval_steps": None,  # the job measures accuracy itself (StepAccuracy), not through Trainer.evaluate
+            "save_strategy": "steps",
+            "save_steps": cfg.save_steps if cfg.save_steps > 0 else 10**9,
+            "project": tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
+            "run_name": run_name,
+            "ddp_find_unused_parameters": False,
+            "dataloader_num_workers": 0,
+            "use_cpu": not torch.cuda.is_available(),
+            "disable_tqdm": int(os.environ.get("RANK", "0")) != 0,
+            **sharding.fsdp_arguments(cfg.parallelism, world),
+            **explicit,
+        },
+    )

@@ -1,5 +1,5 @@
 """TrainerCallbacks of white-box distillation: the gradient the optimizer applies (a debugging aid and the
-tests' window into a step), and greedy accuracy every N steps.
+tests' window into a step), and greedy accuracy every N steps (`add_step_accuracy`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from transformers import TrainerCallback
 
 from opdkit.run import sharding
+from opdkit.run.folders import print0
 
 
 class GradientDump(TrainerCallback):
@@ -53,3 +54,15 @@ class StepAccuracy(TrainerCallback):
             self.log({"eval_accuracy": value})
             control.should_log = should_log
         return control
+
+
+def add_step_accuracy(trainer, measure: Callable, every: int) -> None:
+    """Accuracy while training (`StepAccuracy`, `measure(model)` on the unwrapped student). Not under FSDP:
+    every rank generates for its own share of prompts, and sharded layers, whose every forward is a
+    collective, would wait on ranks that have stopped."""
+    if trainer.is_fsdp_enabled:
+        print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
+        return
+    trainer.add_callback(
+        StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log)
+    )

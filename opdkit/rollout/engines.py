@@ -61,9 +61,15 @@ ENGINES = ("hf", "vllm")
 
 @dataclass
 class EngineSettings:
-    """The settings of whatever samples a job's completions (02's student rollouts, 01's teacher traces);
-    declared once, mixed into the configs and `OPDArguments`."""
+    """The settings of whatever samples a job's completions (02's student rollouts, 01's teacher traces, 04's
+    traces and its attackers' rollouts); declared once, mixed into the configs and `OPDArguments`."""
 
+    max_new_tokens: int = setting(
+        1024,
+        "tokens a sampled completion may have at most: the student's rollouts (02, 03, 04's attackers), the "
+        "teacher's traces (01, 04)",
+        min=1,
+    )
     rollout_engine: str = setting(
         "hf",
         "what samples the completions, all of a step's prompts in one call: hf, the kit's KV-cached loop; "
@@ -76,6 +82,24 @@ class EngineSettings:
         "rollout_engine vllm: share of each GPU's memory the engine reserves for weights and KV cache, "
         "beside the training (on CPU: the share of RAM given to its KV cache)",
         min=0.01,
+        max=1.0,
+    )
+
+
+@dataclass
+class TraceSettings:
+    """How a teacher writes traces for others to learn from (01's holdout traces, 04's traces at every point)."""
+
+    gen_batch_size: int = setting(
+        64,
+        "prompts per generation batch of the teacher's traces, per process; 0 means the largest that fits the "
+        "memory plan (the kit's loop)",
+        min=0,
+    )
+    trace_top_p: float = setting(
+        1.0,
+        "nucleus of the teacher's trace sampling (after 04's ADS term and temperature)",
+        min=1e-3,
         max=1.0,
     )
 
@@ -532,50 +556,6 @@ def assemble(
         prompt_len=prompt_ids_BP.shape[1],
         logprobs_BC=logp_BC * mask_BC if logps is not None else None,
     )
-
-
-def concat_prompts(batches: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batches' left-padded prompts as one left-padded batch."""
-    width = max(b["prompts"].shape[1] for b in batches)
-    ids, masks = [], []
-    for b in batches:
-        extra = width - b["prompts"].shape[1]
-        ids.append(torch.nn.functional.pad(b["prompts"], (extra, 0), value=pad_token_id))
-        masks.append(torch.nn.functional.pad(b["prompt_attention_mask"], (extra, 0), value=0))
-    return torch.cat(ids), torch.cat(masks)
-
-
-def length_order(r: sampling.Rollout) -> torch.Tensor:
-    """The rows by completion length, shortest first (a stable sort). Cut into micro-batches in this order
-    (`split_rollout`), each micro-batch is trimmed to about its own rows' length, so the teacher's forward
-    and the student's forward and backward skip most of the padding that the sampling order leaves (long
-    completions are rare but set the width of every micro-batch they land in). It leaves the gradient
-    alone: the step's loss is a sum over all its completion tokens divided by their count."""
-    return torch.argsort(r.completion_mask_BC.sum(1), stable=True)
-
-
-def split_rollout(r: sampling.Rollout, sizes: list[int]) -> list[sampling.Rollout]:
-    """One rollout of the whole step cut back into micro-batches of `sizes` rows, each trimmed to its own
-    widest prompt and longest completion (so a micro-batch looks as if it had been sampled alone)."""
-    out, start = [], 0
-    P = r.prompt_len
-    for n in sizes:
-        rows = slice(start, start + n)
-        start += n
-        mask_BP, comp_BC = r.attention_mask_BT[rows, :P], r.completion_mask_BC[rows]
-        first = int(mask_BP.any(0).long().argmax()) if mask_BP.any() else P - 1
-        width = max(1, int(comp_BC.sum(1).max()))
-        cols = torch.cat([torch.arange(first, P), torch.arange(P, P + width)]).to(mask_BP.device)
-        out.append(
-            sampling.Rollout(
-                input_ids_BT=r.input_ids_BT[rows][:, cols],
-                attention_mask_BT=r.attention_mask_BT[rows][:, cols],
-                completion_mask_BC=comp_BC[:, :width],
-                prompt_len=P - first,
-                logprobs_BC=None if r.logprobs_BC is None else r.logprobs_BC[rows, :width],
-            )
-        )
-    return out
 
 
 @torch.no_grad()

@@ -146,6 +146,14 @@ class RunDir:
             with open(self.path / name, "a") as fh:
                 fh.write(json.dumps(json_safe(record)) + "\n")
 
+    def truncate_logs(self, step: int, names: tuple[str, ...] = ("metrics.jsonl", "samples.jsonl")) -> None:
+        """Drop the records of `names` logged after `step`, the checkpoint a resumed run continues from (0:
+        none), so each log has each step once."""
+        if self.writer:
+            for name in names:
+                kept = [r for r in self.read_jsonl(name) if r.get("step", 0) <= step]
+                atomic_write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in kept))
+
     def read_jsonl(self, name: str = "metrics.jsonl") -> list[dict]:
         return read_jsonl(self.path / name)
 

@@ -23,9 +23,31 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from opdkit.config import setting
 from opdkit.rollout import engines, greedy
 from opdkit.run import sharding
 from opdkit.tasks.base import Messages, Task
+
+
+@dataclass
+class EvalSettings:
+    """How a job measures greedy accuracy on held-out problems (`accuracy`)."""
+
+    eval_size: int = setting(
+        500,
+        "held-out problems each accuracy is measured on; 0 skips evaluation (02), -1 means all of the "
+        "evaluation set (04)",
+        min=-1,
+    )
+    eval_max_new_tokens: int = setting(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
+    eval_batch_size: int = setting(
+        64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1
+    )
+    forced_accuracy: bool = setting(
+        False,
+        "also measure accuracy with each final answer forced, as the ADS reference reports beside raw "
+        "accuracy: the task's answer cue appended to each completion, a few greedy tokens more",
+    )
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""antidistill's settings: one source of truth for every parameter of the antidistillation trade-off."""
+"""antidistill's settings: `AntidistillConfig`, composed from the settings groups (each declared once, beside the
+code that reads it: the students' `SFTSettings`, the on-policy attackers' `OPDSettings` and `OPDTraining`, ...) and
+the sweep's own."""
 
 from __future__ import annotations
 
@@ -7,34 +9,46 @@ from typing import ClassVar
 
 from opdkit.ads import direction
 from opdkit.config import ConfigError, RunFields, float_list, name_list, setting
+from opdkit.data.prompts import PromptSettings
+from opdkit.models import (
+    CheckpointingSettings,
+    PrecisionSettings,
+    ProxySettings,
+    StudentSettings,
+    TeacherSettings,
+)
+from opdkit.opd.arguments import OPDSettings, OPDTraining
+from opdkit.rollout.engines import TraceSettings
+from opdkit.sft.student import SFTSettings
+from opdkit.tasks.evaluate import EvalSettings
 
-ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in attackers.py
+ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in points.py
 
 
 @dataclass
-class AntidistillConfig(RunFields):
+class AntidistillConfig(
+    RunFields,
+    TeacherSettings,
+    ProxySettings,
+    StudentSettings,
+    PromptSettings,
+    EvalSettings,
+    PrecisionSettings,
+    CheckpointingSettings,
+    TraceSettings,
+    SFTSettings,
+    OPDSettings,
+    OPDTraining,
+):
     """Antidistillation sampling and its trade-off (antidistill): a λ sweep of ADS beside a temperature
-    sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT."""
+    sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT
+    (`SFTSettings`), and, when `attackers` asks, on-policy students by 02's recipe (`OPDSettings`,
+    `OPDTraining`: its learning_rate, max_steps, per_device_train_batch_size, ...)."""
 
     job: ClassVar[str] = "antidistill"
 
-    teacher_model: str = setting(
-        "tiny:teacher", "teacher that writes the training traces: folder, hub name, or tiny:teacher"
-    )
-    proxy_model: str = setting(
-        "tiny:student", "proxy student the gradient belongs to (shares the teacher's tokenizer)"
-    )
-    student_model: str = setting(
-        "tiny:student",
-        "student distilled at every point, afresh each time: folder, hub name, or tiny:student",
-    )
     student_tokenizer: str = setting(
         "", "the student's tokenizer (and chat template) if not its own folder's, e.g. an -Instruct sibling"
-    )
-    student_init: str = setting(
-        "pretrained",
-        "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
-        choices=("pretrained", "scratch"),
     )
     grads_run: str = setting(
         "", "a savegrad run directory with grads.safetensors; empty runs savegrad inside this run"
@@ -42,32 +56,10 @@ class AntidistillConfig(RunFields):
     grads_mode: str = setting(
         "tiny", "savegrad preset run when grads_run is empty (with this teacher, proxy and seed)"
     )
-    dataset_path: str = setting(
-        "tiny",
-        "training prompts: tiny, a parquet/jsonl/json/arrow file, a saved datasets folder, or a hub name",
-    )
-    dataset_split: str = setting("train", "split to read from a datasets folder or hub dataset")
-    subset_size: int = setting(
-        512,
-        "training prompts the teacher answers at every point (the head of the seed-shuffled dataset)",
-        min=1,
-    )
-    system_prompt: str = setting("", "system message put before every prompt; empty for none")
     eval_dataset_path: str = setting(
-        "", "evaluation prompts for the distilled students; empty: the tiny held-out problems"
+        "", "evaluation prompts for the distilled students; empty: the task's own held-out problems"
     )
     eval_dataset_split: str = setting("test", "split of eval_dataset_path")
-    eval_size: int = setting(
-        300,
-        "evaluation problems per distilled student (at least 1); -1 means all of eval_dataset_path",
-        min=-1,
-    )
-    max_prompt_length: int = setting(512, "longer prompts are dropped (and counted)", min=1)
-    max_new_tokens: int = setting(40, "trace length budget: tokens the teacher writes at most", min=1)
-    eval_max_new_tokens: int = setting(
-        0, "completion budget of the students' greedy evaluation; 0 means max_new_tokens", min=0
-    )
-    enable_thinking: bool = setting(False, "passed to the chat templates (Qwen3 thinking mode)")
     lams: list = setting(
         (0.0, 0.05, 0.08, 0.11), "ADS sweep: the λ values, each at every ads_temperatures value"
     )
@@ -80,17 +72,11 @@ class AntidistillConfig(RunFields):
     temperatures: list = setting(
         (1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures"
     )
-    top_k: int = setting(
+    trace_top_k: int = setting(
         0,
         "keep the k most likely tokens after the ADS term and the temperature, before top-p; 0 is off "
         "(the ADS reference: 50, transformers' default)",
         min=0,
-    )
-    top_p: float = setting(
-        1.0,
-        "nucleus applied after the ADS term, the temperature and top-k, at every point",
-        min=1e-3,
-        max=1.0,
     )
     grad_scale: float = setting(
         1.0,
@@ -108,77 +94,17 @@ class AntidistillConfig(RunFields):
         "(small models)",
         choices=direction.METHODS,
     )
-    gen_batch_size: int = setting(
-        256,
-        "prompts per generation batch (and per greedy evaluation batch of the students); 0 means the largest "
-        "that fits the memory plan",
-        min=0,
-    )
-    sft_seed: int = setting(
-        -1,
-        "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
-        "reference distils with seed 69",
-        min=-1,
-    )
     repeats: int = setting(
         1,
         "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean "
         "is plotted",
         min=1,
     )
-    sft_max_steps: int = setting(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
-    sft_epochs: float = setting(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
-    sft_batch_size: int = setting(64, "traces per optimizer step", min=1)
-    sft_micro_batch_size: int = setting(
-        0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0
-    )
-    sft_learning_rate: float = setting(
-        3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0
-    )
-    sft_weight_decay: float = setting(0.0, "AdamW weight decay of the students' SFT", min=0.0)
-    sft_warmup_ratio: float = setting(0.05, "fraction of SFT steps spent warming up", min=0.0, max=0.999)
-    sft_max_length: int = setting(
-        0, "traces longer than this many student tokens are cut; 0 means no cap", min=0
-    )
-    bf16: bool = setting(
-        False, "bf16 teacher and bf16 autocast for the students (GPU); the proxies always run in fp32"
-    )
-    gradient_checkpointing: bool = setting(
-        False, "recompute the student's activations in backward to save memory"
-    )
-    student_lora_r: int = setting(
-        0,
-        "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight",
-        min=0,
-    )
-    student_lora_alpha: float = setting(
-        0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0
-    )
-    student_lora_dropout: float = setting(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
-    student_lora_target_modules: list = setting(
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        "modules of the student that get a LoRA adapter (names, or [all-linear])",
-    )
-    student_save: str = setting(
-        "adapter",
-        "what of each distilled student is kept in points/<name>/seed<seed>/student/: adapter (the LoRA "
-        "adapter; without LoRA the whole model), merged (the model with the adapter merged in), none",
-        choices=("adapter", "merged", "none"),
-    )
-    sft_save_steps: int = setting(
-        0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0
-    )
-
     attackers: list = setting(
         ("sft",),
         "students distilled at every point: sft (on the teacher's traces), opd (on-policy, the teacher "
         "scoring with the ADS distribution at the point's λ and τ), opd-plain (on-policy, the plain teacher "
         "at τ); sft is always among them",
-    )
-    opd_max_steps: int = setting(60, "optimizer steps of every on-policy attacker (opd, opd-plain)", min=1)
-    opd_batch_size: int = setting(32, "prompts per step of the on-policy attackers", min=1)
-    opd_learning_rate: float = setting(
-        1e-3, "constant learning rate of the on-policy attackers (AdamW, reverse KL, clipped at 1)", min=0.0
     )
 
     def __post_init__(self) -> None:
@@ -212,6 +138,11 @@ class AntidistillConfig(RunFields):
                 "(every point distils its SFT student)."
             )
         on_policy = [a for a in self.attackers if a != "sft"]
+        if self.rollout_engine != "hf":
+            raise ConfigError(
+                f"rollout_engine={self.rollout_engine!r}: antidistill's on-policy attackers sample with the kit's "
+                "loop beside the ADS teacher; leave rollout_engine hf."
+            )
         if on_policy and self.ads_method != "fd":
             raise ConfigError(
                 f"attackers {on_policy} score with the ADS teacher, which stacks the finite difference's two "
@@ -222,6 +153,3 @@ class AntidistillConfig(RunFields):
                 f"attackers {on_policy} read the teacher's log-probabilities at the point's temperature, and "
                 "temperature 0 (greedy) has none; leave 0 out of the temperatures."
             )
-        self.student_lora_target_modules = name_list(
-            "student_lora_target_modules", self.student_lora_target_modules
-        )

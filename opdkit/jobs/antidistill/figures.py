@@ -10,6 +10,8 @@ from __future__ import annotations
 import html as _html
 from collections.abc import Sequence
 
+from opdkit.jobs.antidistill.config import ATTACKER_NAMES
+from opdkit.jobs.antidistill.points import result_key
 from opdkit.notebook.figures import plt, prompt_label
 from opdkit.notebook.widgets import reporting
 
@@ -265,3 +267,77 @@ def ads_token_explorer(
         control.observe(reporting(errors, show), names="value")
     show()
     return w.VBox([w.HBox([prompt, lam]), w.HBox([method, seed_box]), out, errors])
+
+
+ATTACKER_COLOURS = {"sft": "#37a", "opd": "#d33", "opd-plain": "#2a2"}
+ATTACKER_LABELS = {
+    "sft": "SFT on the teacher's traces",
+    "opd": "on-policy, scored with the ADS distribution",
+    "opd-plain": "on-policy, scored with the plain teacher",
+}
+
+
+def attackers_in(summary: dict) -> list[str]:
+    """The attackers whose accuracy the run's points carry, in `ATTACKER_NAMES` order."""
+    points = summary.get("points", [])
+    return [a for a in ATTACKER_NAMES if any(p.get(result_key(a)) is not None for p in points)]
+
+
+def attack_rows(summary: dict) -> list[dict]:
+    """One row per point: λ, τ, the teacher's accuracy and each attacker's student accuracy."""
+    return [
+        {
+            "name": p["name"],
+            "lam": p["lam"],
+            "temperature": p["temperature"],
+            "teacher_accuracy": p.get("teacher_accuracy"),
+            **{a: p.get(result_key(a)) for a in attackers_in(summary)},
+        }
+        for p in summary["points"]
+    ]
+
+
+def attackers_figure(summary: dict, path=None, title: str = ""):
+    """Teacher accuracy under the point's sampling (x) against each attacker's held-out student accuracy
+    (y): one colour per attacker; solid squares along λ for ADS, dashed circles along τ for temperature."""
+    fig, ax = plt.subplots(figsize=(6.8, 4.8))
+    ys: list[float] = []
+    for attacker in attackers_in(summary):
+        named = False
+        key, colour = result_key(attacker), ATTACKER_COLOURS[attacker]
+        for label, line in tradeoff_curves(summary).items():
+            kept = [p for p in line if p.get("teacher_accuracy") is not None and p.get(key) is not None]
+            if not kept:
+                continue
+            is_temp = label == "temperature"
+            x, y = [p["teacher_accuracy"] for p in kept], [p[key] for p in kept]
+            ys += y
+            name = None if named else ATTACKER_LABELS[attacker]
+            named = True
+            ax.plot(x, y, "o--" if is_temp else "s-", color=colour, lw=1.3, ms=5, label=name, alpha=0.9)
+            for p in kept:
+                if not is_temp and p["lam"] != 0:
+                    ax.annotate(
+                        f"λ={p['lam']:g}",
+                        (p["teacher_accuracy"], p[key]),
+                        textcoords="offset points",
+                        xytext=(4, -10),
+                        fontsize=7,
+                        color=colour,
+                    )
+    before = summary.get("student_accuracy_before")
+    if before is not None:
+        ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
+        ys.append(before)
+    xs = [p["teacher_accuracy"] for p in summary["points"] if p.get("teacher_accuracy") is not None]
+    if xs and ys:
+        ax.set_xlim(max(0.0, min(xs) - 0.05), min(1.0, max(xs) + 0.05))
+        ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.02, max(ys) + 0.1))
+    ax.set_xlabel("teacher accuracy (its sampled traces)")
+    ax.set_ylabel("distilled student accuracy (held out)")
+    ax.set_title(title or "each attacker against ADS (solid) and temperature sampling (dashed)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig

@@ -1,85 +1,120 @@
-"""One point of antidistill's trade-off: the teacher's traces at that point, a fresh student distilled on
-them, and both accuracies, kept in points/<name>/seed<seed>/ (reused by resume=True).
+"""One point of antidistill's trade-off, and its attackers: the teacher's traces at the point, a fresh student
+distilled on them by SFT (`sft.student`), the on-policy attackers when asked, their accuracies; kept in
+points/<name>/seed<seed>/ (reused by resume=True).
 
-    result = run_point(point, prep, models, run, device)
+    held = Held(steering, holdout_rows, device, run)
+    result = point_result(point, prep, held)             # points/<name>/point.json, done or failed
+
+The attackers, who distil the teacher at each point:
+
+    sft        a fresh student fine-tuned on the teacher's traces at the point (the ADS paper's attacker)
+    opd        a fresh student distilled on-policy by 02's `DistillTrainer` with 02's settings (`OPDSettings`,
+               `OPDTraining` in this job's config): it samples its own completions and the teacher scores them
+               with the distribution it samples from at the point, (z_teacher + λ·Δ) / τ (`ADSTeacher`); it never
+               sees the traces
+    opd-plain  the same, the teacher scoring with its plain log-probs at τ, λ = 0 (the control: ADS changes only
+               what the teacher samples, and this attacker reads no sample)
+
+Each on-policy student starts from the same fresh student as SFT's (the run's SFT seed); its greedy held-out
+accuracy and held-out NLL are kept as `<attacker>_student_accuracy` and `<attacker>_student_holdout_loss` (sft keeps
+the plain names). The plain teacher does not depend on λ: its student is trained once per temperature and seed
+and shared by the points (at λ = 0 it is opd's too).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from datasets import Dataset
+from transformers import PrinterCallback
 
-from opdkit.ads import sampler
+from opdkit.ads.sampler import sample_traces
+from opdkit.ads.steering import Steering
+from opdkit.ads.teacher import ADSTeacher
 from opdkit.data import prompts
-from opdkit.jobs.antidistill.attackers import mean_over_runs, run_attackers
-from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.steering import Models
-from opdkit.jobs.antidistill.students import (
-    distill_student,
-    fresh_student,
-    holdout_loss,
-    keep_student,
-    sft_rows,
-    sft_seed,
-    student_accuracies,
-)
+from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
-from opdkit.models import eos_ids
-from opdkit.rollout import sampling
+from opdkit.opd.arguments import training_arguments
+from opdkit.opd.trainer import DistillTrainer
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
-from opdkit.tasks.evaluate import fraction_correct
+from opdkit.run.spread import read_result, run_safely
+from opdkit.sft import student as sft_student
+from opdkit.tasks import evaluate
 
 POINTS_DIR = "points"
+POINT_FILE = "point.json"  # a finished (or failed) point: its summary entry
 TRACES_FILE = "traces.jsonl"  # a point's traces, reused by resume=True when complete
+BASELINE_FILE = "baseline.json"  # the student before distillation and the gradients' norms (process 0)
+ON_POLICY = tuple(a for a in ATTACKER_NAMES if a != "sft")
+OPD_DIR = "opd"  # points/<name>/seed<seed>/opd/: the ADS-scored student's trainer output and metrics.jsonl
+PLAIN_DIR = "plain"  # plain/tau<τ>-seed<seed>/: the plain-scored student, shared by the points of that τ
+PLAIN_FILE = "result.json"
 
 
-def write_traces(
-    cfg: AntidistillConfig, prep: Prepared, models: Models, point: Point, seed: int, dev: torch.device
-) -> list[dict]:
+@dataclass
+class Held:
+    """What a sweep process holds for its points: the steering, the gradient's holdout traces in the student's
+    tokens, its device, the run."""
+
+    steering: Steering
+    holdout: list[dict]
+    device: torch.device
+    run: RunDir
+
+
+def point_dir(run: RunDir, point: Point) -> Path:
+    return run.path / POINTS_DIR / point.name
+
+
+def finished(run: RunDir, point: Point) -> bool:
+    result = read_result(point_dir(run, point) / POINT_FILE)
+    return result is not None and result.get("status") == "done"
+
+
+def point_result(point: Point, prep: Prepared, held: Held) -> dict:
+    """`run_point`, its entry kept in points/<name>/point.json; an exception becomes a failed entry with its
+    traceback (also in points/<name>/error.txt), and the models are put back for the next point."""
+    return run_safely(
+        point_dir(held.run, point) / POINT_FILE,
+        lambda: run_point(point, prep, held),
+        {**asdict(point), "name": point.name},
+        lambda: held.steering.offload(False),
+    )
+
+
+def write_traces(prep: Prepared, held: Held, point: Point, seed: int) -> list[dict]:
     """The teacher answers every training prompt at this point; each record says whether its answer is
     right."""
-    tok, check = prep.teacher_tokenizer, prep.task.check
-    eos = eos_ids(tok, models.teacher)
-    ids = [prompts.prompt_ids(tok, m, cfg.enable_thinking) for m in prep.train_messages]
-    order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))  # similar lengths share a batch
-    direction = models.direction(point.gradient) if point.gradient else None
-    torch.manual_seed(seed)  # the same noise at every point of a repeat: the sweeps differ only by λ and τ
-    texts: dict[int, tuple[str, bool]] = {}
-    batches = range(0, len(order), cfg.gen_batch_size)
-    for s in tqdm(batches, desc=f"traces {point.name}", leave=False):
-        batch = order[s : s + cfg.gen_batch_size]
-        prompts_BP, mask_BP = sampling.left_pad([ids[i] for i in batch], tok.pad_token_id, dev)
-        r = sampler.ads_sample(
-            models.teacher,
-            prompts_BP,
-            mask_BP,
-            direction=direction,
-            lam=point.lam,
-            temperature=point.temperature,
-            top_p=cfg.top_p,
-            eos_token_id=eos,
-            pad_token_id=tok.pad_token_id,
-            max_new_tokens=cfg.max_new_tokens,
-            top_k=cfg.top_k,
-        )
-        done = ~r.truncated_B(eos)
-        for b, (i, text) in enumerate(zip(batch, sampling.decode_completions(tok, r))):
-            texts[i] = (text, not bool(done[b]))
+    cfg, steering = prep.cfg, held.steering
+    texts = sample_traces(
+        steering.teacher,
+        prep.teacher_tokenizer,
+        prep.train_messages,
+        direction=steering.direction(point.gradient) if point.gradient else None,
+        lam=point.lam,
+        temperature=point.temperature,
+        seed=seed,  # the same noise at every point of a repeat: the sweeps differ only by λ and τ
+        top_p=cfg.trace_top_p,
+        top_k=cfg.trace_top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.gen_batch_size,
+        enable_thinking=cfg.enable_thinking,
+        desc=f"traces {point.name}",
+    )
     return [
         {
-            "messages": prep.train_messages[i],
-            "completion": texts[i][0],
-            "answer": prep.train_answers[i],
-            "correct": check(texts[i][0], prep.train_answers[i]) if prep.train_answers[i] else None,
-            "truncated": texts[i][1],
+            "messages": m,
+            "completion": text,
+            "answer": a,
+            "correct": prep.task.check(text, a) if a else None,
+            "truncated": truncated,
         }
-        for i in range(len(ids))
+        for m, a, (text, truncated) in zip(prep.train_messages, prep.train_answers, texts)
     ]
 
 
@@ -101,10 +136,33 @@ def saved_traces(path: Path, prep: Prepared) -> list[dict] | None:
     return records
 
 
-def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
+def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
+    """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
+    final answers forced as the ADS reference does (`tasks.evaluate.accuracy`)."""
+    cfg = prep.cfg
+    acc = evaluate.accuracy(
+        model,
+        prep.student_tokenizer,
+        prep.task,
+        prep.eval_messages,
+        prep.eval_answers,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        batch_size=cfg.eval_batch_size,
+        enable_thinking=cfg.enable_thinking,
+        forced=True,
+    )
+    return acc.raw, acc.forced
+
+
+def holdout_loss(model: torch.nn.Module, prep: Prepared, held: Held, batch_size: int) -> float | None:
+    return sft_student.holdout_loss(model, held.holdout, prep.student_tokenizer.pad_token_id, batch_size)
+
+
+def run_once(point: Point, seed: int, prep: Prepared, held: Held) -> dict:
     """Traces at this point, a fresh student distilled on them, both accuracies; in
     points/<name>/seed<seed>/."""
-    cfg, folder = prep.cfg, run.path / POINTS_DIR / point.name / f"seed{seed}"
+    cfg, dev, tok = prep.cfg, held.device, prep.student_tokenizer
+    folder = point_dir(held.run, point) / f"seed{seed}"
     if cfg.resume and (folder / "result.json").is_file():
         print0(f"resume: reusing {folder / 'result.json'}")
         return json.loads((folder / "result.json").read_text())
@@ -112,27 +170,23 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
     t0 = time.time()
     records = saved_traces(folder / TRACES_FILE, prep) if cfg.resume else None
     if records is None:
-        records = write_traces(cfg, prep, models, point, seed, dev)
+        records = write_traces(prep, held, point, seed)
         write_jsonl(folder / TRACES_FILE, records)
-    offload(models, dev, off=True)
-    student = fresh_student(cfg, dev, sft_seed(cfg, seed))
-    rows = sft_rows(records, prep.student_tokenizer, cfg)
-    trainer = distill_student(
-        student, rows, cfg, prep.student_tokenizer, sft_seed(cfg, seed), folder, f"{point.name}-seed{seed}"
-    )
-    student = keep_student(trainer.model, cfg, prep.student_tokenizer, folder)
+    held.steering.offload(True)
+    student_seed = sft_student.sft_seed(cfg, seed)
+    student = sft_student.fresh_student(cfg, dev, student_seed)
+    rows = sft_student.sft_rows(records, tok, cfg)
+    trainer = sft_student.distill(student, rows, cfg, tok, student_seed, folder, f"{point.name}-seed{seed}")
+    student = sft_student.keep_student(trainer.model, cfg, tok, folder)
     steps = trainer.step_log()
     raw, forced = student_accuracies(student, prep)
     result = {
         "seed": seed,
-        "teacher_accuracy": fraction_correct(r["correct"] for r in records),
+        "teacher_accuracy": evaluate.fraction_correct(r["correct"] for r in records),
         "student_accuracy": raw,
         "student_accuracy_forced": forced,
         "student_holdout_loss": holdout_loss(
-            student,
-            models.holdout,
-            prep.student_tokenizer.pad_token_id,
-            cfg.sft_micro_batch_size or cfg.sft_batch_size,
+            student, prep, held, cfg.sft_micro_batch_size or cfg.sft_batch_size
         ),
         "truncated_fraction": sum(r["truncated"] for r in records) / len(records),
         "num_traces": len(records),
@@ -141,39 +195,17 @@ def run_once(point: Point, seed: int, prep: Prepared, models: Models, run: RunDi
         "final_sft_loss": steps[-1]["loss"] if steps else None,
         "seconds": round(time.time() - t0, 1),
     }
+    measures = ("teacher_accuracy", "student_accuracy", "student_accuracy_forced", "student_holdout_loss")
     trainer.log(
-        {
-            k: result[k]
-            for k in (
-                "teacher_accuracy",
-                "student_accuracy",
-                "student_accuracy_forced",
-                "student_holdout_loss",
-            )
-            if result[k] is not None
-        }
+        {k: result[k] for k in measures if result[k] is not None}
     )  # to report_to, after the SFT steps
-    result.update(
-        run_attackers(point, seed, prep, models, run, folder, dev)
-    )  # the on-policy attackers, if any
+    result.update(run_attackers(point, seed, prep, held, folder))  # the on-policy attackers, if any
     write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
     del trainer
     del student
-    offload(models, dev, off=False)
+    held.steering.offload(False)
     return result
-
-
-def offload(models: Models, dev: torch.device, off: bool) -> None:
-    """On a GPU, teacher and proxies wait in CPU memory while a student trains (a 7B teacher, two fp32 3B
-    proxies and a 3B student with AdamW states do not fit one 80 GB GPU together); on a CPU, nothing moves."""
-    if dev.type != "cuda":
-        return
-    target = "cpu" if off else dev
-    models.teacher.to(target)
-    for direction in models.directions.values():
-        direction.to(target)
-    torch.cuda.empty_cache()
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -186,10 +218,10 @@ def _mean_errors(values: list[dict | None]) -> dict[str, float] | None:
     return {k: sum(v[k] for v in kept) / len(kept) for k in kept[0]} if kept else None
 
 
-def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: torch.device) -> dict:
+def run_point(point: Point, prep: Prepared, held: Held) -> dict:
     """The point's `repeats` runs (seeds seed, seed+1, ...) and their mean accuracies: one summary entry."""
     cfg = prep.cfg
-    runs = [run_once(point, cfg.seed + k, prep, models, run, dev) for k in range(cfg.repeats)]
+    runs = [run_once(point, cfg.seed + k, prep, held) for k in range(cfg.repeats)]
     return {
         **asdict(point),
         "name": point.name,
@@ -204,18 +236,161 @@ def run_point(point: Point, prep: Prepared, models: Models, run: RunDir, dev: to
     }
 
 
-def baseline(prep: Prepared, models: Models, dev: torch.device) -> dict:
+def baseline(prep: Prepared, held: Held) -> dict:
     """The student before any distillation, where every point starts from: accuracy and held-out loss."""
-    cfg, student = prep.cfg, fresh_student(prep.cfg, dev, sft_seed(prep.cfg, prep.cfg.seed))
-    loss = holdout_loss(
-        student,
-        models.holdout,
-        prep.student_tokenizer.pad_token_id,
-        cfg.sft_micro_batch_size or cfg.sft_batch_size,
-    )
+    cfg = prep.cfg
+    student = sft_student.fresh_student(cfg, held.device, sft_student.sft_seed(cfg, cfg.seed))
+    loss = holdout_loss(student, prep, held, cfg.sft_micro_batch_size or cfg.sft_batch_size)
     raw, forced = student_accuracies(student, prep)
     return {
         "student_accuracy_before": raw,
         "student_accuracy_before_forced": forced,
         "student_holdout_loss_before": loss,
+    }
+
+
+def result_key(attacker: str, measure: str = "student_accuracy") -> str:
+    """Where an attacker's measure sits in a point's result: sft keeps the plain name (student_accuracy),
+    the others are prefixed (opd_student_accuracy, opd_plain_student_accuracy)."""
+    return measure if attacker == "sft" else f"{attacker.replace('-', '_')}_{measure}"
+
+
+def scoring_teacher(attacker: str, point: Point, steering: Steering) -> ADSTeacher:
+    """The teacher as the attacker's trainer sees it: the ADS distribution at the point's λ and τ (opd), or
+    the plain one at τ (opd-plain)."""
+    lam = point.lam if attacker == "opd" else 0.0
+    direction = steering.direction(point.gradient) if lam else None
+    return ADSTeacher(steering.teacher, direction, lam, temperature=point.temperature)
+
+
+def distill_on_policy(
+    attacker: str, point: Point, seed: int, prep: Prepared, held: Held, folder: Path
+) -> dict:
+    """One on-policy attacker at this point: a fresh student, 02's recipe (this config's `OPDSettings` and
+    `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and NLL."""
+    cfg, dev, t0 = prep.cfg, held.device, time.time()
+    teacher = scoring_teacher(attacker, point, held.steering).to(dev)
+    student = sft_student.fresh_student(cfg, dev, sft_student.sft_seed(cfg, seed))
+    rows = [{"messages": m, "answer": a} for m, a in zip(prep.train_messages, prep.train_answers)]
+    args = training_arguments(
+        cfg,
+        str(folder),
+        run_name=f"{point.name}-{attacker}-seed{seed}",
+        seed=seed,
+        data_seed=seed,
+        bf16=cfg.bf16 and dev.type == "cuda",
+        use_cpu=dev.type != "cuda",
+        save_strategy="no",
+        sample_every=0,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = DistillTrainer(
+        model=student,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        data_collator=prompts.PromptCollator(
+            prep.student_tokenizer, cfg.max_prompt_length, cfg.enable_thinking
+        ),
+        processing_class=prep.student_tokenizer,
+        teacher_model=teacher,
+        teacher_tokenizer=prep.teacher_tokenizer,
+    )
+    trainer.remove_callback(PrinterCallback)  # its log lines are metrics.jsonl's records
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    write_jsonl(folder / "metrics.jsonl", steps)
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()
+    raw, forced = student_accuracies(model, prep)
+    return {
+        result_key(attacker): raw,
+        result_key(attacker, "student_accuracy_forced"): forced,
+        result_key(attacker, "student_holdout_loss"): holdout_loss(
+            model, prep, held, cfg.per_device_train_batch_size
+        ),
+        result_key(attacker, "steps"): trainer.state.global_step,
+        result_key(attacker, "final_loss"): steps[-1]["loss"] if steps else None,
+        result_key(attacker, "seconds"): round(time.time() - t0, 1),
+    }
+
+
+def run_attackers(point: Point, seed: int, prep: Prepared, held: Held, folder: Path) -> dict:
+    """The on-policy attackers `attackers` lists, at this point and seed (sft is the point's own SFT run).
+
+    The plain teacher at τ is the same at every point of that τ (and is opd's at λ = 0), and everything else
+    is seeded: that student is trained once per (τ, seed), in plain/tau<τ>-seed<seed>/ of the run, and its
+    result reused by every point (and by resume)."""
+    held.steering.offload(False)  # back from host memory if they waited there while the SFT student trained
+    found: dict = {}
+    for attacker in [a for a in ON_POLICY if a in prep.cfg.attackers]:
+        if attacker == "opd" and point.lam != 0:
+            found.update(distill_on_policy(attacker, point, seed, prep, held, folder / OPD_DIR))
+            continue
+        plain = plain_result(point, seed, prep, held)
+        found.update({result_key(attacker, k): v for k, v in plain.items()})
+    return found
+
+
+def plain_result(point: Point, seed: int, prep: Prepared, held: Held) -> dict:
+    """The on-policy student of the plain teacher at the point's τ and this seed, trained at most once."""
+    folder = held.run.path / PLAIN_DIR / f"tau{point.temperature:g}-seed{seed}"
+    if (folder / PLAIN_FILE).is_file():
+        return json.loads((folder / PLAIN_FILE).read_text())
+    found = distill_on_policy("opd-plain", point, seed, prep, held, folder)
+    out = {k[len(result_key("opd-plain", "")) :]: v for k, v in found.items()}
+    atomic_write_text(folder / PLAIN_FILE, json.dumps(out, indent=2))
+    return out
+
+
+def mean_over_runs(runs: list[dict]) -> dict:
+    """Each on-policy attacker's accuracy and held-out NLL, as the mean over a point's runs."""
+    out = {}
+    for attacker in ON_POLICY:
+        for measure in ("student_accuracy", "student_accuracy_forced", "student_holdout_loss"):
+            key = result_key(attacker, measure)
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                out[key] = sum(values) / len(values)
+    return out
+
+
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def result_line(r: dict) -> str:
+    if r["status"] != "done":
+        return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
+    return (
+        f"{r['name']:28s} teacher {_num(r['teacher_accuracy'])}  student {r['student_accuracy']:.3f} "
+        f"(forced {_num(r.get('student_accuracy_forced'))})  ({r['seconds']:.0f} s)"
+    )
+
+
+def gather(points: list[Point], run: RunDir, failure: str | None) -> dict:
+    """The points' entries in sweep order from their folders, the failed ones apart (with their tracebacks;
+    a point whose process died carries `failure`, the launcher's report), and the baseline; metrics.jsonl is
+    rewritten from them: one record per finished point, then each student's SFT losses (`sft_loss`)."""
+    done, failed = [], []
+    for p in points:
+        entry = read_result(point_dir(run, p) / POINT_FILE)
+        if entry is None:
+            entry = {**asdict(p), "name": p.name, "status": "failed", "error": failure or "not run"}
+        (done if entry["status"] == "done" else failed).append(entry)
+    records = [{k: v for k, v in e.items() if k != "runs"} for e in done]
+    for e in done:
+        for r in e["runs"]:
+            steps = read_jsonl(run.path / POINTS_DIR / e["name"] / f"seed{r['seed']}" / "metrics.jsonl")
+            records.append(
+                {"point": e["name"], "seed": r["seed"], "sft_loss": [s["loss"] for s in steps if "loss" in s]}
+            )
+    atomic_write_text(run.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    before = (
+        json.loads((run.path / BASELINE_FILE).read_text()) if (run.path / BASELINE_FILE).is_file() else {}
+    )
+    return {
+        "status": "done" if not failed else "incomplete",
+        "points": done,
+        "failed_points": failed,
+        **before,
     }

@@ -1,15 +1,25 @@
-"""What a finished antidistill run shows: the trade-off figures, a table of every point, each ADS point
-against the temperature sweep at the same teacher accuracy, in sentences built from summary.json.
+"""What a finished antidistill run shows: the trade-off figures (`figures.py`), a table of every point, each ADS
+point against the temperature sweep at the same teacher accuracy, in sentences built from summary.json; what a run
+with several attackers shows (how far ADS moved each attacker's student, whether it slowed the on-policy attacker
+against its control); and which tokens ADS changes, one prompt at a time (`TokenLens`).
 
     display(HTML(summary_table_html(summary))); tradeoff(run); print(explain(summary))
+    print(attackers_explained(summary)); lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
 """
 
 from __future__ import annotations
 
-from opdkit.jobs.antidistill import attack_report
+from pathlib import Path
+
+from opdkit import tasks
+from opdkit.ads import sampler
+from opdkit.data import prompts
 from opdkit.jobs.antidistill import figures as tradeoff_figures
+from opdkit.jobs.antidistill import sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.lens import TokenLens
+from opdkit.jobs.antidistill.figures import attackers_in, tradeoff_curves
+from opdkit.jobs.antidistill.points import result_key
+from opdkit.models import eos_ids, load_tokenizer
 from opdkit.run.folders import RunDir
 
 
@@ -198,14 +208,9 @@ def attackers(run: RunDir):
     """Teacher accuracy against each attacker's student accuracy (figures/attackers.png); None when only the
     SFT attacker ran."""
     summary = run.read_summary()
-    if attack_report.attackers_in(summary) in ([], ["sft"]):
+    if attackers_in(summary) in ([], ["sft"]):
         return None
-    return attack_report.attackers_figure(summary, path=run.figure("attackers"))
-
-
-def attackers_explained(summary: dict) -> str:
-    """What the attackers' students show, in sentences built from summary.json (`attack_report`)."""
-    return attack_report.attackers_explained(summary)
+    return tradeoff_figures.attackers_figure(summary, path=run.figure("attackers"))
 
 
 def figures(run: RunDir) -> None:
@@ -213,3 +218,161 @@ def figures(run: RunDir) -> None:
     tradeoff(run)
     tradeoff_loss(run)
     attackers(run)
+
+
+def _pct_or_na(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+def _points(a: float, b: float) -> str:
+    return f"{(b - a) * 100:+.1f} points"
+
+
+def attackers_explained(summary: dict) -> str:
+    """Sentences built from summary.json: per ADS line, each attacker's student at λ = 0 and at every λ, and
+    the on-policy attacker against its plain-scored control at the same point."""
+    found = attackers_in(summary)
+    if found == ["sft"] or not found:
+        return (
+            "- only the SFT attacker ran (attackers: [sft]); add opd and opd-plain to measure on-policy ones."
+        )
+    lines = [f"- student before distillation: {_pct_or_na(summary.get('student_accuracy_before'))}."]
+    for label, line in tradeoff_curves(summary).items():
+        if label == "temperature":
+            continue
+        start = next((p for p in line if p["lam"] == 0), None)
+        for p in (p for p in line if p["lam"] != 0):
+            moved = []
+            for a in found:
+                now = p.get(result_key(a))
+                was = start.get(result_key(a)) if start else None
+                if now is None:
+                    continue
+                moved.append(
+                    f"{a} {_pct_or_na(now)}"
+                    + (f" ({_points(was, now)} from λ = 0)" if was is not None else "")
+                )
+            teacher = f"teacher {_pct_or_na(p.get('teacher_accuracy'))}"
+            if start and start.get("teacher_accuracy") is not None and p.get("teacher_accuracy") is not None:
+                teacher += f" ({_points(start['teacher_accuracy'], p['teacher_accuracy'])})"
+            lines.append(f"- {label}, λ={p['lam']:g}: {teacher}; students: " + ", ".join(moved) + ".")
+    pairs = [
+        (p, p[result_key("opd")] - p[result_key("opd-plain")])
+        for p in summary["points"]
+        if p["lam"] != 0
+        and p.get(result_key("opd")) is not None
+        and p.get(result_key("opd-plain")) is not None
+    ]
+    if pairs:
+        slower = [p for p, d in pairs if d < 0]
+        mean = sum(d for _, d in pairs) / len(pairs)
+        lines.append(
+            f"- the on-policy attacker scored with the ADS distribution ends {abs(mean) * 100:.1f} points "
+            f"{'below' if mean < 0 else 'above'} its plain-scored control on average over {len(pairs)} ADS "
+            f"point(s) ({len(slower)} below, {len(pairs) - len(slower)} not): "
+            + (
+                "serving the ADS distribution slowed the on-policy attacker in this run."
+                if mean < 0
+                else "serving the ADS distribution did not slow the on-policy attacker in this run."
+            )
+        )
+        sft = [
+            p[result_key("sft")] - p[result_key("opd")]
+            for p, _ in pairs
+            if p.get(result_key("sft")) is not None
+        ]
+        if sft:
+            lines.append(
+                f"- at the same ADS points the SFT student is {sum(sft) / len(sft) * 100:+.1f} points from "
+                "the ADS-scored on-policy student on average (positive: SFT learns more from that teacher)."
+            )
+    runs = min((len(p.get("runs", [None])) for p in summary["points"]), default=0)
+    lines.append(
+        f"- each point is the mean of {runs} run(s); one run's accuracy moves by several points with the "
+        "seeds alone, so differences of that size are not a finding."
+    )
+    return "\n".join(lines)
+
+
+class TokenLens:
+    """Which tokens ADS changes, one training prompt at a time, with a finished run's teacher and gradient.
+
+        lens = TokenLens(run)
+        c = lens.compare(0, lam=0.1, seed=0)   # {"tokens": [{"text", "plain_text", "changed", ...}], ...}
+
+    ADS and plain sampling share their random noise at every step (`sampler.coupled_sample`), so a token is
+    marked changed exactly where the ADS term moved the draw; the trace goes on with the ADS token.
+    """
+
+    def __init__(self, run: RunDir | str | Path, num_prompts: int = 8):
+        self.cfg, _ = sweep.load_run_config(run)
+        cfg, self.device = self.cfg, sweep.device()
+        self.tokenizer = load_tokenizer(cfg.teacher_model)
+        self.task = tasks.for_dataset(cfg.dataset_path)
+        messages, answers = sweep.training_prompts(cfg, self.task)
+        self.messages, self.answers = messages[:num_prompts], answers[:num_prompts]
+        run = RunDir.attach(cfg.run_dir)
+        proxy_tok = load_tokenizer(cfg.proxy_model)
+        student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
+        self.steering, _ = sweep.load_steering(
+            cfg, proxy_tok, student_tok, sweep.grads_path(cfg, run), self.device, run
+        )
+
+    @property
+    def labels(self) -> list[str]:
+        return [m[-1]["content"][:60] for m in self.messages]
+
+    def _trace(self, index: int, lam: float, seed: int, method: str) -> list[dict]:
+        cfg = self.cfg
+        ids = prompts.prompt_ids(self.tokenizer, self.messages[index], cfg.enable_thinking)
+        tau = cfg.ads_temperatures[0] if cfg.ads_temperatures else 1.0
+        direction = self.steering.direction(sweep.GRADIENTS[method]) if lam else None
+        return sampler.coupled_sample(
+            self.steering.teacher,
+            direction,
+            ids,
+            lam=lam,
+            temperature=tau,
+            top_p=cfg.trace_top_p,
+            top_k=cfg.trace_top_k,
+            eos_token_id=eos_ids(self.tokenizer, self.steering.teacher),
+            max_new_tokens=cfg.max_new_tokens,
+            seed=seed,
+        )
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def compare(self, index: int, lam: float, seed: int = 0, method: str = "ads") -> dict:
+        """The ADS trace at λ with its changed tokens, and the plain trace drawn with the same noise; `method`
+        "ads-answer" steers by the answer-token gradient."""
+        if method not in sweep.GRADIENTS:
+            raise ValueError(f"method={method!r} is not one of {sorted(sweep.GRADIENTS)}.")
+        steps, plain = self._trace(index, lam, seed, method), self._trace(index, 0.0, seed, method)
+        tokens = [
+            {
+                "text": self._text(s["token"]),
+                "plain_text": self._text(s["plain_token"]),
+                "changed": s["token"] != s["plain_token"],
+                "p_ads": s["p_ads"],
+                "p_plain": s["p_plain"],
+                "p_plain_choice": s["p_plain_choice"],
+            }
+            for s in steps
+        ]
+        check, answer = self.task.check, self.answers[index]
+        text = self.tokenizer.decode([s["token"] for s in steps], skip_special_tokens=True)
+        plain_text = self.tokenizer.decode([s["token"] for s in plain], skip_special_tokens=True)
+        return {
+            "prompt": self.labels[index],
+            "answer": answer,
+            "lam": lam,
+            "seed": seed,
+            "method": method,
+            "temperature": self.cfg.ads_temperatures[0] if self.cfg.ads_temperatures else 1.0,
+            "tokens": tokens,
+            "completion": text,
+            "plain_completion": plain_text,
+            "correct": check(text, answer) if answer else None,
+            "plain_correct": check(plain_text, answer) if answer else None,
+        }

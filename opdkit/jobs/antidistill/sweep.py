@@ -1,31 +1,43 @@
-"""antidistill's sweep: the points of the trade-off, and everything they run on that can be checked
-before anything is written (config, tokenizers, prompts, the gradient's fit).
+"""antidistill's sweep: the points of the trade-off, and everything they run on: the prompts, the gradients (the
+completion gradient of a savegrad run, the answer-token gradient computed here) and the steering they load.
 
-    prep = prepare("tiny"); points = sweep_points(prep.cfg)
+    points = sweep_points(cfg)                                  # every (method, λ, τ), in sweep order
+    messages, answers = training_prompts(cfg, task)             # what the teacher answers at every point
+    grads_dir = ensure_grads(cfg, run, n)                       # grads_run, or a savegrad run made in grads/
+    steering, holdout = load_steering(cfg, prep, grads_dir, device, run)
+
+Checked before anything is written (`check_grads_run`, `check_apart_from_gradient`): a given gradient must
+belong to the proxy (names, shapes, tokenizer), and no training prompt may be in the holdout it was computed on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import copy
+import multiprocessing
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import memory
-from opdkit.ads import gradfile
-from opdkit.config import ConfigError, load_config
 from opdkit import tasks
+from opdkit.ads import gradfile
+from opdkit.ads.gradient import answer_rows, mean_completion_grad
+from opdkit.ads.steering import Steering
+from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.models import model_skeleton
+from opdkit.models import load_model, load_tokenizer, model_skeleton
 from opdkit.run.folders import RunDir, print0
+from opdkit.sft.student import sft_rows
 
 JOB = AntidistillConfig.job
 GRADS_DIR = "grads"  # where a run without grads_run keeps the savegrad run it made
-
+ANSWER_GRADS_DIR = "grads_answer"  # the answer-token gradient computed here
 GRADIENTS = {"ads": "completion", "ads-answer": "answer"}  # which gradient each ADS method steers by
+HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,28 @@ class Point:
     @property
     def gradient(self) -> str | None:
         return GRADIENTS.get(self.method)
+
+
+@dataclass
+class Prepared:
+    """Everything the sweep runs on that can be checked before anything is written."""
+
+    cfg: AntidistillConfig
+    mode: str
+    task: tasks.Task
+    teacher_tokenizer: PreTrainedTokenizerBase
+    proxy_tokenizer: PreTrainedTokenizerBase
+    student_tokenizer: PreTrainedTokenizerBase
+    train_messages: list[list[dict]]  # the prompts the teacher answers at every point
+    train_answers: list[str]
+    eval_messages: list[list[dict]]
+    eval_answers: list[str]
+    dropped: int
+    first_example: str
+    removed: dict[str, int] = field(default_factory=prompts.removed)  # evaluation rows passed over (overlap)
+    gradient_holdout: str = ""  # what `check_apart_from_gradient` found
+    started: float = field(default_factory=time.time)
+    num_processes: int = 1  # the sweep's processes, once launched
 
 
 def sweep_points(cfg: AntidistillConfig) -> list[Point]:
@@ -71,35 +105,15 @@ def sweep_points(cfg: AntidistillConfig) -> list[Point]:
     return list(out.values())
 
 
-@dataclass
-class Prepared:
-    cfg: AntidistillConfig
-    mode: str
-    task: tasks.Task
-    teacher_tokenizer: PreTrainedTokenizerBase
-    proxy_tokenizer: PreTrainedTokenizerBase
-    student_tokenizer: PreTrainedTokenizerBase
-    train_messages: list[list[dict]]  # the prompts the teacher answers at every point
-    train_answers: list[str]
-    eval_messages: list[list[dict]]
-    eval_answers: list[str]
-    dropped: int
-    first_prompt: str
-    removed: dict[str, int] = field(default_factory=prompts.removed)  # evaluation rows passed over (overlap)
-    gradient_holdout: str = ""  # what `check_apart_from_gradient` found
-    plan: memory.JobPlan | None = None  # what each process will hold, from the models' config.json
-
-
 def with_system(messages: list[list[dict]], system_prompt: str) -> list[list[dict]]:
     if not system_prompt:
         return messages
     return [[{"role": "system", "content": system_prompt}, *m] for m in messages]
 
 
-def training_prompts(cfg: AntidistillConfig) -> tuple[list[list[dict]], list[str]]:
+def training_prompts(cfg: AntidistillConfig, task: tasks.Task) -> tuple[list[list[dict]], list[str]]:
     """The head of the seed-shuffled dataset (savegrad's holdout is its tail); tiny: 02's training
     stream."""
-    task = tasks.for_dataset(cfg.dataset_path)
     ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
     return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
 
@@ -189,7 +203,7 @@ def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) 
 
 
 def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillConfig, str]:
-    """The resolved config a antidistill run was made with, and its mode."""
+    """The resolved config an antidistill run was made with, and its mode."""
     saved = (run if isinstance(run, RunDir) else RunDir.attach(run)).read_config(JOB)
     names = {f.name for f in fields(AntidistillConfig)}
     return AntidistillConfig(**{k: v for k, v in saved.items() if k in names}), saved.get("mode", "?")
@@ -197,3 +211,138 @@ def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillConfig, str]:
 
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def grads_path(cfg: AntidistillConfig, run: RunDir) -> Path:
+    """Where the gradient is: grads_run, or grads/ in this run."""
+    return Path(cfg.grads_run) if cfg.grads_run else run.path / GRADS_DIR
+
+
+def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) -> Path:
+    """The gradient's run directory: grads_run, or a savegrad run made now in grads/ (reused on resume),
+    in `num_processes` processes on a GPU node (its own processes: this one never touches CUDA)."""
+    if cfg.grads_run:
+        return Path(cfg.grads_run)
+    path = run.path / GRADS_DIR
+    if (path / gradfile.GRADS_FILE).is_file():
+        print0(f"reusing the gradient in {path}")
+        return path
+    procs = num_processes if torch.cuda.device_count() > 1 else 1  # NVML's count: safe before a fork
+    over = {
+        **grads_overrides(cfg, str(path)),
+        "overwrite": path.exists(),
+        "num_processes": procs,
+        "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb,
+    }
+    print0(f"no grads_run: computing the proxy gradient with savegrad --mode {cfg.grads_mode} in {path}")
+    return savegrad.run(cfg.grads_mode, over).path
+
+
+def needs_answer_gradient(cfg: AntidistillConfig) -> bool:
+    return any(p.gradient == "answer" for p in sweep_points(cfg))
+
+
+def answer_gradient(
+    cfg: AntidistillConfig,
+    proxy: torch.nn.Module,
+    tok: PreTrainedTokenizerBase,
+    grads_dir: Path,
+    run: RunDir | None,
+) -> dict[str, torch.Tensor]:
+    """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
+    savegrad), on the proxy's device, saved in grads_answer/ of this run; loaded from there when it exists
+    (a sweep's processes always find it: `ensure_answer_gradient` writes it before they start)."""
+    saved = run.path / ANSWER_GRADS_DIR if run is not None else None
+    if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
+        return gradfile.load_grads(saved, proxy, tok)
+    if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
+        raise ConfigError(
+            f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
+            f"{traces.TRACES_DIR}/; use a savegrad run directory or leave answer_lams empty."
+        )
+    meta = gradfile.read_meta(grads_dir)
+    task = tasks.for_dataset(cfg.dataset_path)
+    rows = answer_rows(list(traces.load_traces(grads_dir)), tok, task.answer_start)
+    if not rows:
+        raise ConfigError(
+            "no trace of the gradient run has a final answer to take the answer-token gradient on; "
+            "leave answer_lams empty."
+        )
+    work = copy.deepcopy(proxy)
+    named, stats = mean_completion_grad(
+        work, rows, meta.get("normalization", "trace"), 8, tok.pad_token_id, progress=True
+    )
+    named = {k: v.detach().to("cpu", torch.float32).clone() for k, v in named.items()}
+    if saved is not None and run.writer:
+        saved.mkdir(exist_ok=True)
+        gradfile.save_grads(
+            saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)}
+        )
+    return named
+
+
+def compute_answer_gradient(cfg_dict: dict, grads_dir: str, run_path: str, device: str) -> None:
+    """The answer-token gradient of a run, computed on `device` and saved in its grads_answer/."""
+    cfg = AntidistillConfig(**cfg_dict)
+    proxy = load_model(cfg.proxy_model, torch.float32, device).eval()
+    answer_gradient(cfg, proxy, load_tokenizer(cfg.proxy_model), Path(grads_dir), RunDir.attach(run_path))
+
+
+def ensure_answer_gradient(cfg: AntidistillConfig, grads_dir: Path, run: RunDir, num_processes: int) -> None:
+    """Compute the answer-token gradient once, before the sweep's processes start, so that each of them loads
+    it from grads_answer/ instead of computing it again: on the first GPU when there is one (in a process of
+    its own when the sweep forks several, which must find CUDA untouched here), else on the CPU."""
+    if not needs_answer_gradient(cfg) or (run.path / ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file():
+        return
+    args = (asdict(cfg), str(grads_dir), str(run.path))
+    if torch.cuda.device_count() == 0:  # NVML's count: safe before a fork
+        compute_answer_gradient(*args, "cpu")
+    elif num_processes == 1:
+        compute_answer_gradient(*args, "cuda")
+    else:
+        worker = multiprocessing.get_context("spawn").Process(
+            target=compute_answer_gradient, args=(*args, "cuda")
+        )
+        worker.start()
+        worker.join()
+        if worker.exitcode != 0:
+            raise RuntimeError(
+                f"computing the answer-token gradient failed (exit code {worker.exitcode}; its traceback is "
+                f"above); the gradient in {grads_dir} and its traces/ are its inputs."
+            )
+
+
+def load_steering(
+    cfg: AntidistillConfig,
+    proxy_tok: PreTrainedTokenizerBase,
+    student_tok: PreTrainedTokenizerBase,
+    grads_dir: Path,
+    dev: torch.device,
+    run: RunDir | None = None,
+) -> tuple[Steering, list[dict]]:
+    """The steering (teacher on `dev`; proxy and gradients in host memory, scaled by `grad_scale`) and the
+    gradient's holdout traces in the student's tokens (what `student_holdout_loss` measures)."""
+    dtype = torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
+    teacher = load_model(cfg.teacher_model, dtype, dev).eval()
+    proxy = load_model(cfg.proxy_model, torch.float32, "cpu").eval()
+    named = {"completion": gradfile.load_grads(grads_dir, proxy, proxy_tok)}
+    if needs_answer_gradient(cfg):
+        named["answer"] = answer_gradient(cfg, proxy, proxy_tok, grads_dir, run)
+    if cfg.grad_scale != 1.0:  # e.g. the ADS reference's 1/W-scaled gradient (W = 8 DDP processes)
+        named = {kind: {k: g * cfg.grad_scale for k, g in g_named.items()} for kind, g_named in named.items()}
+    steering = Steering(teacher, proxy, named, cfg.ads_method, cfg.eps, dev)
+    return steering, holdout_rows(grads_dir, student_tok, cfg)
+
+
+def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:
+    """The traces the proxy gradient was computed on, in the student's tokens: ADS's own objective is the
+    mean completion NLL on them, which `sft.student.holdout_loss` measures for a distilled student. Empty
+    without traces/."""
+    if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
+        print0(f"{grads_dir} keeps no traces/: the students' held-out loss is not measured")
+        return []
+    held = traces.load_traces(grads_dir)
+    held = held.select(range(min(len(held), HOLDOUT_LOSS_TRACES)))
+    return sft_rows(
+        [{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg
+    )

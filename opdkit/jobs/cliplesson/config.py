@@ -27,5 +27,7 @@ class ClipLessonConfig(RunFields):
     sgd_lr: float = setting(0.05, "learning rate of both SGD arms", min=0.0)
     sgd_momentum: float = setting(0.9, "momentum of both SGD arms", min=0.0, max=1.0)
     seeds: str = setting("42", "comma-separated seeds; every arm runs once per seed")
-    max_steps: int = setting(0, "optimizer steps of every arm; 0 keeps each preset's", min=0)
-    eval_size: int = setting(-1, "held-out problems per accuracy measurement; -1 keeps each preset's", min=-1)
+    arm_max_steps: int = setting(0, "optimizer steps of every arm; 0 keeps each arm preset's", min=0)
+    arm_eval_size: int = setting(
+        -1, "held-out problems per accuracy measurement of every arm; -1 keeps each arm preset's", min=-1
+    )

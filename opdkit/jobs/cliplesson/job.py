@@ -17,13 +17,10 @@ from opdkit import memory
 from opdkit.config import ConfigError, load_config, to_dict
 from opdkit.jobs import whitebox
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
-from opdkit.notebook.live import stop_after_plan
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
-from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
-
-JOB = ClipLessonConfig.job
+from opdkit.run.lifecycle import Job, prepare_job, run_job
 
 
 @dataclass
@@ -54,7 +51,7 @@ def arms(cfg: ClipLessonConfig) -> list[Arm]:
     """clip and noclip as the presets define them; the ablations swap one setting each."""
     clip = load_config(whitebox.WhiteboxConfig, cfg.clip_mode)
     noclip = load_config(whitebox.WhiteboxConfig, cfg.noclip_mode)
-    extra = {"max_steps": cfg.max_steps} if cfg.max_steps else {}
+    extra = {"max_steps": cfg.arm_max_steps} if cfg.arm_max_steps else {}
     out = [
         Arm("clip", cfg.clip_mode, dict(extra), clip.learning_rate, clip.max_grad_norm),
         Arm("noclip", cfg.noclip_mode, dict(extra), noclip.learning_rate, noclip.max_grad_norm),
@@ -126,43 +123,34 @@ def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
     over = {**arm.overrides, "plan_gpu_memory_gb": cfg.plan_gpu_memory_gb}
     if cfg.num_processes:
         over["num_processes"] = cfg.num_processes
-    if cfg.eval_size >= 0:  # -1 keeps the preset's
-        over["eval_size"] = cfg.eval_size
+    if cfg.arm_eval_size >= 0:  # -1 keeps the preset's
+        over["eval_size"] = cfg.arm_eval_size
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
     return over
 
 
-def memory_plan(cfg: ClipLessonConfig, arm_list: list[Arm]) -> memory.JobPlan:
-    """Every arm's whitebox plan per process (the arms run one after another), against one budget. A dry
-    run also runs each arm's cheap checks (its data, tokenizers and model configs): whitebox's `prepare`."""
-    if cfg.dry_run:
-        return memory.JobPlan(
-            {
-                a.name: whitebox.prepare(a.mode, {**arm_overrides(a, cfg), "dry_run": True}).plan.plan
-                for a in arm_list
-            }
-        )
-    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
-    plans = {
-        arm.name: whitebox.memory_plan(
-            load_config(whitebox.WhiteboxConfig, arm.mode, arm_overrides(arm, cfg)), budget
-        ).plan
-        for arm in arm_list
-    }
-    return memory.JobPlan(plans)
+def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
+    """Every arm's whitebox stage (the arms run one after another); none when the arms are given runs."""
+    if prep.existing:
+        return {}
+    out = {}
+    for arm in prep.arms:
+        arm_cfg = load_config(whitebox.WhiteboxConfig, arm.mode, arm_overrides(arm, prep.cfg))
+        out[arm.name] = whitebox.stage(arm_cfg, whitebox.processes(arm_cfg), budget)
+    return out
 
 
 def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
-    """The arm's whitebox run in arms/<arm>-seed<seed>/. With resume=True a finished arm is reused and an
-    unfinished one continues from its newest complete checkpoint."""
+    """The arm's whitebox run in arms/<arm>-seed<seed>/. With resume=True a finished arm (done, or stopped on
+    a non-finite gradient) is reused and an unfinished one continues from its newest complete checkpoint."""
     path = lesson.path / "arms" / f"{arm.name}-seed{seed}"
     over = {**arm_overrides(arm, cfg), "seed": seed, "run_dir": str(path)}
     if cfg.resume and path.is_dir() and any(path.iterdir()):
         status = (
-            RunDir.attach(path).read_summary().get("status") if (path / "summary.json").is_file() else None
+            RunDir.attach(path).read_summary().get("status", "") if (path / "summary.json").is_file() else ""
         )
-        if status not in (None, "training"):
+        if status == "done" or status.startswith("stopped"):
             print0(f"--- arm {arm.name} (seed {seed}): reusing the finished run in {path} ({status})")
             return RunDir.attach(path)
         over["resume"] = True
@@ -189,56 +177,80 @@ class Prepared:
     arms: list[Arm]
     seeds: list[int]
     existing: list[tuple[Arm, str, int]]  # clip_run and noclip_run, when given
-    plan: memory.JobPlan | None = None  # every arm's memory plan per process (None when existing)
+
+
+def prepared(cfg: ClipLessonConfig, mode: str) -> Prepared:
+    """The arms and the seeds, and the given arm runs, checked before anything is written; a dry run also runs
+    each arm's cheap checks (its data, tokenizers and model configs: whitebox's `prepare`)."""
+    arm_list, existing = arms(cfg), existing_arms(cfg)
+    if cfg.dry_run and not existing:
+        for arm in arm_list:
+            whitebox.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
+    elif cfg.dry_run:
+        print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
+    return Prepared(cfg, mode, arm_list, parse_seeds(cfg.seeds), existing)
+
+
+def process(prep: Prepared, run: RunDir) -> None:
+    """Every arm for every seed, one after another (each a whitebox run with its own processes)."""
+    if not prep.existing:
+        for arm in prep.arms:
+            for seed in prep.seeds:
+                run_arm(arm, seed, prep.cfg, run)
+
+
+def arm_runs(prep: Prepared, run: RunDir) -> list[tuple[Arm, RunDir, int]]:
+    """(arm, its run folder, seed) of every arm run of the lesson: the given ones, or those in arms/."""
+    if prep.existing:
+        return [(arm, RunDir.attach(path), seed) for arm, path, seed in prep.existing]
+    return [
+        (arm, RunDir.attach(run.path / "arms" / f"{arm.name}-seed{seed}"), seed)
+        for arm in prep.arms
+        for seed in prep.seeds
+    ]
+
+
+def gather(prep: Prepared, run: RunDir, failure: str | None) -> dict:
+    """The lesson's summary from its arms' folders (`summarize`)."""
+    results: dict[str, dict[int, dict]] = {}
+    for arm, arm_run, seed in arm_runs(prep, run):
+        results.setdefault(arm.name, {})[seed] = arm_stats(arm_run, arm)
+    return summarize(results)
+
+
+def track(prep: Prepared, run: RunDir, summary: dict) -> None:
+    """The arms as one table, to the `report_to` tracker."""
+    tracker = tracking.Tracker.start(prep.cfg.report_to, run, config=to_dict(prep.cfg))
+    tracker.table(
+        "arms", [{"arm": name, **{k: v for k, v in e.items() if k != "seeds"}} for name, e in summary.items()]
+    )
+    tracker.finish()
+
+
+def one_process(prep: Prepared, run: RunDir) -> tuple[int, tuple]:
+    return 1, ()  # the arms launch their own processes
+
+
+JOB = Job(
+    "cliplesson",
+    ClipLessonConfig,
+    prepare=prepared,
+    stages=stages,
+    process=process,
+    summarize=gather,
+    processes=one_process,
+    track=track,
+)
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, the arms and the seeds, and check given arm runs, before anything is written. Each
-    arm's own prompts and tokenizers are checked by whitebox's `prepare` when it runs."""
-    cfg = load_config(ClipLessonConfig, mode, overrides)
-    tracking.check_report_to(cfg.report_to)
-    arm_list, existing = arms(cfg), existing_arms(cfg)
-    plan = None if existing else memory_plan(cfg, arm_list)
-    return Prepared(cfg, mode, arm_list, parse_seeds(cfg.seeds), existing, plan)
+    """Everything that can fail cheaply, nothing written (`lifecycle.prepare_job`)."""
+    return prepare_job(JOB, mode, overrides)
 
 
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Show every arm's memory plan and stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
-    when one does not fit (ConfigError, before any weight is loaded); else run (or collect) every arm for
-    every seed, write summary.json (and plan.json); return the lesson's run dir."""
-    prep = prepared or prepare(mode, overrides)
-    cfg, seeds, existing = prep.cfg, prep.seeds, prep.existing
-    if prep.plan is not None:
-        print0(prep.plan.table())
-        if cfg.dry_run:
-            stop_after_plan(JOB)
-            return None
-        prep.plan.check()
-    elif cfg.dry_run:
-        print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
-        stop_after_plan(JOB)
-        return None
-    lesson = RunDir.create(cfg, job=JOB, mode=prep.mode)
-    if prep.plan is not None:
-        atomic_write_text(lesson.path / memory.PLAN_FILE, prep.plan.to_json())
-    results: dict[str, dict[int, dict]] = {}
-    for arm, path, seed in existing:
-        results[arm.name] = {seed: arm_stats(RunDir.attach(path), arm)}
-    if not existing:
-        for arm in prep.arms:
-            for seed in seeds:
-                results.setdefault(arm.name, {})[seed] = arm_stats(run_arm(arm, seed, cfg, lesson), arm)
-    lesson.write_summary(summarize(results))
-    tracker = tracking.Tracker.start(cfg.report_to, lesson, config=to_dict(cfg))
-    tracker.table(
-        "arms",
-        [
-            {"arm": name, **{k: v for k, v in entry.items() if k != "seeds"}}
-            for name, entry in lesson.read_summary().items()
-        ],
-    )
-    tracker.finish()
-    return lesson
+    """Every arm's memory plan, then (unless `dry_run`) every arm for every seed, the summary (`run_job`)."""
+    return run_job(JOB, mode, overrides, prepared)
 
 
 def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:

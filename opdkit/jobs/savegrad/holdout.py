@@ -14,11 +14,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit import tiny
+from opdkit import tasks, tiny
 from opdkit.ads import gradient
 from opdkit.config import ConfigError
-from opdkit import tasks
-from opdkit.data import prompts, sft, traces
+from opdkit.data import labels, prompts, traces
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.models import eos_ids, load_model
 from opdkit.rollout import engines, sampling
@@ -163,7 +162,7 @@ class TeacherSampler:
         cfg = self.cfg
         if self.engine is not None:  # temperature 0 is vLLM's greedy
             settings = engines.SamplingSettings(
-                budget, cfg.gen_temperature, cfg.gen_top_p, self.stop_ids, self.tok.pad_token_id
+                budget, cfg.trace_temperature, cfg.trace_top_p, self.stop_ids, self.tok.pad_token_id
             )
             return self.engine.sample(None, prompts_BP, mask_BP, settings, seed)
         return sampling.sample(
@@ -173,9 +172,9 @@ class TeacherSampler:
             eos_token_id=self.stop_ids,
             pad_token_id=self.tok.pad_token_id,
             max_new_tokens=budget,
-            temperature=cfg.gen_temperature or 1.0,
-            top_p=cfg.gen_top_p,
-            do_sample=cfg.gen_temperature > 0,
+            temperature=cfg.trace_temperature or 1.0,
+            top_p=cfg.trace_top_p,
+            do_sample=cfg.trace_temperature > 0,
         )
 
 
@@ -254,7 +253,7 @@ def teacher_tokens(record: dict) -> dict:
     return {
         **record,
         "input_ids": [*prompt, *completion],
-        "labels": [sft.IGNORE] * len(prompt) + list(completion),
+        "labels": [labels.IGNORE] * len(prompt) + list(completion),
     }
 
 

@@ -13,14 +13,14 @@ student's mean completion-only gradient on them is saved in the run directory:
     grads.safetensors   fp32 gradient; keys are the proxy's named_parameters() names (tied weights once)
     grads.json          proxy, tokenizer fingerprint, counts, normalization, world size, norms, version, time
 
-`prepare` does everything that can fail cheaply before anything is written; `run` creates the run
-directory and launches `process` in every process. The antidistillation notebook reads the gradient
-with `opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer)`.
+A recipe over `ads.gradient` and the run lifecycle (`run.lifecycle`): `prepare` does everything that can fail
+cheaply before anything is written; every process writes its share of the traces and takes the proxy's gradient
+over all of them. The antidistillation notebook reads the gradient with
+`opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer)`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -29,25 +29,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import opdkit
-from opdkit import memory, tiny
+from opdkit import memory, tasks, tiny
 from opdkit.ads import gradfile, gradient
-from opdkit.config import ConfigError, load_config, to_dict
-from opdkit import tasks
+from opdkit.config import ConfigError, to_dict
 from opdkit.data import prompts
-from opdkit.data.sft import completion_labels
+from opdkit.data.labels import completion_labels
 from opdkit.data.traces import TRACES_DIR, format_trace, truncated_count
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
 from opdkit.models import check_shared_vocab, load_model, load_tokenizer
-from opdkit.notebook.live import stop_after_plan
 from opdkit.rollout import engines
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import start_run
+from opdkit.run.lifecycle import Job, fit_gen_batch, prepare_job, run_job
 from opdkit.tasks.evaluate import fraction_correct
-
-JOB = SaveGradConfig.job
 
 
 @dataclass
@@ -64,14 +60,11 @@ class Prepared:
     traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
     dropped: int  # holdout prompts dropped as longer than max_prompt_length
     first_example: str  # the first prompt (or supplied trace) as the model sees it
-    plan: memory.JobPlan | None = None  # what each process will hold, from the models' config.json
 
 
-def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
-    """Resolve the config, then the prompts (or supplied traces), then the tokenizers, in the original's order
-    (data files in milliseconds, before any download): every cheap failure happens here."""
-    cfg = load_config(SaveGradConfig, mode, overrides)
-    tracking.check_report_to(cfg.report_to)
+def prepared(cfg: SaveGradConfig, mode: str) -> Prepared:
+    """The prompts (or supplied traces), then the tokenizers, in the original's order (data files in
+    milliseconds, before any download): every cheap failure happens here."""
     if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
         raise ConfigError(
             f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
@@ -87,9 +80,8 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
-        cfg, plan = planned(cfg)
         return Prepared(
-            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels), plan
+            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
         )
     holdout = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
@@ -101,27 +93,16 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
     collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = prompts.format_first_prompt(holdout, collator, teacher_tok)
     engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
-    cfg, plan = planned(cfg)
-    return Prepared(
-        cfg,
-        mode,
-        task,
-        proxy_tok,
-        teacher_tok,
-        list(holdout["messages"]),
-        list(holdout["answer"]),
-        None,
-        dropped,
-        first,
-        plan,
-    )
+    messages, answers = list(holdout["messages"]), list(holdout["answer"])
+    return Prepared(cfg, mode, task, proxy_tok, teacher_tok, messages, answers, None, dropped, first)
 
 
-def stages(cfg: SaveGradConfig, budget: float | None) -> dict[str, memory.Stage]:
+def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
     """What one process holds, for the memory plan, in the job's two stages one after the other: the
     teacher writing traces (the kit's loop, `gen_batch_size` rows, or the vLLM engine's share, which loads
     the teacher itself), then the fp32 proxy's gradient pass (`batch_size` traces, no optimizer; every
     process holds the whole proxy). Without traces_path both; with it the gradient pass only."""
+    cfg = prep.cfg
     longest = cfg.max_prompt_length + cfg.max_new_tokens
     trace = (min(longest, cfg.max_length) if cfg.max_length else longest) - cfg.max_prompt_length
     device = "cpu" if budget is None else "cuda"
@@ -154,25 +135,11 @@ def stages(cfg: SaveGradConfig, budget: float | None) -> dict[str, memory.Stage]
     return out
 
 
-def planned(cfg: SaveGradConfig) -> tuple[SaveGradConfig, memory.JobPlan]:
-    """The memory plan per process, against `plan_gpu_memory_gb` or the visible GPU's; `gen_batch_size` 0
-    becomes the largest batch that fits it (the config returned says which)."""
-    budget = memory.budget_gb(cfg.plan_gpu_memory_gb)
-    if cfg.gen_batch_size == 0 and not cfg.traces_path:
-        if budget is None or cfg.rollout_engine != "hf":
-            raise ConfigError(
-                "gen_batch_size=0 means the largest batch that fits the memory plan, which needs the kit's "
-                "loop (rollout_engine=hf) and a budget: a GPU, or plan_gpu_memory_gb; or give a batch size."
-            )
-        largest = memory.largest_batch(stages(cfg, budget)["teacher traces"], budget)
-        if not largest:
-            raise ConfigError(
-                f"not even one trace of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits "
-                f"{budget:.1f} GB beside the teacher; shorten max_new_tokens or use a larger GPU."
-            )
-        print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
-        cfg = dataclasses.replace(cfg, gen_batch_size=largest)
-    return cfg, memory.plan_job(stages(cfg, budget), budget)
+def fit(prep: Prepared, budget: float | None) -> Prepared:
+    """`gen_batch_size` 0: the largest batch of traces that fits (`lifecycle.fit_gen_batch`)."""
+    if prep.cfg.traces_path:
+        return prep
+    return fit_gen_batch(prep, budget, {"teacher traces": stages(prep, budget)["teacher traces"]})
 
 
 def teacher_accuracy(records: list[dict]) -> float | None:
@@ -257,17 +224,14 @@ def proxy_gradient(
         raise
 
 
-def process(cfg_dict: dict, mode: str, run_path: str, prepared: Prepared | None = None) -> None:
+def process(prep: Prepared, run: RunDir) -> None:
     """What every process runs: traces, the proxy's mean gradient over all of them, files on rank 0."""
     from accelerate import PartialState  # here, not at import: nothing may touch CUDA before the fork
 
-    t0 = time.time()
-    cfg = SaveGradConfig(**cfg_dict)
+    t0, cfg = time.time(), prep.cfg
     state = PartialState(cpu=not torch.cuda.is_available())
     world, rank, device = state.num_processes, state.process_index, state.device
     _share_cpu(world, device)
-    prep = prepared or prepare(mode, {k: v for k, v in cfg_dict.items() if k not in ("overwrite", "resume")})
-    run = RunDir.attach(run_path)
     run.write_env(world_size=world)
     records = traces_for(cfg, prep, run, rank, world, device)
     print0(
@@ -307,19 +271,17 @@ def track(cfg: SaveGradConfig, run: RunDir, summary: dict, records: list[dict], 
     tracker.finish()
 
 
+JOB = Job("savegrad", SaveGradConfig, prepare=prepared, stages=stages, process=process, fit=fit)
+
+
+def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
+    """Everything that can fail cheaply, nothing written (`lifecycle.prepare_job`)."""
+    return prepare_job(JOB, mode, overrides)
+
+
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
-    """Prepare, show the memory plan, stop there under `dry_run` (None; in a notebook kernel `PlanOnly`) or
-    when the plan does not fit (ConfigError, before any weight is loaded); else create the run directory
-    (plan.json in it), launch the processes; returns the run directory."""
-    prep = prepared or prepare(mode, overrides)
-    if prepared is None:  # a notebook has shown it already
-        print0(prep.first_example)
-    print0(prep.plan.table())
-    if prep.cfg.dry_run:
-        stop_after_plan(JOB)
-        return None
-    prep.plan.check()
-    return start_run(process, prep.cfg, JOB, mode, prep, files={memory.PLAN_FILE: prep.plan.to_json()})
+    """The run (`lifecycle.run_job`): its folder, or None after a dry run."""
+    return run_job(JOB, mode, overrides, prepared)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 shows the run."""
 
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.job import JOB, main, memory_plan, prepare, run
+from opdkit.jobs.whitebox.job import JOB, main, memory_plan, prepare, processes, run, stage
 from opdkit.notebook.parameters import notebook_parameters
 
 
@@ -11,4 +11,14 @@ def parameters(namespace: dict) -> tuple[str, dict]:
     return notebook_parameters(WhiteboxConfig, namespace)
 
 
-__all__ = ["JOB", "WhiteboxConfig", "main", "memory_plan", "parameters", "prepare", "run"]
+__all__ = [
+    "JOB",
+    "WhiteboxConfig",
+    "main",
+    "memory_plan",
+    "parameters",
+    "prepare",
+    "processes",
+    "run",
+    "stage",
+]

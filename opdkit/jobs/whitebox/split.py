@@ -99,3 +99,12 @@ def _head_split(
         train_in_excluded=train.overlap, eval_in_train=held.overlap, eval_repeats=held.repeats
     )
     return train.kept, [start + i for i in held.kept], counts
+
+
+def with_system(split: Split, system_prompt: str) -> Split:
+    """Every training prompt and evaluation problem with the system message first (kept apart by the same
+    rule: `prompt_key` ignores system messages)."""
+    system = {"role": "system", "content": system_prompt}
+    train = split.train.map(lambda row: {"messages": [system, *row["messages"]]}, desc="system prompt")
+    held = [[system, *m] for m in split.eval_messages]
+    return Split(train, held, split.eval_answers, split.removed)

@@ -1,38 +1,101 @@
-"""The students of antidistill: a fresh one per point, distilled on the point's traces by completion-only
-SFT on transformers' `Trainer` (`sft.CompletionSFTTrainer`; LoRA through peft when `student_lora_r` > 0),
-saved, then measured: greedy accuracy on held-out problems, and the NLL on the gradient's held-out traces (the
-objective ADS steers by).
+"""A student distilled by completion-only SFT on a teacher's traces: fresh (as loaded, or initialised from
+scratch), LoRA through peft when asked, trained by `CompletionSFTTrainer`, saved, and its held-out NLL measured.
+Its settings are `SFTSettings`, composed into a job's config (04's, whose students these are).
 
-    trainer = distill_student(fresh_student(cfg, dev, seed), rows, cfg, tok, seed, folder)
-    model = keep_student(trainer.model, cfg, tok, folder)       # saved in folder/student/, LoRA merged
+    model = fresh_student(cfg, device, seed)
+    trainer = distill(model, rows, cfg, tokenizer, seed, folder)     # rows: sft_rows(traces, tokenizer, cfg)
+    model = keep_student(trainer.model, cfg, tokenizer, folder)     # saved in folder/student/, LoRA merged
+    nll = holdout_loss(model, rows, tokenizer.pad_token_id, batch_size=8)
+
+`cfg` is a job's config: `SFTSettings` with `student_model`, `seed`, `bf16`, `gradient_checkpointing`,
+`enable_thinking`, `report_to` and `resume` beside them.
 """
 
 from __future__ import annotations
 
 import math
-import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
 
 from opdkit import tiny
-from opdkit.config import ConfigError
-from opdkit.data import sft, traces
-from opdkit.data.sft import CompletionSFTTrainer
-from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.sweep import Prepared
+from opdkit.config import ConfigError, name_list, setting
+from opdkit.data import labels
 from opdkit.models import enable_activation_checkpointing
-from opdkit.tasks import evaluate
 from opdkit.run import checkpoints
-from opdkit.run.folders import print0
+from opdkit.sft.trainer import CompletionSFTTrainer, batch_order, trained_on_problem
 
 SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
 STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenizer
-HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
 
 
-def fresh_student(cfg: AntidistillConfig, dev: torch.device, seed: int) -> torch.nn.Module:
+@dataclass
+class SFTSettings:
+    """How a student is distilled on traces by completion-only SFT, and what of it is kept."""
+
+    student_init: str = setting(
+        "pretrained",
+        "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
+        choices=("pretrained", "scratch"),
+    )
+    sft_seed: int = setting(
+        -1,
+        "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
+        "reference distils with seed 69",
+        min=-1,
+    )
+    sft_max_steps: int = setting(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
+    sft_epochs: float = setting(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
+    sft_batch_size: int = setting(64, "traces per optimizer step", min=1)
+    sft_micro_batch_size: int = setting(
+        0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0
+    )
+    sft_learning_rate: float = setting(
+        3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0
+    )
+    sft_weight_decay: float = setting(0.0, "AdamW weight decay of the students' SFT", min=0.0)
+    sft_warmup_ratio: float = setting(0.05, "fraction of SFT steps spent warming up", min=0.0, max=0.999)
+    sft_max_length: int = setting(
+        0, "traces longer than this many student tokens are cut; 0 means no cap", min=0
+    )
+    student_lora_r: int = setting(
+        0,
+        "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight",
+        min=0,
+    )
+    student_lora_alpha: float = setting(
+        0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0
+    )
+    student_lora_dropout: float = setting(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
+    student_lora_target_modules: list = setting(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "modules of the student that get a LoRA adapter (names, or [all-linear])",
+    )
+    student_save: str = setting(
+        "adapter",
+        "what of each distilled student is kept in its folder's student/: adapter (the LoRA adapter; without "
+        "LoRA the whole model), merged (the model with the adapter merged in), none",
+        choices=("adapter", "merged", "none"),
+    )
+    sft_save_steps: int = setting(
+        0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0
+    )
+
+    def normalise(self) -> None:
+        """Run by the config that composes this group (`RunFields.__post_init__`)."""
+        self.student_lora_target_modules = name_list(
+            "student_lora_target_modules", self.student_lora_target_modules
+        )
+
+    def sft_micro_batch(self) -> int:
+        """Traces per forward pass."""
+        return min(self.sft_micro_batch_size or self.sft_batch_size, self.sft_batch_size)
+
+
+def fresh_student(cfg: Any, dev: torch.device, seed: int) -> torch.nn.Module:
     """The student as loaded, or (student_init=scratch) its architecture with weights drawn from `seed`."""
     name = tiny.resolve(cfg.student_model)
     torch.manual_seed(seed)
@@ -46,55 +109,42 @@ def fresh_student(cfg: AntidistillConfig, dev: torch.device, seed: int) -> torch
     return model.to(dev)
 
 
-def sft_seed(cfg: AntidistillConfig, seed: int) -> int:
+def sft_seed(cfg: Any, seed: int) -> int:
     """The SFT seed of the run with sampling seed `seed` (seed, seed+1, ... over repeats): `sft_seed` moved
     along the same way, or `seed` itself when `sft_seed` is -1."""
     return seed if cfg.sft_seed < 0 else cfg.sft_seed + (seed - cfg.seed)
 
 
-def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:
-    """Each trace in the student's own chat template: input_ids, labels (-100 outside the completion); a
-    truncated trace without the end-of-turn tokens the template would append."""
+def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: Any) -> list[dict]:
+    """Each trace ({messages, completion, truncated}) in the student's own chat template: input_ids, labels
+    (-100 outside the completion); a truncated trace without the end-of-turn tokens the template would append;
+    cut at `sft_max_length` tokens; traces left with no completion token are dropped."""
     rows = []
     for rec in records:
         conversation = [*rec["messages"], {"role": "assistant", "content": rec["completion"]}]
-        ids, labels = sft.completion_labels(
+        ids, labs = labels.completion_labels(
             tok, conversation, cfg.enable_thinking, bool(rec.get("truncated"))
         )
         if cfg.sft_max_length:
-            ids, labels = ids[: cfg.sft_max_length], labels[: cfg.sft_max_length]
-        if any(t != sft.IGNORE for t in labels):
-            rows.append({"input_ids": ids, "labels": labels})
+            ids, labs = ids[: cfg.sft_max_length], labs[: cfg.sft_max_length]
+        if any(t != labels.IGNORE for t in labs):
+            rows.append({"input_ids": ids, "labels": labs})
     return rows
 
 
-def sft_steps(cfg: AntidistillConfig, n_rows: int) -> int:
+def sft_steps(cfg: Any, n_rows: int) -> int:
     if cfg.sft_max_steps >= 0:
         return cfg.sft_max_steps
     return max(1, math.ceil(cfg.sft_epochs * n_rows / cfg.sft_batch_size))
 
 
-def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
-    """Row indices of every step: epochs of seeded shuffles, cut into batches (an epoch may span two
-    steps)."""
-    rng, pool, out = random.Random(seed), [], []
-    for _ in range(steps):
-        while len(pool) < batch_size:
-            epoch = list(range(n_rows))
-            rng.shuffle(epoch)
-            pool += epoch
-        out.append(pool[:batch_size])
-        del pool[:batch_size]
-    return out
-
-
 def training_arguments(
-    cfg: AntidistillConfig, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
+    cfg: Any, folder: Path, steps: int, seed: int, dev: torch.device, name: str = ""
 ) -> TrainingArguments:
     """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear
     warmup steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a
     log record every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
-    micro = min(cfg.sft_micro_batch_size or cfg.sft_batch_size, cfg.sft_batch_size)
+    micro = cfg.sft_micro_batch()
     args = TrainingArguments(
         output_dir=str(folder / SFT_DIR),
         max_steps=steps,
@@ -124,7 +174,7 @@ def training_arguments(
     return args
 
 
-def with_lora(model: torch.nn.Module, cfg: AntidistillConfig, seed: int) -> torch.nn.Module:
+def with_lora(model: torch.nn.Module, cfg: Any, seed: int) -> torch.nn.Module:
     """The student with LoRA adapters on `student_lora_target_modules` (peft), or as it is when the rank
     is 0."""
     if not cfg.student_lora_r:
@@ -147,20 +197,19 @@ def with_lora(model: torch.nn.Module, cfg: AntidistillConfig, seed: int) -> torc
     return get_peft_model(model, lora)
 
 
-def distill_student(
+def distill(
     model: torch.nn.Module,
     rows: list[dict],
-    cfg: AntidistillConfig,
+    cfg: Any,
     tok: PreTrainedTokenizerBase,
     seed: int,
     folder: Path,
     name: str = "",
 ) -> CompletionSFTTrainer:
-    """Completion-only SFT on `Trainer` (`sft.CompletionSFTTrainer`): the rows in `batch_order`, each step's
-    loss the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it
-    continues from the newest complete checkpoint in `folder`/sft/, refused when that checkpoint
-    trained on other rows (`sft.trained_on_problem`). Returns the trainer (its `step_log()`, its `model`
-    trained)."""
+    """Completion-only SFT on `Trainer` (`CompletionSFTTrainer`): the rows in `batch_order`, each step's loss
+    the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it continues
+    from the newest complete checkpoint in `folder`/sft/, refused when that checkpoint trained on other rows
+    (`trained_on_problem`). Returns the trainer (its `step_log()`, its `model` trained)."""
     steps = sft_steps(cfg, len(rows))
     model = with_lora(model, cfg, seed)
     args = training_arguments(cfg, folder, steps, seed, next(model.parameters()).device, name)
@@ -174,7 +223,7 @@ def distill_student(
     )
     last = checkpoints.resume_checkpoint(args.output_dir) if cfg.resume else None
     if last is not None:
-        problem = sft.trained_on_problem(last, rows)
+        problem = trained_on_problem(last, rows)
         if problem:
             raise ConfigError(
                 f"resume refused: {problem}. Continuing it would train one student on two sets of traces. "
@@ -187,7 +236,7 @@ def distill_student(
 
 
 def keep_student(
-    model: torch.nn.Module, cfg: AntidistillConfig, tok: PreTrainedTokenizerBase, folder: Path
+    model: torch.nn.Module, cfg: Any, tok: PreTrainedTokenizerBase, folder: Path
 ) -> torch.nn.Module:
     """Save the trained student as `student_save` says in `folder`/student/; returns the model to evaluate (a
     LoRA student with its adapter merged into the weights)."""
@@ -203,7 +252,7 @@ def keep_student(
     return model
 
 
-def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
+def load_student(cfg: Any, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
     """A saved student from `folder`/student/, ready to evaluate: the model, or the fresh student (`seed`, as
     trained) with the saved LoRA adapter merged in."""
     path = Path(folder) / STUDENT_DIR
@@ -214,47 +263,16 @@ def load_student(cfg: AntidistillConfig, folder: Path, seed: int, dev: torch.dev
     return PeftModel.from_pretrained(fresh_student(cfg, dev, seed), path).merge_and_unload().eval()
 
 
-def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
-    """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
-    final answers forced as the ADS reference does (`tasks.evaluate.accuracy`)."""
-    cfg = prep.cfg
-    acc = evaluate.accuracy(
-        model,
-        prep.student_tokenizer,
-        prep.task,
-        prep.eval_messages,
-        prep.eval_answers,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-        batch_size=cfg.gen_batch_size,
-        enable_thinking=cfg.enable_thinking,
-        forced=True,
-    )
-    return acc.raw, acc.forced
-
-
-def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: AntidistillConfig) -> list[dict]:
-    """The traces the proxy gradient was computed on, in the student's tokens: ADS's own objective is the
-    mean completion NLL on them, which `holdout_loss` measures for a distilled student. None without
-    traces/."""
-    if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
-        print0(f"{grads_dir} keeps no traces/: the students' held-out loss is not measured")
-        return []
-    held = traces.load_traces(grads_dir)
-    held = held.select(range(min(len(held), HOLDOUT_LOSS_TRACES)))
-    return sft_rows(
-        [{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg
-    )
-
-
 @torch.no_grad()
 def holdout_loss(
     model: torch.nn.Module, rows: list[dict], pad_token_id: int, batch_size: int
 ) -> float | None:
-    """Mean over traces of each trace's mean completion NLL (savegrad's `trace` normalisation)."""
+    """Mean over traces of each trace's mean completion NLL (savegrad's `trace` normalisation); None without
+    rows."""
     if not rows:
         return None
     dev, total = next(model.parameters()).device, 0.0
-    for batch in sft.make_batches(rows, list(range(len(rows))), batch_size, pad_token_id, dev):
-        loss_sum_B, n_B = sft.token_losses(model, batch)
+    for batch in labels.make_batches(rows, list(range(len(rows))), batch_size, pad_token_id, dev):
+        loss_sum_B, n_B = labels.token_losses(model, batch)
         total += float((loss_sum_B / n_B).sum())
     return total / len(rows)
