@@ -20,7 +20,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import report as whitebox_report
 from opdkit.models import TokenizerMismatch, small_qwen3
-from opdkit.opd import batches
+from opdkit.opd import microbatches
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
 from opdkit.opd.trainer import DistillTrainer
@@ -110,7 +110,7 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
 
 
 def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone(tmp_path, monkeypatch):
-    """The step's rows regrouped by completion length (`batches.length_order`) against the same samples in
+    """The step's rows regrouped by completion length (`microbatches.length_order`) against the same samples in
     sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
     common = dict(
         gen_temperature=1.0,
@@ -122,7 +122,7 @@ def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone
     dump = {"grouped": tmp_path / "grouped.pt", "plain": tmp_path / "plain.pt"}
     run_tiny(tmp_path, "grouped", [GradientDump(str(dump["grouped"]))], **common)
     with monkeypatch.context() as m:
-        m.setattr(batches, "length_order", lambda r: torch.arange(r.input_ids_BT.shape[0]))
+        m.setattr(microbatches, "length_order", lambda r: torch.arange(r.input_ids_BT.shape[0]))
         run_tiny(tmp_path, "plain", [GradientDump(str(dump["plain"]))], **common)
     assert sorted(completions(tmp_path / "grouped")) == sorted(completions(tmp_path / "plain"))
     assert completions(tmp_path / "grouped") != completions(tmp_path / "plain"), "regrouped"

@@ -56,7 +56,7 @@ def test_ads_paper_reproduces_the_reference_grid_and_sampling():
     cfg = load_config(AntidistillConfig, "ads-paper")
     assert cfg.lams == [float(f"{b * 1e-2:.2e}") for b in np.linspace(0, 15, 20)]
     assert cfg.temperatures == [float(f"{t:.2e}") for t in np.linspace(1.0, 2.0, 20)]
-    assert (cfg.ads_temperatures, cfg.eps, cfg.top_k, cfg.top_p) == ([0.9, 1.0], 1e-2, 50, 0.95)
+    assert (cfg.ads_temperatures, cfg.eps, cfg.trace_top_k, cfg.trace_top_p) == ([0.9, 1.0], 1e-2, 50, 0.95)
     assert (cfg.seed, cfg.sft_seed, cfg.grad_scale) == (42, 69, 1 / 8)
     assert "platinum" in cfg.eval_dataset_path and cfg.eval_size == -1
     from opdkit.jobs.antidistill.sweep import sweep_points

@@ -16,7 +16,7 @@ from opdkit.data import prompts
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import job as wb_job
 from opdkit.models import load_tokenizer
-from opdkit.opd import batches
+from opdkit.opd import microbatches
 from opdkit.rollout import engines, sampling
 
 
@@ -56,9 +56,9 @@ def test_one_call_for_the_step_gives_each_micro_batch_its_own_layout(student_tok
     """Greedy, so the rows do not depend on batching: the split step equals micro-batches sampled alone."""
     model, tok = student_tok
     batches = micro_batches(tok)
-    ids, mask = batches.concat_prompts(batches, tok.pad_token_id)
+    ids, mask = microbatches.concat_prompts(batches, tok.pad_token_id)
     whole = hf_greedy(model, tok, ids, mask)
-    parts = batches.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
+    parts = microbatches.split_rollout(whole, [b["prompts"].shape[0] for b in batches])
     for b, part in zip(batches, parts):
         alone = hf_greedy(model, tok, b["prompts"], b["prompt_attention_mask"])
         assert part.prompt_len == alone.prompt_len
@@ -80,9 +80,9 @@ def test_micro_batches_grouped_by_length_hold_the_same_rows_with_less_padding():
         ids_BT, torch.cat([prompt_mask_BP, comp_BC], 1), comp_BC, P, torch.rand(B, C, generator=gen) * comp_BC
     )
     sizes = [8, 8, 8]
-    order = batches.length_order(whole)
-    grouped = batches.split_rollout(whole.rows(order), sizes)
-    plain = batches.split_rollout(whole, sizes)
+    order = microbatches.length_order(whole)
+    grouped = microbatches.split_rollout(whole.rows(order), sizes)
+    plain = microbatches.split_rollout(whole, sizes)
     assert sorted(order.tolist()) == list(range(B))
     widths = [g.completion_mask_BC.shape[1] for g in grouped]
     assert widths == sorted(widths) and widths[-1] == int(lengths_B.max())
@@ -103,7 +103,7 @@ def test_micro_batches_grouped_by_length_hold_the_same_rows_with_less_padding():
 
 def test_hf_engine_is_seeded_by_the_seed_it_is_given(student_tok):
     model, tok = student_tok
-    ids, mask = batches.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    ids, mask = microbatches.concat_prompts(micro_batches(tok), tok.pad_token_id)
     eng = engines.make_engine("hf")
     a, b = (eng.sample(model, ids, mask, settings(tok), seed=5) for _ in range(2))
     torch.testing.assert_close(a.input_ids_BT, b.input_ids_BT)
@@ -122,7 +122,7 @@ def test_assemble_masks_like_the_hf_loop():
 
 def test_logprob_gap_is_zero_for_the_models_own_logprobs(student_tok):
     model, tok = student_tok
-    ids, mask = batches.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    ids, mask = microbatches.concat_prompts(micro_batches(tok), tok.pad_token_id)
     torch.manual_seed(0)
     r = sampling.sample(
         model, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=10
@@ -183,7 +183,7 @@ def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
     """Temperature 0 means greedy in both engines: the HF engine takes the argmax whatever the seed, and
     leaves the global RNG alone (evaluation while training must not reseed it)."""
     model, tok = student_tok
-    ids, mask = batches.concat_prompts(micro_batches(tok), tok.pad_token_id)
+    ids, mask = microbatches.concat_prompts(micro_batches(tok), tok.pad_token_id)
     greedy = engines.SamplingSettings(12, 0.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
     torch.manual_seed(123)
     state = torch.get_rng_state()

@@ -5,7 +5,7 @@ One optimizer step:
    kit's KV-cached loop, or vLLM colocated in this process with the student's weights synced first)
    samples a completion for every prompt of the step in one call; the rows are regrouped by completion
    length into micro-batches of the same sizes, each trimmed to its own longest row, so the forward and
-   backward passes skip most of the padding (`batches.length_order`), and the completion tokens of the
+   backward passes skip most of the padding (`microbatches.length_order`), and the completion tokens of the
    whole step are counted across processes (N);
 2. `compute_loss`, per micro-batch, runs student and frozen teacher over prompt+completion with the
    positions the sampler used (under FSDP both sharded, each part run as its own model's forward), and
@@ -221,7 +221,7 @@ class DistillTrainer(Trainer):
 
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
         """All of the step's prompts sampled in one engine call, then regrouped by completion length
-        (`batches.length_order`) and cut back into micro-batches of the same sizes. Sampling is seeded by
+        (`microbatches.length_order`) and cut back into micro-batches of the same sizes. Sampling is seeded by
         (seed, step, rank): a resumed run samples exactly what an unbroken run would have, whatever the RNG
         history before the checkpoint."""
         tok = self.processing_class
@@ -235,13 +235,13 @@ class DistillTrainer(Trainer):
             eos_token_ids=self.stop_ids,
             pad_token_id=tok.pad_token_id,
         )
-        ids_BP, mask_BP = batches.concat_prompts(batches, tok.pad_token_id)
+        ids_BP, mask_BP = microbatches.concat_prompts(batches, tok.pad_token_id)
         seed = engines.rollout_seed(self.args.seed, step, self.args.process_index)
         whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
         sizes = [b["prompts"].shape[0] for b in batches]
         answers = [a for b, n in zip(batches, sizes) for a in (b.get("answers") or [None] * n)]
-        order_B = batches.length_order(whole)
-        parts = batches.split_rollout(whole.rows(order_B), sizes)
+        order_B = microbatches.length_order(whole)
+        parts = microbatches.split_rollout(whole.rows(order_B), sizes)
         self._check_sync_now = whole.logprobs_BC is not None and self._sync_checks_left > 0
         self._sync_checks_left -= self._check_sync_now
         places = order_B.split(sizes)  # each micro-batch's rows, as places in the sampling order
