@@ -4,16 +4,17 @@ tree, so that every rule is tested twice: on this repository (no violation) and 
 
 Rooms, from the bottom up; a module imports its own room and rooms of a lower rank only (`ROOMS`):
   0  opdkit.config, opdkit.tiny (the shipped tiny world), opdkit.params
-  1  opdkit.models, opdkit.memory (the memory plan), opdkit.run (run folders, files, launching, sharding,
+  1  opdkit.models, opdkit.memory (the memory plan)
+  2  opdkit.run (the run lifecycle, run folders, files, checkpoints, launching, spreading work, sharding,
      tracking, cli)
-  2  opdkit.rollout (sampling, engines, greedy decoding)
-  3  opdkit.data (prompts, traces, SFT, data files)
-  4  opdkit.tasks (the tiny task, math tasks, grading, accuracy)
-  5  opdkit.opd, opdkit.ads (the two methods, independent of each other)
-  6  opdkit.notebook
-  7  opdkit.jobs (one folder per job; another job only through its package), opdkit.build (the tiny world's
+  3  opdkit.rollout (sampling, engines, greedy decoding)
+  4  opdkit.data (prompts, labels, traces, data files)
+  5  opdkit.tasks (the tiny task, math tasks, grading, accuracy)
+  6  opdkit.sft, opdkit.opd, opdkit.ads (the three methods, independent of each other)
+  7  opdkit.notebook
+  8  opdkit.jobs (one folder per job; another job only through its package), opdkit.build (the tiny world's
      recipe)
-  8  the entry points `python -m opdkit.<job>`
+  9  the entry points `python -m opdkit.<job>`
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ ROOMS = {  # the longest matching prefix decides a module's room
     "opdkit.tiny": 0,
     "opdkit.models": 1,
     "opdkit.memory": 1,
-    "opdkit.run": 1,
-    "opdkit.rollout": 2,
-    "opdkit.data": 3,
-    "opdkit.tasks": 4,
-    "opdkit.opd": 5,
-    "opdkit.ads": 5,
-    "opdkit.notebook": 6,
-    "opdkit.jobs": 7,
-    "opdkit.build": 7,
-    **{name: 8 for name in ENTRY_POINTS},
+    "opdkit.run": 2,
+    "opdkit.rollout": 3,
+    "opdkit.data": 4,
+    "opdkit.tasks": 5,
+    "opdkit.sft": 6,
+    "opdkit.opd": 6,
+    "opdkit.ads": 6,
+    "opdkit.notebook": 7,
+    "opdkit.jobs": 8,
+    "opdkit.build": 8,
+    **{name: 9 for name in ENTRY_POINTS},
 }
 
 
