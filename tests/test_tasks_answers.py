@@ -2,7 +2,10 @@
 wrong answers stay wrong, in the main thread, in worker threads and in forked processes."""
 
 import multiprocessing
+import random
+import re
 import threading
+import time
 
 import pytest
 
@@ -48,6 +51,38 @@ RIGHT = [  # (completion, reference answer): forms named in issue 13 and their r
     (WORK + r"She needs \boxed{18~\text{minutes}}.", "18"),
     (HEDGE + r"Both roots work: \boxed{x=20 \text{ or } x=20}", "20"),  # the same value twice
     (HEDGE + r"\boxed{x=18 \text{ or } x=20}", "x=18, x=20"),  # a reference with two values
+    # issue 28: forms a person grades right
+    (WORK + "#### 18", "18"),  # GSM8K's own answer line
+    (WORK + "#### 1,600", "1600"),
+    ("#### Step 1: the eggs\n3 * 6 = 18\n\n#### Step 2\n\\boxed{18}", "18"),  # headings are not answers
+    (WORK + "So, the answer is 18.", "18"),  # in prose, no box
+    (WORK + "Therefore the answer is $18$, the money she makes.", "18"),
+    (WORK + "The answer is: **18 dollars**.", "18"),
+    (WORK + "Answer: The total cost is $18.", "18"),  # the number in a sentence
+    (WORK + "Answer: She has 18 eggs left.", "18"),  # no "is": its last number
+    ("Answer: Natalia sold 48 clips in April and 24 in May, 72 in all.", "72"),
+    ("Answer: The probability is $\\frac{3}{4}$.", "\\frac{3}{4}"),
+    (WORK + "Answer: 18 (dollars)", "18"),
+    (WORK + "Answer: 18. She pays 18 dollars in all.", "18"),  # the value, up to its full stop
+    (r"\boxed{1 1/2}", "1.5"),  # a mixed number is its sum
+    (r"\boxed{1 1/2}", r"\frac{3}{2}"),
+    (r"\boxed{1\frac{1}{2}}", "1.5"),
+    (r"\boxed{-2 3/4}", "-2.75"),
+    ("Answer: 1 1/2 cups.", "1.5"),
+    ("Answer: She needs 1 1/2 cups of flour.", "1.5"),
+    (r"\boxed{1.5}", "1 1/2"),  # in the reference too
+    (r"\boxed{1 000}", "1000"),  # thousands separated by a space
+    (r"\boxed{12 345 678}", "12345678"),
+    (r"\boxed{1000}", "1 000"),
+    (r"\boxed{4}", "4 cups"),  # a reference with a unit
+    (r"\boxed{4 cups}", "4 cups"),
+    (r"\boxed{\$18}", "$18"),
+    (r"\boxed{18}" + "\nAnswer: The total is 20 before the discount.", "18"),  # a sentence after a box: was
+    # wrong, the line won (and read as a whole, it equalled nothing)
+    (r"\boxed{18}" + "\nAnswer: The total cost is $18.", "18"),  # restating it
+    (r"\boxed{18}. So the answer is 20 without the tip.", "18"),
+    ("So the answer is 17. No: the answer is 18.", "18"),  # the last sentence, where nothing is stated
+    (r"\boxed{5cm}", "5"),  # a unit glued to its number
 ]
 WRONG = [
     (WORK + r"\boxed{17}", "18"),
@@ -75,6 +110,39 @@ WRONG = [
     (HEDGE + r"So \boxed{x=18 \text{ or } x=20}", "18"),
     (HEDGE + "Answer: 18 or 20", "20"),
     (HEDGE + r"\boxed{x=18 \text{ or } x=21}", "x=18, x=20"),
+    # issue 28: the same forms, graded wrong
+    (WORK + "#### 17", "18"),
+    (WORK + "#### 1,601", "1600"),
+    ("#### Step 18\n3 * 6 = 18", "18"),  # a heading, and no final answer
+    (WORK + "So, the answer is 17.", "18"),
+    (WORK + "Therefore the answer is $17$, the money she makes.", "18"),
+    (WORK + "The answer is not 18.", "18"),  # not a value after "is": no answer
+    (WORK + "Answer: The total cost is $17.", "18"),
+    (WORK + "Answer: She has 17 eggs left.", "18"),
+    ("Answer: Natalia sold 48 clips in April and 24 in May, 72 in all.", "48"),
+    ("Answer: The probability is $\\frac{3}{5}$.", "\\frac{3}{4}"),
+    (WORK + "Answer: 17 (dollars)", "18"),
+    (WORK + "Answer: 17. She pays 18 dollars in all.", "18"),
+    (r"\boxed{1 1/2}", "1"),  # never its whole part
+    (r"\boxed{1 1/2}", "11/2"),  # nor the digits run together
+    (r"\boxed{1\frac{1}{2}}", "1"),
+    (r"\boxed{-2 3/4}", "-2"),
+    ("Answer: 1 1/2 cups.", "1"),
+    ("Answer: She needs 1 1/2 cups of flour.", "0.5"),
+    (r"\boxed{1}", "1 1/2"),
+    (r"\boxed{1 000}", "1"),
+    (r"\boxed{1 000}", "0"),  # math-verify alone reads 1 000 as 1*0
+    (r"\boxed{1 2}", "12"),  # not a group of three digits: two numbers
+    (r"\boxed{1 2}", "3"),  # math-verify alone reads 1 2 as 3
+    (r"\boxed{1 00}", "100"),
+    (r"\boxed{5}", "4 cups"),
+    (r"\boxed{5 cups}", "4 cups"),
+    (r"\boxed{\$17}", "$18"),
+    (r"\boxed{18}" + "\nAnswer: The total is 20 before the discount.", "20"),
+    (r"\boxed{17}" + "\nAnswer: The total cost is $18.", "18"),
+    (r"\boxed{18}. So the answer is 20 without the tip.", "20"),
+    ("So the answer is 18. No: the answer is 17.", "18"),
+    (r"\boxed{2x}", "2"),  # a variable glued to its number, not a unit: was right
 ]
 CASES = [(c, a, True) for c, a in RIGHT] + [(c, a, False) for c, a in WRONG]
 
@@ -115,6 +183,43 @@ def test_math_answer_position():
     assert task.answer_start("no answer here") is None and task.extract_answer("no answer here") is None
     assert task.extract_answer(MINERVA) == "$42$"  # the value, without the format's phrases
     assert task.extract_answer("**Answer: 18**") == task.extract_answer("Answer: **18**") == "18"
+    # issue 28: a sentence's value; GSM8K's line and the prose answer begin where their words do
+    assert task.extract_answer("Answer: The total cost is $18.") == "$18"
+    assert task.extract_answer("Answer: 18 (dollars)") == "18 (dollars)"
+    text = "so 6*7 = 42.\n#### 42"
+    assert task.extract_answer(text) == "42" and text[task.answer_start(text) :] == "#### 42"
+    text = "6*7 = 42, so the answer is 42."
+    assert task.extract_answer(text) == "42" and text[task.answer_start(text) :].startswith("the answer")
+    text = r"so \boxed{18}." + "\nAnswer: The total is 20."
+    assert task.extract_answer(text) == "18" and task.answer_start(text) == 3  # the box, not the sentence
+
+
+# Completions of 20k characters. Before issue 28 the degenerate ones took 5 s to over 100 s each: nested
+# unclosed boxes (a scan per box), blank lines, spaces and letters (backtracking over a run at every start),
+# a long final answer (math-verify's 5 s timeout).
+LONG = {
+    "working": ("3 * 6 = 18, then 18 + 5 = 23. " * 700)[:20_000] + r"\boxed{18}",
+    "unclosed boxes": r"\boxed{" * 2_800 + r"18",
+    "blank lines": "\n" * 20_000 + "I give up.",
+    "spaces in an answer line": "Answer: 18" + " " * 20_000 + "x",
+    "letters after a number": r"\boxed{18 " + "a" * 20_000 + "!}",
+    "dots after a number": r"\boxed{18" + ". a" * 6_000 + "!}",
+    "spaces in a box": r"\boxed{18" + " " * 20_000 + "x}",
+    "mixed numbers in a box": r"\boxed{" + "1 1/2 " * 3_000 + "}",
+    "a long sentence": "Answer: The " + "total is a " * 2_000 + "18",
+    "sentences": "so the answer is 18, " * 1_000,
+    "GSM8K lines": "#### 18\n" * 2_500,
+}
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_math_check_is_fast_on_long_completions(name):
+    """Every evaluation completion is checked: a 20k-character one takes milliseconds (bound: 0.5 s), and a
+    degenerate final answer is not handed to math-verify (which runs to its 5 s timeout on some)."""
+    answers.check(r"\boxed{18}", "18")  # math-verify's import, once
+    start = time.perf_counter()
+    answers.check(LONG[name], "18")
+    assert time.perf_counter() - start < 0.5
 
 
 def test_tiny_task_keeps_its_exact_check():
@@ -122,6 +227,28 @@ def test_tiny_task_keeps_its_exact_check():
     assert task.check("8+7=15,5+6+1=12,3+4+1=8;825", "825")
     assert not task.check("8+7=15,5+6+1=12,3+4+1=8;825 dollars", "825")
     assert not task.check("8+7=15;825.0", "825")
+
+
+def _last_boxed_by_scans(text: str) -> tuple[int, str] | None:
+    """The reference: a brace count from each box's opening, the last box that closes."""
+    best = None
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            best = (m.start(), text[m.end() : i - 1])
+    return best
+
+
+def test_last_boxed_agrees_with_a_scan_per_box():
+    """The one-pass scan finds the box a brace count from each opening finds, on random nestings."""
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\fbox {", "{", "}", "}", "1", "x", " ", "\\{"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert answers.last_boxed(text) == _last_boxed_by_scans(text), text
 
 
 def test_boxed_extraction_handles_nesting_and_last_box():

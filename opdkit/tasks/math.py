@@ -1,5 +1,6 @@
-"""Math tasks: problems with a reference answer from a dataset, graded as a person would (`answers`: the final
-`\\boxed{}` or `Answer:` line, judged equal by math-verify), the final answer forced with the ADS reference's cue.
+"""Math tasks: problems with a reference answer from a dataset, graded as a person would (`answers`: the last
+`\\boxed{}`, `Answer:` line or `#### 18`, a sentence's answer only without one, judged equal by math-verify), the
+final answer forced with the ADS reference's cue.
 
     task = for_dataset("data/gsm8k-main-test.parquet")      # Gsm8k; DapoMath for DAPO-Math-17k; Math otherwise
     task.check(r"... so she pays \\boxed{\\$18}.", "18")    # True
@@ -39,8 +40,8 @@ class Math(Task):
         return final_answer(sources[0]) if sources else ""
 
     def check(self, completion: str, answer: str) -> bool:
-        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `\\frac{1}{2}` = 0.5
-        allowed)."""
+        """math-verify equivalence of the final answer (units, `\\$`, `%`, `1,600`, `1 000`, `1 1/2` = 1.5,
+        `\\frac{1}{2}` = 0.5 allowed)."""
         return answers.check(completion, answer)
 
     def extract_answer(self, completion: str) -> str | None:
