@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny tokenizer, the real Qwen3 tokenizer (offline), a DAPO-Math-17k-like file."""
+"""Shared fixtures: the tiny tokenizer, the real Qwen3 tokenizer (offline), a DAPO-Math-17k-like file; the
+tiny world's teacher and proxy with a real savegrad gradient, and a small antidistill sweep run on it (ADS and
+04's tests: each is made once per test session, whichever file asks first)."""
 
 from __future__ import annotations
 
@@ -6,13 +8,20 @@ from pathlib import Path
 
 import datasets
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from bench import common
+from opdkit import models, tiny
+from opdkit.ads import gradfile
+from opdkit.jobs import antidistill, savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.rollout import sampling
+from opdkit.run.folders import RunDir
+from opdkit.tasks import tiny as tiny_task
 from opdkit.tiny.tokenizer import build_tokenizer
 
 # Every job's config class, in notebook order (01 to 04): the tests that cover every job iterate it.
@@ -112,3 +121,82 @@ class InterruptAt:
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.step:
             raise Interrupted(f"killed after step {self.step}")
+
+
+def tiny_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A fresh copy of one of the tiny world's models (`tiny:teacher`, `tiny:student`), in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).eval()
+
+
+def tiny_prompts(
+    tok: PreTrainedTokenizerBase, n: int = 6, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of different lengths (1- to 3-digit problems), so padding is exercised."""
+    probs = [tiny_task.problems(1, seed + i, n_digits=1 + i % 3)[0] for i in range(n)]
+    return sampling.encode_prompts(tok, [[{"role": "user", "content": p.prompt}] for p in probs])
+
+
+def tiny_rollout(teacher: torch.nn.Module, tok: PreTrainedTokenizerBase, seed: int = 0) -> sampling.Rollout:
+    """The teacher's plain samples for `tiny_prompts`."""
+    ids, mask = tiny_prompts(tok)
+    torch.manual_seed(seed)
+    return sampling.sample(
+        teacher,
+        ids,
+        mask,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_new_tokens=tiny_task.MAX_COMPLETION_TOKENS,
+    )
+
+
+@pytest.fixture(scope="session")
+def tok() -> PreTrainedTokenizerBase:
+    """The tiny teacher's tokenizer (the proxy and the student share it)."""
+    return models.load_tokenizer("tiny:teacher")
+
+
+@pytest.fixture(scope="session")
+def teacher() -> torch.nn.Module:
+    return tiny_model("tiny:teacher")
+
+
+@pytest.fixture(scope="session")
+def proxy() -> torch.nn.Module:
+    """The tiny student as ADS's proxy: read-only (tests that train copy it)."""
+    return tiny_model("tiny:student")
+
+
+@pytest.fixture(scope="session")
+def grads_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real savegrad run: the tiny teacher's greedy traces for 48 holdout prompts, the proxy's gradient."""
+    path = tmp_path_factory.mktemp("ads") / "grads"
+    savegrad.run("tiny", {"run_dir": str(path), "subset_size": 48})
+    return path
+
+
+@pytest.fixture(scope="session")
+def g(grads_run: Path, proxy: torch.nn.Module, tok: PreTrainedTokenizerBase) -> dict[str, torch.Tensor]:
+    """The proxy's gradient from `grads_run`."""
+    return gradfile.load_grads(grads_run, proxy, tok)
+
+
+# A small antidistill sweep: ADS (λ 0.2), answer-gradient ADS (λ 0.1) and two temperatures, two runs each.
+SMALL_SWEEP = {
+    "subset_size": 24,
+    "eval_size": 16,
+    "sft_max_steps": 3,
+    "sft_batch_size": 8,
+    "sft_micro_batch_size": 3,
+    "lams": [0.0, 0.2],
+    "answer_lams": [0.1],
+    "temperatures": [1.5],
+    "repeats": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def small_run(grads_run: Path, tmp_path_factory: pytest.TempPathFactory) -> RunDir:
+    """`SMALL_SWEEP` run on `grads_run`. Tests that break it (resume) leave it whole again."""
+    run_dir = tmp_path_factory.mktemp("tradeoff") / "run"
+    return antidistill.run("tiny", {"run_dir": str(run_dir), "grads_run": str(grads_run), **SMALL_SWEEP})

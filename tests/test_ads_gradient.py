@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import models, tiny
+from opdkit import models, tasks, tiny
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
-from opdkit.data.labels import IGNORE, completion_labels
+from opdkit.data.labels import IGNORE, completion_labels, make_batches
 from opdkit.jobs import savegrad
 from opdkit.jobs.savegrad import holdout as savegrad_holdout
 from opdkit.jobs.savegrad import report as savegrad_report
@@ -144,7 +144,7 @@ def test_process_shares_sum_to_the_single_process_gradient(rows, normalization, 
     for rank in range(world):
         model.zero_grad(set_to_none=True)
         mine = gradient.shard_by_length(lengths, rank, world)
-        batches = gradient.make_batches(rows, mine, 2, 0, "cpu")
+        batches = make_batches(rows, mine, 2, 0, "cpu")
         gradient.accumulate_mean_grad(model, batches, normalization, len(rows), total_tokens)
         gradient.all_reduce_grads(model, world=1)  # only fills in zeros where this shard reached nothing
         part = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -549,7 +549,7 @@ def test_system_prompt_comes_first():
 def test_presets_resolve():
     for mode in ("tiny", "full", "ads-paper"):
         cfg = load_config(SaveGradConfig, mode)
-        assert cfg.gen_temperature == 0.0
+        assert cfg.trace_temperature == 0.0
     ads = load_config(SaveGradConfig, "ads-paper")
     assert (ads.max_prompt_length, ads.max_length, ads.holdout_fraction) == (512, 1024, 0.3)
     assert "\\boxed{ANSWER}" in ads.system_prompt
@@ -571,6 +571,35 @@ def test_norms_by_layer():
         "model.norm": 2.0,
         "lm_head": 1.0,
     }
+
+
+def test_answer_labels_keep_exactly_the_answer(tok):
+    text = "8+7=15,5+6+1=12,3+4+1=8;825"
+    messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
+    ids, labels = completion_labels(tok, messages)
+    kept = gradient.answer_labels(tok, ids, labels, tasks.for_dataset("tiny").answer_start(text))
+    assert tok.decode([t for t in kept if t != IGNORE]) == "825" + tok.eos_token
+    assert tasks.for_dataset("tiny").answer_start("no answer here") is None
+    assert tasks.for_dataset("x.parquet").answer_start("so \\boxed{12}.") == 3
+
+
+def test_answer_rows_keep_the_traces_with_an_answer(tok):
+    """A trace without a final answer is left out; no trace with one gives no rows (the caller says what to
+    do)."""
+    held = []
+    for text in ("8+7=15,5+6+1=12,3+4+1=8;825", "8+7=15,5+6"):
+        messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
+        ids, labels = completion_labels(tok, messages)
+        held.append({"messages": messages, "input_ids": ids, "labels": labels})
+    start = tasks.for_dataset("tiny").answer_start
+    [row] = gradient.answer_rows(held, tok, start)
+    assert row == {
+        "input_ids": held[0]["input_ids"],
+        "labels": gradient.answer_labels(
+            tok, held[0]["input_ids"], held[0]["labels"], start(held[0]["messages"][-1]["content"])
+        ),
+    }
+    assert gradient.answer_rows(held[1:], tok, start) == []
 
 
 @pytest.mark.slow

@@ -1,17 +1,13 @@
-"""A trace the teacher did not finish keeps no end-of-turn target it never wrote (01's proxy gradient, 04's
-students), and 01 counts such traces in grads.json."""
+"""A trace the teacher did not finish keeps no end-of-turn target it never wrote (01's proxy gradient; 04's
+students: tests/test_sft_student.py), and 01 counts such traces in grads.json."""
 
 from __future__ import annotations
 
 import json
 
-from opdkit.jobs.antidistill.students import sft_rows
-
-from opdkit.config import load_config
 from opdkit.data import traces
 from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import savegrad
-from opdkit.jobs.antidistill.config import AntidistillConfig
 
 CONTENT = "Let me add: 2 + 3 is 5, and then 5 + 4"  # cut off mid-sentence
 
@@ -56,16 +52,3 @@ def test_savegrad_counts_truncated_traces_and_drops_their_end_of_turn(tmp_path, 
         assert tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE]) == r["messages"][-1]["content"]
     meta = json.loads((run.path / "grads.json").read_text())
     assert meta["truncated_traces"] == run.read_summary()["truncated_traces"] == 4
-
-
-def test_antidistill_students_learn_no_invented_end(tiny_tokenizer):
-    cfg = load_config(AntidistillConfig, "tiny")
-    recs = [
-        {"messages": _messages()[:1], "completion": "3+2=5", "truncated": True},
-        {"messages": _messages()[:1], "completion": "3+2=5;5", "truncated": False},
-    ]
-    cut, whole = (
-        tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE])
-        for r in sft_rows(recs, tiny_tokenizer, cfg)
-    )
-    assert (cut, whole) == ("3+2=5", "3+2=5;5<|im_end|>")

@@ -2,7 +2,8 @@
 completion ends: greedy evaluation and the white-box trainer's rollouts (01 and 04 are tested in their own
 files). The stand-in is a tiny random Qwen3 with the real Qwen3 tokenizer (EOS <|im_end|>) and Qwen3's
 generation config, which also stops at <|endoftext|>; a hook on its head makes it write "Hi",
-<|endoftext|>, then " there" until <|im_end|>."""
+<|endoftext|>, then " there" until <|im_end|>. Also: a proxy (or teacher) must share the teacher's
+tokenizer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from opdkit import models
+from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.opd.trainer import DistillTrainer, OPDArguments
 from opdkit.rollout import greedy as evaluate
@@ -89,3 +91,9 @@ def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
     assert out["completion_mask_BC"].tolist() == [[1, 1]]
     assert out["input_ids"][0, -2:].tolist() == [hi, 151643]
     assert trainer.stats.truncated == 0 and trainer.stats.completion_tokens == 2
+
+
+def test_shared_vocab_check(tok, qwen3_tokenizer):
+    models.check_shared_vocab(tok, tok)
+    with pytest.raises(ConfigError, match="shares the teacher's tokenizer"):
+        models.check_shared_vocab(tok, qwen3_tokenizer)

@@ -25,7 +25,7 @@ because log p(v) = z_v − logsumexp(z) and g·∇θ z_v = Δ_v is the direction
 tokens with the largest Δ are those whose distillation *raises* the student's held-out loss most;
 adding +λΔ with λ > 0 up-weights them. (The −E_p[Δ] term is the same for every token and cancels in
 the softmax, which is why logits, not log-probabilities, may be differenced.) The ADS reference code
-adds +λ(z(θ+εg) − z(θ−εg))/2ε with g the gradient of the NLL, the same convention. tests/test_ads.py
+adds +λ(z(θ+εg) − z(θ−εg))/2ε with g the gradient of the NLL, the same convention. tests/test_ads_direction.py
 checks the sign numerically: one SGD step of the proxy on each candidate token, the held-out loss
 measured before and after.
 

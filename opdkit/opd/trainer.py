@@ -39,6 +39,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids, load_model
+from opdkit.opd import microbatches
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling

@@ -1,11 +1,9 @@
-"""04's attackers (issue 23): a short antidistill run with sft, opd and opd-plain end to end; the plain-scored
-student shared by the points of one temperature (and opd's at λ = 0); the on-policy students' trainer scoring
-with the ADS distribution of the point (its loss against one computed from full logits); the figure and the
+"""04's attackers (issue 23; opdkit.jobs.antidistill.points): a short antidistill run with sft, opd and
+opd-plain end to end; the plain-scored student shared by the points of one temperature (and opd's at λ = 0);
+the on-policy students' scoring teacher serving the ADS distribution of the point; the figure and the
 paragraph; the config's checks."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,8 @@ import torch
 from opdkit.ads.direction import FiniteDifference
 from opdkit.ads.teacher import ADSTeacher
 from opdkit.config import ConfigError, load_config
-from opdkit.jobs import antidistill, savegrad
-from opdkit.jobs.antidistill import attack_report, attackers, report
+from opdkit.jobs import antidistill
+from opdkit.jobs.antidistill import figures, points, report, sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Point
 from opdkit.run.folders import RunDir
@@ -28,17 +26,10 @@ SHORT = {
     "eval_size": 40,
     "sft_max_steps": 4,
     "sft_batch_size": 16,
-    "opd_max_steps": 3,
-    "opd_batch_size": 8,
+    "max_steps": 3,  # the on-policy attackers' OPDTraining
+    "per_device_train_batch_size": 8,
     "max_new_tokens": 40,
 }
-
-
-@pytest.fixture(scope="module")
-def grads_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("attack") / "grads"
-    savegrad.run("tiny", {"run_dir": str(path), "subset_size": 48})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -55,52 +46,52 @@ def test_every_point_records_every_attacker(short_run):
     for p in by_name.values():
         for a in ("sft", "opd", "opd-plain"):
             for measure in ("student_accuracy", "student_holdout_loss"):
-                assert 0 <= p[attackers.result_key(a, measure)] < float("inf")
+                assert 0 <= p[points.result_key(a, measure)] < float("inf")
         run = p["runs"][0]
         assert run["opd_steps"] == 3 and run["opd_plain_steps"] == 3
     zero, ads = by_name["temperature-lam0-tau1"], by_name["ads-lam0.08-tau1"]
     # the plain teacher at τ = 1 is one teacher: trained once, opd's at λ = 0, every point's control
     assert zero["opd_student_holdout_loss"] == zero["opd_plain_student_holdout_loss"]
     assert ads["opd_plain_student_holdout_loss"] == zero["opd_plain_student_holdout_loss"]
-    assert [p.name for p in (short_run.path / attackers.PLAIN_DIR).iterdir()] == ["tau1-seed42"]
+    assert [p.name for p in (short_run.path / points.PLAIN_DIR).iterdir()] == ["tau1-seed42"]
     # ... while the ADS-scored student at λ ≠ 0 learnt from another teacher
     assert ads["opd_student_holdout_loss"] != ads["opd_plain_student_holdout_loss"]
-    steps = short_run.path / "points" / "ads-lam0.08-tau1" / "seed42" / attackers.OPD_DIR / "metrics.jsonl"
+    steps = short_run.path / "points" / "ads-lam0.08-tau1" / "seed42" / points.OPD_DIR / "metrics.jsonl"
     assert len(steps.read_text().splitlines()) == 3
 
 
 def test_figure_and_paragraph_come_from_the_run(short_run):
     summary = short_run.read_summary()
-    assert attack_report.attackers_in(summary) == ["sft", "opd", "opd-plain"]
+    assert figures.attackers_in(summary) == ["sft", "opd", "opd-plain"]
     assert report.attackers(short_run) is not None and short_run.figure("attackers").is_file()
     text = report.attackers_explained(summary)
     ads = next(p for p in summary["points"] if p["lam"] != 0)
     gap = (ads["opd_student_accuracy"] - ads["opd_plain_student_accuracy"]) * 100
     assert f"{abs(gap):.1f} points {'below' if gap < 0 else 'above'} its plain-scored control" in text
-    rows = attack_report.attack_rows(summary)
+    rows = figures.attack_rows(summary)
     assert [r["opd"] for r in rows] == [p["opd_student_accuracy"] for p in summary["points"]]
 
 
 def test_only_sft_draws_no_attacker_figure():
     summary = {"points": [{"name": "x", "lam": 0.0, "temperature": 1.0, "student_accuracy": 0.5}]}
-    assert attack_report.attackers_in(summary) == ["sft"]
-    assert "only the SFT attacker" in attack_report.attackers_explained(summary)
+    assert figures.attackers_in(summary) == ["sft"]
+    assert "only the SFT attacker" in report.attackers_explained(summary)
 
 
 def test_scoring_teachers_serve_the_point_s_distribution(grads_run):
     """opd: (z + λΔ)/τ of the point; opd-plain: z/τ, whatever the point's λ."""
-    from opdkit.jobs.antidistill.steering import load_models
-
     prep = antidistill.prepare("tiny", {**SHORT, "grads_run": str(grads_run)})
-    models = load_models(prep.cfg, prep, grads_run, torch.device("cpu"))
+    steering, _ = sweep.load_steering(
+        prep.cfg, prep.proxy_tokenizer, prep.student_tokenizer, grads_run, torch.device("cpu")
+    )
     point = Point("ads", 0.08, 1.3)
     ids = torch.tensor([[5, 9, 11, 7, 3, 8]])
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        z = models.teacher(input_ids=ids, attention_mask=mask).logits
-        d = FiniteDifference(models.proxy, models.grads["completion"], prep.cfg.eps).full(ids, mask)
-    opd = attackers.scoring_teacher("opd", point, models)
-    plain = attackers.scoring_teacher("opd-plain", point, models)
+        z = steering.teacher(input_ids=ids, attention_mask=mask).logits
+        d = FiniteDifference(steering.proxy, steering.grads["completion"], prep.cfg.eps).full(ids, mask)
+    opd = points.scoring_teacher("opd", point, steering)
+    plain = points.scoring_teacher("opd-plain", point, steering)
     assert isinstance(opd, ADSTeacher) and opd.lam == 0.08 and opd.temperature == 1.3
     torch.testing.assert_close(opd(input_ids=ids, attention_mask=mask).logits, (z + 0.08 * d) / 1.3)
     torch.testing.assert_close(plain(input_ids=ids, attention_mask=mask).logits, z / 1.3)

@@ -1,6 +1,7 @@
-"""antidistill's students on transformers' Trainer: the same losses and weights as the kit's `train_sft`
-loop with the same batches, schedule and optimizer; LoRA students that train, save, reload and score the
-same."""
+"""Students distilled by completion-only SFT (opdkit.sft.student) on transformers' Trainer: the same losses
+and weights as a plain PyTorch loop with the same batches, schedule and optimizer; LoRA students that train,
+save, reload and score the same; resume from a checkpoint, refused on other traces; the metrics reach
+report_to; the SFT seed over repeats; a truncated trace's rows without an invented end of turn."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Interrupted
-from transformers import TrainerCallback
+from transformers import TrainerCallback, get_cosine_schedule_with_warmup
 
+from opdkit import tasks
 from opdkit.config import ConfigError, load_config
-from opdkit.data import sft
-from opdkit.jobs.antidistill import students
+from opdkit.data.labels import IGNORE, make_batches, shifted_labels, token_losses
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.job import prepare
 from opdkit.models import load_tokenizer
+from opdkit.sft import student as students
+from opdkit.sft import trainer as sft
+from opdkit.tasks import evaluate
 from opdkit.tasks import tiny as task
 
 
@@ -33,6 +36,7 @@ def _records(n: int = 20, seed: int = 5) -> list[dict]:
 
 
 def _cfg(**over):
+    """A job's config composing `SFTSettings` (04's)."""
     base = {
         "sft_max_steps": 4,
         "sft_batch_size": 8,
@@ -45,36 +49,41 @@ def _cfg(**over):
     return load_config(AntidistillConfig, "tiny", {**base, **over})
 
 
-def _train_sft_losses(cfg, rows, pad: int, seed: int) -> tuple[list[float], torch.nn.Module]:
-    """The kit's own loop on the same step batches (what 04's students ran on before the Trainer)."""
+def _plain_loop_losses(cfg, rows, pad: int, seed: int) -> tuple[list[float], torch.nn.Module]:
+    """The reference: plain PyTorch on the same step batches (`batch_order`, micro-batches of
+    `sft_micro_batch_size`), AdamW, linear warmup then cosine, clipping at 1; each step's summed token losses
+    divided by all of the step's completion tokens (what 04's students ran on before the Trainer)."""
     model = students.fresh_student(cfg, torch.device("cpu"), seed)
     steps, micro = cfg.sft_max_steps, cfg.sft_micro_batch_size
-    order = students.batch_order(len(rows), cfg.sft_batch_size, steps, seed)
-
-    def micro_batches(step: int) -> list[dict]:
-        idx = order[step]
-        return [
-            next(sft.make_batches(rows, idx[s : s + micro], micro, pad, "cpu"))
-            for s in range(0, len(idx), micro)
+    order = sft.batch_order(len(rows), cfg.sft_batch_size, steps, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate, weight_decay=cfg.sft_weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, round(cfg.sft_warmup_ratio * steps), steps)
+    losses = []
+    model.train()
+    for idx in order:
+        batches = [
+            next(make_batches(rows, idx[s : s + micro], micro, pad, "cpu")) for s in range(0, len(idx), micro)
         ]
+        n_tokens = sum(int((shifted_labels(b["labels"]) != IGNORE).sum()) for b in batches)
+        total = 0.0
+        for batch in batches:
+            loss = token_losses(model, batch)[0].sum() / n_tokens
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, model.eval()
 
-    losses, _ = sft.train_sft(
-        model,
-        micro_batches,
-        steps,
-        cfg.sft_learning_rate,
-        warmup_steps=round(cfg.sft_warmup_ratio * steps),
-        weight_decay=cfg.sft_weight_decay,
-    )
-    return losses, model
 
-
-def test_trainer_gives_the_losses_and_weights_of_train_sft(tok, tmp_path):
+def test_trainer_gives_the_losses_and_weights_of_a_plain_loop(tok, tmp_path):
     """Micro-batches of 3, 3 and 2 rows per step: the step's loss is the token mean of the whole step."""
     cfg = _cfg()
     rows = students.sft_rows(_records(), tok, cfg)
-    expected, model = _train_sft_losses(cfg, rows, tok.pad_token_id, seed=7)
-    trainer = students.distill_student(
+    expected, model = _plain_loop_losses(cfg, rows, tok.pad_token_id, seed=7)
+    trainer = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 7), rows, cfg, tok, 7, tmp_path
     )
     log = trainer.step_log()
@@ -86,23 +95,20 @@ def test_trainer_gives_the_losses_and_weights_of_train_sft(tok, tmp_path):
 
 
 def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
-    prep = prepare(
-        "tiny",
-        {
-            "eval_size": 24,
-            "student_lora_r": 8,
-            "student_lora_alpha": 16,
-            "sft_max_steps": 6,
-            "sft_batch_size": 8,
-            "sft_learning_rate": 1e-2,
-            "student_save": "adapter",
-        },
+    cfg = _cfg(
+        student_lora_r=8,
+        student_lora_alpha=16,
+        sft_max_steps=6,
+        sft_micro_batch_size=0,
+        sft_learning_rate=1e-2,
+        sft_warmup_ratio=0.05,
+        student_save="adapter",
     )
-    cfg, dev = prep.cfg, torch.device("cpu")
+    dev = torch.device("cpu")
     rows = students.sft_rows(_records(), tok, cfg)
     base = students.fresh_student(cfg, dev, 3)
     frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
-    trainer = students.distill_student(base, rows, cfg, tok, 3, tmp_path)
+    trainer = students.distill(base, rows, cfg, tok, 3, tmp_path)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert trainer.step_log()[-1]["loss"] < trainer.step_log()[0]["loss"]
@@ -115,7 +121,13 @@ def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
     again = students.load_student(cfg, tmp_path, 3, dev)
     for (name, a), b in zip(merged.named_parameters(), again.parameters()):
         torch.testing.assert_close(a, b, msg=name)
-    assert students.student_accuracies(again, prep) == students.student_accuracies(merged, prep)
+    tiny_task = tasks.get_task("tiny")
+    messages, answers = tiny_task.heldout(24)
+
+    def scores(model):  # what 04 reports for a student: raw and forced greedy accuracy
+        return evaluate.accuracy(model, tok, tiny_task, messages, answers, max_new_tokens=40, forced=True)
+
+    assert scores(again) == scores(merged)
     held = rows[:8]
     assert students.holdout_loss(again, held, tok.pad_token_id, 4) == students.holdout_loss(
         merged, held, tok.pad_token_id, 4
@@ -125,7 +137,7 @@ def test_lora_student_trains_saves_reloads_and_scores_the_same(tok, tmp_path):
 def test_merged_save_reloads_as_a_plain_model(tok, tmp_path):
     cfg = _cfg(student_lora_r=4, student_save="merged", sft_max_steps=2)
     rows = students.sft_rows(_records(8), tok, cfg)
-    trainer = students.distill_student(
+    trainer = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path
     )
     merged = students.keep_student(trainer.model, cfg, tok, tmp_path)
@@ -160,7 +172,7 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
     continue from checkpoint-2 to the losses and weights of an unbroken run."""
     cfg = _cfg(sft_save_steps=2, student_lora_r=4)
     rows = students.sft_rows(_records(), tok, cfg)
-    whole = students.distill_student(
+    whole = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "whole"
     )
 
@@ -170,13 +182,13 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
             self.add_callback(_StopAt(2))
 
     monkeypatch.setattr(students, "CompletionSFTTrainer", Stopped)
-    first = students.distill_student(
+    first = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "stopped"
     )
     assert first.state.global_step == 2 and (tmp_path / "stopped" / "sft" / "checkpoint-2").is_dir()
     monkeypatch.setattr(students, "CompletionSFTTrainer", _KilledWhileSaving)
     with pytest.raises(Interrupted):
-        students.distill_student(
+        students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "cut"
         )
     cut = tmp_path / "cut" / "sft"
@@ -185,7 +197,7 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
     monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
     resumed_cfg = _cfg(sft_save_steps=2, student_lora_r=4, resume=True)
     for name in ("stopped", "cut"):
-        second = students.distill_student(
+        second = students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2, tmp_path / name
         )
         assert [r["step"] for r in second.step_log()] == [3, 4], name
@@ -200,21 +212,19 @@ def test_a_student_checkpoint_trained_on_other_traces_is_refused(tok, tmp_path):
     """Each checkpoint records the hash of the rows it trained on; resuming it on other rows is refused."""
     cfg = _cfg(sft_save_steps=2, sft_max_steps=2)
     rows = students.sft_rows(_records(), tok, cfg)
-    students.distill_student(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path)
+    students.distill(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path)
     checkpoint = tmp_path / "sft" / "checkpoint-2"
     assert (checkpoint / sft.TRAINED_ON_FILE).read_text().strip() == sft.rows_sha256(rows)
     assert sft.trained_on_problem(checkpoint, rows) is None
     other = students.sft_rows(_records(seed=6), tok, cfg)
     resumed = _cfg(sft_save_steps=2, sft_max_steps=2, resume=True)
     with pytest.raises(ConfigError, match="traces changed since it was saved.*Delete .*sft"):
-        students.distill_student(
+        students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), other, resumed, tok, 2, tmp_path
         )
     (checkpoint / sft.TRAINED_ON_FILE).unlink()
     with pytest.raises(ConfigError, match="records no hash"):
-        students.distill_student(
-            students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed, tok, 2, tmp_path
-        )
+        students.distill(students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed, tok, 2, tmp_path)
 
 
 def test_sft_metrics_and_final_scores_reach_report_to(tok, tmp_path):
@@ -223,10 +233,32 @@ def test_sft_metrics_and_final_scores_reach_report_to(tok, tmp_path):
 
     cfg = _cfg(report_to="tensorboard", sft_max_steps=3)
     rows = students.sft_rows(_records(8), tok, cfg)
-    trainer = students.distill_student(
+    trainer = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 1), rows, cfg, tok, 1, tmp_path
     )
     trainer.log({"student_accuracy": 0.25})  # what run_once sends after evaluating (the writer flushes)
     (events,) = {p.parent for p in (tmp_path / "sft").rglob("events.out.tfevents*")}
     scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
     assert {"train/loss", "train/grad_norm", "train/learning_rate", "train/student_accuracy"} <= set(scalars)
+
+
+def test_sft_seed_follows_the_repeats():
+    base = load_config(AntidistillConfig, "tiny", {"seed": 42})
+    assert [students.sft_seed(base, s) for s in (42, 43)] == [42, 43]
+    fixed = load_config(AntidistillConfig, "tiny", {"seed": 42, "sft_seed": 69})
+    assert [students.sft_seed(fixed, s) for s in (42, 43)] == [69, 70]
+
+
+def test_students_learn_no_invented_end(tiny_tokenizer):
+    """A trace the teacher did not finish keeps no end-of-turn target it never wrote."""
+    cfg = load_config(AntidistillConfig, "tiny")
+    prompt = [{"role": "user", "content": "What is 2+3+4?"}]
+    recs = [
+        {"messages": prompt, "completion": "3+2=5", "truncated": True},
+        {"messages": prompt, "completion": "3+2=5;5", "truncated": False},
+    ]
+    cut, whole = (
+        tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE])
+        for r in students.sft_rows(recs, tiny_tokenizer, cfg)
+    )
+    assert (cut, whole) == ("3+2=5", "3+2=5;5<|im_end|>")

@@ -1,0 +1,142 @@
+"""antidistill's sweep (opdkit.jobs.antidistill.sweep): the points parsed from the config, each run once and
+never two in one folder; the gradient checked against the proxy before anything is written; the
+answer-token gradient computed once before the sweep's processes start, saved, and apart from the
+completion gradient; `grad_scale` on every gradient the sweep steers by; the students' held-out loss
+skipped without the gradient's traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from opdkit.ads import gradfile, gradient
+from opdkit.config import ConfigError, load_config
+from opdkit.jobs import antidistill
+from opdkit.jobs.antidistill import sweep
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.run import lifecycle
+from opdkit.sft import student as sft_student
+
+
+def test_job_checks_the_gradient_before_writing_anything(grads_run, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(gradfile.GradsMismatch):
+        antidistill.run(
+            "tiny", {"grads_run": str(grads_run), "proxy_model": "tiny:teacher", "run_dir": str(run_dir)}
+        )
+    assert not run_dir.exists()
+    with pytest.raises(FileNotFoundError, match="grads.safetensors"):
+        antidistill.prepare("tiny", {"grads_run": str(tmp_path)})
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in (gradfile.GRADS_FILE, gradfile.META_FILE):
+        (bare / name).write_bytes((grads_run / name).read_bytes())
+    with pytest.raises(ConfigError, match="answer_lams needs the traces"):
+        antidistill.prepare("tiny", {"grads_run": str(bare)})
+    antidistill.prepare("tiny", {"grads_run": str(bare), "answer_lams": []})
+
+
+def test_sweeps_parse_and_points_run_once():
+    cfg = load_config(
+        AntidistillConfig,
+        "tiny",
+        {
+            "lams": "0, 0.05,0.1",
+            "answer_lams": [0, 0.02],
+            "ads_temperatures": [1.0],
+            "temperatures": [1.0, 1.5],
+        },
+    )
+    assert cfg.lams == [0.0, 0.05, 0.1]
+    points = sweep.sweep_points(cfg)
+    assert [p.name for p in points] == [
+        "temperature-lam0-tau1",
+        "ads-lam0.05-tau1",
+        "ads-lam0.1-tau1",
+        "ads-answer-lam0.02-tau1",
+        "temperature-lam0-tau1.5",
+    ]
+    assert [p.gradient for p in points] == [None, "completion", "completion", "answer", None]
+    with pytest.raises(ConfigError, match="list of numbers"):
+        load_config(AntidistillConfig, "tiny", {"lams": "a,b"})
+    with pytest.raises(ConfigError, match="all empty"):
+        AntidistillConfig(lams=[], answer_lams=[], temperatures=[])
+
+
+def test_points_sharing_a_folder_name_are_refused_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"ads-lam0\.1-tau1: λ=0\.1 τ=1\.0, λ=0\.1000001 τ=1\.0"):
+        antidistill.run("tiny", {"lams": [0.1, 0.1000001], "run_dir": str(run_dir)})
+    assert not run_dir.exists()
+    close = antidistill.sweep_points(load_config(AntidistillConfig, "tiny", {"lams": [0.1, 0.100001]}))
+    assert len({p.name for p in close}) == len(close)  # six digits apart: two folders
+
+
+def test_answer_gradient_is_computed_once_before_the_processes_start(grads_run, tmp_path, monkeypatch):
+    computed, launched = [], []
+    real_grad, real_launch = sweep.mean_completion_grad, lifecycle.launch
+
+    def counting_grad(*args, **kwargs):
+        computed.append(1)
+        return real_grad(*args, **kwargs)
+
+    def checking_launch(fn, args, n, run_path):
+        launched.append((run_path / sweep.ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file())
+        return real_launch(fn, args, n, run_path)
+
+    monkeypatch.setattr(sweep, "mean_completion_grad", counting_grad)
+    monkeypatch.setattr(lifecycle, "launch", checking_launch)
+    over = {
+        "subset_size": 8,
+        "eval_size": 4,
+        "sft_max_steps": 1,
+        "sft_batch_size": 8,
+        "sft_micro_batch_size": 4,
+        "lams": [],
+        "temperatures": [],
+        "answer_lams": [0.1],
+        "grads_run": str(grads_run),
+        "run_dir": str(tmp_path / "run"),
+    }
+    summary = antidistill.run("tiny", over).read_summary()
+    assert summary["status"] == "done" and set(summary["grad_norms"]) == {"completion", "answer"}
+    assert launched == [True]  # on disk before any sweep process starts
+    assert computed == [1]  # and the sweep's process loaded it instead of computing it again
+
+
+def test_answer_gradient_needs_a_trace_with_an_answer(grads_run, proxy, tok, monkeypatch):
+    cfg = load_config(AntidistillConfig, "tiny", {"grads_run": str(grads_run)})
+    monkeypatch.setattr(sweep, "answer_rows", lambda *args: [])  # as if no trace had a final answer
+    with pytest.raises(ConfigError, match="no trace of the gradient run has a final answer"):
+        sweep.answer_gradient(cfg, proxy, tok, grads_run, None)
+
+
+def test_answer_gradient_is_saved_and_differs_from_the_completion_gradient(small_run, g, tok, proxy):
+    answer = gradfile.load_grads(small_run.path / "grads_answer", proxy, tok)
+    meta = gradfile.read_meta(small_run.path / "grads_answer")
+    assert meta["tokens"] == "answer" and meta["normalization"] == "trace"
+    cos = sum((answer[k] * g[k]).sum() for k in g) / (gradient.global_norm(answer) * gradient.global_norm(g))
+    assert 0.1 < float(cos) < 0.95  # related (the answer is part of the completion), not the same
+    assert set(small_run.read_summary()["grad_norms"]) == {"completion", "answer"}
+
+
+def test_grad_scale_scales_every_gradient_the_sweep_uses(grads_run):
+    over = {"grads_run": str(grads_run), "answer_lams": [0.01], "subset_size": 4, "eval_size": 4}
+    a, b = (
+        sweep.load_steering(p.cfg, p.proxy_tokenizer, p.student_tokenizer, grads_run, torch.device("cpu"))[0]
+        for p in (
+            antidistill.prepare("tiny", over),
+            antidistill.prepare("tiny", {**over, "grad_scale": 0.125}),
+        )
+    )
+    for kind in ("completion", "answer"):
+        for name, grad in a.grads[kind].items():
+            torch.testing.assert_close(b.grads[kind][name], grad / 8, rtol=0, atol=0)
+    assert b.grad_norms()["completion"] == pytest.approx(a.grad_norms()["completion"] / 8)
+
+
+def test_holdout_loss_is_skipped_without_the_gradients_traces(tmp_path, tok):
+    cfg = load_config(AntidistillConfig, "tiny")
+    assert sweep.holdout_rows(tmp_path, tok, cfg) == []
+    assert sft_student.holdout_loss(tiny_model("tiny:student"), [], tok.pad_token_id, 8) is None

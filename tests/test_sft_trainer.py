@@ -1,0 +1,42 @@
+"""The SFT loop's batches (opdkit.sft.trainer): `batch_order` covers every trace each epoch, `StepBatches`
+cuts each step into micro-batches in order, and `CompletionSFTTrainer` refuses steps that do not match its
+gradient accumulation. Its losses, checkpoints and resume are tested through the students
+(tests/test_sft_student.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_model
+from transformers import TrainingArguments
+
+from opdkit.sft.trainer import CompletionSFTTrainer, StepBatches, batch_order
+
+
+def test_batch_order_covers_every_trace_each_epoch():
+    order = batch_order(10, 4, 5, seed=0)
+    flat = [i for step in order for i in step]
+    assert len(order) == 5 and all(len(s) == 4 for s in order)
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert batch_order(10, 4, 5, seed=0) == order and batch_order(10, 4, 5, seed=1) != order
+
+
+def test_step_batches_cut_each_step_in_order():
+    order = [[4, 1, 7, 0, 2], [3, 9, 8, 6, 5]]
+    sampler = StepBatches(order, 2)
+    assert list(sampler) == [[4, 1], [7, 0], [2], [3, 9], [8, 6], [5]] and len(sampler) == 6
+
+
+def test_trainer_refuses_steps_that_do_not_match_its_accumulation(tmp_path, tok):
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 6
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        use_cpu=True,
+        report_to=[],
+    )
+    model = tiny_model("tiny:student")
+    kwargs = dict(model=model, args=args, train_dataset=rows, pad_token_id=tok.pad_token_id)
+    CompletionSFTTrainer(order=[[0, 1, 2, 3], [4, 5, 0]], **kwargs)  # 2 micro-batches a step: fits
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        CompletionSFTTrainer(order=[[0, 1, 2, 3, 4, 5]], **kwargs)  # 3 micro-batches in one step
