@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -420,3 +421,199 @@ def test_a_plain_install_runs_from_an_unrelated_folder(tmp_path):
     assert str(env_dir) in where, f"opdkit was imported from {where}, not from the plain install"
     (run,) = list((work / "runs" / "whitebox").iterdir())
     assert (run / "summary.json").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def setting_declarations(root: Path = REPO) -> dict[str, list[str]]:
+    """Every setting (a class attribute declared with `setting(...)`) by name: the classes declaring it."""
+    found: dict[str, list[str]] = {}
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for stmt in node.body:
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and isinstance(stmt.value, ast.Call)
+                    and getattr(stmt.value.func, "id", None) == "setting"
+                ):
+                    found.setdefault(stmt.target.id, []).append(f"{name}.{node.name}")
+    return found
+
+
+def settings_declared_twice(root: Path = REPO) -> list[str]:
+    """A setting's name is declared in one config class (a settings group) only: a job that wants another
+    default says so in its preset, and a name means one thing everywhere."""
+    return [
+        f"{field} is declared in {', '.join(where)}"
+        for field, where in sorted(setting_declarations(root).items())
+        if len(where) > 1
+    ]
+
+
+NOTEBOOK_JOBS = {
+    "01_save_grad": "savegrad",
+    "02_whitebox": "whitebox",
+    "03_clip_vs_noclip": "cliplesson",
+    "04_antidistill": "antidistill",
+}
+GPU_LINE = re.compile(r"^#\s*(\w+)\s*:\s*\w+\s*=\s*(.+?)\s*(?:#.*)?$")
+
+
+def gpu_block_drift(root: Path = REPO) -> list[str]:
+    """Each notebook's parameters cell lists, commented out, the fields a GPU run sets; every value there is
+    the job's `full` preset's, resolved (its `extends` chain, the fields' defaults)."""
+    import dataclasses
+
+    import yaml
+
+    from opdkit.config import load_config
+
+    configs = job_configs()
+    bad = []
+    for stem, job in NOTEBOOK_JOBS.items():
+        nb = json.loads((root / "notebooks" / f"{stem}.ipynb").read_text())
+        cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
+        lines = "".join(cell["source"]).splitlines()
+        block = lines[next(i for i, line in enumerate(lines) if "A GPU run" in line) + 1 :]
+        preset = dataclasses.asdict(load_config(configs[job], "full", params_dir=root / "params"))
+        for line in block:
+            m = GPU_LINE.match(line)
+            if not m:
+                continue
+            field, shown = m.group(1), yaml.safe_load(m.group(2))
+            if field not in preset:
+                bad.append(f"{stem}: {field} is not a field of {job}")
+            elif shown != preset[field]:
+                bad.append(f"{stem}: {field} = {shown!r}, but params/{job}/full.yaml gives {preset[field]!r}")
+    return bad
+
+
+def job_configs() -> dict[str, type]:
+    from opdkit.jobs import antidistill, cliplesson, savegrad, whitebox
+
+    return {j.JOB.name: j.JOB.config for j in (antidistill, cliplesson, savegrad, whitebox)}
+
+
+CITED = re.compile(r"\bopdkit(?:\.[A-Za-z_]\w*)+")
+
+
+def module_file(dotted: str, root: Path) -> Path | None:
+    if dotted == "opdkit.params" or dotted.startswith("opdkit.params."):
+        return root / "params" / "__init__.py" if dotted == "opdkit.params" else None
+    base = root / Path(*dotted.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def defined(path: Path, names: list[str], root: Path, depth: int = 0) -> bool:
+    """Is `names` (a top-level name, then an attribute of a class) defined in the module at `path`? Imported
+    names are followed to their module."""
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == names[0]:
+            if len(names) == 1:
+                return True
+            if isinstance(node, ast.ClassDef):
+                return any(
+                    getattr(s, "name", None) == names[1]
+                    or (isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == names[1])
+                    or (isinstance(s, ast.Assign) and any(getattr(t, "id", None) == names[1] for t in s.targets))
+                    for s in node.body
+                )
+            return False
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [getattr(t, "id", None) for t in node.targets]
+        elif isinstance(node, ast.AnnAssign):
+            targets = [getattr(node.target, "id", None)]
+        if names[0] in targets:
+            return len(names) == 1
+        if isinstance(node, ast.ImportFrom) and node.module and depth < 5:
+            for a in node.names:
+                if (a.asname or a.name) == names[0] and node.module.startswith("opdkit"):
+                    return resolves(".".join([node.module, a.name, *names[1:]]), root, depth + 1)
+    return False
+
+
+def resolves(dotted: str, root: Path = REPO, depth: int = 0) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = module_file(".".join(parts[:cut]), root)
+        if path is not None:
+            rest = parts[cut:]
+            return not rest or (len(rest) <= 2 and defined(path, rest, root, depth))
+    return False
+
+
+def cited_names(root: Path = REPO) -> list[str]:
+    """Every `opdkit.*` name the READMEs, the notebooks and the package's own text (docstrings, comments,
+    messages) cite is a module, or a name defined in one (a class's attribute too)."""
+    texts = {p: p.read_text() for p in (root / "opdkit").rglob("*.py")}
+    texts |= {p: p.read_text() for p in [root / "README.md", *(root / "notebooks").glob("*.ipynb")]}
+    bench = root / "bench" / "README.md"
+    if bench.is_file():
+        texts[bench] = bench.read_text()
+    bad = set()
+    for path, text in texts.items():
+        for name in set(CITED.findall(text)):
+            if not resolves(name, root):
+                bad.add(f"{path.relative_to(root)} cites {name}, which does not exist")
+    return sorted(bad)
+
+
+# Library modules whose tests live in other files, with where; every other library module has
+# tests/test_<room>_<module>*.py, and a job's modules have tests/test_jobs_<job>*.py.
+UNTESTED = {
+    "opdkit.notebook.demo": "`make demo` itself runs it (every notebook, headless)",
+}
+
+
+def untested_modules(root: Path = REPO) -> list[str]:
+    """Every library module has a test file named after it (`mirrored_test_names`: opdkit.run.files in
+    tests/test_run_files*.py); a job's modules (opdkit.jobs.<job>.*: its recipe, config, report) count as tested
+    when the job has tests (tests/test_jobs_<job>*.py), which cover them together. A module without one is listed
+    in `UNTESTED` with the reason; entry points and package `__init__`s are exempt."""
+    tests = [p.stem[len("test_") :] for p in (root / "tests").glob("test_*.py")]
+    bad = []
+    for name, path in sorted(modules(root).items()):
+        if path.name == "__init__.py" or name in ENTRY_POINTS or name in UNTESTED:
+            continue
+        job = job_of(name)
+        stem = f"jobs_{job}" if job else name.removeprefix("opdkit.").replace(".", "_")
+        if not any(t == stem or t.startswith(stem + "_") for t in tests):
+            bad.append(f"{name} has no tests/test_{stem}*.py (nor a reason in UNTESTED)")
+    return bad
+
+
+DOC_RULES = [settings_declared_twice, gpu_block_drift, cited_names, untested_modules]
+DOC_BREAKS = {
+    "settings_declared_twice": (
+        {"opdkit/jobs/cliplesson/config.py": "\n\n@dataclass\nclass Extra:\n    seed: int = setting(1, 'x')\n"},
+        "seed is declared in",
+    ),
+    "cited_names": ({"README.md": "\nSee `opdkit.tasks.nowhere` for more.\n"}, "opdkit.tasks.nowhere"),
+    "untested_modules": ({"opdkit/tasks/lonely.py": '"""A module nobody tests."""\n'}, "opdkit.tasks.lonely"),
+}
+
+
+@pytest.mark.parametrize("rule", DOC_RULES, ids=lambda r: r.__name__)
+def test_the_repository_keeps_the_doc_rule(rule):
+    assert rule() == []
+
+
+@pytest.mark.parametrize("rule", DOC_RULES, ids=lambda r: r.__name__)
+def test_the_doc_rule_finds_a_deliberate_violation(rule, tmp_path):
+    if rule is gpu_block_drift:
+        root = broken_copy(tmp_path, {})
+        shutil.copytree(REPO / "params", root / "params")
+        nb = root / "notebooks" / "02_whitebox.ipynb"
+        nb.write_text(nb.read_text().replace('# teacher_model: str = \\"Qwen/Qwen3-4B\\"', '# teacher_model: str = \\"Qwen/Qwen3-8B\\"'))
+        expected = "teacher_model"
+    else:
+        edits, expected = DOC_BREAKS[rule.__name__]
+        root = broken_copy(tmp_path, edits)
+    found = rule(root)
+    assert any(expected in v for v in found), found

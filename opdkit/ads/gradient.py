@@ -1,12 +1,12 @@
 """The proxy student's mean completion-only gradient (savegrad's), and the same on the answer tokens only.
 
     named, stats = mean_completion_grad(proxy, rows, "trace", batch_size=8, pad_token_id=0)  # every process
-    rows = answer_rows(traces, tokenizer, task)            # the loss kept on each trace's final answer
+    rows = answer_rows(traces, tokenizer, task.answer_start)   # the loss kept on each trace's final answer
     save_grads(run.path, named, meta)                                      # grads.safetensors + grads.json
     g = load_grads(run.path, proxy, tokenizer)                             # names, shapes, tokenizer checked
 
-`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion; `answer_rows`
-keeps the final answer's tokens only, for the answer-token gradient). The
+`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion;
+`answer_rows` keeps the final answer's tokens only, for the answer-token gradient). The
 saved gradient is, for `normalization="trace"`, the mean over traces of the gradient of each trace's
 mean token loss (what the ADS `save_grad.py` computes at batch size 1) and, for `"token"`, the gradient
 of the loss summed over every completion token divided by their number. Each trace's loss is scaled by

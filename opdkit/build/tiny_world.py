@@ -4,8 +4,8 @@
 
 Writes `tokenizer/`, `teacher/` and `student/` as ordinary Hugging Face folders (Qwen3 architecture,
 safetensors) plus `recipe.json` with the measured accuracies. The teacher is trained by SFT (the kit's one SFT
-loop, `opdkit.sft.trainer`) on scratchpads whose column order is random, until it solves held-out problems almost
-perfectly. The
+loop, `opdkit.sft.trainer`) on scratchpads whose column order is random, until it solves held-out problems
+almost perfectly. The
 student is 10x smaller and deliberately under-trained: it stops as soon as it writes the format and
 gets a few answers right, which leaves a training gap that on-policy distillation closes.
 """
@@ -130,8 +130,8 @@ def train_on_task(
 ) -> list[dict]:
     """Completion-only SFT (`sft.trainer.CompletionSFTTrainer`) on fresh problems, `batch_size` a step: AdamW
     (betas 0.9, 0.98), 50 warmup steps then cosine, clipping at 1; every `eval_every` steps the held-out
-    accuracy (another stream than the evaluation pool) is recorded, and training stops once `stop_when` says so.
-    Returns that history."""
+    accuracy (another stream than the evaluation pool) is recorded, and training stops once `stop_when` says
+    so. Returns that history."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,

@@ -7,7 +7,7 @@
 
 Every source becomes the same two columns: `messages` (the prompt conversation, no assistant answer)
 and `answer` (the reference final answer, "" when unknown; a task reads it from its rows: `reference`,
-e.g. `opdkit.tasks.math.MathTask.reference_answer`). A Trainer must keep them, so set
+e.g. `opdkit.tasks.math.Math.reference_answer`). A Trainer must keep them, so set
 `remove_unused_columns=False`. The tiny world's prompts are its task's (`opdkit.tasks.tiny`), not a file.
 
 Pitfalls this module exists for:
@@ -64,7 +64,8 @@ class PromptSettings:
 
     dataset_path: str = setting(
         "tiny",
-        "prompts: tiny (the tiny world's task), a parquet/jsonl/json/arrow file, a saved datasets folder, or a "
+        "prompts: tiny (the tiny world's task), a parquet/jsonl/json/arrow file, a saved datasets folder, or "
+        "a "
         "hub name",
     )
     dataset_split: str = setting("train", "split to read from a datasets folder or hub dataset")

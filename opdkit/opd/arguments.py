@@ -1,7 +1,7 @@
-"""On-policy distillation's settings, declared once: `OPDSettings` (the divergence, the student's rollouts, what
-is logged) and `OPDTraining` (optimizer, schedule, batches, clipping, parallelism, checkpoints: TrainingArguments'
-own names), composed into 02's `WhiteboxConfig` and 04's (its on-policy attackers); `OPDArguments`,
-`TrainingArguments` plus `OPDSettings`, which `DistillTrainer` reads from `self.args`.
+"""On-policy distillation's settings, declared once: `OPDSettings` (the divergence, the student's rollouts,
+what is logged) and `OPDTraining` (optimizer, schedule, batches, clipping, parallelism, checkpoints:
+TrainingArguments' own names), composed into 02's `WhiteboxConfig` and 04's (its on-policy attackers);
+`OPDArguments`, `TrainingArguments` plus `OPDSettings`, which `DistillTrainer` reads from `self.args`.
 
     args = OPDArguments(output_dir="runs/x", beta=1.0, max_new_tokens=1024, rollout_engine="vllm")
     args = training_arguments(cfg, "runs/x/checkpoints", run_name="whitebox/x")    # from a job's config
@@ -53,7 +53,8 @@ class OPDSettings(EngineSettings):
 
 @dataclass
 class OPDTraining:
-    """How on-policy distillation trains, under TrainingArguments' own names (`training_arguments` maps them)."""
+    """How on-policy distillation trains, under TrainingArguments' own names (`training_arguments` maps
+    them)."""
 
     learning_rate: float = setting(1e-6, "peak learning rate (AdamW)", min=0.0)
     lr_scheduler_type: str = setting("constant", "transformers scheduler name: constant, linear, cosine, ...")
@@ -137,8 +138,8 @@ _OWN = {f.name for f in fields(OPDSettings)} | {"vllm_max_model_len"}
 def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any) -> OPDArguments:
     """A job's `OPDSettings` and `OPDTraining` as the trainer's arguments: every field the config shares with
     `OPDArguments` by name, the few a job's settings translate (max_grad_norm 0 means never clip, save_steps 0
-    only at the end, global_batch_size's accumulation), the kit's fixed choices (a NaN loss is logged as it is,
-    accuracy is measured by the job, one data loader process), then `explicit`."""
+    only at the end, global_batch_size's accumulation), the kit's fixed choices (a NaN loss is logged as it
+    is, accuracy is measured by the job, one data loader process), then `explicit`."""
     world = launched_world_size()
     return OPDArguments.from_config(
         cfg,
@@ -153,7 +154,7 @@ def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any
             "data_seed": cfg.seed,
             "logging_first_step": True,
             "logging_nan_inf_filter": False,  # a NaN loss must show, not be replaced by the running mean
-            "eval_steps": None,  # the job measures accuracy itself (StepAccuracy), not through Trainer.evaluate
+            "eval_steps": None,  # the job measures accuracy (StepAccuracy), not through Trainer.evaluate
             "save_strategy": "steps",
             "save_steps": cfg.save_steps if cfg.save_steps > 0 else 10**9,
             "project": tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT

@@ -1,5 +1,5 @@
-"""The trainer's batch plumbing: a step's prompt micro-batches joined for one engine call, and the sampled step
-cut back into micro-batches grouped by completion length.
+"""The trainer's batch plumbing: a step's prompt micro-batches joined for one engine call, and the sampled
+step cut back into micro-batches grouped by completion length.
 
     ids_BP, mask_BP = concat_prompts(batches, pad_token_id)       # one left-padded batch for the engine
     order_B = length_order(rollout)                              # shortest completions first (stable)

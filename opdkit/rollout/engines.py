@@ -88,11 +88,13 @@ class EngineSettings:
 
 @dataclass
 class TraceSettings:
-    """How a teacher writes traces for others to learn from (01's holdout traces, 04's traces at every point)."""
+    """How a teacher writes traces for others to learn from (01's holdout traces, 04's traces at every
+    point)."""
 
     gen_batch_size: int = setting(
         64,
-        "prompts per generation batch of the teacher's traces, per process; 0 means the largest that fits the "
+        "prompts per generation batch of the teacher's traces, per process; 0 means the largest that fits "
+        "the "
         "memory plan (the kit's loop)",
         min=0,
     )

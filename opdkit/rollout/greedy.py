@@ -1,11 +1,11 @@
-"""Greedy decoding for evaluation: batched greedy completions, and the same completions with their final answers
-forced (graded by a task: `opdkit.tasks.evaluate.accuracy`).
+"""Greedy decoding for evaluation: batched greedy completions, and the same completions with their final
+answers forced (graded by a task: `opdkit.tasks.evaluate.accuracy`).
 
 comps = greedy_completions(model, tok, messages, max_new_tokens=40)
 forced = forced_completions(model, tok, messages, comps, task)
 
-Forced answers, as the ADS reference reports forced accuracy beside raw accuracy: after each completion ends or is cut,
-the task's answer cue is appended (`task.forced_prefix`: math's "**Final Answer**" and an open
+Forced answers, as the ADS reference reports forced accuracy beside raw accuracy: after each completion ends
+or is cut, the task's answer cue is appended (`task.forced_prefix`: math's "**Final Answer**" and an open
 `\\boxed{`; the tiny task's working before its answer, then `;`) and the model greedily writes up to
 `task.forced_answer_tokens` more tokens; the whole text is graded by the task (its last answer counts). A
 completion cut before its answer is then graded on the answer its writer gives when asked for one: raw

@@ -1,25 +1,26 @@
-"""One run lifecycle for every job: a job is a recipe (`Job`) that says how to prepare, what each process holds
-(its memory plan), what each process runs and how the run is summed up; `run_job` does the rest, the same way for
-all of them.
+"""One run lifecycle for every job: a job is a recipe (`Job`) that says how to prepare, what each process
+holds (its memory plan), what each process runs and how the run is summed up; `run_job` does the rest, the
+same way for all of them.
 
     JOB = Job("whitebox", WhiteboxConfig, prepare=prepare, stages=stages, process=process)
     run = run_job(JOB, "tiny", {"max_steps": 50})        # a RunDir; None after a dry run
 
-`run_job`, in order: the config (`mode`'s preset and `overrides`, checked), `prepare` (everything that can fail
-cheaply: data, tokenizers, model configs; nothing written), the memory plan (`fit` first sets what the plan
-decides, e.g. `gen_batch_size: 0`), shown; under `dry_run` it stops there (`PlanOnly` in a notebook kernel, None
-elsewhere), and a plan that does not fit stops before any weight is loaded; then the run folder (config.yaml,
-env.json, plan.json; on rank 0 only under torchrun, where every process must be told the same `run_dir`), the
-processes (`num_processes`, 0: one per visible GPU; under torchrun each process is already one of them), each
-running `process`; the summary (`summarize`, written by rank 0) and the tracker (`track`). A run that fails
-says so in its summary (`status: failed: ...`) before the error goes on up.
+`run_job`, in order: the config (`mode`'s preset and `overrides`, checked), `prepare` (everything that can
+fail cheaply: data, tokenizers, model configs; nothing written), the memory plan (`fit` first sets what the
+plan decides, e.g. `gen_batch_size: 0`), shown; under `dry_run` it stops there (`PlanOnly` in a notebook
+kernel, None elsewhere), and a plan that does not fit stops before any weight is loaded; then the run folder
+(config.yaml, env.json, plan.json; on rank 0 only under torchrun, where every process must be told the same
+`run_dir`), the processes (`num_processes`, 0: one per visible GPU; under torchrun each process is already one
+of them), each running `process`; the summary (`summarize`, written by rank 0) and the tracker (`track`). A
+run that fails says so in its summary (`status: failed: ...`) before the error goes on up.
 
 Pitfalls this module exists for:
 - nothing may touch CUDA in the parent before `launch` forks its processes, so everything here before the
   launch reads configs only;
 - a forked process prepares its own copy (cheap): tokenizers and datasets do not survive a fork well; a run in
   this process reuses the caller's `prepared`;
-- a job that spreads its own work over processes (`own_processes`, antidistill) cannot also run under torchrun.
+- a job that spreads its own work over processes (`own_processes`, antidistill) cannot also run under
+  torchrun.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def fit_gen_batch(prep: Any, budget: float | None, stages: dict[str, memory.Stag
     largest = min(memory.largest_batch(stage, budget) for stage in stages.values())
     if not largest:
         raise ConfigError(
-            f"not even one sequence of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits {budget:.1f} "
+            f"not even one sequence of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits "
+            f"{budget:.1f} "
             "GB beside the models; shorten max_new_tokens or use a larger GPU."
         )
     print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
@@ -197,7 +199,8 @@ def create_run(cfg: RunFields, job: str, mode: str) -> RunDir:
         return RunDir.create(cfg, job=job, mode=mode)
     if not cfg.run_dir:
         raise ConfigError(
-            "under torchrun / accelerate launch every process must write to one folder: pass --set run_dir=PATH."
+            "under torchrun / accelerate launch every process must write to one folder: pass --set "
+            "run_dir=PATH."
         )
     return RunDir.create(cfg, job=job, mode=mode) if rank() == 0 else RunDir.attach(cfg.run_dir)
 

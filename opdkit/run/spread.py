@@ -1,13 +1,14 @@
 """Work items spread over processes, one per GPU: each process holds its own models and runs its share of the
-items one after another; every item keeps its result in its own folder, gathered afterwards (04's sweep points).
+items one after another; every item keeps its result in its own folder, gathered afterwards (04's sweep
+points).
 
     shares = assign(names, 4)                        # round-robin: item i runs in process i % 4
     rank, world = own_process()                      # in each launched process: one GPU of its own
     result = run_safely(folder / "point.json", lambda: work(item), {"name": name})  # or a failure, traceback
 
-An item's result must not depend on the process it ran in (its seeds are its own), so N processes give what one
-process gives. An item that raises is written down with its traceback (`error.txt`, and a failed result) and its
-process goes on with the next item (CUDA's out-of-memory error included).
+An item's result must not depend on the process it ran in (its seeds are its own), so N processes give what
+one process gives. An item that raises is written down with its traceback (`error.txt`, and a failed result)
+and its process goes on with the next item (CUDA's out-of-memory error included).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 from opdkit.run.files import atomic_write_text
 
 ERROR_FILE = "error.txt"  # beside a failed item's result: its traceback
-# What notebook_launcher / torchrun set for torch.distributed: a process of its own trains its models alone, so
-# transformers' Trainer must not see them (it would join the processes into one data-parallel run).
+# What notebook_launcher / torchrun set for torch.distributed: a process of its own trains its models alone,
+# so transformers' Trainer must not see them (it would join the processes into one data-parallel run).
 LAUNCHER_ENV = (
     "RANK",
     "LOCAL_RANK",
@@ -64,7 +65,8 @@ def run_safely(
     result_file: Path, work: Callable[[], dict], failed: dict, recover: Callable[[], None] = lambda: None
 ) -> dict:
     """`work()`'s result with status done, kept in `result_file` (JSON); an exception becomes `failed` with
-    status failed and its traceback (also in error.txt beside it), after `recover()` (e.g. models put back)."""
+    status failed and its traceback (also in error.txt beside it), after `recover()` (e.g. models put
+    back)."""
     folder = result_file.parent
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ERROR_FILE).unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """A student distilled by completion-only SFT on a teacher's traces: fresh (as loaded, or initialised from
-scratch), LoRA through peft when asked, trained by `CompletionSFTTrainer`, saved, and its held-out NLL measured.
-Its settings are `SFTSettings`, composed into a job's config (04's, whose students these are).
+scratch), LoRA through peft when asked, trained by `CompletionSFTTrainer`, saved, and its held-out NLL
+measured. Its settings are `SFTSettings`, composed into a job's config (04's, whose students these are).
 
     model = fresh_student(cfg, device, seed)
     trainer = distill(model, rows, cfg, tokenizer, seed, folder)     # rows: sft_rows(traces, tokenizer, cfg)

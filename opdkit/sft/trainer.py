@@ -1,13 +1,14 @@
-"""Completion-only supervised fine-tuning on transformers' `Trainer`: `CompletionSFTTrainer` (checkpoints, LoRA
-through peft, `report_to`), the one SFT loop of the kit (antidistill's students, the tiny world's recipe).
+"""Completion-only supervised fine-tuning on transformers' `Trainer`: `CompletionSFTTrainer` (checkpoints,
+LoRA through peft, `report_to`), the one SFT loop of the kit (antidistill's students, the tiny world's
+recipe).
 
     trainer = CompletionSFTTrainer(model=m, args=TrainingArguments(...), train_dataset=rows, order=order,
                                    pad_token_id=tok.pad_token_id); trainer.train(); trainer.step_log()
 
-Each optimizer step's summed completion-token losses are divided by all of the step's completion tokens, so the
-loss is the token mean of the step whatever the micro-batch size; the rows come in the order given (`order`:
-per step, row indices), and each checkpoint records the hash of the rows it trained on (`TRAINED_ON_FILE`), so a
-resume on other rows is refused (`trained_on_problem`).
+Each optimizer step's summed completion-token losses are divided by all of the step's completion tokens, so
+the loss is the token mean of the step whatever the micro-batch size; the rows come in the order given
+(`order`: per step, row indices), and each checkpoint records the hash of the rows it trained on
+(`TRAINED_ON_FILE`), so a resume on other rows is refused (`trained_on_problem`).
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def trained_on_problem(checkpoint: str | Path, rows: Sequence[dict]) -> str | No
 
 class CompletionSFTTrainer(Trainer):
     """Completion-only SFT on transformers' `Trainer`: each optimizer step's summed completion-token losses
-    divided by all of the step's completion tokens (`num_items_in_batch`), so the loss is the token mean of the
-    step whatever the micro-batch size; rows in the order of `order` (per step, row indices of
-    `train_dataset`, a sequence of {input_ids, labels}) in micro-batches of `args.per_device_train_batch_size`,
-    with `args.gradient_accumulation_steps` = micro-batches per step.
+    divided by all of the step's completion tokens (`num_items_in_batch`), so the loss is the token mean of
+    the step whatever the micro-batch size; rows in the order of `order` (per step, row indices of
+    `train_dataset`, a sequence of {input_ids, labels}) in micro-batches of
+    `args.per_device_train_batch_size`, with `args.gradient_accumulation_steps` = micro-batches per step.
 
     The Trainer's AdamW leaves biases and norm weights undecayed (as TRL's SFTTrainer, the ADS reference's),
     and `bf16` is the Trainer's mixed precision. `step_losses` holds every step's loss unrounded; checkpoints,

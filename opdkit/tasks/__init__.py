@@ -1,5 +1,5 @@
-"""Tasks: one kind of problem each, chosen once from the config (`for_dataset(cfg.dataset_path)`), each owning its
-prompts, answer extraction, grading, forced-answer cue and held-out set; and the one accuracy function.
+"""Tasks: one kind of problem each, chosen once from the config (`for_dataset(cfg.dataset_path)`), each owning
+its prompts, answer extraction, grading, forced-answer cue and held-out set; and the one accuracy function.
 
     task = for_dataset("tiny")              # tiny.TinyTask; math.Gsm8k, math.DapoMath, math.Math by file name
     acc = evaluate.accuracy(model, tok, task, messages, answers, max_new_tokens=40)   # raw (and forced)

@@ -1,6 +1,6 @@
-"""`Task`: what the jobs ask of one kind of problem. Each task owns its prompts (where they come from and how a
-row's reference answer is read), its answer extraction and grading, its forced-answer cue, and its held-out set
-where it has one of its own.
+"""`Task`: what the jobs ask of one kind of problem. Each task owns its prompts (where they come from and how
+a row's reference answer is read), its answer extraction and grading, its forced-answer cue, and its held-out
+set where it has one of its own.
 
     task = get_task("tiny")                        # or from a config: for_dataset(cfg.dataset_path)
     ds = task.load_prompts(path, split, 1000, seed)                # columns messages, answer
@@ -8,8 +8,8 @@ where it has one of its own.
     task.answer_start(completion)                  # where the final answer begins (answer-token losses)
 
 Jobs keep their own splits (which prompts train, which evaluate, which make a gradient's holdout); a task only
-says what it has: `heldout` (built-in evaluation problems, or None) and `reserved_holdout` (a stream of its own
-for gradient holdouts, or None).
+says what it has: `heldout` (built-in evaluation problems, or None) and `reserved_holdout` (a stream of its
+own for gradient holdouts, or None).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Task:
         return prompts.plain_reference(row, assistant)
 
     def heldout(self, n: int) -> tuple[list[Messages], list[str]] | None:
-        """`n` built-in evaluation problems (prompt conversations, reference answers); None: the task has none,
-        its evaluation problems come from a dataset."""
+        """`n` built-in evaluation problems (prompt conversations, reference answers); None: the task has
+        none, its evaluation problems come from a dataset."""
         return None
 
     def reserved_holdout(self, n: int, seed: int) -> datasets.Dataset | None:

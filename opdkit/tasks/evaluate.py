@@ -1,5 +1,5 @@
-"""Accuracy, the one way every job measures it: greedy completions of held-out problems graded by their task, raw
-and with each final answer forced, the problems split over the processes and the counts summed.
+"""Accuracy, the one way every job measures it: greedy completions of held-out problems graded by their task,
+raw and with each final answer forced, the problems split over the processes and the counts summed.
 
     acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40)            # acc.raw, acc.forced
     acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40, forced=True, world=2, rank=r)
@@ -8,8 +8,8 @@ and with each final answer forced, the problems split over the processes and the
 Pitfalls this module exists for:
 - every process decodes its own share (problems rank, rank + world, ...) and the counts are summed, so the
   accuracy does not depend on the process count; a sharded model (a teacher under FSDP) runs every forward as
-  a collective, so each rank decodes as many prompts (where they do not divide, some repeat one whose answer is
-  not counted) with the kit's loop stepping in lock-step;
+  a collective, so each rank decodes as many prompts (where they do not divide, some repeat one whose answer
+  is not counted) with the kit's loop stepping in lock-step;
 - the kit's loop decodes under `bf16` autocast when asked, so before and after training compare one precision;
   a vLLM `engine` is synced with `model` first and decodes from its own weights.
 """

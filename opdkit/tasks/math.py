@@ -1,12 +1,13 @@
 """Math tasks: problems with a reference answer from a dataset, graded as a person would (`answers`: the last
-`\\boxed{}`, `Answer:` line or `#### 18`, a sentence's answer only without one, judged equal by math-verify), the
-final answer forced with the ADS reference's cue.
+`\\boxed{}`, `Answer:` line or `#### 18`, a sentence's answer only without one, judged equal by math-verify),
+the final answer forced with the ADS reference's cue.
 
-    task = for_dataset("data/gsm8k-main-test.parquet")      # Gsm8k; DapoMath for DAPO-Math-17k; Math otherwise
-    task.check(r"... so she pays \\boxed{\\$18}.", "18")    # True
+    task = for_dataset("data/gsm8k-main-test.parquet")      # Gsm8k; DapoMath for DAPO-Math-17k; Math
+    otherwise task.check(r"... so she pays \\boxed{\\$18}.", "18")    # True
 
-- `Math` (MATH-style): the reference is the `answer` column, else `reward_model.ground_truth`, `solution` or the
-  assistant turn, its final answer read out (after GSM8K's `####`, else the last `\\boxed{}`, else all of it);
+- `Math` (MATH-style): the reference is the `answer` column, else `reward_model.ground_truth`, `solution` or
+  the assistant turn, its final answer read out (after GSM8K's `####`, else the last `\\boxed{}`, else all of
+  it);
 - `Gsm8k`: the `answer` column's worked solution, its final answer after `####`;
 - `DapoMath`: DAPO-Math-17k's verl rows, the reference in `reward_model.ground_truth` (its prompts already ask
   for an `Answer:` line, which `answers` reads).

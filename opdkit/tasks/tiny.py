@@ -192,8 +192,8 @@ def is_valid_scratchpad(problem: Problem, completion: str) -> bool:
     return True
 
 
-# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses (0..3, 777)
-# and from HELDOUT_SEED; `training_problems` leaves the evaluation pool out.
+# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses (0..3,
+# 777) and from HELDOUT_SEED; `training_problems` leaves the evaluation pool out.
 TRAINING_SEED_OFFSET = 100_003
 # The gradient holdout is its own problem stream, apart from the training prompts other jobs draw with the
 # same run seed (and from the evaluation seed): overlap is only by chance, and the holdout class excludes it.

@@ -1,5 +1,5 @@
-"""The tiny world as shipped: a character tokenizer, and a tiny teacher and student (its task, 3-digit addition,
-is `opdkit.tasks.tiny`).
+"""The tiny world as shipped: a character tokenizer, and a tiny teacher and student (its task, 3-digit
+addition, is `opdkit.tasks.tiny`).
 
 `tiny:teacher`, `tiny:student` and `tiny:tokenizer` name the folders shipped in `assets/`; they load
 through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `opdkit.build.tiny_world`

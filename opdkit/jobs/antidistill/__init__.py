@@ -1,8 +1,7 @@
-"""antidistill (notebooks/04_antidistill.ipynb): antidistillation sampling against temperature sampling.
-`sweep.py` sets the sweep up, `steering.py` holds the teacher, proxy and gradients, `students.py` distils
-and measures the SFT students, `attackers.py` the on-policy ones, `points.py` runs one point, `spread.py`
-spreads the points over processes, `job.py` the whole sweep; `report.py` (with `figures.py`,
-`attack_report.py` and `lens.py`) shows a finished run."""
+"""antidistill (notebooks/04_antidistill.ipynb): antidistillation sampling against temperature sampling, a
+recipe over `ads`, `sft`, `opd` and the run lifecycle. `job.py` is the recipe (prepare, stages, process,
+summarize), `sweep.py` sets the sweep up (points, prompts, gradients, the steering), `points.py` runs one
+point and its attackers, `report.py` (with `figures.py`) shows a finished run."""
 
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.job import JOB, main, prepare, run

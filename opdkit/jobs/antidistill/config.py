@@ -1,6 +1,6 @@
-"""antidistill's settings: `AntidistillConfig`, composed from the settings groups (each declared once, beside the
-code that reads it: the students' `SFTSettings`, the on-policy attackers' `OPDSettings` and `OPDTraining`, ...) and
-the sweep's own."""
+"""antidistill's settings: `AntidistillConfig`, composed from the settings groups (each declared once, beside
+the code that reads it: the students' `SFTSettings`, the on-policy attackers' `OPDSettings` and `OPDTraining`,
+...) and the sweep's own."""
 
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ class AntidistillConfig(
         on_policy = [a for a in self.attackers if a != "sft"]
         if self.rollout_engine != "hf":
             raise ConfigError(
-                f"rollout_engine={self.rollout_engine!r}: antidistill's on-policy attackers sample with the kit's "
+                f"rollout_engine={self.rollout_engine!r}: antidistill's on-policy attackers sample with the "
+                "kit's "
                 "loop beside the ADS teacher; leave rollout_engine hf."
             )
         if on_policy and self.ads_method != "fd":

@@ -10,11 +10,12 @@ The ADS paper's headline experiment in miniature. For every point of the sweeps 
     ADS, answer:  λ in `answer_lams`, same temperatures, answer-token gradient    method "ads-answer"
     temperature:  λ = 0, at each temperature in `temperatures`                    method "temperature"
 
-the teacher writes one trace per training prompt (`ads.sampler`: z_teacher + λΔ, then temperature, then top-p),
-the traces' answers are checked (teacher accuracy), a fresh student is distilled on them by completion-only SFT,
-and its greedy accuracy on held-out problems is measured (student accuracy); `attackers` adds on-policy students
-(`points.py`). ADS works if, at equal teacher accuracy, its students are worse. The gradient comes from
-`grads_run` (a savegrad run, checked with `load_grads`), or savegrad runs in `grads/` inside this run. Layout:
+the teacher writes one trace per training prompt (`ads.sampler`: z_teacher + λΔ, then temperature, then
+top-p), the traces' answers are checked (teacher accuracy), a fresh student is distilled on them by
+completion-only SFT, and its greedy accuracy on held-out problems is measured (student accuracy); `attackers`
+adds on-policy students (`points.py`). ADS works if, at equal teacher accuracy, its students are worse. The
+gradient comes from `grads_run` (a savegrad run, checked with `load_grads`), or savegrad runs in `grads/`
+inside this run. Layout:
 
     grads/, grads_answer/                 the two gradients (when computed here)
     points/<name>/point.json              the point's summary entry (done, or failed with its traceback)
@@ -25,12 +26,13 @@ and its greedy accuracy on held-out problems is measured (student accuracy); `at
     baseline.json, metrics.jsonl          the student before distillation; one record per point and SFT losses
     summary.json                          {"points": [{method, lam, temperature, teacher_accuracy,
                                           student_accuracy, student_accuracy_forced, student_holdout_loss,
-                                          errors, runs}], "failed_points": [...], "status": "done" | "incomplete"}
+                                          errors, runs}], "failed_points": [...], "status": "done" |
+                                          "incomplete"}
     figures/                              tradeoff.png, tradeoff_holdout_loss.png, attackers.png
 
-The points are spread over `num_processes` processes (0: one per visible GPU, 1 on a CPU), round-robin in sweep
-order (`run.spread`); each holds its own teacher and proxies on its own GPU and runs its points one after
-another. A point's seeds are its own, so the summary does not depend on the number of processes.
+The points are spread over `num_processes` processes (0: one per visible GPU, 1 on a CPU), round-robin in
+sweep order (`run.spread`); each holds its own teacher and proxies on its own GPU and runs its points one
+after another. A point's seeds are its own, so the summary does not depend on the number of processes.
 `resume=True` runs only the points not finished, reusing complete traces and each student's newest complete
 checkpoint (refused when that checkpoint trained on other traces).
 """
@@ -98,9 +100,9 @@ def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    """What one process holds at the stages of every point: the teacher sampling `gen_batch_size` traces steered
-    by the proxy's perturbed copies (the proxy and its gradients wait in host memory on a GPU; fd: two copies,
-    each with its KV cache), then, with teacher and proxies in host memory, the student's SFT
+    """What one process holds at the stages of every point: the teacher sampling `gen_batch_size` traces
+    steered by the proxy's perturbed copies (the proxy and its gradients wait in host memory on a GPU; fd: two
+    copies, each with its KV cache), then, with teacher and proxies in host memory, the student's SFT
     (`sft_micro_batch_size` traces) and its greedy evaluation; and the on-policy attackers when asked."""
     cfg, gpu = prep.cfg, budget is not None
     sft_completion = cfg.max_new_tokens
@@ -147,8 +149,9 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 
 def on_policy_stage(cfg: AntidistillConfig, gpu: bool) -> memory.Stage:
     """The on-policy attackers (`attackers` opd, opd-plain): a fresh student trained by DistillTrainer on its
-    own rollouts (`per_device_train_batch_size` prompts, the kit's loop, AdamW), scored by the teacher with the
-    proxy's two perturbed fp32 copies beside it (the ADS teacher, with its stacked fp32 head), then evaluated."""
+    own rollouts (`per_device_train_batch_size` prompts, the kit's loop, AdamW), scored by the teacher with
+    the proxy's two perturbed fp32 copies beside it (the ADS teacher, with its stacked fp32 head), then
+    evaluated."""
     return memory.Stage(
         student=memory.ModelShape.from_config(cfg.student_model),
         teacher=memory.ModelShape.from_config(cfg.teacher_model),

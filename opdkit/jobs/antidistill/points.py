@@ -10,15 +10,16 @@ The attackers, who distil the teacher at each point:
     sft        a fresh student fine-tuned on the teacher's traces at the point (the ADS paper's attacker)
     opd        a fresh student distilled on-policy by 02's `DistillTrainer` with 02's settings (`OPDSettings`,
                `OPDTraining` in this job's config): it samples its own completions and the teacher scores them
-               with the distribution it samples from at the point, (z_teacher + λ·Δ) / τ (`ADSTeacher`); it never
-               sees the traces
-    opd-plain  the same, the teacher scoring with its plain log-probs at τ, λ = 0 (the control: ADS changes only
+               with the distribution it samples from at the point, (z_teacher + λ·Δ) / τ (`ADSTeacher`); it
+               never sees the traces
+    opd-plain  the same, the teacher scoring with its plain log-probs at τ, λ = 0 (the control: ADS changes
+    only
                what the teacher samples, and this attacker reads no sample)
 
 Each on-policy student starts from the same fresh student as SFT's (the run's SFT seed); its greedy held-out
-accuracy and held-out NLL are kept as `<attacker>_student_accuracy` and `<attacker>_student_holdout_loss` (sft keeps
-the plain names). The plain teacher does not depend on λ: its student is trained once per temperature and seed
-and shared by the points (at λ = 0 it is opd's too).
+accuracy and held-out NLL are kept as `<attacker>_student_accuracy` and `<attacker>_student_holdout_loss` (sft
+keeps the plain names). The plain teacher does not depend on λ: its student is trained once per temperature
+and seed and shared by the points (at λ = 0 it is opd's too).
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ def distill_on_policy(
     attacker: str, point: Point, seed: int, prep: Prepared, held: Held, folder: Path
 ) -> dict:
     """One on-policy attacker at this point: a fresh student, 02's recipe (this config's `OPDSettings` and
-    `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and NLL."""
+    `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and
+    NLL."""
     cfg, dev, t0 = prep.cfg, held.device, time.time()
     teacher = scoring_teacher(attacker, point, held.steering).to(dev)
     student = sft_student.fresh_student(cfg, dev, sft_student.sft_seed(cfg, seed))

@@ -1,7 +1,7 @@
-"""What a finished antidistill run shows: the trade-off figures (`figures.py`), a table of every point, each ADS
-point against the temperature sweep at the same teacher accuracy, in sentences built from summary.json; what a run
-with several attackers shows (how far ADS moved each attacker's student, whether it slowed the on-policy attacker
-against its control); and which tokens ADS changes, one prompt at a time (`TokenLens`).
+"""What a finished antidistill run shows: the trade-off figures (`figures.py`), a table of every point, each
+ADS point against the temperature sweep at the same teacher accuracy, in sentences built from summary.json;
+what a run with several attackers shows (how far ADS moved each attacker's student, whether it slowed the
+on-policy attacker against its control); and which tokens ADS changes, one prompt at a time (`TokenLens`).
 
     display(HTML(summary_table_html(summary))); tradeoff(run); print(explain(summary))
     print(attackers_explained(summary)); lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)

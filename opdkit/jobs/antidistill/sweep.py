@@ -1,13 +1,15 @@
-"""antidistill's sweep: the points of the trade-off, and everything they run on: the prompts, the gradients (the
-completion gradient of a savegrad run, the answer-token gradient computed here) and the steering they load.
+"""antidistill's sweep: the points of the trade-off, and everything they run on: the prompts, the gradients
+(the completion gradient of a savegrad run, the answer-token gradient computed here) and the steering they
+load.
 
     points = sweep_points(cfg)                                  # every (method, λ, τ), in sweep order
     messages, answers = training_prompts(cfg, task)             # what the teacher answers at every point
     grads_dir = ensure_grads(cfg, run, n)                       # grads_run, or a savegrad run made in grads/
-    steering, holdout = load_steering(cfg, prep, grads_dir, device, run)
+    steering, holdout = load_steering(cfg, proxy_tok, student_tok, grads_dir, device, run)
 
 Checked before anything is written (`check_grads_run`, `check_apart_from_gradient`): a given gradient must
-belong to the proxy (names, shapes, tokenizer), and no training prompt may be in the holdout it was computed on.
+belong to the proxy (names, shapes, tokenizer), and no training prompt may be in the holdout it was computed
+on.
 """
 
 from __future__ import annotations

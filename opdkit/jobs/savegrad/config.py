@@ -1,5 +1,5 @@
-"""savegrad's settings: `SaveGradConfig`, composed from the settings groups (each declared once, beside the code
-that reads it) and savegrad's own."""
+"""savegrad's settings: `SaveGradConfig`, composed from the settings groups (each declared once, beside the
+code that reads it) and savegrad's own."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ student's mean completion-only gradient on them is saved in the run directory:
     grads.json          proxy, tokenizer fingerprint, counts, normalization, world size, norms, version, time
 
 A recipe over `ads.gradient` and the run lifecycle (`run.lifecycle`): `prepare` does everything that can fail
-cheaply before anything is written; every process writes its share of the traces and takes the proxy's gradient
-over all of them. The antidistillation notebook reads the gradient with
+cheaply before anything is written; every process writes its share of the traces and takes the proxy's
+gradient over all of them. The antidistillation notebook reads the gradient with
 `opdkit.ads.gradfile.load_grads(run_dir, proxy, tokenizer)`.
 """
 

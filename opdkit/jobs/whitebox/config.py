@@ -1,5 +1,5 @@
-"""whitebox's settings: `WhiteboxConfig`, the original's DistillConfig fields, composed from the settings groups
-(each declared once, beside the code that reads it) and whitebox's own few."""
+"""whitebox's settings: `WhiteboxConfig`, the original's DistillConfig fields, composed from the settings
+groups (each declared once, beside the code that reads it) and whitebox's own few."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class WhiteboxConfig(
         super().__post_init__()
         if self.eval_size < 0:
             raise ConfigError(
-                f"eval_size={self.eval_size}: whitebox evaluates on held-out problems cut from its data; give "
+                f"eval_size={self.eval_size}: whitebox evaluates on held-out problems cut from its data; "
+                "give "
                 "their number, or 0 to skip evaluation."
             )

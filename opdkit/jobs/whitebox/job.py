@@ -157,9 +157,10 @@ def sharded_accuracies(
     engine=None,
     forced: bool | None = None,
 ) -> tuple[float | None, float | None]:
-    """(raw, forced) greedy accuracy on the evaluation set (its first `limit` problems), split across processes
-    (`tasks.evaluate.accuracy`); forced only when `forced` (default: the config's `forced_accuracy`). The kit's
-    loop decodes every model under the run's one autocast (`accuracy_precision`)."""
+    """(raw, forced) greedy accuracy on the evaluation set (its first `limit` problems), split across
+    processes (`tasks.evaluate.accuracy`); forced only when `forced` (default: the config's
+    `forced_accuracy`). The kit's loop decodes every model under the run's one autocast
+    (`accuracy_precision`)."""
     cfg = prep.cfg
     acc = evaluate.accuracy(
         model,
@@ -181,9 +182,9 @@ def sharded_accuracies(
 
 
 def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
-    """What every process runs: load the models, measure accuracy, distil, measure it again, write the summary.
-    However it ends, the trainer's rollout engine is shut down, so a next run in this process (03's arms, Run
-    All again) finds the memory free."""
+    """What every process runs: load the models, measure accuracy, distil, measure it again, write the
+    summary. However it ends, the trainer's rollout engine is shut down, so a next run in this process (03's
+    arms, Run All again) finds the memory free."""
     t0, cfg = time.time(), prep.cfg
     args = training_arguments(  # initialises the process group in multi-process runs
         cfg,

@@ -2,12 +2,12 @@
 
     split = split_prompts(task, cfg, exclude=prompt_keys(holdout))    # split.train, split.eval_messages, ...
 
-A task with held-out problems of its own (the tiny world) trains on its training stream and evaluates on those;
-any other cuts both from the dataset: in its seed shuffle, `subset_size` > 0 trains on the head (rows in
-`exclude` passed over) and evaluates on the next distinct prompts that are not training prompts; -1 evaluates
-on the last `eval_size` distinct prompts and trains on every row whose prompt is neither one of them nor in
-`exclude`. Apart by text, not by row, since a file may repeat a prompt (raw DAPO-Math-17k holds each about 100
-times).
+A task with held-out problems of its own (the tiny world) trains on its training stream and evaluates on
+those; any other cuts both from the dataset: in its seed shuffle, `subset_size` > 0 trains on the head (rows
+in `exclude` passed over) and evaluates on the next distinct prompts that are not training prompts; -1
+evaluates on the last `eval_size` distinct prompts and trains on every row whose prompt is neither one of them
+nor in `exclude`. Apart by text, not by row, since a file may repeat a prompt (raw DAPO-Math-17k holds each
+about 100 times).
 """
 
 from __future__ import annotations
