@@ -12,7 +12,7 @@ from opdkit.ads.direction import FiniteDifference
 from opdkit.ads.teacher import ADSTeacher
 from opdkit.config import ConfigError, load_config
 from opdkit.jobs import antidistill
-from opdkit.jobs.antidistill import figures, points, report, sweep
+from opdkit.jobs.antidistill import points, report, sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Point
 from opdkit.run.folders import RunDir
@@ -62,19 +62,19 @@ def test_every_point_records_every_attacker(short_run):
 
 def test_figure_and_paragraph_come_from_the_run(short_run):
     summary = short_run.read_summary()
-    assert figures.attackers_in(summary) == ["sft", "opd", "opd-plain"]
+    assert report.attackers_in(summary) == ["sft", "opd", "opd-plain"]
     assert report.attackers(short_run) is not None and short_run.figure("attackers").is_file()
     text = report.attackers_explained(summary)
     ads = next(p for p in summary["points"] if p["lam"] != 0)
     gap = (ads["opd_student_accuracy"] - ads["opd_plain_student_accuracy"]) * 100
     assert f"{abs(gap):.1f} points {'below' if gap < 0 else 'above'} its plain-scored control" in text
-    rows = figures.attack_rows(summary)
+    rows = report.attack_rows(summary)
     assert [r["opd"] for r in rows] == [p["opd_student_accuracy"] for p in summary["points"]]
 
 
 def test_only_sft_draws_no_attacker_figure():
     summary = {"points": [{"name": "x", "lam": 0.0, "temperature": 1.0, "student_accuracy": 0.5}]}
-    assert figures.attackers_in(summary) == ["sft"]
+    assert report.attackers_in(summary) == ["sft"]
     assert "only the SFT attacker" in report.attackers_explained(summary)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from opdkit.jobs.antidistill import figures, report
+from opdkit.jobs.antidistill import report
 
 
 def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
@@ -51,8 +51,8 @@ def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
     assert got["a2"]["gap"] is None  # below the temperature sweep's range: no extrapolation
     text = report.explain(summary)
     assert "10.0 points lower" in text and "no comparison" in text and "mean gap -10.0 points" in text
-    assert [c["temperature"] for c in figures.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
-    assert [c["lam"] for c in figures.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
+    assert [c["temperature"] for c in report.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
+    assert [c["lam"] for c in report.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
 
 
 def test_explain_names_the_failed_points():
@@ -74,7 +74,7 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
     # up to the first change the two traces are the same tokens, drawn with the same noise
     assert moved["completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
     assert moved["plain_completion"].startswith("".join(t["text"] for t in moved["tokens"][:first]))
-    html = figures.token_changes_html(moved)
+    html = report.token_changes_html(moved)
     assert "plain sampling drew" in html
-    fig = figures.token_changes_figure([same, moved])
+    fig = report.token_changes_figure([same, moved])
     assert fig.axes

@@ -31,6 +31,7 @@ from opdkit.opd.loss import generalized_jsd
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
 from opdkit.rollout import engines, sampling
 from opdkit.rollout import greedy as evaluate
+from opdkit.tasks.evaluate import completion_budget
 
 pytestmark = pytest.mark.vllm
 
@@ -257,11 +258,11 @@ def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path,
     models = [AutoModelForCausalLM.from_pretrained(f) for f in folders]
     monkeypatch.setattr(evaluate, "greedy_completions", real)
     want = [
-        real(m, prep.tokenizer, prep.eval_messages[:n], max_new_tokens=wb_job.eval_new_tokens(prep.cfg))
+        real(m, prep.tokenizer, prep.eval_messages[:n], max_new_tokens=completion_budget(prep.cfg))
         for m, n in zip(models, limits)
     ]
     assert decoded == want
-    hf = [wb_job.sharded_accuracy(m, prep, 1, 0, n) for m, n in zip(models, limits)]
+    hf = [wb_job.sharded_accuracies(m, prep, 1, 0, n, forced=False)[0] for m, n in zip(models, limits)]
     assert 0 < hf[0] < 1 and summary["student_accuracy_before"] == hf[0]
     assert [r["eval_accuracy"] for r in rows if "eval_accuracy" in r] == [hf[1]]
     assert summary["student_accuracy_after"] == hf[2]

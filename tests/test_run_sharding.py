@@ -232,7 +232,7 @@ def test_sharded_teacher_gives_the_replicated_teachers_loss_first_update_and_acc
     first update and the teacher's accuracy (decoded in step, 5 prompts over 2 ranks: one repeated) are
     the replicated teacher's in one process."""
     from opdkit.jobs import whitebox
-    from opdkit.jobs.whitebox.job import sharded_accuracy
+    from opdkit.jobs.whitebox.job import sharded_accuracies
     from opdkit.models import load_model
 
     one_path, one_grads = one_process
@@ -276,7 +276,7 @@ def test_sharded_teacher_gives_the_replicated_teachers_loss_first_update_and_acc
     prep = whitebox.prepare("tiny", over)
     teacher = load_model(prep.cfg.teacher_model, torch.float32, "cpu")
     summary = json.loads((two / "summary.json").read_text())
-    assert summary["teacher_accuracy"] == sharded_accuracy(teacher, prep, 1, 0)
+    assert summary["teacher_accuracy"] == sharded_accuracies(teacher, prep, 1, 0, forced=False)[0]
 
 
 def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_model(tmp_path):

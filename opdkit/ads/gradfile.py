@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from opdkit.ads.gradient import tensor_norms
 from opdkit.run.files import atomic_path, atomic_write_text, json_safe
 
 GRADS_FILE = "grads.safetensors"
@@ -37,6 +39,26 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         "chat_template": tokenizer.chat_template,
     }
     return hashlib.sha256(json.dumps(facts, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def describe(named: dict[str, torch.Tensor], stats: dict, proxy_tokenizer: Any, **facts: Any) -> dict:
+    """grads.json's record of a gradient: `facts` (which proxy, teacher and traces, normalization, world size,
+    ...), the proxy tokenizer's fingerprint, the pass's `stats` (traces, tokens, loss, norm), the tensors'
+    count, norms and shapes, the kit's version and the time."""
+    import opdkit
+
+    return {
+        **facts,
+        "tokenizer_fingerprint": tokenizer_fingerprint(proxy_tokenizer),
+        **stats,
+        "dtype": "float32",
+        "num_tensors": len(named),
+        "num_parameters": sum(g.numel() for g in named.values()),
+        "opdkit_version": opdkit.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tensor_norms": tensor_norms(named),
+        "tensor_shapes": {k: list(g.shape) for k, g in named.items()},
+    }
 
 
 def save_grads(directory: str | Path, named: dict[str, torch.Tensor], meta: dict) -> Path:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from opdkit import memory
 from opdkit.data.labels import IGNORE, make_batches, shifted_labels, token_losses
 
 NORMALIZATIONS = ("trace", "token")
@@ -362,3 +363,20 @@ def answer_rows(held: Sequence[dict], tok: Any, answer_start: Any) -> list[dict]
                 }
             )
     return rows
+
+
+def gradient_stage(
+    proxy_model: str, batch_size: int, prompt_len: int, completion_len: int, gpu: bool
+) -> memory.Stage:
+    """What one process holds while it takes the fp32 proxy's gradient on `batch_size` traces at a time (no
+    optimizer; every process holds the whole proxy), for the memory plan."""
+    return memory.Stage(
+        student=memory.ModelShape.from_config(proxy_model),
+        student_dtype="float32",
+        bf16=False,
+        device="cuda" if gpu else "cpu",
+        optimizer="none",
+        train_batch_size=batch_size,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+    )

@@ -17,10 +17,13 @@ teacher's logits, so its λ is this kit's λ/τ.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
+from opdkit import memory
 from opdkit.ads.direction import CachedLM, Direction
 from opdkit.data import prompts
 from opdkit.models import eos_ids
@@ -237,3 +240,26 @@ def coupled_sample(
 def _gumbel(n: int, gen: torch.Generator) -> torch.Tensor:
     u = torch.rand(n, generator=gen, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
     return (-torch.log(-torch.log(u))).float()
+
+
+def sampling_stage(cfg: Any, budget: float | None, gradients: int = 1) -> memory.Stage:
+    """What one process holds while the teacher samples `gen_batch_size` traces steered by the proxy's
+    perturbed copies, for the memory plan: the teacher (bf16 on a GPU when `bf16`), the proxy with its
+    `gradients` (in host memory on a GPU) and, for fd, its two perturbed fp32 copies, each with its KV
+    cache."""
+    gpu = budget is not None
+    return memory.Stage(
+        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+        proxy=memory.ModelShape.from_config(cfg.proxy_model),
+        teacher_dtype="bfloat16" if cfg.bf16 and gpu else "float32",
+        proxy_dtype="float32",
+        bf16=False,
+        device="cuda" if gpu else "cpu",
+        sampler="teacher",
+        gen_batch_size=cfg.gen_batch_size,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=cfg.max_new_tokens,
+        ads_copies=2 if cfg.ads_method == "fd" else 0,
+        proxy_gradients=gradients,
+        proxy_on_host=gpu,
+    )

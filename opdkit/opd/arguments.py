@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from opdkit import memory
 from opdkit.config import ConfigError, check_ranges, setting
 from opdkit.models import checkpointing_argument
 from opdkit.rollout.engines import EngineSettings
@@ -166,4 +167,39 @@ def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any
             **sharding.fsdp_arguments(cfg.parallelism, world),
             **explicit,
         },
+    )
+
+
+def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
+    """What one `DistillTrainer` process holds, for the memory plan, from a config with `OPDSettings`,
+    `OPDTraining`, the models', precision and evaluation settings: the fp32 student (bf16 autocast), its
+    optimizer, the teacher (sharded under fsdp with several processes), every prompt of an optimizer step
+    sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher.
+    Planned for a GPU when there is a budget."""
+    dtype = "bfloat16" if cfg.bf16 else "float32"
+    return memory.Stage(
+        student=memory.ModelShape.from_config(cfg.student_model),
+        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+        student_dtype="float32",
+        teacher_dtype=dtype,
+        bf16=cfg.bf16,
+        device="cpu" if budget is None else "cuda",
+        optimizer=memory.optimizer_kind(cfg.optim, cfg.optim_args),
+        parallelism=cfg.parallelism,
+        world_size=world,
+        shard_teacher=True,  # DistillTrainer shards the teacher too under fsdp with several processes
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=cfg.max_new_tokens,
+        train_batch_size=cfg.per_device_train_batch_size,
+        loss_chunk_size=cfg.loss_chunk_size,
+        gen_batch_size=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
+        eval_model="teacher",
+        eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
+        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        rollout_engine=cfg.rollout_engine,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_sleep=cfg.vllm_sleep,
+        engine_dtype=dtype,
+        sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
     )

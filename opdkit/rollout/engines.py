@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opdkit import memory
 from opdkit.config import setting
 from opdkit.rollout import sampling
 from opdkit.run import sharding
@@ -103,6 +104,27 @@ class TraceSettings:
         "nucleus of the teacher's trace sampling (after 04's ADS term and temperature)",
         min=1e-3,
         max=1.0,
+    )
+
+
+def trace_stage(cfg, completion_len: int, budget: float | None) -> memory.Stage:
+    """What one process holds while the teacher writes traces, for the memory plan: with the kit's loop the
+    teacher (bf16 when `bf16`) and `gen_batch_size` rows of KV cache; with vLLM the engine's share, which
+    loads the teacher itself."""
+    hf = cfg.rollout_engine == "hf"
+    dtype = "bfloat16" if cfg.bf16 else "float32"
+    return memory.Stage(
+        teacher=memory.ModelShape.from_config(cfg.teacher_model) if hf else None,
+        teacher_dtype=dtype,
+        bf16=False,
+        device="cpu" if budget is None else "cuda",
+        sampler="teacher",
+        gen_batch_size=cfg.gen_batch_size if hf else 0,
+        prompt_len=cfg.max_prompt_length,
+        completion_len=completion_len,
+        rollout_engine=cfg.rollout_engine,
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        engine_dtype=dtype,
     )
 
 

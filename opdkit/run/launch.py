@@ -38,6 +38,12 @@ def under_external_launcher() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def run_processes(num_processes: int) -> int:
+    """The processes a run will have: the launcher's under torchrun / accelerate launch, else `num_processes`
+    (0: every visible GPU, 1 on a CPU)."""
+    return launched_world_size() if under_external_launcher() else default_num_processes(num_processes)
+
+
 def launched_world_size() -> int:
     """Processes of this run, as the launcher (notebook_launcher, torchrun, accelerate) announced them."""
     return int(os.environ.get("WORLD_SIZE", "1"))

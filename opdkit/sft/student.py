@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
 
-from opdkit import tiny
+from opdkit import memory, tiny
 from opdkit.config import ConfigError, name_list, setting
 from opdkit.data import labels
 from opdkit.models import enable_activation_checkpointing
@@ -276,3 +276,29 @@ def holdout_loss(
         loss_sum_B, n_B = labels.token_losses(model, batch)
         total += float((loss_sum_B / n_B).sum())
     return total / len(rows)
+
+
+def sft_stage(cfg: Any, budget: float | None) -> memory.Stage:
+    """What one process holds while a student is distilled on traces (`sft_micro_batch` of them a forward
+    pass, AdamW; a LoRA student's gradients and optimizer state are its adapters') and then evaluated greedily
+    (`eval_batch_size`), for the memory plan."""
+    gpu = budget is not None
+    completion = cfg.max_new_tokens
+    if cfg.sft_max_length:
+        completion = max(1, min(cfg.max_new_tokens, cfg.sft_max_length - cfg.max_prompt_length))
+    student = memory.ModelShape.from_config(cfg.student_model)
+    return memory.Stage(
+        student=student,
+        student_dtype="float32",
+        bf16=cfg.bf16 and gpu,
+        device="cuda" if gpu else "cpu",
+        optimizer="adamw",
+        trainable_params=student.lora_params(cfg.student_lora_r, cfg.student_lora_target_modules),
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        train_batch_size=cfg.sft_micro_batch(),
+        prompt_len=cfg.max_prompt_length,
+        completion_len=completion,
+        eval_model="student",
+        eval_batch_size=cfg.eval_batch_size,
+        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+    )

@@ -133,3 +133,39 @@ def accuracy(
         correct, correct_forced = t.tolist()
     n = len(messages)
     return Accuracy(correct / n, correct_forced / n if forced else None, n)
+
+
+def completion_budget(cfg) -> int:
+    """A config's evaluation completion budget: `eval_max_new_tokens`, or `max_new_tokens` when 0."""
+    return cfg.eval_max_new_tokens or cfg.max_new_tokens
+
+
+def configured_accuracy(
+    cfg,
+    model,
+    tokenizer,
+    task: Task,
+    messages,
+    answers,
+    *,
+    forced: bool | None = None,
+    bf16: bool | None = None,
+    **kwargs,
+) -> Accuracy:
+    """`accuracy` with a config's evaluation settings (`EvalSettings`, beside `max_new_tokens`,
+    `enable_thinking` and `bf16`): its completion budget and batch size; forced when `forced_accuracy` (or
+    `forced`), under bf16 autocast when `bf16` (or `bf16`, when given). `kwargs`: engine, world, rank,
+    progress."""
+    return accuracy(
+        model,
+        tokenizer,
+        task,
+        messages,
+        answers,
+        max_new_tokens=completion_budget(cfg),
+        batch_size=cfg.eval_batch_size,
+        enable_thinking=cfg.enable_thinking,
+        forced=cfg.forced_accuracy if forced is None else forced,
+        bf16=getattr(cfg, "bf16", False) if bf16 is None else bf16,
+        **kwargs,
+    )

@@ -1,7 +1,7 @@
 """antidistill (notebooks/04_antidistill.ipynb): antidistillation sampling against temperature sampling, a
 recipe over `ads`, `sft`, `opd` and the run lifecycle. `job.py` is the recipe (prepare, stages, process,
 summarize), `sweep.py` sets the sweep up (points, prompts, gradients, the steering), `points.py` runs one
-point and its attackers, `report.py` (with `figures.py`) shows a finished run."""
+point and its attackers, `report.py` shows a finished run."""
 
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.job import JOB, main, prepare, run

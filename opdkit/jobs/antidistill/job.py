@@ -39,142 +39,58 @@ checkpoint (refused when that checkpoint trained on other traces).
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import json
 import time
 
 from tqdm.auto import tqdm
 
-from opdkit import memory, tasks
-from opdkit.config import ConfigError, to_dict
-from opdkit.data import prompts
+from opdkit import memory
+from opdkit.ads.sampler import sampling_stage
+from opdkit.config import to_dict
 from opdkit.jobs.antidistill import points as pt
 from opdkit.jobs.antidistill import sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.jobs.antidistill.sweep import Prepared, sweep_points
-from opdkit.models import check_shared_vocab, load_tokenizer
+from opdkit.jobs.antidistill.sweep import Prepared, prepared, sweep_points
+from opdkit.opd.arguments import distill_stage
 from opdkit.run import spread, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import default_num_processes
 from opdkit.run.lifecycle import Job, fit_gen_batch, prepare_job, run_job
-
-
-def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:
-    """The prompts, then the tokenizers, then the gradient's fit to the proxy, in the original's order (data
-    files in milliseconds, before any download): every cheap failure happens here."""
-    sweep_points(cfg)  # two points sharing a folder name are a ConfigError
-    task = tasks.for_dataset(cfg.dataset_path)
-    messages, answers = sweep.training_prompts(cfg, task)
-    eval_messages, eval_answers, removed = sweep.eval_prompts(cfg, task, messages)
-    teacher_tok, proxy_tok = load_tokenizer(cfg.teacher_model), load_tokenizer(cfg.proxy_model)
-    student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
-    check_shared_vocab(teacher_tok, proxy_tok)
-    sweep.check_grads_run(cfg, proxy_tok)
-    holdout_check = sweep.check_apart_from_gradient(cfg, messages)
-    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
-        raise ConfigError(
-            "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
-        )
-    keep = prompts.short_prompts(messages, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
-    dropped = len(messages) - len(keep)
-    messages, answers = [messages[i] for i in keep], [answers[i] for i in keep]
-    first = teacher_tok.decode(prompts.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
-    return Prepared(
-        cfg,
-        mode,
-        task,
-        teacher_tok,
-        proxy_tok,
-        student_tok,
-        messages,
-        answers,
-        eval_messages,
-        eval_answers,
-        dropped,
-        first,
-        removed,
-        holdout_check,
-    )
+from opdkit.sft.student import sft_stage
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    """What one process holds at the stages of every point: the teacher sampling `gen_batch_size` traces
-    steered by the proxy's perturbed copies (the proxy and its gradients wait in host memory on a GPU; fd: two
-    copies, each with its KV cache), then, with teacher and proxies in host memory, the student's SFT
-    (`sft_micro_batch_size` traces) and its greedy evaluation; and the on-policy attackers when asked."""
-    cfg, gpu = prep.cfg, budget is not None
-    sft_completion = cfg.max_new_tokens
-    if cfg.sft_max_length:
-        sft_completion = max(1, min(cfg.max_new_tokens, cfg.sft_max_length - cfg.max_prompt_length))
-    student = memory.ModelShape.from_config(cfg.student_model)
-    device = "cuda" if gpu else "cpu"
+    """What one process holds at the stages of every point, one after the other: the ADS sampling of the
+    traces (`ads.sampler.sampling_stage`), then, with teacher and proxies in host memory on a GPU, the
+    student's SFT and evaluation (`sft.student.sft_stage`), then the on-policy attackers when asked."""
+    cfg = prep.cfg
     out = {
-        "ADS sampling": memory.Stage(
-            teacher=memory.ModelShape.from_config(cfg.teacher_model),
-            proxy=memory.ModelShape.from_config(cfg.proxy_model),
-            teacher_dtype="bfloat16" if cfg.bf16 and gpu else "float32",
-            proxy_dtype="float32",
-            bf16=False,
-            device=device,
-            sampler="teacher",
-            gen_batch_size=cfg.gen_batch_size,
-            prompt_len=cfg.max_prompt_length,
-            completion_len=cfg.max_new_tokens,
-            ads_copies=2 if cfg.ads_method == "fd" else 0,
-            proxy_gradients=2 if cfg.answer_lams else 1,
-            proxy_on_host=gpu,
-        ),
-        "student SFT": memory.Stage(
-            student=student,
-            student_dtype="float32",
-            bf16=cfg.bf16 and gpu,
-            device=device,
-            optimizer="adamw",
-            trainable_params=student.lora_params(cfg.student_lora_r, cfg.student_lora_target_modules),
-            gradient_checkpointing=cfg.gradient_checkpointing,
-            train_batch_size=cfg.sft_micro_batch(),
-            prompt_len=cfg.max_prompt_length,
-            completion_len=sft_completion,
-            eval_model="student",
-            eval_batch_size=cfg.eval_batch_size,
-            eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-        ),
+        "ADS sampling": sampling_stage(cfg, budget, gradients=2 if cfg.answer_lams else 1),
+        "student SFT": sft_stage(cfg, budget),
     }
     if set(cfg.attackers) - {"sft"}:
-        out["on-policy attackers"] = on_policy_stage(cfg, gpu)
+        out["on-policy attackers"] = on_policy_stage(cfg, budget)
     return out
 
 
-def on_policy_stage(cfg: AntidistillConfig, gpu: bool) -> memory.Stage:
-    """The on-policy attackers (`attackers` opd, opd-plain): a fresh student trained by DistillTrainer on its
-    own rollouts (`per_device_train_batch_size` prompts, the kit's loop, AdamW), scored by the teacher with
-    the proxy's two perturbed fp32 copies beside it (the ADS teacher, with its stacked fp32 head), then
+def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stage:
+    """The on-policy attackers: 02's trainer on one device (`opd.arguments.distill_stage`), its teacher beside
+    the proxy's two perturbed fp32 copies (the ADS teacher, with its stacked fp32 head), the student
     evaluated."""
-    return memory.Stage(
-        student=memory.ModelShape.from_config(cfg.student_model),
-        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+    gpu = budget is not None
+    return dataclasses.replace(
+        distill_stage(cfg, 1, budget),
         proxy=memory.ModelShape.from_config(cfg.proxy_model),
-        student_dtype="float32",
         teacher_dtype="bfloat16" if cfg.bf16 and gpu else "float32",
-        proxy_dtype="float32",
         bf16=cfg.bf16 and gpu,
-        device="cuda" if gpu else "cpu",
-        optimizer="adamw",
         shard_teacher=False,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        prompt_len=cfg.max_prompt_length,
-        completion_len=cfg.max_new_tokens,
-        train_batch_size=cfg.per_device_train_batch_size,
-        sampler="student",
-        gen_batch_size=cfg.per_device_train_batch_size,
         ads_copies=2,
         proxy_gradients=2 if cfg.answer_lams else 1,
         proxy_on_host=gpu,
         eval_model="student",
-        eval_batch_size=cfg.eval_batch_size,
-        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
     )
 
 

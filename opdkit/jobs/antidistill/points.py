@@ -140,18 +140,8 @@ def saved_traces(path: Path, prep: Prepared) -> list[dict] | None:
 def student_accuracies(model: torch.nn.Module, prep: Prepared) -> tuple[float, float]:
     """(raw, forced) greedy accuracy on the held-out problems: the completions as written, and with their
     final answers forced as the ADS reference does (`tasks.evaluate.accuracy`)."""
-    cfg = prep.cfg
-    acc = evaluate.accuracy(
-        model,
-        prep.student_tokenizer,
-        prep.task,
-        prep.eval_messages,
-        prep.eval_answers,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-        batch_size=cfg.eval_batch_size,
-        enable_thinking=cfg.enable_thinking,
-        forced=True,
-    )
+    args = (prep.student_tokenizer, prep.task, prep.eval_messages, prep.eval_answers)
+    acc = evaluate.configured_accuracy(prep.cfg, model, *args, bf16=False)
     return acc.raw, acc.forced
 
 

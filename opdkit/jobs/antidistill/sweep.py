@@ -15,6 +15,7 @@ on.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import multiprocessing
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -31,7 +32,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
 from opdkit.jobs import savegrad
 from opdkit.jobs.antidistill.config import AntidistillConfig
-from opdkit.models import load_model, load_tokenizer, model_skeleton
+from opdkit.models import check_shared_vocab, load_model, load_tokenizer, model_skeleton
 from opdkit.run.folders import RunDir, print0
 from opdkit.sft.student import sft_rows
 
@@ -347,4 +348,42 @@ def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: Antidistill
     held = held.select(range(min(len(held), HOLDOUT_LOSS_TRACES)))
     return sft_rows(
         [{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg
+    )
+
+
+def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:
+    """The prompts, then the tokenizers, then the gradient's fit to the proxy, in the original's order (data
+    files in milliseconds, before any download): every cheap failure happens here."""
+    sweep_points(cfg)  # two points sharing a folder name are a ConfigError
+    task = tasks.for_dataset(cfg.dataset_path)
+    messages, answers = training_prompts(cfg, task)
+    eval_messages, eval_answers, removed = eval_prompts(cfg, task, messages)
+    teacher_tok, proxy_tok = load_tokenizer(cfg.teacher_model), load_tokenizer(cfg.proxy_model)
+    student_tok = load_tokenizer(cfg.student_tokenizer or cfg.student_model)
+    check_shared_vocab(teacher_tok, proxy_tok)
+    check_grads_run(cfg, proxy_tok)
+    holdout_check = check_apart_from_gradient(cfg, messages)
+    if cfg.student_lora_r and importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "student_lora_r > 0 needs peft; install it with pip install 'opdkit[lora]' (or pip install peft)."
+        )
+    keep = prompts.short_prompts(messages, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    dropped = len(messages) - len(keep)
+    messages, answers = [messages[i] for i in keep], [answers[i] for i in keep]
+    first = teacher_tok.decode(prompts.prompt_ids(teacher_tok, messages[0], cfg.enable_thinking))
+    return Prepared(
+        cfg,
+        mode,
+        task,
+        teacher_tok,
+        proxy_tok,
+        student_tok,
+        messages,
+        answers,
+        eval_messages,
+        eval_answers,
+        dropped,
+        first,
+        removed,
+        holdout_check,
     )

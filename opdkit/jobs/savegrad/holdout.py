@@ -4,7 +4,7 @@ proxy's tokens and labels, kept in the run's `traces/` folder (`opdkit.data.trac
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,8 +18,10 @@ from opdkit import tasks, tiny
 from opdkit.ads import gradient
 from opdkit.config import ConfigError
 from opdkit.data import labels, prompts, traces
+from opdkit.data.labels import completion_labels
+from opdkit.data.traces import format_trace
 from opdkit.jobs.savegrad.config import SaveGradConfig
-from opdkit.models import eos_ids, load_model
+from opdkit.models import check_shared_vocab, eos_ids, load_model, load_tokenizer
 from opdkit.rollout import engines, sampling
 from opdkit.run.folders import RunDir, print0
 
@@ -298,3 +300,54 @@ def traces_for(
     if rank == 0:
         traces.save_traces(saved, records)
     return records
+
+
+@dataclass
+class Prepared:
+    cfg: SaveGradConfig
+    mode: str
+    task: tasks.Task
+    proxy_tokenizer: PreTrainedTokenizerBase
+    teacher_tokenizer: PreTrainedTokenizerBase | None  # None when traces_path supplies the traces
+    # The holdout prompts the teacher answers: the data this job's gradient is computed on (empty when
+    # traces_path supplies the traces).
+    train_messages: list[list[dict]]
+    train_answers: list[str]
+    traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
+    dropped: int  # holdout prompts dropped as longer than max_prompt_length
+    first_example: str  # the first prompt (or supplied trace) as the model sees it
+
+
+def prepared(cfg: SaveGradConfig, mode: str) -> Prepared:
+    """The prompts (or supplied traces), then the tokenizers, in the original's order (data files in
+    milliseconds, before any download): every cheap failure happens here."""
+    if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
+        raise ConfigError(
+            f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
+            f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
+        )
+    task = tasks.for_dataset(cfg.dataset_path)
+    if cfg.traces_path and cfg.proxy_tokens == "teacher":
+        raise ConfigError(
+            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; "
+            "with traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
+        )
+    if cfg.traces_path:
+        traces = supplied_traces(cfg)
+        proxy_tok = load_tokenizer(cfg.proxy_model)
+        ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
+        return Prepared(
+            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
+        )
+    holdout = holdout_prompts(cfg)
+    proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
+    if cfg.proxy_tokens == "teacher":
+        check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
+    holdout, dropped = prompts.filter_long_prompts(
+        holdout, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
+    )
+    collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
+    first = prompts.format_first_prompt(holdout, collator, teacher_tok)
+    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
+    messages, answers = list(holdout["messages"]), list(holdout["answer"])
+    return Prepared(cfg, mode, task, proxy_tok, teacher_tok, messages, answers, None, dropped, first)

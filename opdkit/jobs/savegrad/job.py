@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-import opdkit
-from opdkit import memory, tasks, tiny
+from opdkit import memory, tiny
 from opdkit.ads import gradfile, gradient
-from opdkit.config import ConfigError, to_dict
-from opdkit.data import prompts
-from opdkit.data.labels import completion_labels
-from opdkit.data.traces import TRACES_DIR, format_trace, truncated_count
+from opdkit.config import to_dict
+from opdkit.data.traces import TRACES_DIR, truncated_count
 from opdkit.jobs.savegrad.config import SaveGradConfig
-from opdkit.jobs.savegrad.holdout import holdout_prompts, supplied_traces, traces_for
-from opdkit.models import check_shared_vocab, load_model, load_tokenizer
+from opdkit.jobs.savegrad.holdout import Prepared, prepared, traces_for
+from opdkit.models import load_model
 from opdkit.rollout import engines
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
@@ -46,91 +41,17 @@ from opdkit.run.lifecycle import Job, fit_gen_batch, prepare_job, run_job
 from opdkit.tasks.evaluate import fraction_correct
 
 
-@dataclass
-class Prepared:
-    cfg: SaveGradConfig
-    mode: str
-    task: tasks.Task
-    proxy_tokenizer: PreTrainedTokenizerBase
-    teacher_tokenizer: PreTrainedTokenizerBase | None  # None when traces_path supplies the traces
-    # The holdout prompts the teacher answers: the data this job's gradient is computed on (empty when
-    # traces_path supplies the traces).
-    train_messages: list[list[dict]]
-    train_answers: list[str]
-    traces: list[dict] | None  # supplied traces: messages ending with the answer, answer
-    dropped: int  # holdout prompts dropped as longer than max_prompt_length
-    first_example: str  # the first prompt (or supplied trace) as the model sees it
-
-
-def prepared(cfg: SaveGradConfig, mode: str) -> Prepared:
-    """The prompts (or supplied traces), then the tokenizers, in the original's order (data files in
-    milliseconds, before any download): every cheap failure happens here."""
-    if cfg.max_length and cfg.max_length <= cfg.max_prompt_length:
-        raise ConfigError(
-            f"max_length={cfg.max_length} leaves no room for a completion after prompts of up to "
-            f"max_prompt_length={cfg.max_prompt_length} tokens; raise max_length or set it to 0."
-        )
-    task = tasks.for_dataset(cfg.dataset_path)
-    if cfg.traces_path and cfg.proxy_tokens == "teacher":
-        raise ConfigError(
-            "proxy_tokens=teacher needs the teacher's own token ids, which only traces generated here have; "
-            "with traces_path, set proxy_tokens=proxy (each trace re-rendered in the proxy's chat template)."
-        )
-    if cfg.traces_path:
-        traces = supplied_traces(cfg)
-        proxy_tok = load_tokenizer(cfg.proxy_model)
-        ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
-        return Prepared(
-            cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
-        )
-    holdout = holdout_prompts(cfg)
-    proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
-    if cfg.proxy_tokens == "teacher":
-        check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
-    holdout, dropped = prompts.filter_long_prompts(
-        holdout, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
-    )
-    collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
-    first = prompts.format_first_prompt(holdout, collator, teacher_tok)
-    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
-    messages, answers = list(holdout["messages"]), list(holdout["answer"])
-    return Prepared(cfg, mode, task, proxy_tok, teacher_tok, messages, answers, None, dropped, first)
-
-
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    """What one process holds, for the memory plan, in the job's two stages one after the other: the
-    teacher writing traces (the kit's loop, `gen_batch_size` rows, or the vLLM engine's share, which loads
-    the teacher itself), then the fp32 proxy's gradient pass (`batch_size` traces, no optimizer; every
-    process holds the whole proxy). Without traces_path both; with it the gradient pass only."""
+    """What one process holds, for the memory plan, in the job's two stages one after the other: the teacher
+    writing traces (`rollout.engines.trace_stage`), then the fp32 proxy's gradient pass
+    (`ads.gradient.gradient_stage`). Without traces_path both; with it the gradient pass only."""
     cfg = prep.cfg
     longest = cfg.max_prompt_length + cfg.max_new_tokens
     trace = (min(longest, cfg.max_length) if cfg.max_length else longest) - cfg.max_prompt_length
-    device = "cpu" if budget is None else "cuda"
-    out = {}
-    if not cfg.traces_path:
-        hf = cfg.rollout_engine == "hf"
-        out["teacher traces"] = memory.Stage(
-            teacher=memory.ModelShape.from_config(cfg.teacher_model) if hf else None,
-            teacher_dtype="bfloat16" if cfg.bf16 else "float32",
-            bf16=False,
-            device=device,
-            sampler="teacher",
-            gen_batch_size=cfg.gen_batch_size if hf else 0,
-            prompt_len=cfg.max_prompt_length,
-            completion_len=trace,
-            rollout_engine=cfg.rollout_engine,
-            vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            engine_dtype="bfloat16" if cfg.bf16 else "float32",
-        )
-    out["proxy gradient"] = memory.Stage(
-        student=memory.ModelShape.from_config(cfg.proxy_model),
-        student_dtype="float32",
-        bf16=False,
-        device=device,
-        optimizer="none",
-        train_batch_size=cfg.batch_size,
-        prompt_len=cfg.max_prompt_length,
-        completion_len=trace,
+    out = {} if cfg.traces_path else {"teacher traces": engines.trace_stage(cfg, trace, budget)}
+    gpu = budget is not None
+    out["proxy gradient"] = gradient.gradient_stage(
+        cfg.proxy_model, cfg.batch_size, cfg.max_prompt_length, trace, gpu
     )
     return out
 
@@ -148,32 +69,21 @@ def teacher_accuracy(records: list[dict]) -> float | None:
 
 
 def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:
-    norms = gradient.tensor_norms(named)
-    return {
-        "proxy_model": cfg.proxy_model,
-        "proxy_path": tiny.resolve(cfg.proxy_model),
-        "teacher_model": None if cfg.traces_path else cfg.teacher_model,
-        "traces": cfg.traces_path or TRACES_DIR,
-        "tokenizer_fingerprint": gradfile.tokenizer_fingerprint(prep.proxy_tokenizer),
-        "num_traces": stats["num_traces"],
-        "truncated_traces": stats[
-            "truncated_traces"
-        ],  # their labels end where the teacher stopped, no end of turn
-        "completion_tokens": stats["completion_tokens"],
-        "normalization": cfg.normalization,
-        "proxy_tokens": cfg.proxy_tokens,
-        "loss": stats["loss"],
-        "grad_norm": stats["grad_norm"],
-        "world_size": world,
-        "batch_size": cfg.batch_size,
-        "dtype": "float32",
-        "num_tensors": len(named),
-        "num_parameters": sum(g.numel() for g in named.values()),
-        "opdkit_version": opdkit.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "tensor_norms": norms,
-        "tensor_shapes": {k: list(g.shape) for k, g in named.items()},
-    }
+    """grads.json: which proxy, teacher and traces, how the gradient was normalised, and the pass's
+    numbers."""
+    return gradfile.describe(
+        named,
+        {k: stats[k] for k in ("num_traces", "truncated_traces", "completion_tokens", "loss", "grad_norm")},
+        prep.proxy_tokenizer,
+        proxy_model=cfg.proxy_model,
+        proxy_path=tiny.resolve(cfg.proxy_model),
+        teacher_model=None if cfg.traces_path else cfg.teacher_model,
+        traces=cfg.traces_path or TRACES_DIR,
+        normalization=cfg.normalization,
+        proxy_tokens=cfg.proxy_tokens,
+        world_size=world,
+        batch_size=cfg.batch_size,
+    )
 
 
 def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seconds: float) -> dict:

@@ -13,76 +13,30 @@ process loads the student and the teacher, measures greedy accuracy before, dist
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from opdkit import memory, tasks
-from opdkit.config import ConfigError
+from opdkit import memory
 from opdkit.data import prompts
-from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.split import split_prompts, with_system
-from opdkit.models import check_tokenizers, load_model, load_tokenizer, num_params
+from opdkit.jobs.whitebox.prepare import Prepared, prepared
+from opdkit.models import load_model, load_tokenizer, num_params
 from opdkit.notebook import live
-from opdkit.opd.arguments import training_arguments
+from opdkit.opd import arguments as opd_arguments
+from opdkit.opd.arguments import OPDArguments, distill_stage
 from opdkit.opd.callbacks import add_step_accuracy
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import engines
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import default_num_processes, launched_world_size, under_external_launcher
+from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_job
-from opdkit.tasks import evaluate
-from opdkit.tasks.base import Task
-
-
-@dataclass
-class Prepared:
-    cfg: WhiteboxConfig
-    mode: str
-    task: Task
-    tokenizer: object
-    train_dataset: object  # datasets.Dataset of prompts: messages, answer
-    eval_messages: list
-    eval_answers: list
-    dropped: int
-    first_example: str
-    eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
-    removed: dict[str, int] = field(default_factory=prompts.removed)  # rows passed over to keep sets apart
-
-    @property
-    def train_messages(self) -> list[list[dict]]:
-        return list(self.train_dataset["messages"])
-
-
-def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
-    """The prompts, then the tokenizers, as the original does (the data file in milliseconds, before any
-    download): every cheap failure happens here, before anything is written."""
-    task = tasks.for_dataset(cfg.dataset_path)
-    exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
-    split = split_prompts(task, cfg, exclude)
-    if cfg.system_prompt:
-        split = with_system(split, cfg.system_prompt)
-    tok = load_tokenizer(cfg.student_model)
-    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
-    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
-    first = prompts.format_first_prompt(train, collator, tok)
-    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
-    if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
-        raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
-    msgs = split.eval_messages
-    longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
-    return Prepared(
-        cfg, mode, task, tok, train, msgs, split.eval_answers, dropped, first, longest, split.removed
-    )
+from opdkit.tasks.evaluate import completion_budget, configured_accuracy
 
 
 def processes(cfg: WhiteboxConfig) -> int:
-    """The processes the run will have: the launcher's, or `num_processes` (0: every visible GPU)."""
-    return launched_world_size() if under_external_launcher() else default_num_processes(cfg.num_processes)
+    return run_processes(cfg.num_processes)
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
@@ -90,46 +44,8 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 
 
 def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage:
-    """What one process of this run holds, for the memory plan: the fp32 student (bf16 autocast), its
-    optimizer, the teacher, every prompt of an optimizer step sampled at once (the kit's loop) or the vLLM
-    engine's share, and the greedy evaluation of the teacher. Planned for a GPU when there is a budget."""
-    return memory.Stage(
-        student=memory.ModelShape.from_config(cfg.student_model),
-        teacher=memory.ModelShape.from_config(cfg.teacher_model),
-        student_dtype="float32",
-        teacher_dtype=engine_dtype(cfg.bf16),
-        bf16=cfg.bf16,
-        device="cpu" if budget is None else "cuda",
-        optimizer=memory.optimizer_kind(cfg.optim, cfg.optim_args),
-        parallelism=cfg.parallelism,
-        world_size=world,
-        shard_teacher=True,  # DistillTrainer shards the teacher too under fsdp with several processes
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        prompt_len=cfg.max_prompt_length,
-        completion_len=cfg.max_new_tokens,
-        train_batch_size=cfg.per_device_train_batch_size,
-        loss_chunk_size=cfg.loss_chunk_size,
-        gen_batch_size=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
-        eval_model="teacher",
-        eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
-        eval_completion_len=eval_new_tokens(cfg),
-        rollout_engine=cfg.rollout_engine,
-        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_sleep=cfg.vllm_sleep,
-        engine_dtype=engine_dtype(cfg.bf16),
-        sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
-    )
-
-
-def excluded_holdout(run_dir: str) -> list[list[dict]]:
-    """The holdout prompts of the savegrad run `exclude_run` names."""
-    holdout = savegrad.run_holdout(run_dir)
-    if holdout is None:
-        raise ConfigError(
-            f"exclude_run={run_dir!r} has neither config.yaml nor traces/, so its holdout prompts are "
-            "unknown; point it to the savegrad run directory itself."
-        )
-    return holdout
+    """What one process of this run holds (`opd.arguments.distill_stage`)."""
+    return distill_stage(cfg, world, budget)
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -144,10 +60,6 @@ def engine_dtype(bf16: bool) -> str:
     return "bfloat16" if bf16 else "float32"
 
 
-def eval_new_tokens(cfg: WhiteboxConfig) -> int:
-    return cfg.eval_max_new_tokens or cfg.max_new_tokens
-
-
 def sharded_accuracies(
     model,
     prep: Prepared,
@@ -157,22 +69,18 @@ def sharded_accuracies(
     engine=None,
     forced: bool | None = None,
 ) -> tuple[float | None, float | None]:
-    """(raw, forced) greedy accuracy on the evaluation set (its first `limit` problems), split across
-    processes (`tasks.evaluate.accuracy`); forced only when `forced` (default: the config's
-    `forced_accuracy`). The kit's loop decodes every model under the run's one autocast
-    (`accuracy_precision`)."""
-    cfg = prep.cfg
-    acc = evaluate.accuracy(
+    """(raw, forced) greedy accuracy on the first `limit` evaluation problems, split across processes, every
+    model decoded under the run's one autocast (`accuracy_precision`;
+    `tasks.evaluate.configured_accuracy`)."""
+    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
+    acc = configured_accuracy(
+        prep.cfg,
         model,
         prep.tokenizer,
         prep.task,
-        prep.eval_messages[:limit],
-        prep.eval_answers[:limit],
-        max_new_tokens=eval_new_tokens(cfg),
-        batch_size=cfg.eval_batch_size,
-        enable_thinking=cfg.enable_thinking,
-        forced=cfg.forced_accuracy if forced is None else forced,
-        bf16=cfg.bf16,
+        messages,
+        answers,
+        forced=forced,
         engine=engine,
         world=world,
         rank=rank,
@@ -181,20 +89,27 @@ def sharded_accuracies(
     return acc.raw, acc.forced
 
 
+def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
+    """The trainer's arguments (`opd.arguments.training_arguments`), checkpoints in the run's checkpoints/; a
+    vLLM engine's context fits a rollout and, as it also evaluates the student, the longest evaluation prompt
+    (`eval_prompt_tokens`) with its answer."""
+    return opd_arguments.training_arguments(
+        cfg,
+        str(run_path / "checkpoints"),
+        run_name=f"{JOB.name}/{run_path.name}",
+        vllm_max_model_len=max(
+            cfg.max_prompt_length + cfg.max_new_tokens,
+            eval_prompt_tokens + completion_budget(cfg) if eval_prompt_tokens else 0,
+        ),
+    )
+
+
 def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
     """What every process runs: load the models, measure accuracy, distil, measure it again, write the
     summary. However it ends, the trainer's rollout engine is shut down, so a next run in this process (03's
     arms, Run All again) finds the memory free."""
     t0, cfg = time.time(), prep.cfg
-    args = training_arguments(  # initialises the process group in multi-process runs
-        cfg,
-        str(run.path / "checkpoints"),
-        run_name=f"{JOB.name}/{run.path.name}",
-        vllm_max_model_len=max(  # a rollout, and (vLLM also evaluates the student) the longest question
-            cfg.max_prompt_length + cfg.max_new_tokens,
-            prep.eval_prompt_tokens + eval_new_tokens(cfg) if prep.eval_prompt_tokens else 0,
-        ),
-    )
+    args = training_arguments(cfg, run.path, prep.eval_prompt_tokens)  # starts the process group (N > 1)
     world, rank = args.world_size, args.process_index
     run.write_env(world_size=world)
     if cfg.parallelism == "fsdp" and world == 1:

@@ -11,7 +11,7 @@ from opdkit import tasks
 from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.jobs.savegrad.config import SaveGradConfig
-from opdkit.jobs.whitebox.split import split_prompts
+from opdkit.jobs.whitebox.prepare import split_prompts
 from opdkit.run.folders import RunDir
 
 
@@ -80,9 +80,10 @@ def test_no_room_for_held_out_rows_is_an_error(dapo_parquet, subset_size, eval_s
 
 def test_whitebox_prepare_uses_the_split(dapo_parquet, tiny_tokenizer, monkeypatch):
     from opdkit.jobs.whitebox import job
+    from opdkit.jobs.whitebox import prepare as wb_prepare
 
-    monkeypatch.setattr(job, "load_tokenizer", lambda name: tiny_tokenizer)
-    monkeypatch.setattr(job, "check_tokenizers", lambda a, b: None)
+    monkeypatch.setattr(wb_prepare, "load_tokenizer", lambda name: tiny_tokenizer)
+    monkeypatch.setattr(wb_prepare, "check_tokenizers", lambda a, b: None)
     prep = job.prepare(
         "tiny",
         {"dataset_path": str(dapo_parquet), "subset_size": -1, "eval_size": 2, "max_prompt_length": 100_000},
@@ -111,9 +112,10 @@ def test_prompt_key_ignores_whitespace_and_the_system_prompt():
 def test_whitebox_leaves_savegrads_holdout_out_when_told(dapo_parquet, tiny_tokenizer, monkeypatch, tmp_path):
     from opdkit.jobs import savegrad
     from opdkit.jobs.whitebox import job
+    from opdkit.jobs.whitebox import prepare as wb_prepare
 
-    monkeypatch.setattr(job, "load_tokenizer", lambda name: tiny_tokenizer)
-    monkeypatch.setattr(job, "check_tokenizers", lambda a, b: None)
+    monkeypatch.setattr(wb_prepare, "load_tokenizer", lambda name: tiny_tokenizer)
+    monkeypatch.setattr(wb_prepare, "check_tokenizers", lambda a, b: None)
     grads = _savegrad_run(tmp_path / "grads", str(dapo_parquet), seed=7)  # another seed: another holdout
     holdout = prompts.prompt_keys(savegrad.run_holdout(grads))
     over = {"dataset_path": str(dapo_parquet), "subset_size": -1, "eval_size": 2, "max_prompt_length": 10**5}
@@ -131,9 +133,9 @@ def test_whitebox_leaves_savegrads_holdout_out_when_told(dapo_parquet, tiny_toke
 
 
 def test_antidistill_one_file_for_both_sets(repeated_parquet, tiny_tokenizer, monkeypatch):
-    from opdkit.jobs.antidistill import job
+    from opdkit.jobs.antidistill import job, sweep
 
-    monkeypatch.setattr(job, "load_tokenizer", lambda name: tiny_tokenizer)
+    monkeypatch.setattr(sweep, "load_tokenizer", lambda name: tiny_tokenizer)
     prep = job.prepare(
         "tiny",
         {

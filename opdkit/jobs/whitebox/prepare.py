@@ -1,5 +1,8 @@
-"""whitebox's prompts: the training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
+"""whitebox's prepared run: everything that can fail cheaply, before anything is written (the prompts, then
+the tokenizers, as the original does: the data file in milliseconds, before any download); above all the
+training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
 
+    prep = prepared(cfg, mode)                 # Prepared: train_dataset, eval_messages, tokenizer, ...
     split = split_prompts(task, cfg, exclude=prompt_keys(holdout))    # split.train, split.eval_messages, ...
 
 A task with held-out problems of its own (the tiny world) trains on its training stream and evaluates on
@@ -15,9 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import datasets
+import torch
 
+from opdkit import tasks
 from opdkit.config import ConfigError
 from opdkit.data import prompts
+from opdkit.jobs import savegrad
+from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.models import check_tokenizers, load_tokenizer
+from opdkit.rollout import engines
 from opdkit.tasks.base import Messages, Task
 
 
@@ -108,3 +117,56 @@ def with_system(split: Split, system_prompt: str) -> Split:
     train = split.train.map(lambda row: {"messages": [system, *row["messages"]]}, desc="system prompt")
     held = [[system, *m] for m in split.eval_messages]
     return Split(train, held, split.eval_answers, split.removed)
+
+
+def excluded_holdout(run_dir: str) -> list[list[dict]]:
+    """The holdout prompts of the savegrad run `exclude_run` names."""
+    holdout = savegrad.run_holdout(run_dir)
+    if holdout is None:
+        raise ConfigError(
+            f"exclude_run={run_dir!r} has neither config.yaml nor traces/, so its holdout prompts are "
+            "unknown; point it to the savegrad run directory itself."
+        )
+    return holdout
+
+
+@dataclass
+class Prepared:
+    cfg: WhiteboxConfig
+    mode: str
+    task: Task
+    tokenizer: object
+    train_dataset: object  # datasets.Dataset of prompts: messages, answer
+    eval_messages: list
+    eval_answers: list
+    dropped: int
+    first_example: str
+    eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
+    removed: dict[str, int] = field(default_factory=prompts.removed)  # rows passed over to keep sets apart
+
+    @property
+    def train_messages(self) -> list[list[dict]]:
+        return list(self.train_dataset["messages"])
+
+
+def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
+    """The prompts, then the tokenizers, as the original does (the data file in milliseconds, before any
+    download): every cheap failure happens here, before anything is written."""
+    task = tasks.for_dataset(cfg.dataset_path)
+    exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
+    split = split_prompts(task, cfg, exclude)
+    if cfg.system_prompt:
+        split = with_system(split, cfg.system_prompt)
+    tok = load_tokenizer(cfg.student_model)
+    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    first = prompts.format_first_prompt(train, collator, tok)
+    engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
+    if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
+        raise ConfigError("vllm_sleep needs CUDA GPUs (vLLM has no sleep mode on CPU); set vllm_sleep false.")
+    msgs = split.eval_messages
+    longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
+    return Prepared(
+        cfg, mode, task, tok, train, msgs, split.eval_answers, dropped, first, longest, split.removed
+    )
