@@ -131,12 +131,6 @@ def test_text_layouts_become_one_user_message(columns, answer, tmp_path):
     assert ds[0] == {"messages": [{"role": "user", "content": "What is 6*7?"}], "answer": answer}
 
 
-def test_final_answer():
-    assert tasks.math.final_answer("work\n#### 1,234 ") == "1,234"
-    assert tasks.math.final_answer("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
-    assert tasks.math.final_answer(" 17 ") == "17"
-
-
 def test_subset_is_deterministic(dapo_parquet):
     a = MATH.load_prompts(str(dapo_parquet), subset_size=5, seed=1)
     b = MATH.load_prompts(str(dapo_parquet), subset_size=5, seed=1)

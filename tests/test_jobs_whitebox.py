@@ -110,8 +110,8 @@ def test_batch_shape_does_not_change_the_gradient(tmp_path):
 
 
 def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone(tmp_path, monkeypatch):
-    """The step's rows regrouped by completion length (`microbatches.length_order`) against the same samples in
-    sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
+    """The step's rows regrouped by completion length (`microbatches.length_order`) against the same samples
+    in sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
     common = dict(
         gen_temperature=1.0,
         per_device_train_batch_size=4,

@@ -192,7 +192,8 @@ def test_antidistill_accepts_the_holdout_of_its_own_shuffle(dapo_parquet, tmp_pa
     cfg = load_config(
         AntidistillConfig, "tiny", {"dataset_path": str(dapo_parquet), "subset_size": 8, "grads_run": grads}
     )
-    sweep.check_apart_from_gradient(cfg, sweep.training_prompts(cfg, tasks.for_dataset(cfg.dataset_path))[0])  # no ConfigError
+    task = tasks.for_dataset(cfg.dataset_path)
+    sweep.check_apart_from_gradient(cfg, sweep.training_prompts(cfg, task)[0])  # no ConfigError
 
 
 def test_a_bare_gradient_file_is_used_unchecked_and_the_summary_says_so(tmp_path):

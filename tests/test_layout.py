@@ -257,8 +257,10 @@ def mirrored_test_names(root: Path = REPO) -> list[str]:
         where, parts = root / "opdkit", name.split("_")
         while parts and (where / parts[0]).is_dir():
             where = where / parts.pop(0)
-        if parts and (where / f"{parts[0]}.py").is_file():
-            where = where / parts.pop(0)
+        # the module, whose own name may hold a '_' (test_build_tiny_world.py: opdkit/build/tiny_world.py)
+        k = next((k for k in range(len(parts), 0, -1) if (where / f"{'_'.join(parts[:k])}.py").is_file()), 0)
+        if k:
+            where, parts = where / "_".join(parts[:k]), parts[k:]
         if where == root / "opdkit" or len(parts) > 1:  # at most one word of aspect after the module
             bad.append(f"tests/{path.name} names no module of opdkit (left over: {'_'.join(parts)})")
     return bad
@@ -520,7 +522,10 @@ def defined(path: Path, names: list[str], root: Path, depth: int = 0) -> bool:
                 return any(
                     getattr(s, "name", None) == names[1]
                     or (isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == names[1])
-                    or (isinstance(s, ast.Assign) and any(getattr(t, "id", None) == names[1] for t in s.targets))
+                    or (
+                        isinstance(s, ast.Assign)
+                        and any(getattr(t, "id", None) == names[1] for t in s.targets)
+                    )
                     for s in node.body
                 )
             return False
@@ -567,18 +572,44 @@ def cited_names(root: Path = REPO) -> list[str]:
 # Library modules whose tests live in other files, with where; every other library module has
 # tests/test_<room>_<module>*.py, and a job's modules have tests/test_jobs_<job>*.py.
 UNTESTED = {
+    "opdkit.ads.gradfile": "tests/test_ads_gradient.py: saved by a savegrad run, loaded, and every refusal "
+    "(names, shapes, missing tensors, another tokenizer, a module prefix); tests/test_ads_direction.py: "
+    "another model's",
     "opdkit.notebook.demo": "`make demo` itself runs it (every notebook, headless)",
+    "opdkit.notebook.figures": "drawn from real runs: tests/test_jobs_whitebox.py (the curves with held-out "
+    "accuracy, the accuracy bars), tests/test_notebooks.py (02's three figures saved; slow)",
+    "opdkit.notebook.live": "a kernel's view: tests/test_notebooks.py (headless plain logs, OPDKIT_LIVE=1's "
+    "one live figure; slow) and tests/test_notebooks_jupyterlab.py",
+    "opdkit.notebook.parameters": "tests/test_config.py: the parameters cell from the kernel's history, "
+    "papermill's injected cell, unknown names refused",
+    "opdkit.opd.arguments": "tests/test_jobs_whitebox.py (the global batch over any process count; every "
+    "run's arguments, max_grad_norm 0 never clipping in the gradient checks), tests/test_ads_teacher.py and "
+    "tests/test_models.py (OPDArguments built directly)",
+    "opdkit.opd.callbacks": "tests/test_jobs_whitebox.py: GradientDump is the gradient checks' window into a "
+    "step, StepAccuracy logs eval_steps' accuracy",
+    "opdkit.opd.trainer": "tests/test_jobs_whitebox.py (a step's gradient against TRL's loss, batch shape "
+    "and process count, resume, non-finite steps), tests/test_ads_teacher.py (a step with the ADS teacher), "
+    "tests/test_models.py (rollouts end at the stop list)",
+    "opdkit.tasks.base": "the interface the tasks implement; its shared methods run through them: "
+    "tests/test_tasks_math.py and tests/test_data_prompts.py (load_prompts), tests/test_rollout_greedy.py "
+    "(forced_prefix)",
 }
 
 
 def untested_modules(root: Path = REPO) -> list[str]:
     """Every library module has a test file named after it (`mirrored_test_names`: opdkit.run.files in
-    tests/test_run_files*.py); a job's modules (opdkit.jobs.<job>.*: its recipe, config, report) count as tested
-    when the job has tests (tests/test_jobs_<job>*.py), which cover them together. A module without one is listed
-    in `UNTESTED` with the reason; entry points and package `__init__`s are exempt."""
+    tests/test_run_files*.py); a job's modules (opdkit.jobs.<job>.*: its recipe, config, report) count as
+    tested when the job has tests (tests/test_jobs_<job>*.py), which cover them together. A module without
+    one is listed in `UNTESTED` with the reason, which names test files that exist, for a module that does;
+    entry points and package `__init__`s are exempt."""
     tests = [p.stem[len("test_") :] for p in (root / "tests").glob("test_*.py")]
-    bad = []
-    for name, path in sorted(modules(root).items()):
+    known = modules(root)
+    bad = [f"UNTESTED lists {name}, which is no module" for name in UNTESTED if name not in known]
+    for name, reason in UNTESTED.items():
+        for cited in re.findall(r"tests/(test_\w+\.py)", reason):
+            if not (root / "tests" / cited).is_file():
+                bad.append(f"UNTESTED[{name!r}] cites tests/{cited}, which does not exist")
+    for name, path in sorted(known.items()):
         if path.name == "__init__.py" or name in ENTRY_POINTS or name in UNTESTED:
             continue
         job = job_of(name)
@@ -591,7 +622,11 @@ def untested_modules(root: Path = REPO) -> list[str]:
 DOC_RULES = [settings_declared_twice, gpu_block_drift, cited_names, untested_modules]
 DOC_BREAKS = {
     "settings_declared_twice": (
-        {"opdkit/jobs/cliplesson/config.py": "\n\n@dataclass\nclass Extra:\n    seed: int = setting(1, 'x')\n"},
+        {
+            "opdkit/jobs/cliplesson/config.py": (
+                "\n\n@dataclass\nclass Extra:\n    seed: int = setting(1, 'x')\n"
+            )
+        },
         "seed is declared in",
     ),
     "cited_names": ({"README.md": "\nSee `opdkit.tasks.nowhere` for more.\n"}, "opdkit.tasks.nowhere"),
@@ -610,7 +645,11 @@ def test_the_doc_rule_finds_a_deliberate_violation(rule, tmp_path):
         root = broken_copy(tmp_path, {})
         shutil.copytree(REPO / "params", root / "params")
         nb = root / "notebooks" / "02_whitebox.ipynb"
-        nb.write_text(nb.read_text().replace('# teacher_model: str = \\"Qwen/Qwen3-4B\\"', '# teacher_model: str = \\"Qwen/Qwen3-8B\\"'))
+        shown, other = (
+            '# teacher_model: str = \\"Qwen/Qwen3-4B\\"',
+            '# teacher_model: str = \\"Qwen/Qwen3-8B\\"',
+        )
+        nb.write_text(nb.read_text().replace(shown, other))
         expected = "teacher_model"
     else:
         edits, expected = DOC_BREAKS[rule.__name__]

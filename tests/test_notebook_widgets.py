@@ -3,7 +3,7 @@ console."""
 
 from __future__ import annotations
 
-from opdkit.jobs.antidistill.figures import ads_token_explorer
+from opdkit.jobs.antidistill.report import ads_token_explorer
 from opdkit.notebook.widgets import arm_step_browser, sample_browser
 
 

@@ -1,4 +1,4 @@
-"""Raw and forced accuracy (opdkit/rollout/evaluate.py): a completion cut before its answer is graded on the
+"""Raw and forced accuracy (opdkit/rollout/greedy.py): a completion cut before its answer is graded on the
 answer forced after the task's cue; a finished greedy completion forced again keeps its answer."""
 
 from __future__ import annotations

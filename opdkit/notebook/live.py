@@ -10,9 +10,7 @@ transformers' plain `ProgressCallback`, whose logs land in the executed notebook
 the static figures there. `OPDKIT_LIVE=1` / `0` forces the choice. Only a single in-process run shows a
 live view: processes forked by `notebook_launcher` cannot update the notebook's displays.
 
-A run with `dry_run` stops after its memory plan; in a kernel it does so by raising `PlanOnly`
-(`stop_after_plan`), so Run All and papermill stop at the run cell with one line saying why instead of
-failing in the report cells below it.
+(A run with `dry_run` stops after its memory plan by raising `run.lifecycle.PlanOnly` in a kernel.)
 """
 
 from __future__ import annotations
@@ -23,35 +21,9 @@ import time
 
 from transformers import ProgressCallback, TrainerCallback
 
+from opdkit.run.lifecycle import in_kernel
+
 LIVE_ENV = "OPDKIT_LIVE"
-
-
-def in_kernel() -> bool:
-    """True inside an IPython kernel (JupyterLab, papermill, nbclient)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and "IPKernelApp" in shell.config
-
-
-class PlanOnly(Exception):
-    """A `dry_run` in a notebook kernel: stops Run All (and papermill) after the memory plan, so the report
-    cells below the run cell never meet a run that did not happen. Shown as one line, not a traceback."""
-
-    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of the traceback
-        return [f"{type(self).__name__}: {self}"]
-
-
-def stop_after_plan(job: str) -> None:
-    """Where a job's `run` stops under `dry_run`: raises PlanOnly in a notebook kernel, returns elsewhere
-    (the job's `run` then returns None, as a script or the CLI expects)."""
-    if in_kernel():
-        raise PlanOnly(
-            f"dry run: {job} stopped after the memory plan above; nothing was loaded or written. "
-            "Set dry_run to False (or leave it out) to run it."
-        )
 
 
 def live_wanted() -> bool:

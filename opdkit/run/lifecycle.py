@@ -9,10 +9,11 @@ same way for all of them.
 fail cheaply: data, tokenizers, model configs; nothing written), the memory plan (`fit` first sets what the
 plan decides, e.g. `gen_batch_size: 0`), shown; under `dry_run` it stops there (`PlanOnly` in a notebook
 kernel, None elsewhere), and a plan that does not fit stops before any weight is loaded; then the run folder
-(config.yaml, env.json, plan.json; on rank 0 only under torchrun, where every process must be told the same
-`run_dir`), the processes (`num_processes`, 0: one per visible GPU; under torchrun each process is already one
-of them), each running `process`; the summary (`summarize`, written by rank 0) and the tracker (`track`). A
-run that fails says so in its summary (`status: failed: ...`) before the error goes on up.
+(config.yaml, plan.json; each process writes env.json; on rank 0 only under torchrun, where every process must
+be told the same `run_dir`), the processes (`num_processes`, 0: one per visible GPU; under torchrun each
+process is already one of them), each running `process`; the summary (`summarize`, written by rank 0) and the
+tracker (`track`). A run that fails says so in its summary (`status: failed: ...`) before the error goes on
+up.
 
 Pitfalls this module exists for:
 - nothing may touch CUDA in the parent before `launch` forks its processes, so everything here before the

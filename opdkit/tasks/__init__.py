@@ -12,7 +12,6 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from opdkit.config import ConfigError
 from opdkit.tasks import math, tiny
@@ -34,11 +33,11 @@ def get_task(name: str) -> Task:
 
 
 def for_dataset(dataset_path: str) -> Task:
-    """The task a config's prompts belong to: the tiny world's own ("tiny"); GSM8K or DAPO-Math when the file
-    or hub name says so (gsm8k, dapo); any other math dataset otherwise."""
+    """The task a config's prompts belong to: the tiny world's own ("tiny"); GSM8K or DAPO-Math when the path
+    or hub name says so (gsm8k, dapo, in any part of it); any other math dataset otherwise."""
     if dataset_path == tiny.DATASET:
         return get_task("tiny")
-    name = Path(dataset_path).name.lower()
+    name = dataset_path.lower()
     if "gsm8k" in name:
         return get_task("gsm8k")
     if "dapo" in name:
