@@ -12,7 +12,6 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 
 from __future__ import annotations
 
-
 from opdkit.config import ConfigError
 from opdkit.tasks import math, tiny
 from opdkit.tasks.base import Task
