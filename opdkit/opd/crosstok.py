@@ -421,8 +421,8 @@ class _Side:
     temperature: float
     vocab: int
 
-    def log_probs(self, rows: torch.Tensor) -> torch.Tensor:
-        hidden = self.hidden[rows] if rows is not None else self.hidden
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities at this side's temperature from rows of its hidden states (or logits)."""
         if self.head is None:
             logits = hidden[:, : self.vocab]
         else:
@@ -489,24 +489,35 @@ def cross_tokenizer_divergence(
         log_c_t_G = _log_scalars(
             teacher, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, al, chunk_size
         )
+    wants_grad = torch.is_grad_enabled() and (
+        student.hidden.requires_grad or (student.head is not None and student.head.requires_grad)
+    )
     parts = []
-    for start in range(0, al.num_groups, chunk_size):
-        g = slice(start, start + chunk_size)
+    # One gather, then split: the backward of split is one concatenation (of indexing per chunk, a
+    # full-size gradient per chunk).
+    chunks = zip(
+        student.hidden[al.s_base_G].split(chunk_size),
+        log_c_s_G.split(chunk_size),
+        teacher.hidden[al.t_base_G].split(chunk_size),
+        log_c_t_G.split(chunk_size),
+    )
+    saved: dict = {}  # emptied again by the backward pass (or dropped with the graph)
+    for index, (s_rows, log_c_s, t_rows, log_c_t) in enumerate(chunks):
         args = (
-            student.hidden,
+            s_rows,
             student.head,
-            al.s_base_G[g],
-            log_c_s_G[g],
+            log_c_s,
+            t_rows,
+            log_c_t,
+            student,
             teacher,
-            al.t_base_G[g],
-            log_c_t_G[g],
+            hybrid,
+            saved if wants_grad else None,
+            index,
         )
-        if torch.is_grad_enabled() and (
-            student.hidden.requires_grad or (student.head is not None and student.head.requires_grad)
-        ):
-            parts.append(checkpoint(_group_chunk, *args, student, hybrid, use_reentrant=False))
-        else:
-            parts.append(_group_chunk(*args, student, hybrid))
+        parts.append(
+            checkpoint(_group_chunk, *args, use_reentrant=False) if wants_grad else _group_chunk(*args)
+        )
     dtype = torch.promote_types(student_hidden_NH.dtype, torch.float32)
     loss_G = torch.cat([p[0] for p in parts]) if parts else student_hidden_NH.new_zeros(0, dtype=dtype)
     weights = torch.ones_like(loss_G) if group_weights_G is None else group_weights_G.to(loss_G)
@@ -561,15 +572,16 @@ def _hybrid_plan(settings, match, beta, s_vocab, t_vocab, device) -> _Hybrid | N
 
 def _log_scalars(side: _Side, rows_Q, tokens_Q, groups_Q, al: Alignment, chunk_size: int) -> torch.Tensor:
     """Per group, the sum of log max(p(actual token), EPS) over its scalar rows (GOLD's clamped product)."""
+    wants_grad = torch.is_grad_enabled() and (
+        side.hidden.requires_grad or (side.head is not None and side.head.requires_grad)
+    )
     parts = []
-    for start in range(0, len(rows_Q), chunk_size):
-        q = slice(start, start + chunk_size)
-        wants_grad = torch.is_grad_enabled() and side.hidden.requires_grad
-        fn = _token_log_probs
+    for hidden, tokens in zip(side.hidden[rows_Q].split(chunk_size), tokens_Q.split(chunk_size)):
+        args = (side, hidden, tokens)
         parts.append(
-            checkpoint(fn, side, rows_Q[q], tokens_Q[q], use_reentrant=False)
+            checkpoint(_token_log_probs, *args, use_reentrant=False)
             if wants_grad
-            else fn(side, rows_Q[q], tokens_Q[q])
+            else _token_log_probs(*args)
         )
     dtype = torch.promote_types(side.hidden.dtype, torch.float32)
     log_c_G = torch.zeros(al.num_groups, dtype=dtype, device=side.hidden.device)
@@ -579,23 +591,35 @@ def _log_scalars(side: _Side, rows_Q, tokens_Q, groups_Q, al: Alignment, chunk_s
     return log_c_G
 
 
-def _token_log_probs(side: _Side, rows_Q, tokens_Q) -> torch.Tensor:
-    return side.log_probs(rows_Q).gather(1, tokens_Q.unsqueeze(1)).squeeze(1)
+def _token_log_probs(side: _Side, hidden_QX: torch.Tensor, tokens_Q: torch.Tensor) -> torch.Tensor:
+    return side.log_probs(hidden_QX).gather(1, tokens_Q.unsqueeze(1)).squeeze(1)
 
 
 def _group_chunk(
-    s_hidden, s_head, s_rows_R, log_c_s_R, teacher: _Side, t_rows_R, log_c_t_R, student: _Side, hybrid
+    s_rows,
+    s_head,
+    log_c_s_R,
+    t_rows,
+    log_c_t_R,
+    student: _Side,
+    teacher: _Side,
+    hybrid,
+    saved: dict,
+    index: int,
 ):
-    """(loss, matched part, unmatched part) of R groups from their base rows and scalar factors."""
-    s_side = _Side(s_hidden, s_head, student.temperature, student.vocab)
-    m_s_RV = (s_side.log_probs(s_rows_R) + log_c_s_R.unsqueeze(1)).exp()
+    """(loss, matched part, unmatched part) of R groups from their base rows and scalar factors; `saved`
+    carries the signs of the sorted L1 from the forward pass to the checkpoint's recomputation."""
+    s_side = _Side(s_rows, s_head, student.temperature, student.vocab)  # the head as passed: in the graph
+    m_s_RV = (s_side.log_probs(s_rows) + log_c_s_R.unsqueeze(1)).exp()
     with torch.no_grad():
-        m_t_RW = (teacher.log_probs(t_rows_R) + log_c_t_R.unsqueeze(1)).exp()
+        m_t_RW = (teacher.log_probs(t_rows) + log_c_t_R.unsqueeze(1)).exp()
     if hybrid is None:
-        loss_R = sorted_l1(m_s_RV, m_t_RW)
+        loss_R = sorted_l1(m_s_RV, m_t_RW, saved, 2 * index)
         return loss_R, loss_R, loss_R
     matched_R = _matched_jsd(m_s_RV[:, hybrid.s_ids_S], m_t_RW[:, hybrid.t_ids_S], hybrid.beta)
-    unmatched_R = sorted_l1(m_s_RV * hybrid.s_unmatched_V, m_t_RW * hybrid.t_unmatched_W)
+    unmatched_R = sorted_l1(
+        m_s_RV * hybrid.s_unmatched_V, m_t_RW * hybrid.t_unmatched_W, saved, 2 * index + 1
+    )
     return hybrid.matched_weight * matched_R + hybrid.unmatched_weight * unmatched_R, matched_R, unmatched_R
 
 
@@ -612,27 +636,66 @@ def _matched_jsd(p_s_RS: torch.Tensor, p_t_RS: torch.Tensor, beta: float) -> tor
 
 # Sorted L1 without sorting ----------------------------------------------------------------------------
 
-_SHIFT = 16  # float32 bits >> 16: sign, exponent and 7 mantissa bits, buckets 0.8 % wide
-_TOP = 0x7F80  # +inf >> 16: bucket keys 0 (largest) .. _TOP (zero)
-_BUCKETS = _TOP + 1
+_SHIFT = 16  # float32 bits >> 16: exponent and 7 mantissa bits, buckets 0.8 % wide
 _DENSE = 4  # a row whose met buckets hold over 1/_DENSE of its values is sorted in full
 
 
-def sorted_l1(a_RV: torch.Tensor, b_RW: torch.Tensor) -> torch.Tensor:
+def sorted_l1(
+    a_RV: torch.Tensor, b_RW: torch.Tensor, saved: dict | None = None, key: int = 0
+) -> torch.Tensor:
     """Per row, sum_i |a_(i) - b_(i)| over both rows sorted in descending order, the shorter padded with
-    zeros (ULD's loss), for non-negative values; differentiable like the sort (sign of the difference).
+    zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
+    difference at each value's rank), `b` taken as constant.
 
-    Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign that of the difference at its
-    rank, read from bucket counts (`_rank_signs`); exact, no full sort."""
+    Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
+    (`_rank_signs`); exact, no full sort. With `saved`, the first call under `key` keeps a's signs compactly
+    (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
+    backward pass reads them back instead of ranking again."""
+    if saved is not None and key in saved:
+        signs_a, b_part_R = saved.pop(key)
+        with torch.no_grad():
+            sign_a_RV = signs_a.expand(a_RV.detach())
+        return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
     with torch.no_grad():
-        sign_a_RV, sign_b_RW = _rank_signs(a_RV.detach(), b_RW.detach())
-    return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - (sign_b_RW.to(b_RW.dtype) * b_RW).sum(-1)
+        signs_a, sign_b_RW = _rank_signs(a_RV.detach(), b_RW.detach())
+        b_part_R = (sign_b_RW.to(b_RW.dtype) * b_RW.detach()).sum(-1)
+        sign_a_RV = signs_a.expand(a_RV.detach())
+    if saved is not None:
+        saved[key] = (signs_a, b_part_R)
+    return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
+
+
+@dataclass
+class _Signs:
+    """One side's signs, compactly: per (row, bucket) where uniform, then the exact ones of met buckets and
+    the rows sorted in full."""
+
+    top: int
+    low: int
+    uniform_RK: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    exact: torch.Tensor
+    dense_rows: torch.Tensor
+    dense_RV: torch.Tensor
+
+    def expand(self, values_RV: torch.Tensor) -> torch.Tensor:
+        keys = _float_keys(values_RV).clamp_min_(self.low).long().neg_().add_(self.top)
+        sign_RV = self.uniform_RK.gather(1, keys)
+        sign_RV[self.rows, self.cols] = self.exact
+        sign_RV[self.dense_rows] = self.dense_RV
+        return sign_RV
+
+
+def _float_keys(values: torch.Tensor) -> torch.Tensor:
+    """The float32 bits >> _SHIFT of non-negative values: monotone in the value (float32 rounding is)."""
+    return values.float().view(torch.int32) >> _SHIFT
 
 
 @dataclass
 class _Ranked:
-    """One side of `_rank_signs`: values, their bucket keys, per-row bucket counts and cumulative counts,
-    and the values of its 'met' buckets sorted (segment by row and bucket, descending within)."""
+    """One side of `_rank_signs`: values, their bucket (0 the largest values, K - 1 the smallest, over the
+    key range both sides span), per-row bucket counts, and cumulative counts from the top."""
 
     values: torch.Tensor
     keys: torch.Tensor
@@ -640,28 +703,40 @@ class _Ranked:
     cum_RK: torch.Tensor
 
     @classmethod
-    def of(cls, values: torch.Tensor) -> _Ranked:
-        keys = _TOP - (values.float().abs().view(torch.int32) >> _SHIFT).long()  # abs: -0.0 is 0
-        count = torch.zeros(values.shape[0], _BUCKETS, dtype=torch.long, device=values.device)
-        count.scatter_add_(1, keys, torch.ones_like(keys))
+    def of(cls, values: torch.Tensor, keys32: torch.Tensor, top: int, buckets: int) -> _Ranked:
+        keys = keys32.long().neg_().add_(top)
+        count = torch.zeros(values.shape[0], buckets, dtype=torch.long, device=values.device)
+        count.scatter_add_(1, keys, torch.ones(1, 1, dtype=torch.long, device=values.device).expand_as(keys))
         return cls(values, keys, count, count.cumsum(1))
+
+    @property
+    def buckets(self) -> int:
+        return self.count_RK.shape[1]
 
     def bucket_of_rank(self, rank: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket holding the value of each 1-based rank (per row: `rank` R x K; or of `rows[i]`);
-        _BUCKETS past the row's length (padding zeros, below every bucket)."""
-        width = self.values.shape[1] + 1
+        K past the row's length (padding zeros, below every bucket)."""
+        k = self.buckets
         if rows is None:
-            return torch.searchsorted(self.cum_RK, rank).clamp(max=_BUCKETS)
+            return torch.searchsorted(self.cum_RK, rank).clamp(max=k)
+        width = self.values.shape[1] + 1
         offset = torch.arange(self.cum_RK.shape[0], device=rank.device) * width
         flat = (self.cum_RK + offset.unsqueeze(1)).flatten()
         found = torch.searchsorted(flat, rank + offset[rows])
-        return (found - rows * _BUCKETS).clamp(max=_BUCKETS)
+        return (found - rows * k).clamp(max=k)
 
 
-def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """sign(a_(i) - b_(i)) at each value's rank i, for every value of a and of b (int8)."""
-    a, b = _Ranked.of(a_RV), _Ranked.of(b_RW)
-    bucket_K = torch.arange(_BUCKETS, device=a_RV.device)
+def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Tensor]:
+    """sign(a_(i) - b_(i)) at each value's rank i, for every value of a (compactly) and of b (int8)."""
+    keys_a, keys_b = _float_keys(a_RV), _float_keys(b_RW)
+    top, low = int(max(keys_a.max(), keys_b.max())), int(min(keys_a.min(), keys_b.min()))
+    if low == 0:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
+        low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
+        keys_a, keys_b = keys_a.clamp_min(low), keys_b.clamp_min(low)
+    buckets = top - low + 1
+    a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
+    del keys_a, keys_b
+    bucket_K = torch.arange(buckets, device=a_RV.device)
     uniform, met = [], []
     for mine, other, flip in ((a, b, 1), (b, a, -1)):
         first_RK = mine.cum_RK - mine.count_RK + 1
@@ -676,13 +751,14 @@ def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, t
     dense_R = met_values_R * _DENSE > a_RV.shape[1] + b_RW.shape[1]
     met = [m & ~dense_R.unsqueeze(1) for m in met]
     sorted_a, sorted_b = _sort_met(a, met[0]), _sort_met(b, met[1])
-    signs = []
-    for mine, other, u, mine_sorted, other_sorted, flip in (
-        (a, b, uniform[0], sorted_a, sorted_b, 1),
-        (b, a, uniform[1], sorted_b, sorted_a, -1),
+    exact_a = torch.zeros(0, dtype=torch.int8, device=a_RV.device)
+    sign_b = uniform[1].gather(1, b.keys)
+    for other, mine_sorted, other_sorted, flip in (
+        (b, sorted_a, sorted_b, 1),
+        (a, sorted_b, sorted_a, -1),
     ):
-        sign = u.gather(1, mine.keys)
         rows, cols, vals, keys, rank = mine_sorted
+        exact = torch.zeros(0, dtype=torch.long, device=a_RV.device)
         if len(rows):
             theirs = other.bucket_of_rank(rank, rows)
             exact = torch.where(theirs > keys, 1, -1) * flip
@@ -694,12 +770,13 @@ def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, t
                 stride = max(a_RV.shape[1], b_RW.shape[1]) + 2
                 pos = torch.searchsorted(o_rows * stride + o_rank, rows[same] * stride + rank[same])
                 exact[same] = torch.sign(vals[same] - o_vals[pos]).long() * flip
-            sign[rows, cols] = exact.to(torch.int8)
-        signs.append(sign)
-    if dense_R.any():
-        rows = dense_R.nonzero().squeeze(1)
-        signs[0][rows], signs[1][rows] = _sorted_signs(a_RV[rows], b_RW[rows])
-    return signs[0], signs[1]
+        if flip == 1:
+            exact_a = exact.to(torch.int8)
+        else:
+            sign_b[rows, cols] = exact.to(torch.int8)
+    dense_rows = dense_R.nonzero().squeeze(1)
+    dense_a, sign_b[dense_rows] = _sorted_signs(a_RV[dense_rows], b_RW[dense_rows])
+    return _Signs(top, low, uniform[0], sorted_a[0], sorted_a[1], exact_a, dense_rows, dense_a), sign_b
 
 
 def _sorted_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -721,10 +798,10 @@ def _sort_met(side: _Ranked, met_RK: torch.Tensor):
     rows, cols = met_RK.gather(1, side.keys).nonzero(as_tuple=True)
     vals, keys = side.values[rows, cols], side.keys[rows, cols]
     order = torch.argsort(vals, descending=True, stable=True)
-    segment = rows[order] * _BUCKETS + keys[order]
+    segment = rows[order] * side.buckets + keys[order]
     order = order[torch.argsort(segment, stable=True)]
     rows, cols, vals, keys = rows[order], cols[order], vals[order], keys[order]
-    segment = rows * _BUCKETS + keys
+    segment = rows * side.buckets + keys
     _, counts = torch.unique_consecutive(segment, return_counts=True)
     starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     within = torch.arange(len(rows), device=rows.device) - starts
