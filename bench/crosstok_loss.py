@@ -1,6 +1,6 @@
-"""P6: the cross-tokenizer loss (forward and backward), opdkit against TRL's GOLD `ULDLoss`, completion tokens/s.
+"""P6: the cross-tokenizer loss, forward and backward, opdkit against TRL's GOLD `ULDLoss`: tokens/s.
 
-    python -m bench.run --only P6 --reps 3
+    python -m bench.run --only P6 --reps 3       # rows 2 on a CPU (P6_ROWS), the issue's 64 on a GPU node
 
 A Qwen3 student and a DeepSeek teacher (the real tokenizers the dev extra ships: 151,669 and 129,280 tokens)
 read the same completions: mixed English, arithmetic, CJK and emoji text cut to `tokens` Qwen3 tokens plus
@@ -18,6 +18,7 @@ one shape on both sides more rows are sorted in full (`same_shape=True`).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -34,11 +35,12 @@ TEXT = (
 
 
 def default_params(quick: bool = False) -> dict[str, Any]:
-    """64 rows x 256 completion tokens is the issue's size (10 GB of float32 logits per model for TRL); the
-    CPU measurement in bench/README.md passes `rows` 4."""
+    """Rows of 256 completion tokens: the issue's 64 rows hold 10 GB of float32 logits per model for TRL and
+    take TRL about 3 h on a CPU core, so the rows are `P6_ROWS` (default 2; 64 on a GPU node)."""
     if quick:
         return dict(rows=2, tokens=16, prompt=4, seed=0, same_shape=False, hybrid=False)
-    return dict(rows=64, tokens=256, prompt=8, seed=0, same_shape=False, hybrid=False)
+    rows = int(os.environ.get("P6_ROWS", "2"))
+    return dict(rows=rows, tokens=256, prompt=8, seed=0, same_shape=False, hybrid=False)
 
 
 def batch(p: dict) -> dict[str, Any]:
@@ -76,7 +78,8 @@ def opdkit_loss(x: dict, p: dict, s_logits: torch.Tensor) -> torch.Tensor:
     from opdkit.opd.crosstok import align, cross_tokenizer_divergence
 
     cfg = settings(p)
-    plan = align(x["students"], x["teachers"], cfg, student_eos=x["q"].eos_token_id, teacher_eos=x["d"].eos_token_id)
+    eos = dict(student_eos=x["q"].eos_token_id, teacher_eos=x["d"].eos_token_id)
+    plan = align(x["students"], x["teachers"], cfg, **eos)
     s_rows = [s_logits[b, _span(p["prompt"], len(s.ids), cfg)] for b, s in enumerate(x["students"])]
     t_rows = [x["t_logits"][b, _span(p["prompt"], len(t.ids), cfg)] for b, t in enumerate(x["teachers"])]
     out = cross_tokenizer_divergence(
