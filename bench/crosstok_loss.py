@@ -1,6 +1,6 @@
-"""P6: the cross-tokenizer loss, forward and backward, opdkit against TRL's GOLD `ULDLoss`: tokens/s.
+"""P8: the cross-tokenizer loss, forward and backward, opdkit against TRL's GOLD `ULDLoss`: tokens/s.
 
-    python -m bench.run --only P6 --reps 3       # rows 2 on a CPU (P6_ROWS), the issue's 64 on a GPU node
+    python -m bench.run --only P8 --reps 3       # rows 2 on a CPU (P8_ROWS), the issue's 64 on a GPU node
 
 A Qwen3 student and a DeepSeek teacher (the real tokenizers the dev extra ships: 151,669 and 129,280 tokens)
 read the same completions: mixed English, arithmetic, CJK and emoji text cut to `tokens` Qwen3 tokens plus
@@ -36,10 +36,10 @@ TEXT = (
 
 def default_params(quick: bool = False) -> dict[str, Any]:
     """Rows of 256 completion tokens: the issue's 64 rows hold 10 GB of float32 logits per model for TRL and
-    take TRL about 3 h on a CPU core, so the rows are `P6_ROWS` (default 2; 64 on a GPU node)."""
+    take TRL about 3 h on a CPU core, so the rows are `P8_ROWS` (default 2; 64 on a GPU node)."""
     if quick:
         return dict(rows=2, tokens=16, prompt=4, seed=0, same_shape=False, hybrid=False)
-    rows = int(os.environ.get("P6_ROWS", "2"))
+    rows = int(os.environ.get("P8_ROWS", "2"))
     return dict(rows=rows, tokens=256, prompt=8, seed=0, same_shape=False, hybrid=False)
 
 

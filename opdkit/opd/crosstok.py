@@ -48,12 +48,16 @@ Pitfalls this module exists for:
   `sorted_l1` gets the same value without sorting: it buckets the values by their float32 exponent and
   top mantissa bits (one pass), counts each bucket on both sides, and reads from the counts which of
   two rank-matched values is larger wherever the two values sit in different buckets; only buckets where
-  the two sides' ranks meet are sorted, usually a handful of values. The result is exact: the same
-  terms as the full sort, summed in another order (float rounding only), and the same subgradient.
+  the two sides' ranks meet are sorted, a few percent of the values when the two distributions differ
+  in shape (a row where they hold over a quarter, two distributions of one shape, is sorted in full).
+  The result is exact: the same terms as the full sort, summed in another order (float rounding only),
+  and the same subgradient; tests/test_opd_crosstok.py checks it against the sort with ties, zeros and
+  values equal to 1e-4.
 - nothing is materialised over the whole batch's vocabulary: scalar tokens need only their own
   probability, base rows are processed `chunk_size` groups at a time and recomputed in the backward
-  pass (`torch.utils.checkpoint`), so memory is a few chunk x vocabulary buffers (GOLD keeps full
-  B x T x V logits, ~10 GB per model at 64 x 256 tokens and Qwen3's vocabulary in float32).
+  pass (`torch.utils.checkpoint`; the student's signs of the sorted L1 are kept compactly, per bucket,
+  for it), so memory is a few chunk x vocabulary buffers (GOLD keeps full B x T x V logits, ~10 GB per
+  model at 64 x 256 tokens and Qwen3's vocabulary in float32).
 """
 
 from __future__ import annotations
