@@ -211,7 +211,7 @@ def _p8(samples: dict, params: dict, threads: int) -> list[Figure]:
     setup = {
         **params,
         "threads": threads,
-        "tokens": samples["opdkit"][0]["tokens"],
+        "completion_tokens": samples["opdkit"][0]["tokens"],
         "teacher_tokens": samples["opdkit"][0]["teacher_tokens"],
         "wall_s": _medians(samples, "wall_s"),
         "loss": _medians(samples, "loss"),

@@ -615,6 +615,9 @@ def _group_chunk(
     carries the signs of the sorted L1 from the forward pass to the checkpoint's recomputation."""
     s_side = _Side(s_rows, s_head, student.temperature, student.vocab)  # the head as passed: in the graph
     m_s_RV = (s_side.log_probs(s_rows) + log_c_s_R.unsqueeze(1)).exp()
+    if hybrid is None and saved is not None and 2 * index in saved:  # recomputing: the teacher's part is kept
+        loss_R = sorted_l1(m_s_RV, None, saved, 2 * index)
+        return loss_R, loss_R, loss_R
     with torch.no_grad():
         m_t_RW = (teacher.log_probs(t_rows) + log_c_t_R.unsqueeze(1)).exp()
     if hybrid is None:
@@ -645,7 +648,7 @@ _DENSE = 4  # a row whose met buckets hold over 1/_DENSE of its values is sorted
 
 
 def sorted_l1(
-    a_RV: torch.Tensor, b_RW: torch.Tensor, saved: dict | None = None, key: int = 0
+    a_RV: torch.Tensor, b_RW: torch.Tensor | None, saved: dict | None = None, key: int = 0
 ) -> torch.Tensor:
     """Per row, sum_i |a_(i) - b_(i)| over both rows sorted in descending order, the shorter padded with
     zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
@@ -654,7 +657,7 @@ def sorted_l1(
     Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
     (`_rank_signs`); exact, no full sort. With `saved`, the first call under `key` keeps a's signs compactly
     (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
-    backward pass reads them back instead of ranking again."""
+    backward pass reads them back instead of ranking again (and needs no `b`)."""
     if saved is not None and key in saved:
         signs_a, b_part_R = saved.pop(key)
         with torch.no_grad():
