@@ -1,18 +1,12 @@
-"""The tiny world's byte-level BPE tokenizer (opdkit.tiny.bpe) and the teacher trained on it
-(opdkit.tiny.teacher_bpe, shipped as `tiny:teacher-bpe`)."""
+"""The tiny world's byte-level BPE tokenizer (opdkit.tiny.bpe) and the recipe of a teacher on it
+(opdkit.tiny.teacher_bpe; the trained teacher is not shipped yet)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from opdkit.data import tasks
 from opdkit.opd.crosstok import TokenBytes, align_ends
-from opdkit.rollout import evaluate
-from opdkit.tiny import resolve
 from opdkit.tiny.bpe import VOCAB_SIZE, build_bpe_tokenizer
 from opdkit.tiny.teacher_bpe import build_bpe_teacher
 
@@ -49,21 +43,6 @@ def test_the_character_student_and_the_bpe_teacher_align(bpe, tiny_tokenizer):
     groups = align_ends(chars.ends(s_ids), t.byte_ends[:-1])
     assert [k for g, _ in groups for k in g] == list(range(len(text)))
     assert any(len(s) == 2 and len(g) == 1 for s, g in groups)  # "15": two characters, one BPE token
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    path = Path(resolve("tiny:teacher-bpe"))
-    return path, json.loads((path / "recipe.json").read_text())
-
-
-def test_the_shipped_bpe_teacher_solves_the_task(shipped, bpe):
-    path, recipe = shipped
-    tok = AutoTokenizer.from_pretrained(path)
-    assert tok.get_vocab() == bpe.get_vocab()  # the shipped tokenizer is the one the recipe builds
-    model = AutoModelForCausalLM.from_pretrained(path)
-    acc = evaluate.task_accuracy(model, tok, tasks.get_task("tiny"), n=500)
-    assert acc == recipe["teacher_heldout_accuracy"] and acc >= 0.95
 
 
 def test_the_recipe_runs_a_few_steps(tmp_path):
