@@ -20,7 +20,7 @@ import torch
 from opdkit import memory
 from opdkit.data import prompts
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.prepare import Prepared, prepared
+from opdkit.jobs.whitebox.inputs import Prepared, prepared
 from opdkit.models import load_model, load_tokenizer, num_params
 from opdkit.notebook import live
 from opdkit.opd import arguments as opd_arguments

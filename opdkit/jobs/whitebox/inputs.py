@@ -1,6 +1,6 @@
-"""whitebox's prepared run: everything that can fail cheaply, before anything is written (the prompts, then
-the tokenizers, as the original does: the data file in milliseconds, before any download); above all the
-training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
+"""whitebox's inputs, its prepared run: everything that can fail cheaply, before anything is written (the
+prompts, then the tokenizers, as the original does: the data file in milliseconds, before any download); above
+all the training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
 
     prep = prepared(cfg, mode)                 # Prepared: train_dataset, eval_messages, tokenizer, ...
     split = split_prompts(task, cfg, exclude=prompt_keys(holdout))    # split.train, split.eval_messages, ...
