@@ -4,7 +4,7 @@ load.
 
     points = sweep_points(cfg)                                  # every (method, λ, τ), in sweep order
     messages, answers = training_prompts(cfg, task)             # what the teacher answers at every point
-    grads_dir = ensure_grads(cfg, run, n)                       # grads_run, or a savegrad run made in grads/
+    grads_dir = ensure_grads(cfg, run, n)        # grads_run, or a savegrad run on these prompts in grads/
     steering, holdout = load_steering(cfg, proxy_tok, student_tok, grads_dir, device, run)
 
 Checked before anything is written (`check_grads_run`, `check_apart_from_gradient`): a given gradient must
