@@ -387,6 +387,8 @@ def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:
     """The prompts, then the tokenizers, then the gradient's fit to the proxy, in the original's order (data
     files in milliseconds, before any download): every cheap failure happens here."""
     sweep_points(cfg)  # two points sharing a folder name are a ConfigError
+    if any(a != "sft" for a in cfg.attackers):  # on-policy attackers train in one process each
+        cfg.accumulation_steps(1)
     task = tasks.for_dataset(cfg.dataset_path)
     messages, answers = training_prompts(cfg, task)
     eval_messages, eval_answers, removed = eval_prompts(cfg, task, messages)
