@@ -133,7 +133,7 @@ def test_debug_shows_the_traceback(tmp_path):
     assert "Traceback" in proc.stderr and "ConfigError: unknown parameter 'bogus'" in proc.stderr
 
 
-def test_only_bad_input_is_shortened(monkeypatch, capsys):
+def test_only_bad_input_is_shortened(capsys):
     """A ConfigError (and its kinds: a missing file, a tokenizer mismatch, ...) becomes `error: ...`; any
     other exception is a bug, and goes on up with its traceback."""
 
@@ -150,6 +150,14 @@ def test_only_bad_input_is_shortened(monkeypatch, capsys):
         assert capsys.readouterr().err == f"error: {' '.join(str(exc).split())}\n"
     with pytest.raises(ZeroDivisionError):
         run_from_cli(ToyConfig, "", failing(ZeroDivisionError("bug")), lambda run: None, [])
+    with pytest.raises(SystemExit) as stop:  # a --set value YAML cannot read
+        run_from_cli(ToyConfig, "", failing(AssertionError("not run")), lambda run: None, ["--set", "a=[1,"])
+    err = capsys.readouterr().err
+    assert (
+        stop.value.code == 2
+        and err.startswith("error: --set a=[1, is not a YAML value")
+        and err.count("\n") == 1
+    )
 
 
 def test_a_bad_input_error_renders_as_one_line_in_a_notebook():

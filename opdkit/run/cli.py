@@ -50,8 +50,17 @@ def arguments(cls: type[RunFields], description: str, argv: list[str] | None = N
     bad = [s for s in a.set if "=" not in s]
     if bad:
         p.error(f"--set takes KEY=VALUE pairs; got {bad}")
-    a.overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in a.set)}
+    a.overrides = {k: _yaml_value(k, v) for k, v in (s.split("=", 1) for s in a.set)}
     return a
+
+
+def _yaml_value(key: str, text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"--set {key}={text} is not a YAML value ({one_line(exc)}); quote it, e.g. --set '{key}=\"...\"'."
+        ) from None
 
 
 def run_from_cli(
@@ -65,11 +74,12 @@ def run_from_cli(
     input is one line and exit status 2 (the module's docstring). A dry run (`dry_run=true`) returns None
     and prints nothing after the job's memory plan, whose last line (`plan: <total> GB of <budget> GB per
     process: fits`) scripts read."""
-    args = arguments(cls, description, argv)
+    args = None
     try:
+        args = arguments(cls, description, argv)
         done = run(args.mode, args.overrides)
     except ConfigError as exc:
-        if args.debug:
+        if args is not None and args.debug:
             raise
         print(f"error: {one_line(exc)}", file=sys.stderr)
         sys.exit(2)
