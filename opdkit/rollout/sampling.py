@@ -277,10 +277,11 @@ def keyed_uniform(seeds_B: torch.Tensor, index: int) -> torch.Tensor:
 def keyed_draw(logits_BV: torch.Tensor, seeds_B: torch.Tensor, index: int) -> torch.Tensor:
     """One token per row from softmax(logits_BV) (processed logits: -inf where a warper removed a token),
     by the inverse of the row's CDF at its `index`-th uniform u: the first token whose cumulative weight
-    reaches u x the row's total, so token j is drawn with probability w_j / total. Exact up to float64
-    rounding of the cumulative sum; a removed token (zero weight, no step of the CDF) is never drawn, and
-    u < 1 keeps the target within the total (a cumulative sum of non-negative terms never decreases)."""
-    w_BV = torch.exp(logits_BV - logits_BV.max(dim=-1, keepdim=True).values)
+    reaches u x the row's total, so token j is drawn with probability w_j / total. Exact up to rounding
+    (fp32 weights, their cumulative sum in float64: 12 B per row and token beside the logits); a removed
+    token (zero weight, no step of the CDF) is never drawn, and u < 1 keeps the target within the total (a
+    cumulative sum of non-negative terms never decreases)."""
+    w_BV = (logits_BV - logits_BV.max(dim=-1, keepdim=True).values).exp_()
     cdf_BV = torch.cumsum(w_BV, dim=-1, dtype=torch.float64)
     target_B1 = keyed_uniform(seeds_B, index)[:, None] * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, target_B1).squeeze(1)
