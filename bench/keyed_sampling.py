@@ -3,6 +3,7 @@ row drawn from its own stream (`sampling.keyed_draw`, what the trainer does) aga
 batch (`torch.multinomial` after `torch.manual_seed`, what it did), in alternating fresh processes.
 
     python -m bench.keyed_sampling --reps 5          # medians, their ratio, the cost as a share of a step
+    python -m bench.keyed_sampling --draw            # the draw alone, microseconds per call
 
 - `rollout`: `sampling.sample` on the tiny student at 02 tiny's step (64 prompts, 40 new tokens, T = 1), no
   stop token, so both sides decode exactly 40 positions: the median of 10 calls after 2 warm-ups;
@@ -58,6 +59,35 @@ def rollout(side: str) -> dict:
     return {"rollout_s": statistics.median(times[2:])}
 
 
+def draw() -> dict:
+    """The draw alone, both sides in one process, alternating blocks of 500 calls on 02 tiny's logits (64 rows
+    x the tiny vocabulary of 101) and on Qwen3's (64 x 151,936): median microseconds per call."""
+    import torch
+
+    from opdkit.rollout import sampling
+
+    torch.set_num_threads(1)
+    out = {}
+    for vocab in (101, 151_936):
+        logits_BV = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0)) * 3
+        seeds_B = torch.arange(64)
+        calls = {
+            "keyed": lambda i, x=logits_BV, s=seeds_B: sampling.keyed_draw(x, s, i),
+            "global": lambda i, x=logits_BV: torch.multinomial(torch.softmax(x, -1), 1).squeeze(1),
+        }
+        blocks = 20 if vocab < 1000 else 4
+        calls_per_block = 500 if vocab < 1000 else 10
+        times: dict[str, list[float]] = {s: [] for s in SIDES}
+        for _ in range(blocks):
+            for side in SIDES:
+                t0 = time.perf_counter()
+                for i in range(calls_per_block):
+                    calls[side](i)
+                times[side].append((time.perf_counter() - t0) / calls_per_block * 1e6)
+        out[f"V{vocab}"] = {s: statistics.median(times[s]) for s in SIDES}
+    return out
+
+
 def step(side: str) -> dict:
     from opdkit.jobs import whitebox
     from opdkit.rollout import engines
@@ -81,7 +111,8 @@ def step(side: str) -> dict:
 
 
 def worker(kind: str, side: str) -> None:
-    print("RESULT " + json.dumps((rollout if kind == "rollout" else step)(side)), flush=True)
+    result = draw() if kind == "draw" else (rollout if kind == "rollout" else step)(side)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_one(kind: str, side: str) -> dict:
@@ -102,10 +133,16 @@ def run_one(kind: str, side: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.keyed_sampling", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--draw", action="store_true", help="time the draw alone (one process, both sides)")
     p.add_argument("--worker", nargs=2, metavar=("KIND", "SIDE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         worker(*a.worker)
+        return
+    if a.draw:
+        print(f"load average at start: {os.getloadavg()}", flush=True)
+        print(json.dumps(run_one("draw", "both"), indent=2))
+        print(f"load average at end: {os.getloadavg()}")
         return
     runs: dict[str, dict[str, list[dict]]] = {k: {s: [] for s in SIDES} for k in ("rollout", "step")}
     print(f"load average at start: {os.getloadavg()}", flush=True)
