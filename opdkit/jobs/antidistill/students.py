@@ -172,7 +172,11 @@ def distill_student(
         order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
         pad_token_id=tok.pad_token_id,
     )
-    last = checkpoints.resume_checkpoint(args.output_dir) if cfg.resume else None
+    last = (
+        checkpoints.resume_checkpoint(args.output_dir, checkpoints.trainer_layout(trainer))
+        if cfg.resume
+        else None
+    )
     if last is not None:
         problem = sft.trained_on_problem(last, rows)
         if problem:
