@@ -83,15 +83,16 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     loss_fn = LOSSES[side]
     __import__(IMPORTS[side])  # imports are not the stage
     base = reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = loss_fn(*tensors)
     loss.backward()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = peak_bytes() - base
     return {
         "peak_gb": peak / 1e9,
         "wall_s": wall,
         "tokens_per_s": p["batch"] * p["tokens"] / wall,
+        "cpu_s": cpu,  # both threads' CPU time: steadier than the wall time on a shared machine
         "loss": float(loss.detach()),
         "head_grad_norm": float(tensors[1].grad.norm()),
         "logits_gb": p["batch"] * p["tokens"] * p["vocab"] * 4 / 1e9,

@@ -130,6 +130,7 @@ def _p2_setup(samples: dict, params: dict, threads: int) -> dict:
         "threads": threads,
         "chunk_size": "default",
         "wall_s": _medians(samples, "wall_s"),
+        "cpu_s": _medians(samples, "cpu_s"),
         "peak_gb": _medians(samples, "peak_gb"),
         "loss": _medians(samples, "loss"),
     }
