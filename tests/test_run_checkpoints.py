@@ -192,6 +192,10 @@ def test_trainer_layout_follows_the_trainers_settings():
         "rng_state.pth",
         "trainer_state.json",
     ]
+    assert Layout(processes=2, fsdp=True, model_only=True).files() == [
+        "training_args.bin",
+        "trainer_state.json",
+    ]
     with pytest.raises(ValueError, match="full state dict"):
         checkpoints.trainer_layout(trainer(2, fsdp=True, state_dict="SHARDED_STATE_DICT"))
 

@@ -67,10 +67,10 @@ class Layout:
 
     def files(self) -> list[str]:
         files = ["training_args.bin"] + (["adapter_config.json"] if self.adapter else [])
-        if self.fsdp:
-            files.append("pytorch_model_fsdp.bin")  # what FSDP loads its weights from on resume
         if not self.model_only:
-            files += ["optimizer.bin" if self.fsdp else "optimizer.pt", "scheduler.pt"]
+            # FSDP saves its own copy of the weights beside its optimizer state, and resumes from that copy
+            files += ["pytorch_model_fsdp.bin", "optimizer.bin"] if self.fsdp else ["optimizer.pt"]
+            files += ["scheduler.pt"]
             files += ["scaler.pt"] if self.scaler else []
             one = self.processes <= 1
             files += ["rng_state.pth"] if one else [f"rng_state_{k}.pth" for k in range(self.processes)]
