@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5", "P8")
+FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P8")
 
 
 @dataclass
@@ -124,25 +124,64 @@ def p1b_params(quick: bool = False) -> dict[str, Any]:
     )
 
 
-def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
-    setup = {
+def _p2_setup(samples: dict, params: dict, threads: int) -> dict:
+    return {
         **params,
         "threads": threads,
         "chunk_size": "default",
         "wall_s": _medians(samples, "wall_s"),
+        "cpu_s": _medians(samples, "cpu_s"),
+        "peak_gb": _medians(samples, "peak_gb"),
         "loss": _medians(samples, "loss"),
     }
+
+
+def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
+    """P2 and P2s against TRL's chunked loss (its DistillationTrainer's: the peer's current code), peak
+    memory and speed."""
+    common = dict(
+        baseline=_baseline("bench.loss_memory", "CHUNKED_BASELINE"),
+        setup=_p2_setup(samples, params, threads),
+        sides=("opdkit", "trl-chunked"),
+    )
     return [
         ratio_figure(
             "P2",
-            "Divergence-stage peak memory vs full logits + TRL loss",
+            "Divergence-stage peak memory vs TRL's chunked loss",
+            samples,
+            key="peak_gb",
+            metric="peak RSS above baseline, GB",
+            target=0.4,
+            higher_is_better=False,
+            **common,
+        ),
+        ratio_figure(
+            "P2s",
+            "Divergence-stage speed (forward + backward) vs TRL's chunked loss",
+            samples,
+            key="tokens_per_s",
+            metric="completion tokens/s",
+            target=1.0,
+            higher_is_better=True,
+            **common,
+        ),
+    ]
+
+
+def _p2f(samples: dict, params: dict, threads: int) -> list[Figure]:
+    """P2f: peak memory against full logits fed to GKD's loss (the baseline P2 had before TRL chunked its
+    own)."""
+    return [
+        ratio_figure(
+            "P2f",
+            "Divergence-stage peak memory vs full logits + TRL's GKD loss",
             samples,
             key="peak_gb",
             metric="peak RSS above baseline, GB",
             target=0.25,
             higher_is_better=False,
             baseline=_baseline("bench.loss_memory"),
-            setup=setup,
+            setup=_p2_setup(samples, params, threads),
             sides=("opdkit", "trl"),
         )
     ]
@@ -255,9 +294,12 @@ def _phase_medians(samples: dict) -> dict[str, dict[str, float]]:
 
 BENCHES = {
     "P1": Bench("p1_opd_step", "bench.opd_step", ("opdkit", "trl"), 1, _p1),
-    "P2": Bench("p2_loss_memory", "bench.loss_memory", ("opdkit", "trl"), 2, _p2),
+    "P2": Bench("p2_loss_memory", "bench.loss_memory", ("opdkit", "trl-chunked"), 2, _p2),
+    # The full-logits side needs ~14 GB; its own set of runs, so P2 and P2s run where that does not fit.
+    "P2f": Bench("p2f_loss_memory", "bench.loss_memory", ("opdkit", "trl"), 2, _p2f),
     "P3": Bench("p34_save_grad", "bench.save_grad", ("opdkit", "ads"), 1, _p34),
 }
+BENCHES["P2s"] = BENCHES["P2"]  # one set of runs gives both
 BENCHES["P4"] = BENCHES["P3"]  # one set of runs gives both
 # Each side with the best engine it has on this CPU: opdkit samples through vLLM (4.3x its own loop's
 # rollout rate at 42M, P5) in .venv-vllm, TRL through transformers' generate in this venv (trl is not in
@@ -279,5 +321,5 @@ BENCHES["P8"] = Bench("p8_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 
-def _baseline(module: str) -> str:
-    return importlib.import_module(module).BASELINE
+def _baseline(module: str, name: str = "BASELINE") -> str:
+    return getattr(importlib.import_module(module), name)

@@ -39,14 +39,14 @@ FIELDS = (
 def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     run.main(
-        ["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P3,P4", "--out", str(out)]
+        ["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P2s,P2f,P3,P4", "--out", str(out)]
     )  # P5: test_vllm
     return json.loads((out / "results.json").read_text())
 
 
 def test_results_have_one_entry_per_figure(quick_results):
     figures = quick_results["figures"]
-    assert sorted(figures) == ["P1", "P2", "P3", "P4"]
+    assert sorted(figures) == ["P1", "P2", "P2f", "P2s", "P3", "P4"]
     for name, entry in figures.items():
         assert set(FIELDS) <= set(entry), name
         assert len(entry["opdkit_runs"]) == len(entry["baseline_runs"]) == 1, name
@@ -62,7 +62,8 @@ def test_results_have_one_entry_per_figure(quick_results):
                 if entry["higher_is_better"]
                 else entry["value"] <= entry["target"]
             ), name
-    assert [figures[f]["target"] for f in ("P1", "P2", "P3", "P4")] == [1.5, 0.25, 0.75, 1.3]
+    targets = [figures[f]["target"] for f in ("P1", "P2", "P2s", "P2f", "P3", "P4")]
+    assert targets == [1.5, 0.4, 1.0, 0.25, 0.75, 1.3]
     assert quick_results["meta"]["quick"] is True and quick_results["meta"]["torch"] == torch.__version__
 
 
@@ -71,7 +72,9 @@ def test_both_sides_do_the_same_work(quick_results):
     assert (
         p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
     )
-    assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl"], rel=1e-5)
+    assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl-chunked"], rel=1e-5)
+    p2f = quick_results["figures"]["P2f"]["setup"]
+    assert p2f["loss"]["opdkit"] == pytest.approx(p2f["loss"]["trl"], rel=1e-5)
     for side in ("opdkit", "trl"):  # every phase was seen on both sides, and they add up to the step
         phases = p1["phase_s"][side]
         assert sorted(phases) == ["rest", "sample", "student_forward", "teacher_forward"]
@@ -81,9 +84,12 @@ def test_both_sides_do_the_same_work(quick_results):
 
 def test_only_updates_its_figures(tmp_path):
     run.main(["--quick", "--reps", "1", "--in-process", "--only", "P3,P4", "--out", str(tmp_path)])
-    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2", "--out", str(tmp_path)])
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2,P2s,P2f", "--out", str(tmp_path)])
     figures = json.loads((tmp_path / "results.json").read_text())["figures"]
-    assert sorted(figures) == ["P2", "P3", "P4"]
+    assert sorted(figures) == ["P2", "P2f", "P2s", "P3", "P4"]
+    assert figures["P2"]["setup"] == figures["P2s"]["setup"]  # one set of runs gives both
+    assert figures["P2f"]["setup"]["loss"].keys() == {"opdkit", "trl"}
+    assert "_chunked_divergence_loss" in figures["P2s"]["baseline"] and figures["P2s"]["higher_is_better"]
     assert run.table(
         [common.Figure(**{k: v for k, v in figures["P2"].items() if k not in ("met", "measured")})]
     )

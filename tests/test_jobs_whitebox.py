@@ -280,7 +280,7 @@ def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path, monkeypa
         sd_b = AutoModelForCausalLM.from_pretrained(resumed.path / "model").state_dict()
         for k in sd_a:
             torch.testing.assert_close(sd_a[k], sd_b[k])
-    assert checkpoints.checkpoint_problem(cut / "checkpoint-4") is None  # written again, whole
+    assert checkpoints.checkpoint_problem(cut / "checkpoint-4", checkpoints.Layout()) is None  # whole again
 
 
 def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monkeypatch):

@@ -149,7 +149,11 @@ def distil(
     # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
     acc = lambda m, e=None: sharded_accuracies(m, prep, world, rank, engine=e)  # noqa: E731
-    last = checkpoints.resume_checkpoint(run.path / "checkpoints") if cfg.resume else None
+    last = (
+        checkpoints.resume_checkpoint(run.path / "checkpoints", checkpoints.trainer_layout(trainer))
+        if cfg.resume
+        else None
+    )
     earlier = run.read_summary() if last is not None and (run.path / "summary.json").exists() else {}
     before, before_forced = earlier.get("student_accuracy_before"), None
     if before is not None:
