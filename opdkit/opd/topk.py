@@ -42,8 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from opdkit.opd.loss import DivergenceOutput
 from opdkit.opd.served import ServerClient, TeacherServerError
 
-# The smallest teacher tail mass: below it the served log-probabilities' rounding decides the value.
-TAIL_FLOOR = 1e-6
+# The smallest teacher tail mass: float32 log-probabilities (as served) fix their sum to ~1e-8.
+TAIL_FLOOR = 1e-7
 
 
 def parse_topk(spec: str) -> int | None:
@@ -75,7 +75,8 @@ def coarse_student(logp_NV: torch.Tensor, ids_NK: torch.Tensor) -> torch.Tensor:
     valid_NK = ids_NK >= 0
     safe_NK = ids_NK.clamp(min=0)
     on_NK = torch.where(valid_NK, logp_NV.gather(1, safe_NK), -math.inf)
-    in_S_NV = torch.zeros_like(logp_NV, dtype=torch.bool).scatter_(1, safe_NK, valid_NK)
+    # Counted, not written: an unused slot (id -1, read as 0) must not unmark token 0.
+    in_S_NV = torch.zeros_like(logp_NV, dtype=torch.int32).scatter_add_(1, safe_NK, valid_NK.int()) > 0
     tail_N = torch.logsumexp(logp_NV.masked_fill(in_S_NV, -math.inf), dim=-1)
     return torch.cat([on_NK, tail_N[:, None]], 1)
 
