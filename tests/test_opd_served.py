@@ -73,19 +73,44 @@ class StubPoolingServer:
                     self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": 256})
                     return
                 stub.pooling_requests.append(payload)
+                assert payload["task"] == "token_embed" and payload["use_activation"] is False
                 time.sleep(stub.delay_s)
-                data = []
-                for i, row in enumerate(payload["input"]):
+                states = []
+                for row in payload["input"]:
                     with torch.no_grad():
                         h_TH = stub.model.model(input_ids=torch.tensor([row])).last_hidden_state[0].float()
-                    if stub.transform is not None:
-                        h_TH = stub.transform(h_TH)
-                    if payload.get("encoding_format") == "base64":
-                        enc = base64.b64encode(h_TH.numpy().astype("<f4").tobytes()).decode()
-                    else:
-                        enc = h_TH.tolist()
-                    data.append({"index": i, "object": "pooling", "data": enc})
-                self._send(200, {"data": data})
+                    states.append(h_TH if stub.transform is None else stub.transform(h_TH))
+                dtype = getattr(torch, payload["embed_dtype"])
+                raws = [h.to(dtype).contiguous().view(torch.uint8).numpy().tobytes() for h in states]
+                if payload["encoding_format"] == "bytes":  # vLLM's layout: raw body, a metadata header
+                    items, start = [], 0
+                    for i, (raw, h) in enumerate(zip(raws, states)):
+                        items.append(
+                            dict(
+                                index=i,
+                                embed_dtype=payload["embed_dtype"],
+                                start=start,
+                                end=start + len(raw),
+                                shape=list(h.shape),
+                                endianness="little",
+                            )
+                        )
+                        start += len(raw)
+                    body = b"".join(raws)
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("metadata", json.dumps({"data": items}))
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                if payload["encoding_format"] == "base64":
+                    data = [base64.b64encode(raw).decode() for raw in raws]
+                else:
+                    data = [h.tolist() for h in states]
+                self._send(
+                    200, {"data": [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)]}
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -124,16 +149,20 @@ def test_decoding_gives_the_models_states_in_both_encodings(stub, teacher):
     rows = [[3, 4, 5, 6], [7, 8]]
     with torch.no_grad():
         want = [teacher.model(input_ids=torch.tensor([r])).last_hidden_state[0] for r in rows]
-    for encoding in ("base64", "float"):
-        got = _client(stub.url, encoding=encoding).hidden_states(rows)
-        assert [tuple(g.shape) for g in got] == [(4, 128), (2, 128)]
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0 if encoding == "base64" else 1e-6)
-    assert len(stub.pooling_requests) == 2  # one request per call, all rows in it
+    for encoding in ("bytes", "base64", "float"):
+        for dtype in ("float32", "bfloat16"):
+            got = _client(stub.url, encoding=encoding, dtype=dtype).hidden_states(rows)
+            assert [tuple(g.shape) for g in got] == [(4, 128), (2, 128)]
+            for g, w in zip(got, want):
+                if encoding == "float":  # JSON numbers of the float32 states, whatever dtype was asked
+                    torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+                else:
+                    assert g.dtype == getattr(torch, dtype) and torch.equal(g, w.to(g.dtype))
+    assert len(stub.pooling_requests) == 6  # one request per call, all rows in it
 
 
 def test_decoding_refuses_pooled_or_misshapen_answers():
-    h = base64.b64encode(np.zeros(5, dtype="<f4").tobytes()).decode()
+    h = base64.b64encode(np.zeros(5, dtype=np.float32).tobytes()).decode()
     body = json.dumps({"data": [{"index": 0, "data": h}]}).encode()
     with pytest.raises(served.TeacherServerError, match="tok_pooling_type"):
         served.decode_pooling(body, [2])

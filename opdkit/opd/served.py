@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -59,6 +60,9 @@ RETRYABLE = {408, 429, 500, 502, 503, 504}
 STATE_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
 FINGERPRINT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 PROBE_TEXT = "12+34=46"
+# Rows per request: vLLM describes each row of a bytes answer in one header line, which Python's
+# http.client reads up to 64 KiB (~110 B a row).
+MAX_REQUEST_ROWS = 256
 
 
 class TeacherServerError(RuntimeError):
@@ -109,6 +113,10 @@ class ServerClient:
 
     def call(self, method: str, path: str, payload: dict | None = None) -> bytes:
         """The response body of `method path`, tried up to 1 + `retries` times."""
+        return self.exchange(method, path, payload)[0]
+
+    def exchange(self, method: str, path: str, payload: dict | None = None) -> tuple[bytes, dict[str, str]]:
+        """(response body, response headers) of `method path`, tried up to 1 + `retries` times."""
         data = None if payload is None else json.dumps(payload).encode()
         waited, last = 0.0, ""
         for attempt in range(self.retries + 1):
@@ -121,7 +129,7 @@ class ServerClient:
             req.add_header("Content-Type", "application/json")
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                    return r.read()
+                    return r.read(), dict(r.headers.items())
             except urllib.error.HTTPError as e:
                 detail = _error_detail(e)
                 if e.code not in RETRYABLE:
@@ -153,17 +161,28 @@ def _error_detail(e: urllib.error.HTTPError) -> str:
 
 class PoolingClient(ServerClient):
     """A vLLM pooling server's final hidden states: one POST /pooling per `hidden_states` call (token ids
-    in, one (tokens, H) float array per row out). `encoding` is what the server sends: base64 (little-endian
-    float32, 4 B a number and a third more for base64) or float (JSON numbers: ~10-20 B each, and slow to
-    parse; only for servers without base64)."""
+    in, one (tokens, H) array per row out), each request asking for `task` token_embed without activation
+    whatever the server's default. `encoding`: how the states travel (vLLM 0.32 offers all three):
 
-    ENCODINGS = ("base64", "float")
+    - bytes: the raw numbers (`dtype` bytes each) as the body, their layout in a `metadata` header;
+    - base64: the same numbers as base64 strings inside JSON (a third more bytes, and a decode);
+    - float: JSON numbers, ~10-20 B each and slow to parse: only for servers that offer nothing else.
 
-    def __init__(self, url: str, model: str | None = None, encoding: str = "base64", **kwargs):
+    `dtype` is what each number is sent as: float32, or bfloat16 / float16 (half the bytes; exact for a
+    server that computes in that dtype, as its states are already rounded to it)."""
+
+    ENCODINGS = ("bytes", "base64", "float")
+    DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+    def __init__(
+        self, url: str, model: str | None = None, encoding: str = "bytes", dtype: str = "float32", **kwargs
+    ):
         super().__init__(url, **kwargs)
         if encoding not in self.ENCODINGS:
             raise ValueError(f"encoding={encoding!r}: expected one of {self.ENCODINGS}")
-        self.encoding, self._model = encoding, model
+        if dtype not in self.DTYPES:
+            raise ValueError(f"dtype={dtype!r}: expected one of {list(self.DTYPES)}")
+        self.encoding, self.dtype, self._model = encoding, dtype, model
 
     @property
     def model(self) -> str:
@@ -173,41 +192,60 @@ class PoolingClient(ServerClient):
         return self._model
 
     def hidden_states(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Each row's final hidden states, (len(row), H) float32 on the CPU, from one request."""
-        payload = {"model": self.model, "input": rows, "encoding_format": self.encoding}
+        """Each row's final hidden states, (len(row), H) in `dtype` on the CPU, from one request."""
+        payload = {
+            "model": self.model,
+            "input": rows,
+            "task": "token_embed",
+            "use_activation": False,
+            "encoding_format": self.encoding,
+            "embed_dtype": self.dtype,
+            "endianness": sys.byteorder,
+        }
         t0 = time.perf_counter()
-        body = self.call("POST", "/pooling", payload)
+        body, headers = self.exchange("POST", "/pooling", payload)
         t1 = time.perf_counter()
-        out = decode_pooling(body, [len(r) for r in rows], self.url)
+        out = decode_pooling(body, [len(r) for r in rows], headers.get("metadata"), self.dtype, self.url)
         s = self.stats
         s.requests += 1
         s.rows += len(rows)
         s.tokens += sum(len(r) for r in rows)
-        s.bytes += len(body)
+        s.bytes += len(body) + len(headers.get("metadata", ""))
         s.request_s += t1 - t0
         s.decode_s += time.perf_counter() - t1
         return out
 
 
-def decode_pooling(body: bytes, lengths: list[int], url: str = "the server") -> list[torch.Tensor]:
-    """A /pooling response as one (length, H) float32 tensor per row (base64 little-endian float32, or
-    nested JSON lists), in the order of the request's rows."""
-    items = sorted(json.loads(body)["data"], key=lambda d: d["index"])
+def decode_pooling(
+    body: bytes,
+    lengths: list[int],
+    metadata: str | None = None,
+    dtype: str = "float32",
+    url: str = "the server",
+) -> list[torch.Tensor]:
+    """A /pooling response as one (length, H) tensor per row, in the order of the request's rows: raw bytes
+    laid out by the `metadata` header (encoding bytes), else JSON with base64 strings (of `dtype`, in this
+    machine's byte order, as the request asked) or nested lists."""
+    if metadata is not None:
+        items = sorted(json.loads(metadata)["data"], key=lambda d: d["index"])
+        raws = [(body[d["start"] : d["end"]], d["embed_dtype"]) for d in items]
+    else:
+        items = sorted(json.loads(body)["data"], key=lambda d: d["index"])
+        raws = [(d["data"], None) for d in items]
     if len(items) != len(lengths):
         raise TeacherServerError(f"{url} answered {len(items)} rows to a request of {len(lengths)}.")
     out = []
-    for item, n in zip(items, lengths):
-        data = item["data"]
-        if isinstance(data, str):
-            flat = np.frombuffer(base64.b64decode(data), dtype="<f4")
-            states_TH = torch.from_numpy(flat.copy()).reshape(n, -1) if n and flat.size % n == 0 else None
-        else:
+    for (data, item_dtype), n in zip(raws, lengths):
+        if isinstance(data, list):
             states_TH = torch.tensor(data, dtype=torch.float32)
-        if states_TH is None or states_TH.dim() != 2 or states_TH.shape[0] != n:
-            got = tuple(states_TH.shape) if states_TH is not None else f"{flat.size} numbers"
+        else:
+            raw = base64.b64decode(data) if isinstance(data, str) else data
+            flat = torch.frombuffer(bytearray(raw), dtype=PoolingClient.DTYPES[item_dtype or dtype])
+            states_TH = flat.reshape(n, -1) if n and flat.numel() % n == 0 else flat
+        if states_TH.dim() != 2 or states_TH.shape[0] != n:
             raise TeacherServerError(
-                f"{url} sent {got} for a row of {n} tokens; a pooling server for a served teacher must "
-                "return every token's state (start it with --pooler-config "
+                f"{url} sent {tuple(states_TH.shape)} for a row of {n} tokens; a pooling server for a served "
+                "teacher must return every token's state (start it with --pooler-config "
                 '\'{"task":"token_embed","tok_pooling_type":"ALL","use_activation":false}\').'
             )
         out.append(states_TH)
@@ -282,7 +320,10 @@ class ServedTeacher(torch.nn.Module):
         self.client, self.name, self.head_source = client, head.name, head.source
         self.config = head.config
         self.served_dtype = served_dtype
-        self.tolerance = STATE_TOLERANCE.get(served_dtype, STATE_TOLERANCE["bfloat16"])
+        # The coarser of the server's dtype and the one the states travel in decides the rounding.
+        self.tolerance = max(
+            STATE_TOLERANCE.get(d, STATE_TOLERANCE["bfloat16"]) for d in (served_dtype, client.dtype)
+        )
         lm_head = torch.nn.Linear(head.hidden_size, head.rows, bias=False, device="meta")
         lm_head.weight = torch.nn.Parameter(head.weight_VH, requires_grad=False)
         self.lm_head = lm_head
@@ -526,11 +567,12 @@ def _unpadded(ids_BT, attn_BT, pos_BT) -> tuple[list[list[int]], list[int]]:
     return rows, firsts
 
 
-def _requests(rows: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Row indices cut into consecutive groups of at most `max_tokens` tokens (a longer row alone)."""
+def _requests(rows: list[list[int]], max_tokens: int, max_rows: int = MAX_REQUEST_ROWS) -> list[list[int]]:
+    """Row indices cut into consecutive groups of at most `max_tokens` tokens and `max_rows` rows (a longer
+    row alone)."""
     groups, current, size = [], [], 0
     for i, r in enumerate(rows):
-        if current and size + len(r) > max_tokens:
+        if current and (size + len(r) > max_tokens or len(current) == max_rows):
             groups.append(current)
             current, size = [], 0
         current.append(i)
