@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from opdkit import tiny
 from opdkit.opd.head import TeacherHead
 
 # Statuses that may pass if asked again (the server is starting, overloaded or restarting).
@@ -537,7 +538,9 @@ def check_same_teacher(saved: dict, now: ServedCheck, served_dtype: str = "bfloa
 
 
 def _same_name(expect: str, served: list[str]) -> bool:
-    tail = expect.rstrip("/").split("/")[-1]
+    """`expect` (a hub name, a folder, tiny:teacher) names what the server reports (its name or the folder
+    it loaded), compared by the last path part: a folder may be mounted elsewhere on the server's node."""
+    tail = tiny.resolve(expect).rstrip("/").split("/")[-1]
     return any(s == expect or s.rstrip("/").split("/")[-1] == tail for s in served)
 
 

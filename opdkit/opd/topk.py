@@ -205,7 +205,6 @@ class PromptLogprobsClient(ServerClient):
             "max_tokens": 1,
             "temperature": 1.0,
             "prompt_logprobs": k,
-            "detokenize": False,
         }
         t0 = time.perf_counter()
         body = self.call("POST", "/v1/completions", payload)
