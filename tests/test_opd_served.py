@@ -73,6 +73,9 @@ class StubPoolingServer:
                     self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": 256})
                     return
                 stub.pooling_requests.append(payload)
+                if max(max(r) for r in payload["input"]) >= stub.model.config.vocab_size:
+                    self._send(400, {"error": {"message": "Token id is out of vocabulary"}})
+                    return
                 assert payload["task"] == "token_embed" and payload["use_activation"] is False
                 time.sleep(stub.delay_s)
                 states = []
@@ -223,9 +226,18 @@ def test_check_reports_the_server_and_refuses_mismatches(stub, tok):
         teacher.check(tokenizer=tok, expect_name="Qwen/Qwen3-4B")
     with pytest.raises(served.ServedTeacherMismatch, match="--max-model-len 4096"):
         teacher.check(tokenizer=tok, min_model_len=4096)
+    with pytest.raises(served.ServedTeacherMismatch, match="does not take this vocabulary"):
+        teacher.check(probe_ids=[1, 2, 500])
     stub.transform = lambda h: h * 1.5  # not the output of this checkpoint's final norm
     with pytest.raises(served.ServedTeacherMismatch, match="final norm"):
         teacher.check(tokenizer=tok)
+
+
+def test_a_server_whose_tokenizer_splits_otherwise_is_refused(teacher, tok, qwen3_tokenizer):
+    with StubPoolingServer(teacher, tokenizer=qwen3_tokenizer) as stub:
+        st = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
+        with pytest.raises(served.ServedTeacherMismatch, match="token ids would mean different things"):
+            st.check(tokenizer=tok)
 
 
 def test_a_resume_against_another_served_model_is_refused(stub, tok):

@@ -31,6 +31,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
+from opdkit.opd.served import probe_logprobs
 
 
 class TeacherSetMismatch(ValueError):
@@ -178,12 +179,10 @@ def weighted_divergence(
 def fingerprint(teacher: torch.nn.Module, probe_ids: list[int]) -> list[float]:
     """The teacher's log-probability of each next probe token, through the trainer's own path (its
     `base_model` states and output head): the same numbers for the same teacher, local or served."""
-    ids_1T = torch.tensor([probe_ids])
     weight_VH = teacher.get_output_embeddings().weight
-    ids_1T = ids_1T.to(weight_VH.device)
+    ids_1T = torch.tensor([probe_ids], device=weight_VH.device)
     h_TH = teacher.base_model(input_ids=ids_1T, attention_mask=torch.ones_like(ids_1T)).last_hidden_state[0]
-    logp_TV = torch.log_softmax(h_TH.float() @ weight_VH.float().T, dim=-1)
-    return logp_TV[:-1].gather(1, ids_1T[0, 1:, None]).squeeze(1).cpu().tolist()
+    return probe_logprobs(h_TH, weight_VH, probe_ids)
 
 
 def fingerprints(teachers: dict[str, torch.nn.Module], probe_ids: list[int]) -> dict:

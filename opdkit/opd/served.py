@@ -460,13 +460,20 @@ class ServedTeacher(torch.nn.Module):
                 f"{min_model_len} (longest prompt + max_new_tokens); restart it with --max-model-len "
                 f"{min_model_len} or more."
             )
-        text = PROBE_TEXT
+        text = probe_text(tokenizer)
         if probe_ids is None:
             if tokenizer is None:
                 raise ValueError("check needs tokenizer= (to make and compare the probe) or probe_ids=")
-            probe_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            # The student's last token id too: a served model with a smaller vocabulary refuses it.
+            probe_ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
         tokenizer_checked = tokenizer is not None and self._check_tokenizer(tokenizer, text)
-        (states_TH,) = self.client.hidden_states([list(probe_ids)])
+        try:
+            (states_TH,) = self.client.hidden_states([list(probe_ids)])
+        except TeacherServerError as e:
+            raise ServedTeacherMismatch(
+                f"{self.client.url} refused the probe {list(probe_ids)} (the last id is the tokenizer's "
+                f"largest, {max(probe_ids)}): its model does not take this vocabulary ({e})"
+            ) from None
         if states_TH.shape[1] != self.lm_head.in_features:
             raise ServedTeacherMismatch(
                 f"{self.client.url} serves states of width {states_TH.shape[1]} but the head of {self.name} "
@@ -487,14 +494,8 @@ class ServedTeacher(torch.nn.Module):
             tokenizer_checked=tokenizer_checked,
             state_gap=gap,
             probe_ids=list(probe_ids),
-            probe_logprobs=self._probe_logprobs(states_TH, list(probe_ids)),
+            probe_logprobs=probe_logprobs(states_TH, self.lm_head.weight, list(probe_ids)),
         )
-
-    def _probe_logprobs(self, states_TH: torch.Tensor, ids: list[int]) -> list[float]:
-        with torch.no_grad():
-            w_VH = self.lm_head.weight.float().cpu()
-            logp_TV = torch.log_softmax(states_TH.float() @ w_VH.T, dim=-1)
-            return logp_TV[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
 
     def _check_tokenizer(self, tokenizer, text: str) -> bool:
         """True if checked (the server has a tokenizer and splits `text` as `tokenizer` does)."""
@@ -515,6 +516,25 @@ class ServedTeacher(torch.nn.Module):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cache.clear()
+
+
+def probe_text(tokenizer=None) -> str:
+    """The probe's text: a user turn through the tokenizer's chat template (its special tokens included),
+    or `PROBE_TEXT` alone."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return PROBE_TEXT
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROBE_TEXT}], tokenize=False, add_generation_prompt=True
+    )
+
+
+@torch.no_grad()
+def probe_logprobs(states_TH: torch.Tensor, head_VH: torch.Tensor, ids: list[int]) -> list[float]:
+    """Each next probe token's log-probability from final states and a head (float32): a teacher's
+    fingerprint, the same numbers for the same model whoever computes the states."""
+    w_VH = head_VH.detach().float().to(states_TH.device)
+    logp_TV = torch.log_softmax(states_TH.float() @ w_VH.T, dim=-1)
+    return logp_TV[:-1].gather(1, torch.tensor(ids[1:], device=states_TH.device)[:, None]).squeeze(1).tolist()
 
 
 def fingerprint_gap(saved: dict, now: ServedCheck) -> float:
