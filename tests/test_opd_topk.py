@@ -9,9 +9,12 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from opdkit import tiny
 from opdkit.opd import topk
 from opdkit.opd.loss import per_token_divergence
+from opdkit.rollout.sampling import position_ids_from_mask
 
 
 def direct(student_logits_V, teacher_logits_V, support: list[int], beta: float) -> float:
@@ -133,3 +136,36 @@ def test_vllm_prompt_logprobs_are_laid_out_as_teacher_topk():
     want_ids, want_lp = topk.teacher_topk(logits_TV[:-1], 2, torch.tensor(row[1:]))
     assert torch.equal(ids_TK, want_ids)
     torch.testing.assert_close(lp_TK, want_lp)
+
+
+class _LogitsClient:
+    """What `PromptLogprobsClient.topk` returns, computed from a model's logits (no server)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def topk(self, rows, k):
+        out = []
+        for row in rows:
+            with torch.no_grad():
+                logits_TV = self.model(input_ids=torch.tensor([row])).logits[0, :-1]
+            out.append(topk.teacher_topk(logits_TV, k, torch.tensor(row[1:])))
+        return out
+
+
+def test_the_topk_teacher_gives_the_support_at_the_trainers_positions():
+    """Left-padded rows: the sparse rows line up with `hidden[pred_BT]` of the padded batch."""
+    model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher")).eval()
+    ids_BT = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 0]])
+    attn_BT = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])
+    pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
+    pred_BT[:, 3:6] = True  # prompt width 4: positions 3.. predict the completion
+    pred_BT[1, 5] = False  # the second row's completion ends sooner
+    ids_NK, logp_NK = topk.TopKTeacher(_LogitsClient(model), 3).sparse(ids_BT, attn_BT, pred_BT)
+    pos_BT = position_ids_from_mask(attn_BT)
+    with torch.no_grad():
+        logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT).logits
+    nxt_BT = torch.cat([ids_BT[:, 1:], ids_BT[:, :1]], 1)
+    want_ids, want_logp = topk.teacher_topk(logits_BTV[pred_BT], 3, nxt_BT[pred_BT])
+    assert torch.equal(ids_NK, want_ids)
+    torch.testing.assert_close(logp_NK, want_logp, rtol=0, atol=1e-5)

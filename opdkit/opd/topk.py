@@ -225,6 +225,38 @@ class PromptLogprobsClient(ServerClient):
         return out
 
 
+class TopKTeacher:
+    """`teacher_logprobs: topk:K`: the teacher's top-K log-probabilities (ids and values) at the positions a
+    trainer's `pred_BT` marks, from one `PromptLogprobsClient` request per call. Approximate (see the
+    module's docstring); `chunked_topk_divergence` takes what `sparse` returns."""
+
+    def __init__(self, client: PromptLogprobsClient, k: int):
+        if k < 1:
+            raise ValueError(f"k={k}: the top-K needs K >= 1")
+        self.client, self.k = client, k
+
+    def sparse(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, pred_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids (N, K+1), log-probabilities) for the N positions `pred_BT` marks, row after row (the order of
+        `hidden[pred_BT]`); the last slot holds the actual next token where it is outside the top K."""
+        ids_BT, attn_BT, pred_BT = input_ids_BT.cpu(), attention_mask_BT.cpu().bool(), pred_BT.cpu()
+        rows, firsts = [], []
+        for b in range(ids_BT.shape[0]):
+            where = attn_BT[b].nonzero().squeeze(1)
+            first = int(where[0]) if where.numel() else 0
+            rows.append(ids_BT[b, first : first + where.numel()].tolist())
+            firsts.append(first)
+        out = self.client.topk(rows, self.k)
+        ids, logps = [], []
+        for b, (first, (ids_TK, logp_TK)) in enumerate(zip(firsts, out)):
+            at_T = pred_BT[b].nonzero().squeeze(1) - first  # a state at unpadded t predicts token t+1
+            ids.append(ids_TK[at_T])
+            logps.append(logp_TK[at_T])
+        device = input_ids_BT.device
+        return torch.cat(ids).to(device), torch.cat(logps).to(device)
+
+
 def _topk_row(entries: list, row: list[int], k: int, url: str) -> tuple[torch.Tensor, torch.Tensor]:
     if entries is None or len(entries) != len(row):
         raise TeacherServerError(f"{url} sent no prompt_logprobs for a row of {len(row)} tokens.")
