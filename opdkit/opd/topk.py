@@ -26,8 +26,12 @@ Pitfalls this module exists for:
   so `topk` refuses `temperature != 1` instead of guessing;
 - position t of `prompt_logprobs` is the distribution of token t given the tokens before it (position 0 has
   none); the trainer's convention is the state at t predicting token t+1: `topk` shifts by one;
-- the served log-probabilities are rounded (JSON floats of float32 values): their sum over S can exceed 1
-  by rounding, hence the floor on the teacher's tail.
+- the served log-probabilities are float32, computed against a float32 log-sum-exp: their sum over S is
+  known to ~1e-7, so the teacher's tail mass is too, and a teacher that gives the rest less than that
+  (the tiny teacher gives some tokens 1e-8) has its tail floored at `TAIL_FLOOR`: one more under-statement,
+  where the student puts mass the teacher rules out. Measured on the tiny world (reverse KL, 6 rows of
+  greedy tiny-task text): 52 %, 29 %, 10 % and 0.12 % of the exact divergence missing at K = 1, 5, 20, 100
+  of V = 101 (tests/test_opd_served_vllm.py).
 """
 
 from __future__ import annotations
