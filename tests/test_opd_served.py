@@ -339,6 +339,30 @@ def test_the_trainer_with_a_served_teacher_computes_the_in_process_loss_and_grad
     assert not st._cache  # every prepared row was used
 
 
+def test_a_micro_batch_waits_only_for_the_requests_holding_its_rows(stub, tok):
+    """A prepared step's requests go one at a time here (`in_flight` 1, a slow server): the first
+    micro-batch's states come back while the later requests are still on their way."""
+    r = _rollout(tok, 6)
+    rows = [
+        {
+            "input_ids": r.input_ids_BT[i : i + 2],
+            "attention_mask": r.attention_mask_BT[i : i + 2],
+            "completion_mask_BC": r.completion_mask_BC[i : i + 2],
+        }
+        for i in (0, 2, 4)
+    ]
+    st = served.ServedTeacher(
+        _client(stub.url), load_head("tiny:teacher"), "float32", max_request_tokens=1, in_flight=1
+    )
+    stub.delay_s = 0.2
+    st.prepare_step(rows)  # one request per row: 6 requests
+    first = st.states(rows[0]["input_ids"], rows[0]["attention_mask"])
+    assert len(st._pending) == 4 and first.abs().sum() > 0
+    for b in rows[1:]:
+        st.states(b["input_ids"], b["attention_mask"])
+    assert not st._pending and not st._cache and st.stats.requests == 6
+
+
 def test_rows_with_padding_inside_are_refused(stub):
     st = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
     ids = torch.tensor([[0, 5, 6, 7]])
@@ -346,3 +370,20 @@ def test_rows_with_padding_inside_are_refused(stub):
         st.states(ids, torch.tensor([[1, 0, 1, 1]]))
     h = st.states(ids, torch.tensor([[0, 1, 1, 1]]))
     assert h[0, 0].abs().sum() == 0 and h[0, 1:].abs().sum() > 0 and math.isfinite(float(h.sum()))
+
+
+def test_a_local_server_serves_the_teachers_states_on_its_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    server = served.local_server("Qwen/Qwen3-4B", tmp_path / "teacher.log", gpus=[6, 7], max_model_len=8192)
+    flags = dict(zip(server.command[3::2], server.command[4::2]))
+    assert flags["--runner"] == "pooling" and flags["--tensor-parallel-size"] == "2"
+    assert flags["--served-model-name"] == "Qwen/Qwen3-4B" and flags["--max-model-len"] == "8192"
+    assert server.env["CUDA_VISIBLE_DEVICES"] == "6,7" and "--enforce-eager" not in server.command
+    assert server.url.startswith("http://127.0.0.1:") and not server.running
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        served.local_server("tiny:teacher", tmp_path / "t.log")
+    cpu = served.local_server("tiny:teacher", tmp_path / "t.log", kv_cache_bytes=2**28)
+    assert "--enforce-eager" in cpu.command and cpu.command[cpu.command.index("--model") + 1] == tiny.resolve(
+        "tiny:teacher"
+    )

