@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P8")
+FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8")
 
 
 @dataclass
@@ -272,6 +272,67 @@ def _p8(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
+def _p6(samples: dict, params: dict, threads: int) -> list[Figure]:
+    served = samples["served"]
+    setup = {
+        **params,
+        "threads": threads,
+        "params_teacher": served[0]["params_teacher"],
+        "tokens_per_step": _medians(samples, "tokens_per_step"),
+        "phase_s": _phase_medians(samples),
+        "served": {
+            k: statistics.median(r[k] for r in served)
+            for k in (
+                "server_start_s",
+                "requests_per_step",
+                "tokens_sent_per_step",
+                "bytes_per_token",
+                "teacher_request_s",
+                "teacher_decode_s",
+            )
+        },
+        "state_gap_max": max(r["state_gap"] for r in served),
+    }
+    return [
+        ratio_figure(
+            "P6",
+            "OPD step time, teacher served by a vLLM pooling server vs in the training process",
+            samples,
+            key="step_s",
+            metric="seconds per optimizer step",
+            target=1.3,
+            higher_is_better=False,
+            baseline=_baseline("bench.served_teacher"),
+            setup=setup,
+            sides=("served", "local"),
+        )
+    ]
+
+
+def _p7(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {
+        **params,
+        "hidden_size": samples["exact"][0]["hidden_size"],
+        "tokens": samples["exact"][0]["tokens"],
+        "binary_bytes_per_token": _medians(samples, "binary_bytes_per_token"),
+        "request_s": _medians(samples, "request_s"),
+    }
+    return [
+        ratio_figure(
+            "P7",
+            "Bytes per token received, exact hidden states (fp32, bytes) vs top-20 log-probs with ids (JSON)",
+            samples,
+            key="bytes_per_token",
+            metric="bytes received per token",
+            target=1.0,
+            higher_is_better=False,
+            baseline=importlib.import_module("bench.served_teacher").TOPK_BASELINE,
+            setup=setup,
+            sides=("exact", "topk20"),
+        )
+    ]
+
+
 def _step_medians(samples: dict) -> dict[str, float | None]:
     return {
         side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
@@ -318,6 +379,13 @@ BENCHES["P1b"] = Bench(
 BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
 # TRL's ULDLoss takes minutes per run here (a full-vocabulary sort per group and side, in Python loops).
 BENCHES["P8"] = Bench("p8_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl"), 1, _p8, max_reps=3)
+# The served teacher: both sides in .venv-vllm (vLLM rollouts as P1b's opdkit side; the server is vLLM too).
+BENCHES["P6"] = Bench(
+    "p6_served_teacher", "bench.served_teacher", ("served", "local"), 1, _p6, venv=".venv-vllm", max_reps=3
+)
+BENCHES["P7"] = Bench(
+    "p7_served_bytes", "bench.served_teacher", ("exact", "topk20"), 1, _p7, venv=".venv-vllm", max_reps=1
+)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

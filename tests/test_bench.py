@@ -271,3 +271,16 @@ def test_p8_both_sides_compute_the_same_loss():
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
     assert registry.BENCHES["P8"].default_params(quick=False)["tokens"] == 256
+
+
+def test_p6_measures_the_served_teacher_at_p1bs_size_in_the_vllm_venv():
+    """P6 (issue 29): the same step as P1b's opdkit side with the teacher served, against it in-process;
+    P7: bytes per token; both in .venv-vllm (the server is vLLM)."""
+    from bench import registry
+
+    p6, p7 = registry.BENCHES["P6"], registry.BENCHES["P7"]
+    p = p6.default_params(quick=False)
+    assert {k: p[k] for k in registry.p1b_params()} == registry.p1b_params() and p["server_kv_gb"] > 0
+    assert p6.sides == ("served", "local") and p7.sides == ("exact", "topk20")
+    assert p6.venv_of("served") == p6.venv_of("local") == p7.venv == ".venv-vllm"
+    assert {"P6", "P7"} <= set(registry.FIGURES) and p6.max_reps == 3
