@@ -397,7 +397,7 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
         rollout_engine="hf",
     )
     prep = whitebox.prepare("full", over)
-    assert prep.first_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prep.first_example.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     run = whitebox.run("full", over, prepared=prep)
     summary = run.read_summary()
     assert summary["steps"] == 2 and summary["status"] == "done"
