@@ -12,6 +12,8 @@ process loads the student and the teacher, measures greedy accuracy before, dist
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -24,15 +26,19 @@ from opdkit.jobs.whitebox.inputs import Prepared, prepared
 from opdkit.models import load_model, load_tokenizer, num_params
 from opdkit.notebook import live
 from opdkit.opd import arguments as opd_arguments
+from opdkit.opd import served
 from opdkit.opd.arguments import OPDArguments, distill_stage
 from opdkit.opd.callbacks import add_step_accuracy
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_job
 from opdkit.tasks.evaluate import completion_budget, configured_accuracy
+
+SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -115,14 +121,17 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
     if cfg.parallelism == "fsdp" and world == 1:
         print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     student = load_model(cfg.student_model, torch.float32, args.device)
-    # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to the
-    # device one unit at a time, so it never needs to fit a GPU whole.
-    teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
-    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, teacher_device)
-    print0(
-        f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
-        f"{world} process(es) on {args.device}"
-    )
+    teacher_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if cfg.teacher_server:
+        teacher = served_teacher(cfg, prep, run, teacher_dtype)
+        held = f"teacher served ({num_params(teacher) / 1e6:.2f}M head params here)"
+    else:
+        # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to
+        # the device one unit at a time, so it never needs to fit a GPU whole.
+        teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
+        teacher = load_model(cfg.teacher_model, teacher_dtype, teacher_device)
+        held = f"teacher {num_params(teacher) / 1e6:.2f}M"
+    print0(f"student {num_params(student) / 1e6:.2f}M params, {held}, {world} process(es) on {args.device}")
     trainer = DistillTrainer(
         model=student,
         args=args,
@@ -138,6 +147,28 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
         distil(prep, run, trainer, teacher, world, rank, t0)
     finally:
         trainer.close_engine()
+        if cfg.teacher_server:
+            teacher.close()
+
+
+def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
+    """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
+    the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
+    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
+    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+    saved = run.path / SERVED_CHECK_FILE
+    if cfg.resume and saved.exists():
+        served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
+    elif run.writer:
+        atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
+    gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
+    tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
+    print0(
+        f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
+        f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
+        f"({report.head_rows} x {report.hidden_size}, {report.head_source})"
+    )
+    return teacher
 
 
 def distil(
@@ -158,7 +189,8 @@ def distil(
     before, before_forced = earlier.get("student_accuracy_before"), None
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
-    teacher_acc, teacher_forced = acc(teacher)
+    # A served teacher has no decoding loop here: its accuracy is the server's to measure.
+    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server else acc(teacher)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
     print0(f"accuracy before: teacher {teacher_acc}, student {before}")
@@ -192,12 +224,27 @@ def distil(
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
         **overlap_facts(cfg, prep),
+        **served_facts(cfg, teacher),
         "world_size": world,
         "wall_time_s": round(time.time() - t0, 1),
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}")
+
+
+def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
+    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
+    if not cfg.teacher_server:
+        return {}
+    stats = teacher.stats
+    return {
+        "teacher_server": teacher.client.url,
+        "teacher_transfer": {
+            **dataclasses.asdict(stats),
+            "bytes_per_token": round(stats.bytes_per_token(), 1),
+        },
+    }
 
 
 def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
