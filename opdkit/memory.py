@@ -400,8 +400,9 @@ class Stage:
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
     sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
     teacher_served: the teacher's final hidden states come from a server (`opd.served`, `teacher_server`):
-        the process holds its head (vocabulary x hidden, in `teacher_dtype`) and a step's received states
-        (in `served_dtype`), never its layers; it neither decodes nor is sharded here.
+        the process holds its head (vocabulary x hidden, in `teacher_dtype`) and a micro-batch's states (a
+        step's, received in `served_dtype`, wait in host memory), never its layers; it neither decodes nor
+        is sharded here.
     trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
         adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
         have none. 0: every parameter trains.
@@ -660,8 +661,8 @@ def _sharded_teacher_rows(s: Stage) -> list[Row]:
 
 
 def _served_teacher_rows(s: Stage) -> list[Row]:
-    """A served teacher (`opd.served.ServedTeacher`): its head, the step's states as received (every row's
-    positions from its last prompt token on, `prepare_step`) and one micro-batch's padded states."""
+    """A served teacher (`opd.served.ServedTeacher`): its head, and one micro-batch's states in the padded
+    layout; the step's states as received (each row's from its last prompt token on) wait in host memory."""
     m, dt = s.model("teacher")
     h, sb, tb = m.hidden_size, dtype_bytes(s.served_dtype), dtype_bytes(dt)
     kept = s.gen_batch_size * (s.completion_len + 1)
@@ -674,9 +675,9 @@ def _served_teacher_rows(s: Stage) -> list[Row]:
         ),
         Row(
             "served teacher states",
-            kept * h * sb + padded * h * tb,
-            f"step: {_n(kept)} tokens x {h} x {sb} B ({s.served_dtype}); "
-            f"micro-batch: {_n(padded)} x {h} x {tb} B",
+            padded * h * tb,
+            f"{_n(padded)} tokens x {h} x {tb} B; the step's {_n(kept)} tokens x {h} x {sb} B "
+            f"({s.served_dtype}) wait in host memory",
             "train",
         ),
     ]
