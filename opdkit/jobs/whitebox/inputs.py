@@ -163,7 +163,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         split = with_system(split, cfg.system_prompt)
     tok = load_tokenizer(cfg.student_model)
     check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
-    if cfg.teacher_server:  # reachable, the teacher, its context and tokenizer: before anything is loaded
+    if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, tok)
     train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
     collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from opdkit import memory
+from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, prepared
@@ -34,7 +37,7 @@ from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import run_processes
+from opdkit.run.launch import run_processes, under_external_launcher
 from opdkit.run.lifecycle import Job, prepare_job, run_job
 from opdkit.tasks.evaluate import completion_budget, configured_accuracy
 
@@ -277,8 +280,52 @@ def run(
     callbacks: list | None = None,
 ) -> RunDir | None:
     """The run (`lifecycle.run_job`): its folder, or None after a dry run. `callbacks` (transformers
-    `TrainerCallback`s) are handed to the trainer in every process."""
+    `TrainerCallback`s) are handed to the trainer in every process. `teacher_server: local` runs it beside
+    the teacher's server (`with_local_server`)."""
+    cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
+    if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
+        return with_local_server(cfg, mode, overrides, prepared, callbacks)
     return run_job(JOB, mode, overrides, prepared, callbacks=callbacks)
+
+
+def with_local_server(
+    cfg: WhiteboxConfig, mode: str, overrides: dict | None, prepared: Prepared | None, callbacks: list | None
+) -> RunDir | None:
+    """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
+    temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
+    the run ends. Without CUDA the server runs on the CPU beside the training."""
+    if under_external_launcher():
+        raise ConfigError(
+            "teacher_server local starts one server for the run: start the run as one process (num_processes "
+            "picks the training processes), not under torchrun; or start the server yourself, give its URL."
+        )
+    gpus = train = None
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        gpus, train = served.split_gpus(cfg.teacher_gpus, ids)
+    log = Path(tempfile.mkdtemp(prefix="opdkit-teacher-")) / "teacher-server.log"
+    where = "GPUs " + ",".join(gpus) if gpus else "the CPU"
+    print0(f"teacher_server local: starting {cfg.teacher_model} on {where}")
+    print0(f"  its log: {log}")
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with served.job_server(cfg, log, gpus) as server:
+        over = {**(overrides or {}), "teacher_server": server.url}
+        if prepared is not None:
+            prepared = dataclasses.replace(
+                prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
+            )
+            served.check_job_server(prepared.cfg, prepared.tokenizer)
+        try:
+            if train:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
+            return run_job(JOB, mode, over, prepared, callbacks=callbacks)
+        finally:
+            if train:
+                if before is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def main(argv: list[str] | None = None) -> None:
