@@ -5,6 +5,7 @@ recipe over `opd.DistillTrainer` and the run lifecycle (`run.lifecycle`).
     torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
     torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # both models sharded (FSDP2)
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
+    python -m opdkit.whitebox --mode full --set teacher_server=http://node7:8000   # the teacher served there
 
 `prepare` does everything that can fail cheaply (config, prompts, tokenizers) before anything is written; each
 process loads the student and the teacher, measures greedy accuracy before, distils, measures it after.
