@@ -399,6 +399,10 @@ class Stage:
         with rollout_engine "vllm" the engine's share replaces it.
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
     sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
+    teacher_served: the teacher's final hidden states come from a server (`opd.served`, `teacher_server`):
+        the process holds its head (vocabulary x hidden, in `teacher_dtype`) and a micro-batch's states (a
+        step's, received in `served_dtype`, wait in host memory), never its layers; it neither decodes nor
+        is sharded here.
     trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
         adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
         have none. 0: every parameter trains.
@@ -435,6 +439,8 @@ class Stage:
     engine_dtype: str = "bfloat16"
     sync_streamed: bool = False
     trainable_params: int = 0
+    teacher_served: bool = False
+    served_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         choices = {
@@ -459,7 +465,7 @@ class Stage:
             raise ValueError(
                 f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} is not in (0, 1]."
             )
-        for name in ("student_dtype", "teacher_dtype", "proxy_dtype", "engine_dtype"):
+        for name in ("student_dtype", "teacher_dtype", "proxy_dtype", "engine_dtype", "served_dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name)))
         if self.train_batch_size and self.student is None:
             raise ValueError(
@@ -654,9 +660,34 @@ def _sharded_teacher_rows(s: Stage) -> list[Row]:
     return rows
 
 
+def _served_teacher_rows(s: Stage) -> list[Row]:
+    """A served teacher (`opd.served.ServedTeacher`): its head, and one micro-batch's states in the padded
+    layout; the step's states as received (each row's from its last prompt token on) wait in host memory."""
+    m, dt = s.model("teacher")
+    h, sb, tb = m.hidden_size, dtype_bytes(s.served_dtype), dtype_bytes(dt)
+    kept = s.gen_batch_size * (s.completion_len + 1)
+    padded = s.train_batch_size * (s.prompt_len + s.completion_len)
+    return [
+        Row(
+            "teacher head (served teacher)",
+            m.embedding_params * tb,
+            f"{_n(m.embedding_params)} x {tb} B ({dt})",
+        ),
+        Row(
+            "served teacher states",
+            padded * h * tb,
+            f"{_n(padded)} tokens x {h} x {tb} B; the step's {_n(kept)} tokens x {h} x {sb} B "
+            f"({s.served_dtype}) wait in host memory",
+            "train",
+        ),
+    ]
+
+
 def _rows(s: Stage, budget: float | None) -> list[Row]:
     rows: list[Row] = _student_rows(s) if s.student is not None else []
-    if s.teacher is not None:
+    if s.teacher is not None and s.teacher_served:
+        rows += _served_teacher_rows(s)
+    elif s.teacher is not None:
         m, dt = s.model("teacher")
         div = s.world_size if (s.sharded and s.shard_teacher) else 1
         how = f"{_n(m.num_params)} params x {dtype_bytes(dt)} B ({dt})" + (

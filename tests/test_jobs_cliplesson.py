@@ -8,6 +8,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs import cliplesson, whitebox
 from opdkit.jobs.cliplesson import job as cliplesson_job
 from opdkit.jobs.cliplesson import report as cliplesson_report
+from opdkit.jobs.cliplesson.arms import arm_overrides
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 
@@ -29,6 +30,17 @@ def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
     sgd = [arms["sgd-clip"], arms["sgd-noclip"]]
     assert sgd[0].learning_rate == sgd[1].learning_rate and sgd[0].clipping and not sgd[1].clipping
     assert sgd[0].overrides["optim"] == "sgd"
+
+
+def test_every_arm_takes_the_lessons_teacher_server():
+    url = "http://node7:8000"
+    cfg = load_config(ClipLessonConfig, "tiny", {"teacher_server": url, "teacher_server_dtype": "float32"})
+    for arm in cliplesson.arms(cfg):
+        arm_cfg = load_config(WhiteboxConfig, arm.mode, arm_overrides(arm, cfg))
+        assert (arm_cfg.teacher_server, arm_cfg.teacher_server_dtype) == (url, "float32")
+        assert "teacher head (served teacher)" in whitebox.memory_plan(arm_cfg, None).table()
+    arm = cliplesson.arms(load_config(ClipLessonConfig, "tiny"))[0]
+    assert "teacher_server" not in arm_overrides(arm, load_config(ClipLessonConfig, "tiny"))
 
 
 def test_full_lesson_compares_sanity_with_noclip():

@@ -16,7 +16,7 @@ from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import per_token_divergence
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling
-from opdkit.tiny import task
+from opdkit.tasks import tiny as task
 
 
 def _model(name: str) -> torch.nn.Module:

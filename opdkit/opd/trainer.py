@@ -146,7 +146,9 @@ class DistillTrainer(Trainer):
         # Under FSDP the frozen teacher is sharded like the student (weights only: it has no gradients or
         # optimizer state), so its memory per process falls with the process count. Sharding moves each
         # unit to the device as it shards it, so a teacher loaded in host memory is never whole on a GPU.
-        self.teacher_sharded = self.is_fsdp_enabled and self.args.world_size > 1
+        # A served teacher (`served.ServedTeacher`) holds only its head here: nothing to shard.
+        served = hasattr(self.teacher, "prepare_step")
+        self.teacher_sharded = self.is_fsdp_enabled and self.args.world_size > 1 and not served
         if self.teacher_sharded:
             sharding.shard_frozen(self.teacher)
         else:
@@ -176,6 +178,8 @@ class DistillTrainer(Trainer):
         engine = self.engine()  # built (a vLLM engine: tens of seconds) before the step's clock starts
         self.stats = StepStats()
         samples = self._rollout_step(engine, batches, step) if batches else []
+        if samples and hasattr(self.teacher, "prepare_step"):  # a served teacher: the step's rows sent now
+            self.teacher.prepare_step(samples)
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
         n_local = sum(

@@ -119,6 +119,8 @@ def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
         over["num_processes"] = cfg.num_processes
     if cfg.arm_eval_size >= 0:  # -1 keeps the preset's
         over["eval_size"] = cfg.arm_eval_size
+    if cfg.teacher_server:
+        over |= {"teacher_server": cfg.teacher_server, "teacher_server_dtype": cfg.teacher_server_dtype}
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
     return over

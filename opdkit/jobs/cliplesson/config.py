@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from opdkit.config import RunFields, setting
+from opdkit.opd.served import ServedSettings
 
 
 @dataclass
-class ClipLessonConfig(RunFields):
-    """Clip versus no-clip (notebook 03): arms built from whitebox presets or runs."""
+class ClipLessonConfig(RunFields, ServedSettings):
+    """Clip versus no-clip (notebook 03): arms built from whitebox presets or runs; with `teacher_server`,
+    every arm's teacher is that server's."""
 
     job: ClassVar[str] = "cliplesson"
 

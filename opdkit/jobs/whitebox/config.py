@@ -10,6 +10,7 @@ from opdkit.config import ConfigError, RunFields, setting
 from opdkit.data.prompts import PromptSettings
 from opdkit.models import CheckpointingSettings, PrecisionSettings, StudentSettings, TeacherSettings
 from opdkit.opd.arguments import OPDSettings, OPDTraining
+from opdkit.opd.served import ServedSettings
 from opdkit.tasks.evaluate import EvalSettings
 
 
@@ -18,6 +19,7 @@ class WhiteboxConfig(
     RunFields,
     StudentSettings,
     TeacherSettings,
+    ServedSettings,
     PromptSettings,
     EvalSettings,
     PrecisionSettings,

@@ -5,6 +5,7 @@ recipe over `opd.DistillTrainer` and the run lifecycle (`run.lifecycle`).
     torchrun --nproc_per_node 4 -m opdkit.whitebox --mode full               # one node, 4 GPUs
     torchrun ... -m opdkit.whitebox --mode full --set parallelism=fsdp        # both models sharded (FSDP2)
     accelerate launch --num_machines 2 ... -m opdkit.whitebox --mode full    # many nodes
+    python -m opdkit.whitebox --mode full --set teacher_server=http://node7:8000   # the teacher served there
 
 `prepare` does everything that can fail cheaply (config, prompts, tokenizers) before anything is written; each
 process loads the student and the teacher, measures greedy accuracy before, distils, measures it after.
@@ -12,27 +13,36 @@ process loads the student and the teacher, measures greedy accuracy before, dist
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from opdkit import memory
+from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, prepared
 from opdkit.models import load_model, load_tokenizer, num_params
 from opdkit.notebook import live
 from opdkit.opd import arguments as opd_arguments
+from opdkit.opd import served
 from opdkit.opd.arguments import OPDArguments, distill_stage
 from opdkit.opd.callbacks import add_step_accuracy
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import run_processes
+from opdkit.run.launch import run_processes, under_external_launcher
 from opdkit.run.lifecycle import Job, prepare_job, run_job
 from opdkit.tasks.evaluate import completion_budget, configured_accuracy
+
+SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -115,14 +125,17 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
     if cfg.parallelism == "fsdp" and world == 1:
         print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     student = load_model(cfg.student_model, torch.float32, args.device)
-    # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to the
-    # device one unit at a time, so it never needs to fit a GPU whole.
-    teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
-    teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, teacher_device)
-    print0(
-        f"student {num_params(student) / 1e6:.2f}M params, teacher {num_params(teacher) / 1e6:.2f}M, "
-        f"{world} process(es) on {args.device}"
-    )
+    teacher_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if cfg.teacher_server:
+        teacher = served_teacher(cfg, prep, run, teacher_dtype)
+        held = f"teacher served ({num_params(teacher) / 1e6:.2f}M head params here)"
+    else:
+        # A teacher the trainer shards (fsdp, several processes) waits in host memory: sharding moves it to
+        # the device one unit at a time, so it never needs to fit a GPU whole.
+        teacher_device = "cpu" if sharding.fsdp_arguments(cfg.parallelism, world) else args.device
+        teacher = load_model(cfg.teacher_model, teacher_dtype, teacher_device)
+        held = f"teacher {num_params(teacher) / 1e6:.2f}M"
+    print0(f"student {num_params(student) / 1e6:.2f}M params, {held}, {world} process(es) on {args.device}")
     trainer = DistillTrainer(
         model=student,
         args=args,
@@ -138,6 +151,28 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
         distil(prep, run, trainer, teacher, world, rank, t0)
     finally:
         trainer.close_engine()
+        if cfg.teacher_server:
+            teacher.close()
+
+
+def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
+    """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
+    the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
+    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
+    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+    saved = run.path / SERVED_CHECK_FILE
+    if cfg.resume and saved.exists():
+        served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
+    elif run.writer:
+        atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
+    gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
+    tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
+    print0(
+        f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
+        f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
+        f"({report.head_rows} x {report.hidden_size}, {report.head_source})"
+    )
+    return teacher
 
 
 def distil(
@@ -158,7 +193,8 @@ def distil(
     before, before_forced = earlier.get("student_accuracy_before"), None
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
-    teacher_acc, teacher_forced = acc(teacher)
+    # A served teacher has no decoding loop here: its accuracy is the server's to measure.
+    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server else acc(teacher)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
     print0(f"accuracy before: teacher {teacher_acc}, student {before}")
@@ -192,12 +228,27 @@ def distil(
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
         **overlap_facts(cfg, prep),
+        **served_facts(cfg, teacher),
         "world_size": world,
         "wall_time_s": round(time.time() - t0, 1),
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
     run.write_summary(summary)
     print0(f"accuracy after: student {after}")
+
+
+def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
+    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
+    if not cfg.teacher_server:
+        return {}
+    stats = teacher.stats
+    return {
+        "teacher_server": teacher.client.url,
+        "teacher_transfer": {
+            **dataclasses.asdict(stats),
+            "bytes_per_token": round(stats.bytes_per_token(), 1),
+        },
+    }
 
 
 def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
@@ -230,8 +281,52 @@ def run(
     callbacks: list | None = None,
 ) -> RunDir | None:
     """The run (`lifecycle.run_job`): its folder, or None after a dry run. `callbacks` (transformers
-    `TrainerCallback`s) are handed to the trainer in every process."""
+    `TrainerCallback`s) are handed to the trainer in every process. `teacher_server: local` runs it beside
+    the teacher's server (`with_local_server`)."""
+    cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
+    if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
+        return with_local_server(cfg, mode, overrides, prepared, callbacks)
     return run_job(JOB, mode, overrides, prepared, callbacks=callbacks)
+
+
+def with_local_server(
+    cfg: WhiteboxConfig, mode: str, overrides: dict | None, prepared: Prepared | None, callbacks: list | None
+) -> RunDir | None:
+    """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
+    temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
+    the run ends. Without CUDA the server runs on the CPU beside the training."""
+    if under_external_launcher():
+        raise ConfigError(
+            "teacher_server local starts one server for the run: start the run as one process (num_processes "
+            "picks the training processes), not under torchrun; or start the server yourself, give its URL."
+        )
+    gpus = train = None
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        gpus, train = served.split_gpus(cfg.teacher_gpus, ids)
+    log = Path(tempfile.mkdtemp(prefix="opdkit-teacher-")) / "teacher-server.log"
+    where = "GPUs " + ",".join(gpus) if gpus else "the CPU"
+    print0(f"teacher_server local: starting {cfg.teacher_model} on {where}")
+    print0(f"  its log: {log}")
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with served.job_server(cfg, log, gpus) as server:
+        over = {**(overrides or {}), "teacher_server": server.url}
+        if prepared is not None:
+            prepared = dataclasses.replace(
+                prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
+            )
+            served.check_job_server(prepared.cfg, prepared.tokenizer)
+        try:
+            if train:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
+            return run_job(JOB, mode, over, prepared, callbacks=callbacks)
+        finally:
+            if train:
+                if before is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,165 @@
+"""02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_served.py's stub: the tiny
+teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss on full
+logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run stops the
+run with one error and the run resumes; the memory plan holds the head, not the teacher.
+tests/test_opd_served_vllm.py runs the same job against a real vLLM server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_jobs_whitebox import assert_grads_close, direct_gradient, run_tiny
+from test_opd_served import StubPoolingServer
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from opdkit import tiny
+from opdkit.config import ConfigError, load_config
+from opdkit.jobs import whitebox
+from opdkit.models import load_tokenizer
+from opdkit.opd import served
+from opdkit.opd.callbacks import GradientDump
+from opdkit.opd.head import load_head
+from opdkit.run.server import free_port
+
+SMALL = dict(per_device_train_batch_size=8, subset_size=16, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def stub():
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher")).eval()
+    with StubPoolingServer(teacher, "tiny:teacher", load_tokenizer("tiny:student")) as s:
+        yield s
+
+
+def served_over(stub, **over) -> dict:
+    return {"teacher_server": stub.url, "teacher_server_dtype": "float32", **SMALL, **over}
+
+
+def test_a_served_teacher_takes_the_in_process_teachers_first_update(tmp_path, stub):
+    local = run_tiny(tmp_path, "local", [GradientDump(str(tmp_path / "local.pt"))], **SMALL)
+    run = run_tiny(tmp_path, "served", [GradientDump(str(tmp_path / "served.pt"))], **served_over(stub))
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    # The same rollouts, so the same gradient as TRL's loss on the in-process teacher's full logits ...
+    assert_grads_close(got, direct_gradient(run.path))
+    # ... and as the in-process run's, to rounding (the served rows run unpadded, one by one).
+    for name, w in want.items():
+        assert float((got[name] - w).norm() / w.norm()) < 1e-5, name
+    loss = [r["loss"] for r in (local, run) for r in [r.read_jsonl()[0]]]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+    summary = run.read_summary()
+    assert summary["teacher_server"] == stub.url and summary["teacher_accuracy"] is None
+    assert summary["teacher_transfer"]["tokens"] > 0 and summary["teacher_transfer"]["retries"] == 0
+    check = json.loads((run.path / whitebox.job.SERVED_CHECK_FILE).read_text())
+    assert check["url"] == stub.url and check["tokenizer_checked"] and check["state_gap"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    "server,match",
+    [("dead", "does not answer"), ("tiny-student", "not the teacher"), ("ftp", "give the URL")],
+)
+def test_a_server_that_is_down_or_serves_another_model_is_refused_before_anything_is_written(
+    tmp_path, stub, server, match
+):
+    url = {"dead": f"http://127.0.0.1:{free_port()}", "ftp": "ftp://x", "tiny-student": stub.url}[server]
+    name = stub.name
+    if server == "tiny-student":
+        stub.name = stub.root = server
+    try:
+        with pytest.raises(ConfigError, match=match):
+            run_tiny(tmp_path, "r", **served_over(stub, teacher_server=url))
+    finally:
+        stub.name = stub.root = name
+    assert not (tmp_path / "r").exists()
+
+
+class StopServing(TrainerCallback):
+    """The server fails every request from the end of step `at` on (it has gone)."""
+
+    def __init__(self, stub, at: int):
+        self.stub, self.at = stub, at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            self.stub.fail_next = 10**6
+
+
+def test_a_server_gone_mid_run_stops_it_with_one_error_and_the_run_resumes(tmp_path, stub, monkeypatch):
+    def quick(cfg, **kw):  # one retry, no backoff to speak of
+        return served.PoolingClient(cfg.teacher_server, dtype="float32", retries=1, backoff_s=0.01)
+
+    monkeypatch.setattr(served, "job_client", quick)
+    over = served_over(stub, max_steps=2, save_steps=1, subset_size=32)
+    with pytest.raises(served.TeacherServerError, match=f"{stub.url} did not answer.*resume"):
+        run_tiny(tmp_path, "r", [StopServing(stub, 1)], **over)
+    stub.fail_next = 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"].startswith("failed: TeacherServerError")
+    assert (tmp_path / "r" / "checkpoints" / "checkpoint-1").is_dir()
+    again = run_tiny(tmp_path, "r", **over, resume=True)
+    assert again.read_summary()["steps"] == 2 and [r["step"] for r in again.read_jsonl()][-1] == 2
+
+
+def test_the_plan_of_a_served_run_holds_the_head_and_not_the_teacher():
+    cfg = load_config(whitebox.WhiteboxConfig, "tiny")
+    local = whitebox.memory_plan(cfg, None).plan
+    far = whitebox.memory_plan(
+        load_config(whitebox.WhiteboxConfig, "tiny", {"teacher_server": "http://x"}), None
+    )
+    rows = {r.component: r.bytes for r in far.plan.rows}
+    assert "teacher weights" in {r.component for r in local.rows} and "teacher weights" not in rows
+    head = load_head("tiny:teacher", torch.float32).weight_VH
+    assert rows["teacher head (served teacher)"] == head.numel() * 4
+    # one micro-batch's states, padded, in the head's dtype (the step's wait in host memory)
+    length = cfg.max_prompt_length + cfg.max_new_tokens
+    assert rows["served teacher states"] == cfg.per_device_train_batch_size * length * head.shape[1] * 4
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    assert local.row("teacher weights").bytes == sum(p.numel() for p in teacher.parameters()) * 4
+
+
+class FakeServer:
+    """Stands in for `served.job_server`'s server process: the stub's URL, and whether it ran and stopped."""
+
+    def __init__(self, stub):
+        self.url, self.events = stub.url, []
+
+    def __enter__(self):
+        self.events.append("start")
+        return self
+
+    def __exit__(self, *exc):
+        self.events.append("stop")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "fails"])
+def test_a_local_teacher_server_runs_for_the_run_and_stops_however_it_ends(
+    tmp_path, stub, monkeypatch, fails
+):
+    fake = FakeServer(stub)
+    asked = []
+    monkeypatch.setattr(served, "job_server", lambda cfg, log, gpus: asked.append(gpus) or fake)
+    if fails:
+        stub.fail_next = 10**6  # the server refuses from the start check on
+    try:
+        if fails:
+            with pytest.raises(ConfigError, match="does not answer"):
+                run_tiny(tmp_path, "r", **served_over(stub, teacher_server="local"))
+        else:
+            run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server="local"))
+            assert run.read_summary()["teacher_server"] == stub.url
+    finally:
+        stub.fail_next = 0
+    assert fake.events == ["start", "stop"] and asked == [None]  # no CUDA here: the server on the CPU
+
+
+def test_teacher_gpus_split_the_visible_gpus():
+    assert served.split_gpus("2,3", ["0", "1", "4", "5"]) == (["4", "5"], ["0", "1"])
+    for bad, match in (
+        ("", "needs GPUs"),
+        ("4", "needs GPUs"),
+        ("0,1", "every visible GPU"),
+        ("a", "indices"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            served.split_gpus(bad, ["0", "1"])
