@@ -233,6 +233,28 @@ def test_kv_bytes_per_token_match_a_real_cache():
     assert held == 3 * 11 * kv_bytes_per_token(ModelShape.from_config(SMALL), "float32")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kv_cache_dtypes_are_the_ones_the_model_keeps(family, dtype, autocast):
+    """issue 28: under bf16 autocast an fp32 model keeps K in fp32 (RoPE's fp32 cos/sin, Qwen3's fp32
+    k_norm weight) and V in bf16; measured on the cache a real forward fills."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    cfg = {**SMALL, "model_type": family}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).to(dtype).eval()
+    ids = torch.randint(0, 1000, (3, 11))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, use_cache=True, **{sampling.cache_kwarg(model): cache})
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == 3 * 11 * kv_bytes_per_token(ModelShape.from_config(cfg), dtype, autocast)
+    keys = {layer.keys.dtype for layer in cache.layers}
+    assert keys == {dtype}  # K in the weights' dtype, autocast or not
+    expected = memory.kv_dtypes(dtype, autocast)
+    assert expected == ("K float32, V bfloat16" if autocast and dtype == torch.float32 else str(dtype)[6:])
+
+
 # ---------------------------------------------------------------- the activation estimate
 
 
@@ -349,7 +371,9 @@ def test_components_by_hand(size):
     q, kv = d["nH"] * d["d"], d["nKV"] * d["d"]
     linear = d["L"] * (d["h"] * q + 2 * d["h"] * kv + q * d["h"] + 3 * d["h"] * d["I"])
     tokens, n_pred, length = 4 * 2048, 4 * 1024, 2048
-    kv_s32 = 2 * d["L"] * d["nKV"] * d["d"] * 4
+    # The fp32 student samples under bf16 autocast: K stays fp32 (RoPE's fp32 cos/sin and k_norm's fp32
+    # weight promote it), V is bf16; the bf16 teacher keeps both in bf16.
+    kv_s = d["L"] * d["nKV"] * d["d"] * (4 + 2)
     kv_t16 = 2 * t["L"] * t["nKV"] * t["d"] * 2
 
     p = plan(_opd_stage(size), budget_gb=1000)
@@ -366,9 +390,9 @@ def test_components_by_hand(size):
         + n_pred * t["h"] * 2,  # the teacher's, bf16
         "divergence chunk logits": 1024 * 151936 * 10 + 64 * 3 * 151936 * 4,
         "teacher weights": n_t * 2,
-        "KV cache, student rollout": 16 * 2048 * kv_s32,
-        "decoding working set, student rollout": 16 * 1024 * 4 * (3 * d["h"] + 2 * q + 2 * kv + 3 * d["I"])
-        + 16 * 2048 * kv_s32 // d["L"]
+        "KV cache, student rollout": 16 * 2048 * kv_s,
+        "decoding working set, student rollout": 16 * 1024 * 2 * (3 * d["h"] + 2 * q + 2 * kv + 3 * d["I"])
+        + 16 * 2048 * kv_s // d["L"]
         + 3 * 16 * 151936 * 4,
         "KV cache, teacher evaluation": 32 * 2048 * kv_t16,
         "decoding working set, teacher evaluation": 32
@@ -377,12 +401,13 @@ def test_components_by_hand(size):
         * (3 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 12288)
         + 32 * 2048 * kv_t16 // 36
         + 3 * 32 * 151936 * 4,
+        "reserve": 50e9,  # 5 % of the 1000 GB budget (more than 2 GB)
     }
     if d["tied"]:
         expected["tied embedding gradient sum"] = d["V"] * d["h"] * 4
     assert rows == expected
 
-    always = n * 4 + 2 * n * 4 + n_t * 2
+    always = n * 4 + 2 * n * 4 + n_t * 2 + 50e9
     train = ("student gradients", "mixed-precision copies", "activations", "divergence chunk logits")
     phases = {
         "train": always + sum(expected[k] for k in train),
@@ -434,6 +459,14 @@ def test_component_variants_by_hand(size):
     assert replicated["teacher weights"] == n_t * 2
     assert not {"teacher head copy (fsdp)", "teacher gathered units (fsdp)"} & replicated.keys()
 
+    # DDP: the divergence's fp32 head gradient beside the .grad the reducer allocates.
+    assert ddp["divergence head gradient"] == d["V"] * d["h"] * 4
+    assert "divergence head gradient" not in _rows(plan(_opd_stage(size)))  # one process: it is the .grad
+    # FSDP without bf16 gathers its units in fp32: the root and two decoder layers.
+    fsdp32 = _rows(plan(_opd_stage(size, world_size=8, parallelism="fsdp", bf16=False)))
+    assert fsdp32["fsdp gathered units"] == (d["V"] * d["h"] * (1 if d["tied"] else 2) + 2 * layer) * 4
+    assert "mixed-precision copies" not in fsdp32
+
     q, kv = d["nH"] * d["d"], d["nKV"] * d["d"]
     per_layer = _activation_hand(d, 1, 2048) // d["L"]
     ckpt = _rows(plan(_opd_stage(size, gradient_checkpointing=True)))
@@ -447,6 +480,13 @@ def test_component_variants_by_hand(size):
     vllm = plan(_opd_stage(size, rollout_engine="vllm", vllm_gpu_memory_utilization=0.3), budget_gb=80)
     rows = _rows(vllm)
     assert rows["rollout engine (vllm)"] == 0.3 * 80e9
+    assert "the budget (no GPU visible" in vllm.row("rollout engine (vllm)").how
+    # vLLM reserves its share of the card's whole memory, whatever the plan's budget.
+    on_card = plan(_opd_stage(size, rollout_engine="vllm", gpu_memory_gb=141), budget_gb=80)
+    assert on_card.row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
+    assert "x 141.0 GB, the visible GPU's memory" in on_card.row("rollout engine (vllm)").how
+    job = memory.plan_job({"x": _opd_stage(size, rollout_engine="vllm")}, 80, gpu_gb=141)
+    assert job.plans["x"].row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
     assert rows["weight-sync buffer"] == n * 2  # every parameter cast to bf16 at once
     assert "KV cache, student rollout" not in rows
     assert vllm.row("rollout engine (vllm)").phase == "always"
@@ -466,6 +506,7 @@ def test_ads_stage_by_hand(size):
         teacher=ModelShape.from_config(QWEN3[size]),
         proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
         sampler="teacher",
+        bf16=False,  # as `ads.sampler.sampling_stage`: no autocast, each model's cache in its own dtype
         gen_batch_size=128,
         prompt_len=512,
         completion_len=1024,
@@ -550,6 +591,40 @@ def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
 # ---------------------------------------------------------------- plan, table, suggestions
 
 
+@pytest.mark.parametrize("budget, reserve", [(80, 4e9), (85.5, 4.275e9), (141, 7.05e9), (30, 2e9), (1, 2e9)])
+def test_every_budgeted_plan_holds_a_reserve(budget, reserve):
+    """issue 28: 5 % of the budget, at least 2 GB, held always, in the table; none without a budget."""
+    p = plan(_opd_stage("Qwen3-0.6B"), budget_gb=budget)
+    row = p.row("reserve")
+    assert row.bytes == pytest.approx(reserve, abs=1) and row.phase == "always"
+    assert any(line.startswith("reserve ") for line in p.table().splitlines())
+    assert p.total == max(p.phase_totals().values()) and p.fits == (p.total <= budget * 1e9)
+    assert "reserve" not in _rows(plan(_opd_stage("Qwen3-0.6B")))
+
+
+def test_gen_batch_size_zero_leaves_the_reserve_whole():
+    """issue 28: 04 full's ADS sampling on the whole of an "80 GB" H100 (85.5 GB) was planned at 73 rows and
+    84.9 GB (0.6 GB spare); the largest batch now keeps the reserve free, and one row more would eat it."""
+    stage = Stage(
+        teacher=ModelShape.from_config(QWEN3["Qwen3-4B"]),
+        proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
+        proxy_on_host=True,
+        sampler="teacher",
+        bf16=False,
+        gen_batch_size=1,
+        prompt_len=512,
+        completion_len=1024,
+    )
+    card = 85.5
+    best = largest_batch(stage, card)
+    unreserved = plan(dataclasses.replace(stage, gen_batch_size=best))  # the same rows, no budget
+    assert unreserved.total + memory.reserve_bytes(card * 1e9) <= card * 1e9
+    more = plan(dataclasses.replace(stage, gen_batch_size=best + 1))
+    assert more.total + memory.reserve_bytes(card * 1e9) > card * 1e9
+    assert more.total <= card * 1e9  # it would fit the bare card: the reserve is what stops it
+    assert 0 < best < 73
+
+
 def test_table_and_last_line():
     p = plan(_opd_stage("Qwen3-0.6B"), budget_gb=80)
     lines = p.table().splitlines()
@@ -581,7 +656,9 @@ def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     assert plan(dataclasses.replace(stage, gen_batch_size=best), 80).fits
     assert not plan(dataclasses.replace(stage, gen_batch_size=best + 1), 80).fits
     assert [x.settings for x in p.suggestions] == [{"gen_batch_size": best}]
-    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, gen_batch_size=best)).total
+    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, gen_batch_size=best), 80).total
+    # The reserve (5 % of 80 GB) is planned, never used: the largest batch leaves it whole.
+    assert p.row("reserve").bytes == 4e9 and p.suggestions[0].total_bytes <= 80e9
     assert "would fit with: gen_batch_size=" in p.table()
     assert largest_batch(dataclasses.replace(stage, prompt_len=10**6), 80) == 0
 
@@ -590,7 +667,7 @@ def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     "size, change, budget, expected",
     [
         ("Qwen3-1.7B", {}, 60, [{"gradient_checkpointing": True}]),
-        ("Qwen3-1.7B", {"world_size": 8}, 60, [{"parallelism": "fsdp"}, {"gradient_checkpointing": True}]),
+        ("Qwen3-1.7B", {"world_size": 8}, 64, [{"parallelism": "fsdp"}, {"gradient_checkpointing": True}]),
         ("Qwen3-0.6B", {"rollout_engine": "vllm", "vllm_gpu_memory_utilization": 0.5}, 80, None),
         ("Qwen3-1.7B", {"rollout_engine": "vllm", "vllm_gpu_memory_utilization": 0.5}, 80, None),
         ("Qwen3-1.7B", {}, 50, []),

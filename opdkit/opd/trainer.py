@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -459,11 +460,16 @@ class DistillTrainer(Trainer):
 
 
 class _NonFiniteStop(TrainerCallback):
+    """Stops training after a non-finite step. Its trainer is held weakly: the trainer holds this callback,
+    and a strong reference back would be a cycle keeping a finished trainer's models (and on a GPU their
+    memory) alive until a garbage collection happens to run."""
+
     def __init__(self, trainer: DistillTrainer):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer.first_nonfinite_step is not None:
+        trainer = self._trainer()
+        if trainer is not None and trainer.first_nonfinite_step is not None:
             control.should_training_stop = True
             control.should_save = False  # keep the last good checkpoint as the newest one
         return control

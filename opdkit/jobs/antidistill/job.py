@@ -79,7 +79,8 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stage:
     """The on-policy attackers: 02's trainer on one device (`opd.arguments.distill_stage`), its teacher beside
     the proxy's two perturbed fp32 copies (the ADS teacher, with its stacked fp32 head), the student
-    evaluated."""
+    evaluated in fp32. The point's SFT student is freed before them (`points.run_once`), each attacker's
+    trainer before the next, so nothing of the earlier stages is held here."""
     gpu = budget is not None
     return dataclasses.replace(
         distill_stage(cfg, 1, budget),
@@ -91,6 +92,7 @@ def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stag
         proxy_gradients=2 if cfg.answer_lams else 1,
         proxy_on_host=gpu,
         eval_model="student",
+        eval_bf16=False,  # `points.student_accuracies` decodes the student in fp32
     )
 
 
