@@ -410,13 +410,20 @@ class DistillTrainer(Trainer):
     def create_optimizer(self, model=None):
         opt = super().create_optimizer(model)
         step = opt.step
+        # Trainer and optimizer held weakly (the optimizer's own step unbound): `opt.step` referring back
+        # to them would be a reference cycle keeping the model and the AdamW state alive after training.
+        me, opt_ref = weakref.ref(self), weakref.ref(opt)
+        unbound = step.__func__ if getattr(step, "__self__", None) is opt else None
+        if unbound is not None:
+            del step
 
         def guarded_step(*args, **kwargs):
             # A non-finite gradient must never reach the weights: skip the update, the run then stops.
             # Before any measured step the optimizer must step: loading a sharded optimizer state
             # (FSDP resume) first creates the state with one zero-lr step.
-            if self.last_grad_norm is None or math.isfinite(self.last_grad_norm):
-                return step(*args, **kwargs)
+            norm = getattr(me(), "last_grad_norm", None)
+            if norm is None or math.isfinite(norm):
+                return unbound(opt_ref(), *args, **kwargs) if unbound is not None else step(*args, **kwargs)
             return None
 
         opt.step = guarded_step
