@@ -234,19 +234,19 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch, capsy
 
 def test_a_run_that_does_not_fit_stops_before_any_weight_is_loaded(tmp_path, monkeypatch):
     """The tiny teacher's evaluation (256 rows x 104 tokens x 2,048 B of fp32 KV cache per token, 55 MB,
-    with a 140 MB working set) does not fit 0.12 GB; fewer evaluation rows do."""
+    with a 140 MB working set) does not fit 0.12 GB beside the 2 GB reserve; fewer evaluation rows do."""
     from opdkit.jobs.whitebox import job as whitebox
 
     def no_weights(*args, **kwargs):
         raise AssertionError("a weight was loaded")
 
     monkeypatch.setattr(whitebox, "load_model", no_weights)
-    over = {"run_dir": str(tmp_path / "r"), "subset_size": 64, "eval_size": 8, "plan_gpu_memory_gb": 0.12}
+    over = {"run_dir": str(tmp_path / "r"), "subset_size": 64, "eval_size": 8, "plan_gpu_memory_gb": 2.12}
     with pytest.raises(ConfigError) as err:
         whitebox.run("tiny", over)
     text = str(err.value)
     assert "does not fit" in text and "would fit with eval_batch_size=" in text, text
-    assert re.search(r"plan: 0\.\d GB of 0\.1 GB per process: does not fit at distillation", text), text
+    assert re.search(r"plan: 2\.\d GB of 2\.1 GB per process: does not fit at distillation", text), text
     assert "\n" not in text, "one line: the table was shown above it"
     assert not (tmp_path / "r").exists()
 
@@ -303,7 +303,8 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     from opdkit import memory
     from opdkit.config import load_config
     from opdkit.jobs.antidistill.config import AntidistillConfig
-    from opdkit.jobs.antidistill.job import on_policy_stage
+    from opdkit.ads.sampler import sampling_stage
+    from opdkit.jobs.antidistill.job import baseline_stage, on_policy_stage
     from opdkit.sft.student import sft_stage
 
     cfg = load_config(AntidistillConfig, "tiny", {"bf16": True, "attackers": ["sft", "opd"]})
@@ -311,7 +312,8 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     per_layer = s["num_key_value_heads"] * (s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"])
     fp32, mixed = s["num_hidden_layers"] * per_layer * 8, s["num_hidden_layers"] * per_layer * (4 + 2)
     evaluated = cfg.max_prompt_length + (cfg.eval_max_new_tokens or cfg.max_new_tokens)
-    for stage in (sft_stage(cfg, 80.0), on_policy_stage(cfg, 80.0)):
+    baseline = baseline_stage(cfg, sampling_stage(cfg, 80.0))
+    for stage in (sft_stage(cfg, 80.0), on_policy_stage(cfg, 80.0), baseline):
         p = memory.plan(stage, 80)
         assert p.row("KV cache, student evaluation").bytes == cfg.eval_batch_size * evaluated * fp32
         assert "(float32)" in p.row("KV cache, student evaluation").how
@@ -319,3 +321,7 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     rows = cfg.per_device_train_batch_size * cfg.accumulation_steps(1)
     assert rollout.bytes == rows * (cfg.max_prompt_length + cfg.max_new_tokens) * mixed
     assert "K float32, V bfloat16" in rollout.how
+    # The baseline evaluation: the student (fp32, no optimizer) beside the steering already on the device.
+    rows = {r.component for r in memory.plan(baseline, 80).rows}
+    assert {"student weights", "teacher weights", "ADS perturbed copies", "reserve"} <= rows
+    assert memory.plan(baseline, 80).row("optimizer state").bytes == 0
