@@ -301,9 +301,9 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     both K and V of their caches are fp32 even with bf16 on; the on-policy attackers' rollouts run under
     the trainer's autocast (K fp32, V bf16). By hand from the tiny student's config."""
     from opdkit import memory
+    from opdkit.ads.sampler import sampling_stage
     from opdkit.config import load_config
     from opdkit.jobs.antidistill.config import AntidistillConfig
-    from opdkit.ads.sampler import sampling_stage
     from opdkit.jobs.antidistill.job import baseline_stage, on_policy_stage
     from opdkit.sft.student import sft_stage
 
