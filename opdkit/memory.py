@@ -913,6 +913,39 @@ def budget_gb(plan_gpu_memory_gb: float) -> float | None:
 
 
 PLAN_FILE = "plan.json"  # a run folder's copy of its plan (JobPlan.to_json)
+HELD_DIR = "held"  # a run folder's record of what each process holds after loading: held/rank<k>.json
+
+
+def held_by(model: Any) -> dict[str, Any]:
+    """What this process holds of `model`, counted on its tensors: `params` and `bytes` of the parameters
+    as they sit here (a DTensor's local shard under FSDP), `of_params` the model's whole count, and the
+    dtypes and devices found. A sharding that silently failed shows as params == of_params."""
+    params = nbytes = whole = 0
+    dtypes, devices = set(), set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params += local.numel()
+        nbytes += local.numel() * local.element_size()
+        whole += p.numel()
+        dtypes.add(dtype_name(local.dtype))
+        devices.add(str(local.device))
+    return {
+        "params": params,
+        "bytes": nbytes,
+        "of_params": whole,
+        "dtypes": sorted(dtypes),
+        "devices": sorted(devices),
+    }
+
+
+def held_line(record: Mapping[str, Any]) -> str:
+    """'rank 0 of 2 holds student 1,234 of 2,468 params (0.00 GB), teacher ...' from `held` records."""
+    parts = [
+        f"{role} {_n(h['params'])} of {_n(h['of_params'])} params ({h['bytes'] / GB:.2f} GB, "
+        f"{'/'.join(h['dtypes'])} on {'/'.join(h['devices'])})"
+        for role, h in record["models"].items()
+    ]
+    return f"rank {record['rank']} of {record['world_size']} holds " + ", ".join(parts)
 
 
 def optimizer_kind(optim: str, optim_args: str = "") -> str:

@@ -588,6 +588,31 @@ def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
     assert "ADS teacher stacked head" not in _rows(plan(steering)), "sampling with ADS stacks nothing"
 
 
+# ---------------------------------------------------------------- what a process holds, from its tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_by_counts_the_tensors_a_process_holds(dtype):
+    """issue 28: each rank's record of what it holds, against the config's count by hand (SMALL, tied)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMALL)).to(dtype)
+    h, i, q, kv = 96, 200, 6 * 32, 2 * 32
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * 32  # projections, 2 norms, q/k norms
+    hand = 1000 * h + 3 * layer + h  # the tied embedding, 3 layers, the final norm
+    held = memory.held_by(model)
+    size = 4 if dtype == torch.float32 else 2
+    assert held == {
+        "params": hand,
+        "bytes": hand * size,
+        "of_params": hand,
+        "dtypes": [memory.dtype_name(dtype)],
+        "devices": ["cpu"],
+    }
+    line = memory.held_line({"rank": 1, "world_size": 2, "models": {"student": held}})
+    assert line.startswith(f"rank 1 of 2 holds student {hand:,} of {hand:,} params (")
+
+
 # ---------------------------------------------------------------- plan, table, suggestions
 
 

@@ -16,7 +16,7 @@ from opdkit.opd.trainer import DistillTrainer
 from opdkit.tasks import tiny as task
 
 
-def test_a_trained_distill_trainer_is_freed_without_a_garbage_collection(tmp_path):
+def test_a_trained_distill_trainer_is_freed_without_a_garbage_collection(tmp_path, capsys):
     tok = load_tokenizer("tiny:student")
     problems = task.problems(4, 1)
     rows = [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in problems]
@@ -41,6 +41,10 @@ def test_a_trained_distill_trainer_is_freed_without_a_garbage_collection(tmp_pat
         teacher_model=tiny_model("tiny:teacher"),
     )
     trainer.train()
+    # What this process holds, said when training begins (one process: everything; see
+    # tests/test_run_sharding.py for two sharded ones).
+    n_student = sum(p.numel() for p in trainer.model.parameters())
+    assert f"rank 0 of 1 holds student {n_student:,} of {n_student:,} params" in capsys.readouterr().out
     refs = [weakref.ref(x) for x in (trainer, trainer.model, trainer.teacher, trainer.optimizer)]
     gc.collect()
     gc.disable()

@@ -29,6 +29,7 @@ at the second step (after a resume, at the first).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import weakref
@@ -39,12 +40,14 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from opdkit import memory
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids, load_model
 from opdkit.opd import microbatches
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling
 from opdkit.run import sharding
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir
 
 SYNC_CHECK_STEPS = 2
@@ -162,6 +165,7 @@ class DistillTrainer(Trainer):
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
         self.add_callback(_NonFiniteStop(self))
+        self.add_callback(_HeldRecord(self))
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -464,6 +468,28 @@ class DistillTrainer(Trainer):
                 self.run.log(s, "samples.jsonl")
         self._step_samples = []
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
+
+
+class _HeldRecord(TrainerCallback):
+    """When training begins (the student prepared, sharded under FSDP; the teacher placed or sharded), each
+    process records what it holds of both models, counted on the tensors (`memory.held_by`): printed, and
+    written to the run folder's held/rank<k>.json, so that a sharding that silently failed shows."""
+
+    def __init__(self, trainer: DistillTrainer):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        models = {"student": trainer.model, "teacher": trainer.teacher}
+        held = {role: memory.held_by(m) for role, m in models.items() if isinstance(m, torch.nn.Module)}
+        record = {"rank": args.process_index, "world_size": args.world_size, "models": held}
+        print(memory.held_line(record), flush=True)
+        if trainer.run is not None:
+            folder = trainer.run.path / memory.HELD_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / f"rank{args.process_index}.json", json.dumps(record, indent=2))
 
 
 class _NonFiniteStop(TrainerCallback):
