@@ -834,12 +834,13 @@ def _run_ads(spec: dict, peaks: _Peaks) -> None:
     (finite differences), each with its own KV cache; proxy and gradient stay in this process's memory."""
     from opdkit.ads import direction, sampler
 
-    teacher = _build(TEACHER, getattr(torch, spec["teacher_dtype"])).eval().requires_grad_(False)
-    proxy = _build(STUDENT, torch.float32).eval().requires_grad_(False)
+    t_cfg, p_cfg = (WIDE_KV, WIDE_KV) if spec.get("wide") else (TEACHER, STUDENT)
+    teacher = _build(t_cfg, getattr(torch, spec["teacher_dtype"])).eval().requires_grad_(False)
+    proxy = _build(p_cfg, torch.float32).eval().requires_grad_(False)
     grads = {name: 1e-3 * torch.randn_like(p) for name, p in proxy.named_parameters()}
     direction = direction.FiniteDifference(proxy, grads, eps=1e-2)
     peaks.mark("setup")
-    vocab = TEACHER["vocab_size"]
+    vocab = t_cfg["vocab_size"]
     ids_BP, mask_BP = _left_padded_prompts(spec["rows"], spec["prompt"], vocab)
     r = sampler.ads_sample(
         teacher,
@@ -857,6 +858,73 @@ def _run_ads(spec: dict, peaks: _Peaks) -> None:
     peaks.mark("rollout")
 
 
+# Stand-ins for the real loops at sizes where what matters dominates the plan (issue 28): a narrow student
+# of many layers whose activations (02) outweigh its weights, and narrow models with wide KV caches (04).
+DEEP = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "tie_word_embeddings": True,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 512,
+}
+WIDE_KV = {
+    **DEEP,
+    "hidden_size": 64,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 128,
+}
+
+
+def _run_trainer(spec: dict, peaks: _Peaks) -> None:
+    """One optimizer step of the real `DistillTrainer` (fp32, AdamW, the kit's loop): the student samples
+    every row of the step, the teacher scores, the chunked divergence, backward, AdamW. Prompts are exactly
+    `prompt` tokens and no completion ends early (the stop id is past the vocabulary), as planned."""
+    from datasets import Dataset
+
+    from opdkit.data.prompts import PromptCollator, prompt_ids
+    from opdkit.models import load_tokenizer
+    from opdkit.opd.arguments import OPDArguments
+    from opdkit.opd.trainer import DistillTrainer
+
+    tok = load_tokenizer("tiny:student")
+    empty = len(prompt_ids(tok, [{"role": "user", "content": ""}], False))
+    messages = [{"role": "user", "content": "1" * (spec["prompt"] - empty)}]
+    assert len(prompt_ids(tok, messages, False)) == spec["prompt"]
+    args = OPDArguments(
+        output_dir=spec["out"],
+        report_to=[],
+        use_cpu=True,
+        sample_every=0,
+        save_strategy="no",
+        max_steps=1,
+        per_device_train_batch_size=spec["rows"],
+        max_new_tokens=spec["completion"],
+        loss_chunk_size=spec["chunk"],
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        logging_steps=1,
+    )
+    trainer = DistillTrainer(
+        model=_build(DEEP, torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list([{"messages": messages, "answer": "1"}] * spec["rows"]),
+        data_collator=PromptCollator(tok, spec["prompt"]),
+        processing_class=tok,
+        teacher_model=_build(DEEP, torch.float32),
+    )
+    trainer.stop_ids = [DEEP["vocab_size"]]  # never sampled: every completion has the planned length
+    peaks.mark("setup")
+    trainer.train()
+    peaks.mark("step")
+
+
 def _measure(spec: dict) -> dict:
     """Run the stand-in in a fresh process; its peak RSS growth over the RSS after imports."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -871,7 +939,7 @@ def _standin_shapes() -> tuple[ModelShape, ModelShape]:
     return ModelShape.from_config(STUDENT), ModelShape.from_config(TEACHER)
 
 
-def _check(name: str, p: memory.Plan, measured: dict) -> None:
+def _check(name: str, p: memory.Plan, measured: dict, tolerance: float = 0.25) -> None:
     growth = max(measured["peaks"].values())
     print(
         f"\n{name}: plan {p.total / 1e9:.3f} GB (peak phase {p.peak_phase}), measured peak RSS growth "
@@ -879,7 +947,7 @@ def _check(name: str, p: memory.Plan, measured: dict) -> None:
         f"  measured per phase: { {k: round(v / 1e9, 3) for k, v in measured['peaks'].items()} }\n"
         f"  planned per phase:  { {k: round(v / 1e9, 3) for k, v in p.phase_totals().items()} }"
     )
-    assert abs(p.total - growth) <= 0.25 * growth, p.table()
+    assert abs(p.total - growth) <= tolerance * growth, p.table()
 
 
 needs_proc = pytest.mark.skipif(
@@ -935,6 +1003,72 @@ def test_plan_matches_measured_peak_of_ads_sampling(teacher_dtype, rows, complet
     _check(f"ADS sampling, {teacher_dtype} teacher", plan(stage), _measure(spec))
 
 
+def _deep_stage(rows: int, prompt: int, completion: int, chunk: int) -> Stage:
+    deep = ModelShape.from_config(DEEP)
+    return Stage(
+        student=deep,
+        teacher=deep,
+        teacher_dtype="float32",
+        bf16=False,
+        device="cpu",
+        train_batch_size=rows,
+        gen_batch_size=rows,
+        prompt_len=prompt,
+        completion_len=completion,
+        loss_chunk_size=chunk,
+    )
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_matches_the_measured_peak_of_a_real_distill_trainer_step(tmp_path):
+    """issue 28, item 2: the real `DistillTrainer` step (rollout, loss, backward, AdamW) at a size where the
+    activations are more than half the plan; peak RSS growth of a fresh process over its RSS after imports
+    (VmHWM, /proc/self/status), within 15 %."""
+    spec = {
+        "kind": "trainer",
+        "rows": 8,
+        "prompt": 256,
+        "completion": 256,
+        "chunk": 1024,
+        "out": str(tmp_path),
+    }
+    p = plan(_deep_stage(8, 256, 256, 1024))
+    assert p.row("activations").bytes >= 0.5 * p.total, p.table()
+    _check("DistillTrainer step", p, _measure(spec), tolerance=0.15)
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_matches_the_measured_peak_of_ads_sampling_where_kv_caches_dominate():
+    """issue 28, item 2: the real ADS sampler (`ads.sampler.ads_sample`: the teacher steered by two fp32
+    perturbed copies, each with its KV cache) at a size where the KV caches are more than half the plan."""
+    spec = {
+        "kind": "ads",
+        "rows": 16,
+        "prompt": 64,
+        "completion": 192,
+        "teacher_dtype": "float32",
+        "wide": True,
+    }
+    wide = ModelShape.from_config(WIDE_KV)
+    stage = Stage(
+        teacher=wide,
+        proxy=wide,
+        teacher_dtype="float32",
+        sampler="teacher",
+        device="cpu",
+        bf16=False,
+        gen_batch_size=16,
+        prompt_len=64,
+        completion_len=192,
+    )
+    p = plan(stage)
+    kv = sum(r.bytes for r in p.rows if r.component.startswith("KV cache"))
+    assert kv >= 0.5 * p.total, p.table()
+    _check("ADS sampling, wide KV", p, _measure(spec), tolerance=0.15)
+
+
 def _main(spec: dict) -> None:
     torch.set_num_threads(1)
     import gc
@@ -942,14 +1076,14 @@ def _main(spec: dict) -> None:
     import transformers  # noqa: F401  (imported before the baseline, as in any job)
 
     from opdkit.ads import direction, sampler  # noqa: F401
-    from opdkit.opd import loss  # noqa: F401
+    from opdkit.opd import loss, trainer  # noqa: F401
     from opdkit.rollout import sampling  # noqa: F401
 
     gc.collect()
     peaks = _Peaks(_status()["VmRSS"])
     Path("/proc/self/clear_refs").write_text("5")
     start = time.time()
-    {"opd": _run_opd, "ads": _run_ads}[spec["kind"]](spec, peaks)
+    {"opd": _run_opd, "ads": _run_ads, "trainer": _run_trainer}[spec["kind"]](spec, peaks)
     print(json.dumps({"peaks": peaks.peaks, "seconds": time.time() - start}))
 
 
