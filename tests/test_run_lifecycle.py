@@ -142,6 +142,22 @@ def test_plan_job_plans_every_stage_against_the_configured_budget(tmp_path):
     assert none is None
 
 
+def test_plan_job_gives_vllm_its_share_of_the_visible_card(tmp_path, monkeypatch):
+    """issue 28: vLLM reserves its share of the card's whole memory, not of a smaller budget."""
+    prep = toy_prep(tmp_path, plan_gpu_memory_gb=80)
+
+    def stages(prep, budget):
+        return {"decode": dataclasses.replace(toy_stages(prep, budget)["decode"], rollout_engine="vllm")}
+
+    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: 141.0)
+    _, on_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
+    assert on_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
+    assert on_card.plan.row("reserve").bytes == 4e9  # 5 % of the 80 GB budget
+    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: None)
+    _, no_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
+    assert no_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 80e9)
+
+
 # ---- a run ------------------------------------------------------------------------------------------
 
 
