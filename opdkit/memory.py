@@ -8,8 +8,10 @@
 A `Stage` is what one process holds at once (01_save_grad is two stages, the teacher writing traces and
 then the proxy's gradient pass: plan both and keep the larger). A row is held "always" or in the phases
 it names (rollout, train, bwd-end, step, eval); the phases follow one another, so the total is the
-"always" rows plus the largest phase. GB are 10^9 bytes: an "80 GB" A100 or H100 reports about 85e9,
-which leaves about 5 GB at a budget of 80 for what is not planned (CUDA context, allocator slack, NCCL).
+"always" rows plus the largest phase. GB are 10^9 bytes (an "80 GB" A100 or H100 reports about 85e9).
+Against a budget every plan holds a reserve row (`reserve_bytes`: 5 % of the budget, at least 2 GB) for
+what is not planned by component: the CUDA context, cuBLAS workspaces, NCCL buffers, allocator
+fragmentation; `fits` and `largest_batch` (`gen_batch_size: 0`) count it, so neither plans into it.
 
 Pitfalls this module exists for:
 - Qwen3 sets `head_dim` (128) explicitly and hidden_size / heads is not it (64 for 0.6B, 80 for 4B):
@@ -20,6 +22,9 @@ Pitfalls this module exists for:
   head before SDPA and SDPA keeps the mask in the matmul dtype: a GQA model's attention activations grow
   by heads / KV heads, plus one value per column (`activation_bytes_per_token`, counted with
   `saved_tensors_hooks`); eager attention would also keep heads x length probabilities, not planned;
+- under bf16 autocast an fp32 model's KV cache keeps K in fp32 (RoPE's fp32 cos and sin, Qwen3's fp32 k_norm
+  weight, promote it) and V in bf16 (`kv_bytes_per_token`);
+- vLLM reserves `gpu_memory_utilization` x the card's whole memory, not of a smaller budget;
 - a vLLM weight sync that casts every parameter to the engine's dtype before handing them over holds the
   whole model in bf16; `engines.VLLMEngine.sync` streams them, one tensor at a time (`Stage.sync_streamed`);
 - AdamW steps one tensor at a time on CPU but with `foreach` on CUDA, whose sqrt(v) temporary is as large
@@ -43,6 +48,8 @@ from opdkit.config import ConfigError, MissingInput, one_line
 
 GB = 1e9
 ALWAYS = "always"
+RESERVE_SHARE = 0.05  # of the budget, held back for what no row plans (`reserve_bytes`)
+RESERVE_MIN_GB = 2.0
 PHASES = ("rollout", "train", "bwd-end", "step", "eval")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -237,9 +244,21 @@ def _config_path(text: str) -> Path:
         ) from e
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype: Any) -> int:
-    """Keys and values of every layer for one token: 2 x layers x KV heads x head_dim x bytes."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes(dtype)
+def kv_bytes_per_token(shape: ModelShape, dtype: Any, autocast: bool = False) -> int:
+    """Keys and values of every layer for one token: layers x KV heads x head_dim x (K's + V's bytes).
+    Both are in the weights' `dtype`, except under bf16 `autocast` where V is bf16 and K stays in the
+    weights' dtype: the fp32 cos and sin of RoPE (and Qwen3's k_norm weight) promote K back to fp32."""
+    k = dtype_bytes(dtype)
+    v = min(k, 2) if autocast else k
+    return shape.num_layers * shape.num_kv_heads * shape.head_dim * (k + v)
+
+
+def kv_dtypes(dtype: Any, autocast: bool = False) -> str:
+    """The cache's dtypes as the plan says them: 'bfloat16', or 'K float32, V bfloat16' under autocast."""
+    name = dtype_name(dtype)
+    if autocast and dtype_bytes(name) > 2:
+        return f"K {name}, V bfloat16"
+    return name
 
 
 def activation_bytes_per_token(
@@ -391,8 +410,9 @@ class Stage:
         `proxy_on_host`), and `ads_copies` perturbed copies (finite differences: 2), each with a KV cache
         when the teacher samples (`sampler` "teacher"); when they score a student's rollouts (`sampler`
         "student", with a teacher) no cache, but the ADS teacher's stacked fp32 head.
-    bf16: autocast mixed precision for training and evaluation. device: "cuda" or "cpu" (AdamW's
-        temporaries, the CPU bf16 head copies).
+    bf16: autocast mixed precision for training, the kit's rollouts and evaluation. eval_bf16: evaluation's
+        own when it differs (None: `bf16`; 04 evaluates its students in fp32). device: "cuda" or "cpu"
+        (AdamW's temporaries, the CPU bf16 head copies).
     optimizer: "adamw" (2 states), "sgd" (with momentum: 1), "none" (gradients only).
     sampler: whose decoding with the kit's loop fills the rollout KV cache, `gen_batch_size` rows of
         prompt_len + completion_len tokens (02 samples every row of an optimizer step at once);
@@ -403,6 +423,8 @@ class Stage:
         the process holds its head (vocabulary x hidden, in `teacher_dtype`) and a micro-batch's states (a
         step's, received in `served_dtype`, wait in host memory), never its layers; it neither decodes nor
         is sharded here.
+    gpu_memory_gb: the visible card's whole memory (vLLM reserves its share of that); 0: not known here, the
+        share is taken of the plan's budget and the row says so.
     trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
         adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
         have none. 0: every parameter trains.
@@ -433,6 +455,7 @@ class Stage:
     eval_model: str = "teacher"
     eval_batch_size: int = 0
     eval_completion_len: int = 0  # 0: completion_len
+    eval_bf16: bool | None = None  # None: bf16
     rollout_engine: str = "hf"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_sleep: bool = False
@@ -441,6 +464,7 @@ class Stage:
     trainable_params: int = 0
     teacher_served: bool = False
     served_dtype: str = "bfloat16"
+    gpu_memory_gb: float = 0.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -529,10 +553,15 @@ def _student_rows(s: Stage) -> list[Row]:
             largest = min(m.largest_tensor_numel, n)
             temp, how = 2 * largest * wb, "one tensor at a time: 2 x the largest tensor"
         rows.append(Row("optimizer step temporaries", temp, how, "step"))
-    if s.bf16 and s.sharded:
+    if s.sharded:
+        # FSDP gathers the root unit and one decoder layer while it prefetches the next: in bf16 under
+        # mixed precision, else in the weights' own dtype.
         unit = m.embedding_params * (1 if m.tie_embeddings else 2) + 2 * m.layer_params
-        how = "FSDP's bf16 all-gathers: the root (embedding, head) + 2 decoder layers, 2 B"
-        rows.append(Row("mixed-precision copies", unit * 2, how, "train"))
+        ub = 2 if s.bf16 else wb
+        what = "mixed-precision copies" if s.bf16 else "fsdp gathered units"
+        how = f"FSDP's {'bf16 ' if s.bf16 else ''}all-gathers: the root (embedding, head) + 2 decoder layers"
+        how += f", {ub} B"
+        rows.append(Row(what, unit * ub, how, "train"))
     elif s.bf16 and wb > 2:
         linear = m.num_layers * m.layer_linear_params
         how = f"autocast's bf16 casts of the {_n(linear)} layer weights, 2 B"
@@ -577,22 +606,27 @@ def _training_rows(s: Stage) -> list[Row]:
     if s_head < 4:
         how = "the head's gradient summed in fp32 over the chunks (the unsharded head is bf16)"
         rows.append(Row("divergence head gradient", m.embedding_params * 4, how, "train"))
+    elif s.parallelism == "ddp" and s.world_size > 1 and not s.trainable_params:
+        how = "the head's fp32 gradient from the divergence, beside the .grad DDP's reducer allocates"
+        rows.append(Row("divergence head gradient", m.embedding_params * 4, how, "train"))
     return rows
 
 
-def _decode_rows(s: Stage, role: str, batch: int, length: int, phase: str, kv_dtype: str) -> list[Row]:
-    """The kit's KV-cached loop: the cache, the prefill's working set, and on CPU the bf16 head copies."""
+def _decode_rows(s: Stage, role: str, batch: int, length: int, phase: str, autocast: bool) -> list[Row]:
+    """The kit's KV-cached loop: the cache (in the dtypes the model keeps it, `kv_bytes_per_token`), the
+    prefill's working set, and on CPU the bf16 head copies."""
     m, weights = s.model(role)
     what = f"{role} {'rollout' if phase == 'rollout' else 'evaluation'}"
-    per = kv_bytes_per_token(m, kv_dtype)
+    per = kv_bytes_per_token(m, weights, autocast)
     kv = batch * length * per
-    work = forward_working_bytes(m, batch * s.prompt_len, dtype_bytes(kv_dtype))
+    compute = 2 if autocast else dtype_bytes(weights)
+    work = forward_working_bytes(m, batch * s.prompt_len, compute)
     work += kv // m.num_layers + 3 * batch * m.vocab_size * 4
     rows = [
         Row(
             f"KV cache, {what}",
             kv,
-            f"{batch} rows x {_n(length)} tokens x {_n(per)} B/token ({kv_dtype})",
+            f"{batch} rows x {_n(length)} tokens x {_n(per)} B/token ({kv_dtypes(weights, autocast)})",
             phase,
         ),
         Row(
@@ -617,11 +651,13 @@ def _engine_rows(s: Stage, budget: float | None) -> list[Row]:
             "rollout_engine=vllm reserves a share of the GPU's memory: pass budget_gb (the GPU's memory, or "
             "plan_gpu_memory_gb) so the plan can size it."
         )
-    how = f"vllm_gpu_memory_utilization {s.vllm_gpu_memory_utilization} x {budget / GB:.1f} GB"
+    card = s.gpu_memory_gb * GB or budget
+    whose = "the visible GPU's memory" if s.gpu_memory_gb else "the budget (no GPU visible: its memory)"
+    how = f"vllm_gpu_memory_utilization {s.vllm_gpu_memory_utilization} x {card / GB:.1f} GB, {whose}"
     phase = ALWAYS
     if s.vllm_sleep:
         how, phase = how + ", freed between rollouts (vllm_sleep)", "rollout"
-    rows = [Row("rollout engine (vllm)", int(s.vllm_gpu_memory_utilization * budget), how, phase)]
+    rows = [Row("rollout engine (vllm)", int(s.vllm_gpu_memory_utilization * card), how, phase)]
     if s.student is not None:
         m, wd = s.model("student")
         eb = dtype_bytes(s.engine_dtype)
@@ -720,12 +756,12 @@ def _rows(s: Stage, budget: float | None) -> list[Row]:
     if s.rollout_engine == "vllm":
         rows += _engine_rows(s, budget)
     elif s.gen_batch_size:
-        rows += _decode_rows(s, s.sampler, s.gen_batch_size, length, "rollout", s.model(s.sampler)[1])
+        rows += _decode_rows(s, s.sampler, s.gen_batch_size, length, "rollout", s.bf16)
         # Steering the teacher's sampling, the copies decode beside it, each with its KV cache; scoring a
         # student's rollouts (04's on-policy attackers, `sampler` "student"), they read whole sequences.
         if s.proxy is not None and s.ads_copies and s.sampler == "teacher":
             m, dt = s.model("proxy")
-            per = kv_bytes_per_token(m, dt)
+            per = kv_bytes_per_token(m, dt, s.bf16)
             how = f"{s.ads_copies} copies x {s.gen_batch_size} rows x {_n(length)} tokens x {_n(per)} B/token"
             rows.append(
                 Row(
@@ -739,8 +775,8 @@ def _rows(s: Stage, budget: float | None) -> list[Row]:
         rows.append(_stacked_head_row(s))
     if s.eval_batch_size:
         eval_len = s.prompt_len + (s.eval_completion_len or s.completion_len)
-        kv_dtype = "bfloat16" if s.bf16 else s.model(s.eval_model)[1]
-        rows += _decode_rows(s, s.eval_model, s.eval_batch_size, eval_len, "eval", kv_dtype)
+        autocast = s.bf16 if s.eval_bf16 is None else s.eval_bf16
+        rows += _decode_rows(s, s.eval_model, s.eval_batch_size, eval_len, "eval", autocast)
     return rows
 
 
@@ -758,10 +794,29 @@ def plan(stage: Stage, budget_gb: float | None = None, suggest: bool = True) -> 
     """The plan of `stage` against `budget_gb` (None: no budget, nothing enforced); when it does not fit,
     `suggestions` holds settings that would bring it under, each checked by planning again."""
     budget = None if budget_gb is None else budget_gb * GB
-    p = Plan(_rows(stage, budget), budget)
+    rows = _rows(stage, budget)
+    if budget is not None:
+        rows.append(_reserve_row(budget))
+    p = Plan(rows, budget)
     if suggest and not p.fits:
         p.suggestions = suggestions(stage, budget_gb)
     return p
+
+
+def reserve_bytes(budget_bytes: float) -> int:
+    """What a plan against `budget_bytes` holds back for what no row plans: the CUDA context (0.3-0.6 GB),
+    cuBLAS and cuDNN workspaces, NCCL's buffers (about 0.3-1 GB per communicator), and the caching
+    allocator's fragmentation, which grows with what is allocated: `RESERVE_SHARE` of the budget, at least
+    `RESERVE_MIN_GB`."""
+    return int(max(RESERVE_MIN_GB * GB, RESERVE_SHARE * budget_bytes))
+
+
+def _reserve_row(budget: float) -> Row:
+    how = (
+        f"max({RESERVE_MIN_GB:g} GB, {RESERVE_SHARE:.0%} of {budget / GB:.1f} GB): CUDA context, cuBLAS "
+        "workspaces, NCCL buffers, allocator fragmentation"
+    )
+    return Row("reserve", reserve_bytes(budget), how)
 
 
 def largest_batch(stage: Stage, budget_gb: float, field: str = "gen_batch_size", limit: int = 65536) -> int:
@@ -889,6 +944,39 @@ def budget_gb(plan_gpu_memory_gb: float) -> float | None:
 
 
 PLAN_FILE = "plan.json"  # a run folder's copy of its plan (JobPlan.to_json)
+HELD_DIR = "held"  # a run folder's record of what each process holds after loading: held/rank<k>.json
+
+
+def held_by(model: Any) -> dict[str, Any]:
+    """What this process holds of `model`, counted on its tensors: `params` and `bytes` of the parameters
+    as they sit here (a DTensor's local shard under FSDP), `of_params` the model's whole count, and the
+    dtypes and devices found. A sharding that silently failed shows as params == of_params."""
+    params = nbytes = whole = 0
+    dtypes, devices = set(), set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        params += local.numel()
+        nbytes += local.numel() * local.element_size()
+        whole += p.numel()
+        dtypes.add(dtype_name(local.dtype))
+        devices.add(str(local.device))
+    return {
+        "params": params,
+        "bytes": nbytes,
+        "of_params": whole,
+        "dtypes": sorted(dtypes),
+        "devices": sorted(devices),
+    }
+
+
+def held_line(record: Mapping[str, Any]) -> str:
+    """'rank 0 of 2 holds student 1,234 of 2,468 params (0.00 GB), teacher ...' from `held` records."""
+    parts = [
+        f"{role} {_n(h['params'])} of {_n(h['of_params'])} params ({h['bytes'] / GB:.2f} GB, "
+        f"{'/'.join(h['dtypes'])} on {'/'.join(h['devices'])})"
+        for role, h in record["models"].items()
+    ]
+    return f"rank {record['rank']} of {record['world_size']} holds " + ", ".join(parts)
 
 
 def optimizer_kind(optim: str, optim_args: str = "") -> str:
@@ -956,11 +1044,22 @@ class JobPlan:
             )
 
 
-def plan_job(stages: Mapping[str, Stage], budget: float | None) -> JobPlan:
-    """Plan each stage of a job against `budget` GB (None: nothing enforced). Without a budget a vLLM
-    engine's share is taken of this machine's memory, as vLLM on a CPU takes it."""
+def card_gb() -> float | None:
+    """The visible GPU's memory in GB, None when there is none or it cannot be read without CUDA."""
+    try:
+        return visible_gpu_memory_gb()
+    except ConfigError:
+        return None
+
+
+def plan_job(stages: Mapping[str, Stage], budget: float | None, gpu_gb: float | None = None) -> JobPlan:
+    """Plan each stage of a job against `budget` GB (None: nothing enforced). A vLLM engine's share is taken
+    of `gpu_gb` (the visible card's memory, `card_gb`) when given, else of the budget; without a budget of
+    this machine's memory, as vLLM on a CPU takes it."""
     plans = {}
     for name, stage in stages.items():
+        if gpu_gb:
+            stage = dataclasses.replace(stage, gpu_memory_gb=gpu_gb)
         if budget is None and stage.rollout_engine == "vllm":
             p = plan(stage, _host_memory_gb(), suggest=False)
             p.budget_bytes = None

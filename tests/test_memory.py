@@ -233,6 +233,28 @@ def test_kv_bytes_per_token_match_a_real_cache():
     assert held == 3 * 11 * kv_bytes_per_token(ModelShape.from_config(SMALL), "float32")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_kv_cache_dtypes_are_the_ones_the_model_keeps(family, dtype, autocast):
+    """issue 28: under bf16 autocast an fp32 model keeps K in fp32 (RoPE's fp32 cos/sin, Qwen3's fp32
+    k_norm weight) and V in bf16; measured on the cache a real forward fills."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    cfg = {**SMALL, "model_type": family}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).to(dtype).eval()
+    ids = torch.randint(0, 1000, (3, 11))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, use_cache=True, **{sampling.cache_kwarg(model): cache})
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == 3 * 11 * kv_bytes_per_token(ModelShape.from_config(cfg), dtype, autocast)
+    keys = {layer.keys.dtype for layer in cache.layers}
+    assert keys == {dtype}  # K in the weights' dtype, autocast or not
+    expected = memory.kv_dtypes(dtype, autocast)
+    assert expected == ("K float32, V bfloat16" if autocast and dtype == torch.float32 else str(dtype)[6:])
+
+
 # ---------------------------------------------------------------- the activation estimate
 
 
@@ -349,7 +371,9 @@ def test_components_by_hand(size):
     q, kv = d["nH"] * d["d"], d["nKV"] * d["d"]
     linear = d["L"] * (d["h"] * q + 2 * d["h"] * kv + q * d["h"] + 3 * d["h"] * d["I"])
     tokens, n_pred, length = 4 * 2048, 4 * 1024, 2048
-    kv_s32 = 2 * d["L"] * d["nKV"] * d["d"] * 4
+    # The fp32 student samples under bf16 autocast: K stays fp32 (RoPE's fp32 cos/sin and k_norm's fp32
+    # weight promote it), V is bf16; the bf16 teacher keeps both in bf16.
+    kv_s = d["L"] * d["nKV"] * d["d"] * (4 + 2)
     kv_t16 = 2 * t["L"] * t["nKV"] * t["d"] * 2
 
     p = plan(_opd_stage(size), budget_gb=1000)
@@ -366,9 +390,9 @@ def test_components_by_hand(size):
         + n_pred * t["h"] * 2,  # the teacher's, bf16
         "divergence chunk logits": 1024 * 151936 * 10 + 64 * 3 * 151936 * 4,
         "teacher weights": n_t * 2,
-        "KV cache, student rollout": 16 * 2048 * kv_s32,
-        "decoding working set, student rollout": 16 * 1024 * 4 * (3 * d["h"] + 2 * q + 2 * kv + 3 * d["I"])
-        + 16 * 2048 * kv_s32 // d["L"]
+        "KV cache, student rollout": 16 * 2048 * kv_s,
+        "decoding working set, student rollout": 16 * 1024 * 2 * (3 * d["h"] + 2 * q + 2 * kv + 3 * d["I"])
+        + 16 * 2048 * kv_s // d["L"]
         + 3 * 16 * 151936 * 4,
         "KV cache, teacher evaluation": 32 * 2048 * kv_t16,
         "decoding working set, teacher evaluation": 32
@@ -377,12 +401,13 @@ def test_components_by_hand(size):
         * (3 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 12288)
         + 32 * 2048 * kv_t16 // 36
         + 3 * 32 * 151936 * 4,
+        "reserve": 50e9,  # 5 % of the 1000 GB budget (more than 2 GB)
     }
     if d["tied"]:
         expected["tied embedding gradient sum"] = d["V"] * d["h"] * 4
     assert rows == expected
 
-    always = n * 4 + 2 * n * 4 + n_t * 2
+    always = n * 4 + 2 * n * 4 + n_t * 2 + 50e9
     train = ("student gradients", "mixed-precision copies", "activations", "divergence chunk logits")
     phases = {
         "train": always + sum(expected[k] for k in train),
@@ -434,6 +459,14 @@ def test_component_variants_by_hand(size):
     assert replicated["teacher weights"] == n_t * 2
     assert not {"teacher head copy (fsdp)", "teacher gathered units (fsdp)"} & replicated.keys()
 
+    # DDP: the divergence's fp32 head gradient beside the .grad the reducer allocates.
+    assert ddp["divergence head gradient"] == d["V"] * d["h"] * 4
+    assert "divergence head gradient" not in _rows(plan(_opd_stage(size)))  # one process: it is the .grad
+    # FSDP without bf16 gathers its units in fp32: the root and two decoder layers.
+    fsdp32 = _rows(plan(_opd_stage(size, world_size=8, parallelism="fsdp", bf16=False)))
+    assert fsdp32["fsdp gathered units"] == (d["V"] * d["h"] * (1 if d["tied"] else 2) + 2 * layer) * 4
+    assert "mixed-precision copies" not in fsdp32
+
     q, kv = d["nH"] * d["d"], d["nKV"] * d["d"]
     per_layer = _activation_hand(d, 1, 2048) // d["L"]
     ckpt = _rows(plan(_opd_stage(size, gradient_checkpointing=True)))
@@ -447,6 +480,13 @@ def test_component_variants_by_hand(size):
     vllm = plan(_opd_stage(size, rollout_engine="vllm", vllm_gpu_memory_utilization=0.3), budget_gb=80)
     rows = _rows(vllm)
     assert rows["rollout engine (vllm)"] == 0.3 * 80e9
+    assert "the budget (no GPU visible" in vllm.row("rollout engine (vllm)").how
+    # vLLM reserves its share of the card's whole memory, whatever the plan's budget.
+    on_card = plan(_opd_stage(size, rollout_engine="vllm", gpu_memory_gb=141), budget_gb=80)
+    assert on_card.row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
+    assert "x 141.0 GB, the visible GPU's memory" in on_card.row("rollout engine (vllm)").how
+    job = memory.plan_job({"x": _opd_stage(size, rollout_engine="vllm")}, 80, gpu_gb=141)
+    assert job.plans["x"].row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
     assert rows["weight-sync buffer"] == n * 2  # every parameter cast to bf16 at once
     assert "KV cache, student rollout" not in rows
     assert vllm.row("rollout engine (vllm)").phase == "always"
@@ -466,6 +506,7 @@ def test_ads_stage_by_hand(size):
         teacher=ModelShape.from_config(QWEN3[size]),
         proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
         sampler="teacher",
+        bf16=False,  # as `ads.sampler.sampling_stage`: no autocast, each model's cache in its own dtype
         gen_batch_size=128,
         prompt_len=512,
         completion_len=1024,
@@ -547,7 +588,66 @@ def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
     assert "ADS teacher stacked head" not in _rows(plan(steering)), "sampling with ADS stacks nothing"
 
 
+# ---------------------------------------------------------------- what a process holds, from its tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_held_by_counts_the_tensors_a_process_holds(dtype):
+    """issue 28: each rank's record of what it holds, against the config's count by hand (SMALL, tied)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMALL)).to(dtype)
+    h, i, q, kv = 96, 200, 6 * 32, 2 * 32
+    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * 32  # projections, 2 norms, q/k norms
+    hand = 1000 * h + 3 * layer + h  # the tied embedding, 3 layers, the final norm
+    held = memory.held_by(model)
+    size = 4 if dtype == torch.float32 else 2
+    assert held == {
+        "params": hand,
+        "bytes": hand * size,
+        "of_params": hand,
+        "dtypes": [memory.dtype_name(dtype)],
+        "devices": ["cpu"],
+    }
+    line = memory.held_line({"rank": 1, "world_size": 2, "models": {"student": held}})
+    assert line.startswith(f"rank 1 of 2 holds student {hand:,} of {hand:,} params (")
+
+
 # ---------------------------------------------------------------- plan, table, suggestions
+
+
+@pytest.mark.parametrize("budget, reserve", [(80, 4e9), (85.5, 4.275e9), (141, 7.05e9), (30, 2e9), (1, 2e9)])
+def test_every_budgeted_plan_holds_a_reserve(budget, reserve):
+    """issue 28: 5 % of the budget, at least 2 GB, held always, in the table; none without a budget."""
+    p = plan(_opd_stage("Qwen3-0.6B"), budget_gb=budget)
+    row = p.row("reserve")
+    assert row.bytes == pytest.approx(reserve, abs=1) and row.phase == "always"
+    assert any(line.startswith("reserve ") for line in p.table().splitlines())
+    assert p.total == max(p.phase_totals().values()) and p.fits == (p.total <= budget * 1e9)
+    assert "reserve" not in _rows(plan(_opd_stage("Qwen3-0.6B")))
+
+
+def test_gen_batch_size_zero_leaves_the_reserve_whole():
+    """issue 28: 04 full's ADS sampling on the whole of an "80 GB" H100 (85.5 GB) was planned at 73 rows and
+    84.9 GB (0.6 GB spare); the largest batch now keeps the reserve free, and one row more would eat it."""
+    stage = Stage(
+        teacher=ModelShape.from_config(QWEN3["Qwen3-4B"]),
+        proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
+        proxy_on_host=True,
+        sampler="teacher",
+        bf16=False,
+        gen_batch_size=1,
+        prompt_len=512,
+        completion_len=1024,
+    )
+    card = 85.5
+    best = largest_batch(stage, card)
+    unreserved = plan(dataclasses.replace(stage, gen_batch_size=best))  # the same rows, no budget
+    assert unreserved.total + memory.reserve_bytes(card * 1e9) <= card * 1e9
+    more = plan(dataclasses.replace(stage, gen_batch_size=best + 1))
+    assert more.total + memory.reserve_bytes(card * 1e9) > card * 1e9
+    assert more.total <= card * 1e9  # it would fit the bare card: the reserve is what stops it
+    assert 0 < best < 73
 
 
 def test_table_and_last_line():
@@ -581,7 +681,9 @@ def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     assert plan(dataclasses.replace(stage, gen_batch_size=best), 80).fits
     assert not plan(dataclasses.replace(stage, gen_batch_size=best + 1), 80).fits
     assert [x.settings for x in p.suggestions] == [{"gen_batch_size": best}]
-    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, gen_batch_size=best)).total
+    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, gen_batch_size=best), 80).total
+    # The reserve (5 % of 80 GB) is planned, never used: the largest batch leaves it whole.
+    assert p.row("reserve").bytes == 4e9 and p.suggestions[0].total_bytes <= 80e9
     assert "would fit with: gen_batch_size=" in p.table()
     assert largest_batch(dataclasses.replace(stage, prompt_len=10**6), 80) == 0
 
@@ -590,7 +692,7 @@ def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     "size, change, budget, expected",
     [
         ("Qwen3-1.7B", {}, 60, [{"gradient_checkpointing": True}]),
-        ("Qwen3-1.7B", {"world_size": 8}, 60, [{"parallelism": "fsdp"}, {"gradient_checkpointing": True}]),
+        ("Qwen3-1.7B", {"world_size": 8}, 64, [{"parallelism": "fsdp"}, {"gradient_checkpointing": True}]),
         ("Qwen3-0.6B", {"rollout_engine": "vllm", "vllm_gpu_memory_utilization": 0.5}, 80, None),
         ("Qwen3-1.7B", {"rollout_engine": "vllm", "vllm_gpu_memory_utilization": 0.5}, 80, None),
         ("Qwen3-1.7B", {}, 50, []),
@@ -732,12 +834,13 @@ def _run_ads(spec: dict, peaks: _Peaks) -> None:
     (finite differences), each with its own KV cache; proxy and gradient stay in this process's memory."""
     from opdkit.ads import direction, sampler
 
-    teacher = _build(TEACHER, getattr(torch, spec["teacher_dtype"])).eval().requires_grad_(False)
-    proxy = _build(STUDENT, torch.float32).eval().requires_grad_(False)
+    t_cfg, p_cfg = (WIDE_KV, WIDE_KV) if spec.get("wide") else (TEACHER, STUDENT)
+    teacher = _build(t_cfg, getattr(torch, spec["teacher_dtype"])).eval().requires_grad_(False)
+    proxy = _build(p_cfg, torch.float32).eval().requires_grad_(False)
     grads = {name: 1e-3 * torch.randn_like(p) for name, p in proxy.named_parameters()}
     direction = direction.FiniteDifference(proxy, grads, eps=1e-2)
     peaks.mark("setup")
-    vocab = TEACHER["vocab_size"]
+    vocab = t_cfg["vocab_size"]
     ids_BP, mask_BP = _left_padded_prompts(spec["rows"], spec["prompt"], vocab)
     r = sampler.ads_sample(
         teacher,
@@ -755,6 +858,73 @@ def _run_ads(spec: dict, peaks: _Peaks) -> None:
     peaks.mark("rollout")
 
 
+# Stand-ins for the real loops at sizes where what matters dominates the plan (issue 28): a narrow student
+# of many layers whose activations (02) outweigh its weights, and narrow models with wide KV caches (04).
+DEEP = {
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "tie_word_embeddings": True,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 512,
+}
+WIDE_KV = {
+    **DEEP,
+    "hidden_size": 64,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 128,
+}
+
+
+def _run_trainer(spec: dict, peaks: _Peaks) -> None:
+    """One optimizer step of the real `DistillTrainer` (fp32, AdamW, the kit's loop): the student samples
+    every row of the step, the teacher scores, the chunked divergence, backward, AdamW. Prompts are exactly
+    `prompt` tokens and no completion ends early (the stop id is past the vocabulary), as planned."""
+    from datasets import Dataset
+
+    from opdkit.data.prompts import PromptCollator, prompt_ids
+    from opdkit.models import load_tokenizer
+    from opdkit.opd.arguments import OPDArguments
+    from opdkit.opd.trainer import DistillTrainer
+
+    tok = load_tokenizer("tiny:student")
+    empty = len(prompt_ids(tok, [{"role": "user", "content": ""}], False))
+    messages = [{"role": "user", "content": "1" * (spec["prompt"] - empty)}]
+    assert len(prompt_ids(tok, messages, False)) == spec["prompt"]
+    args = OPDArguments(
+        output_dir=spec["out"],
+        report_to=[],
+        use_cpu=True,
+        sample_every=0,
+        save_strategy="no",
+        max_steps=1,
+        per_device_train_batch_size=spec["rows"],
+        max_new_tokens=spec["completion"],
+        loss_chunk_size=spec["chunk"],
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        logging_steps=1,
+    )
+    trainer = DistillTrainer(
+        model=_build(DEEP, torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list([{"messages": messages, "answer": "1"}] * spec["rows"]),
+        data_collator=PromptCollator(tok, spec["prompt"]),
+        processing_class=tok,
+        teacher_model=_build(DEEP, torch.float32),
+    )
+    trainer.stop_ids = [DEEP["vocab_size"]]  # never sampled: every completion has the planned length
+    peaks.mark("setup")
+    trainer.train()
+    peaks.mark("step")
+
+
 def _measure(spec: dict) -> dict:
     """Run the stand-in in a fresh process; its peak RSS growth over the RSS after imports."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -769,7 +939,7 @@ def _standin_shapes() -> tuple[ModelShape, ModelShape]:
     return ModelShape.from_config(STUDENT), ModelShape.from_config(TEACHER)
 
 
-def _check(name: str, p: memory.Plan, measured: dict) -> None:
+def _check(name: str, p: memory.Plan, measured: dict, tolerance: float = 0.25) -> None:
     growth = max(measured["peaks"].values())
     print(
         f"\n{name}: plan {p.total / 1e9:.3f} GB (peak phase {p.peak_phase}), measured peak RSS growth "
@@ -777,7 +947,7 @@ def _check(name: str, p: memory.Plan, measured: dict) -> None:
         f"  measured per phase: { {k: round(v / 1e9, 3) for k, v in measured['peaks'].items()} }\n"
         f"  planned per phase:  { {k: round(v / 1e9, 3) for k, v in p.phase_totals().items()} }"
     )
-    assert abs(p.total - growth) <= 0.25 * growth, p.table()
+    assert abs(p.total - growth) <= tolerance * growth, p.table()
 
 
 needs_proc = pytest.mark.skipif(
@@ -833,6 +1003,72 @@ def test_plan_matches_measured_peak_of_ads_sampling(teacher_dtype, rows, complet
     _check(f"ADS sampling, {teacher_dtype} teacher", plan(stage), _measure(spec))
 
 
+def _deep_stage(rows: int, prompt: int, completion: int, chunk: int) -> Stage:
+    deep = ModelShape.from_config(DEEP)
+    return Stage(
+        student=deep,
+        teacher=deep,
+        teacher_dtype="float32",
+        bf16=False,
+        device="cpu",
+        train_batch_size=rows,
+        gen_batch_size=rows,
+        prompt_len=prompt,
+        completion_len=completion,
+        loss_chunk_size=chunk,
+    )
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_matches_the_measured_peak_of_a_real_distill_trainer_step(tmp_path):
+    """issue 28, item 2: the real `DistillTrainer` step (rollout, loss, backward, AdamW) at a size where the
+    activations are more than half the plan; peak RSS growth of a fresh process over its RSS after imports
+    (VmHWM, /proc/self/status), within 15 %."""
+    spec = {
+        "kind": "trainer",
+        "rows": 8,
+        "prompt": 256,
+        "completion": 256,
+        "chunk": 1024,
+        "out": str(tmp_path),
+    }
+    p = plan(_deep_stage(8, 256, 256, 1024))
+    assert p.row("activations").bytes >= 0.5 * p.total, p.table()
+    _check("DistillTrainer step", p, _measure(spec), tolerance=0.15)
+
+
+@pytest.mark.slow
+@needs_proc
+def test_plan_matches_the_measured_peak_of_ads_sampling_where_kv_caches_dominate():
+    """issue 28, item 2: the real ADS sampler (`ads.sampler.ads_sample`: the teacher steered by two fp32
+    perturbed copies, each with its KV cache) at a size where the KV caches are more than half the plan."""
+    spec = {
+        "kind": "ads",
+        "rows": 16,
+        "prompt": 64,
+        "completion": 192,
+        "teacher_dtype": "float32",
+        "wide": True,
+    }
+    wide = ModelShape.from_config(WIDE_KV)
+    stage = Stage(
+        teacher=wide,
+        proxy=wide,
+        teacher_dtype="float32",
+        sampler="teacher",
+        device="cpu",
+        bf16=False,
+        gen_batch_size=16,
+        prompt_len=64,
+        completion_len=192,
+    )
+    p = plan(stage)
+    kv = sum(r.bytes for r in p.rows if r.component.startswith("KV cache"))
+    assert kv >= 0.5 * p.total, p.table()
+    _check("ADS sampling, wide KV", p, _measure(spec), tolerance=0.15)
+
+
 def _main(spec: dict) -> None:
     torch.set_num_threads(1)
     import gc
@@ -840,14 +1076,14 @@ def _main(spec: dict) -> None:
     import transformers  # noqa: F401  (imported before the baseline, as in any job)
 
     from opdkit.ads import direction, sampler  # noqa: F401
-    from opdkit.opd import loss  # noqa: F401
+    from opdkit.opd import loss, trainer  # noqa: F401
     from opdkit.rollout import sampling  # noqa: F401
 
     gc.collect()
     peaks = _Peaks(_status()["VmRSS"])
     Path("/proc/self/clear_refs").write_text("5")
     start = time.time()
-    {"opd": _run_opd, "ads": _run_ads}[spec["kind"]](spec, peaks)
+    {"opd": _run_opd, "ads": _run_ads, "trainer": _run_trainer}[spec["kind"]](spec, peaks)
     print(json.dumps({"peaks": peaks.peaks, "seconds": time.time() - start}))
 
 

@@ -234,19 +234,19 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch, capsy
 
 def test_a_run_that_does_not_fit_stops_before_any_weight_is_loaded(tmp_path, monkeypatch):
     """The tiny teacher's evaluation (256 rows x 104 tokens x 2,048 B of fp32 KV cache per token, 55 MB,
-    with a 140 MB working set) does not fit 0.12 GB; fewer evaluation rows do."""
+    with a 140 MB working set) does not fit 0.12 GB beside the 2 GB reserve; fewer evaluation rows do."""
     from opdkit.jobs.whitebox import job as whitebox
 
     def no_weights(*args, **kwargs):
         raise AssertionError("a weight was loaded")
 
     monkeypatch.setattr(whitebox, "load_model", no_weights)
-    over = {"run_dir": str(tmp_path / "r"), "subset_size": 64, "eval_size": 8, "plan_gpu_memory_gb": 0.12}
+    over = {"run_dir": str(tmp_path / "r"), "subset_size": 64, "eval_size": 8, "plan_gpu_memory_gb": 2.12}
     with pytest.raises(ConfigError) as err:
         whitebox.run("tiny", over)
     text = str(err.value)
     assert "does not fit" in text and "would fit with eval_batch_size=" in text, text
-    assert re.search(r"plan: 0\.\d GB of 0\.1 GB per process: does not fit at distillation", text), text
+    assert re.search(r"plan: 2\.\d GB of 2\.1 GB per process: does not fit at distillation", text), text
     assert "\n" not in text, "one line: the table was shown above it"
     assert not (tmp_path / "r").exists()
 
@@ -256,7 +256,7 @@ def test_gen_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypat
     copies always; per row of 512 + 1024 tokens their KV caches (2 x 36 x 8 x 128 x 2 B and
     2 x 2 x 28 x 8 x 128 x 4 B per token), the prefill's one layer of the teacher for 512 prompt tokens
     (residual x 3, q x 2, k/v x 2, MLP x 3, 2 B each), one layer's cache being extended and three fp32
-    rows of logits."""
+    rows of logits; and the reserve, 5 % of 80 GB, left whole."""
     from opdkit.jobs import antidistill
 
     monkeypatch.chdir(hub_cache)
@@ -269,19 +269,22 @@ def test_gen_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypat
         "plan_gpu_memory_gb": 80,
         "dry_run": True,
     }
-    prep = antidistill.prepare("full", over)
+    from opdkit.jobs.antidistill.job import JOB
+    from opdkit.run.lifecycle import plan_job
+
+    prep, job_plan = plan_job(JOB, antidistill.prepare("full", over))
     teacher = 151936 * 2560 + 36 * (2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728)
     teacher += 36 * (2 * 2560 + 2 * 128) + 2560
     proxy = 151936 * 1024 + 28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072)
     proxy += 28 * (2 * 1024 + 2 * 128) + 1024
-    always = teacher * 2 + 2 * proxy * 4
+    always = teacher * 2 + 2 * proxy * 4 + 4e9
     kv_teacher, kv_proxy = 2 * 36 * 8 * 128 * 2, 2 * 28 * 8 * 128 * 4
     prefill = 512 * 2 * (3 * 2560 + 2 * 4096 + 2 * 1024 + 3 * 9728)
     row = 1536 * (kv_teacher + 2 * kv_proxy) + prefill + 1536 * kv_teacher // 36 + 3 * 151936 * 4
     hand = max(n for n in range(1, 200) if always + n * row <= 80e9)
-    assert hand == 68
+    assert hand == 63  # 68 before the reserve
     assert prep.cfg.gen_batch_size == hand
-    assert prep.plan.plans["ADS sampling"].total == always + hand * row
+    assert job_plan.plans["ADS sampling"].total == always + hand * row
 
 
 def test_the_run_folder_keeps_its_plan(tmp_path):
@@ -291,3 +294,34 @@ def test_the_run_folder_keeps_its_plan(tmp_path):
     saved = json.loads((run.path / "plan.json").read_text())
     assert saved["stage"] in saved["stages"] and saved["budget_bytes"] is None
     assert saved["total_bytes"] == max(s["total_bytes"] for s in saved["stages"].values())
+
+
+def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocast():
+    """issue 28: 04 evaluates its students without autocast (`points.student_accuracies`, bf16=False), so
+    both K and V of their caches are fp32 even with bf16 on; the on-policy attackers' rollouts run under
+    the trainer's autocast (K fp32, V bf16). By hand from the tiny student's config."""
+    from opdkit import memory
+    from opdkit.ads.sampler import sampling_stage
+    from opdkit.config import load_config
+    from opdkit.jobs.antidistill.config import AntidistillConfig
+    from opdkit.jobs.antidistill.job import baseline_stage, on_policy_stage
+    from opdkit.sft.student import sft_stage
+
+    cfg = load_config(AntidistillConfig, "tiny", {"bf16": True, "attackers": ["sft", "opd"]})
+    s = json.loads(Path(memory._config_path("tiny:student")).read_text())
+    per_layer = s["num_key_value_heads"] * (s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"])
+    fp32, mixed = s["num_hidden_layers"] * per_layer * 8, s["num_hidden_layers"] * per_layer * (4 + 2)
+    evaluated = cfg.max_prompt_length + (cfg.eval_max_new_tokens or cfg.max_new_tokens)
+    baseline = baseline_stage(cfg, sampling_stage(cfg, 80.0))
+    for stage in (sft_stage(cfg, 80.0), on_policy_stage(cfg, 80.0), baseline):
+        p = memory.plan(stage, 80)
+        assert p.row("KV cache, student evaluation").bytes == cfg.eval_batch_size * evaluated * fp32
+        assert "(float32)" in p.row("KV cache, student evaluation").how
+    rollout = memory.plan(on_policy_stage(cfg, 80.0), 80).row("KV cache, student rollout")
+    rows = cfg.per_device_train_batch_size * cfg.accumulation_steps(1)
+    assert rollout.bytes == rows * (cfg.max_prompt_length + cfg.max_new_tokens) * mixed
+    assert "K float32, V bfloat16" in rollout.how
+    # The baseline evaluation: the student (fp32, no optimizer) beside the steering already on the device.
+    rows = {r.component for r in memory.plan(baseline, 80).rows}
+    assert {"student weights", "teacher weights", "ADS perturbed copies", "reserve"} <= rows
+    assert memory.plan(baseline, 80).row("optimizer state").bytes == 0

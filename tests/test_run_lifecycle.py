@@ -86,7 +86,7 @@ def toy_job(calls: Calls, **hooks: Any) -> lifecycle.Job:
 
 
 def toy_prep(tmp_path: Path, **cfg: Any) -> ToyPrep:
-    values = {"run_dir": str(tmp_path / "run"), "num_processes": 1, "plan_gpu_memory_gb": 1.0, **cfg}
+    values = {"run_dir": str(tmp_path / "run"), "num_processes": 1, "plan_gpu_memory_gb": 3.0, **cfg}
     return ToyPrep(ToyConfig(**values), first_example="first example: 1+1")
 
 
@@ -142,6 +142,22 @@ def test_plan_job_plans_every_stage_against_the_configured_budget(tmp_path):
     assert none is None
 
 
+def test_plan_job_gives_vllm_its_share_of_the_visible_card(tmp_path, monkeypatch):
+    """issue 28: vLLM reserves its share of the card's whole memory, not of a smaller budget."""
+    prep = toy_prep(tmp_path, plan_gpu_memory_gb=80)
+
+    def stages(prep, budget):
+        return {"decode": dataclasses.replace(toy_stages(prep, budget)["decode"], rollout_engine="vllm")}
+
+    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: 141.0)
+    _, on_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
+    assert on_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
+    assert on_card.plan.row("reserve").bytes == 4e9  # 5 % of the 80 GB budget
+    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: None)
+    _, no_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
+    assert no_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 80e9)
+
+
 # ---- a run ------------------------------------------------------------------------------------------
 
 
@@ -152,7 +168,7 @@ def test_a_run_writes_its_folder_runs_the_process_here_once_then_summarizes_and_
     assert run.path == tmp_path / "run" and run.writer
     config = yaml.safe_load((run.path / "config.yaml").read_text())
     assert (config["job"], config["mode"], config["seed"], config["gen_batch_size"]) == ("toy", "tiny", 7, 4)
-    expected = memory.plan_job(toy_stages(prep, 1.0), 1.0).to_dict()
+    expected = memory.plan_job(toy_stages(prep, 3.0), 3.0).to_dict()
     assert json.loads((run.path / memory.PLAN_FILE).read_text()) == json.loads(json.dumps(expected))
     [(pid, got, path, extra, kwargs)] = calls.named("process")
     assert pid == os.getpid() and got is prep and path == run.path  # this process, the caller's prepared run
@@ -279,7 +295,7 @@ def test_a_run_that_prepares_itself_shows_its_first_example(tmp_path, toy_preset
     run = lifecycle.run_job(
         toy_job(calls),
         "tiny",
-        {"run_dir": str(tmp_path / "run"), "num_processes": 1, "plan_gpu_memory_gb": 1.0},
+        {"run_dir": str(tmp_path / "run"), "num_processes": 1, "plan_gpu_memory_gb": 3.0},
     )
     assert "first example: 1+1" in capsys.readouterr().out
     assert yaml.safe_load((run.path / "config.yaml").read_text())["gen_batch_size"] == 6
@@ -328,7 +344,7 @@ def test_gen_batch_size_zero_needs_a_budget(tmp_path):
 
 def test_gen_batch_size_zero_becomes_the_largest_batch_that_fits(tmp_path):
     prep = toy_prep(tmp_path, gen_batch_size=0)
-    budget = 0.05
+    budget = 2.05  # 0.05 GB beside the 2 GB reserve
     stages = toy_stages(prep, budget)
     longer = {**stages, "long": dataclasses.replace(stages["decode"], completion_len=64)}
     fitted = lifecycle.fit_gen_batch(prep, budget, longer)
@@ -353,9 +369,9 @@ def test_a_run_plans_and_runs_with_what_fit_decided(tmp_path):
         return lifecycle.fit_gen_batch(prep, budget, toy_stages(prep, budget))
 
     run = lifecycle.run_job(toy_job(calls, fit=fit), prepared=toy_prep(tmp_path, gen_batch_size=0))
-    largest = memory.largest_batch(toy_stages(toy_prep(tmp_path, gen_batch_size=0), 1.0)["decode"], 1.0)
+    largest = memory.largest_batch(toy_stages(toy_prep(tmp_path, gen_batch_size=0), 3.0)["decode"], 3.0)
     [(_, prep, _, _, _)] = calls.named("process")
     assert prep.cfg.gen_batch_size == largest > 0
     assert yaml.safe_load((run.path / "config.yaml").read_text())["gen_batch_size"] == largest
     plan = json.loads((run.path / memory.PLAN_FILE).read_text())
-    assert plan == json.loads(memory.plan_job(toy_stages(prep, 1.0), 1.0).to_json())
+    assert plan == json.loads(memory.plan_job(toy_stages(prep, 3.0), 3.0).to_json())

@@ -15,6 +15,7 @@ import torch
 from test_jobs_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from opdkit import memory
 from opdkit.config import ConfigError, available_modes, load_config
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.opd.callbacks import GradientDump
@@ -248,6 +249,18 @@ def test_sharded_teacher_gives_the_replicated_teachers_loss_first_update_and_acc
         assert probe["teacher_in_loss"] and all(
             not w["dtensor"] and w["local_rows"] == vocab for w in probe["teacher_in_loss"]
         )
+
+    # Each rank's own record of what it holds (issue 28), from its tensors: half of each model, so the
+    # shards add up to the whole and a sharding that silently failed would show.
+    held = [json.loads((two / "held" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [h["rank"] for h in held] == [0, 1] and {h["world_size"] for h in held} == {2}
+    for role in ("student", "teacher"):
+        parts = [h["models"][role] for h in held]
+        whole = parts[0]["of_params"]
+        assert all(0 < p["params"] < whole for p in parts), parts
+        assert sum(p["params"] for p in parts) == whole
+        assert sum(p["bytes"] for p in parts) == 4 * whole  # fp32 on CPU
+    print("held:", [memory.held_line(h) for h in held])
 
     m_two, m_one = (json.loads((p / "metrics.jsonl").read_text().splitlines()[0]) for p in (two, one_path))
     grads = torch.load(f"{two}.pt")

@@ -40,3 +40,39 @@ def test_trainer_refuses_steps_that_do_not_match_its_accumulation(tmp_path, tok)
     CompletionSFTTrainer(order=[[0, 1, 2, 3], [4, 5, 0]], **kwargs)  # 2 micro-batches a step: fits
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
         CompletionSFTTrainer(order=[[0, 1, 2, 3, 4, 5]], **kwargs)  # 3 micro-batches in one step
+
+
+def test_a_trained_sft_trainer_is_freed_without_a_garbage_collection(tmp_path, tok):
+    """issue 28: no reference cycle (its step-loss callback holds it weakly) keeps a finished trainer's model
+    and optimizer alive until a garbage collection; 04 trains one per point and seed."""
+    import gc
+    import weakref
+
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 4
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = CompletionSFTTrainer(
+        model=tiny_model("tiny:student"),
+        args=args,
+        train_dataset=rows,
+        pad_token_id=tok.pad_token_id,
+        order=[[0, 1], [2, 3]],
+    )
+    trainer.train()
+    assert len(trainer.step_losses) == 2  # the callback still does its work
+    refs = [weakref.ref(x) for x in (trainer, trainer.model, trainer.optimizer)]
+    gc.collect()
+    gc.disable()
+    try:
+        del trainer
+        assert [r() is None for r in refs] == [True] * 3
+    finally:
+        gc.enable()

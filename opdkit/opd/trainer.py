@@ -29,8 +29,10 @@ at the second step (after a resume, at the first).
 
 from __future__ import annotations
 
+import json
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +40,14 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from opdkit import memory
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids, load_model
 from opdkit.opd import microbatches
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling
 from opdkit.run import sharding
+from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir
 
 SYNC_CHECK_STEPS = 2
@@ -163,6 +167,7 @@ class DistillTrainer(Trainer):
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
         self.add_callback(_NonFiniteStop(self))
+        self.add_callback(_HeldRecord(self))
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -413,13 +418,20 @@ class DistillTrainer(Trainer):
     def create_optimizer(self, model=None):
         opt = super().create_optimizer(model)
         step = opt.step
+        # Trainer and optimizer held weakly (the optimizer's own step unbound): `opt.step` referring back
+        # to them would be a reference cycle keeping the model and the AdamW state alive after training.
+        me, opt_ref = weakref.ref(self), weakref.ref(opt)
+        unbound = step.__func__ if getattr(step, "__self__", None) is opt else None
+        if unbound is not None:
+            del step
 
         def guarded_step(*args, **kwargs):
             # A non-finite gradient must never reach the weights: skip the update, the run then stops.
             # Before any measured step the optimizer must step: loading a sharded optimizer state
             # (FSDP resume) first creates the state with one zero-lr step.
-            if self.last_grad_norm is None or math.isfinite(self.last_grad_norm):
-                return step(*args, **kwargs)
+            norm = getattr(me(), "last_grad_norm", None)
+            if norm is None or math.isfinite(norm):
+                return unbound(opt_ref(), *args, **kwargs) if unbound is not None else step(*args, **kwargs)
             return None
 
         opt.step = guarded_step
@@ -462,12 +474,39 @@ class DistillTrainer(Trainer):
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
 
 
-class _NonFiniteStop(TrainerCallback):
+class _HeldRecord(TrainerCallback):
+    """When training begins (the student prepared, sharded under FSDP; the teacher placed or sharded), each
+    process records what it holds of both models, counted on the tensors (`memory.held_by`): printed, and
+    written to the run folder's held/rank<k>.json, so that a sharding that silently failed shows."""
+
     def __init__(self, trainer: DistillTrainer):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        models = {"student": trainer.model, "teacher": trainer.teacher}
+        held = {role: memory.held_by(m) for role, m in models.items() if isinstance(m, torch.nn.Module)}
+        record = {"rank": args.process_index, "world_size": args.world_size, "models": held}
+        print(memory.held_line(record), flush=True)
+        if trainer.run is not None:
+            folder = trainer.run.path / memory.HELD_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(folder / f"rank{args.process_index}.json", json.dumps(record, indent=2))
+
+
+class _NonFiniteStop(TrainerCallback):
+    """Stops training after a non-finite step. Its trainer is held weakly: the trainer holds this callback,
+    and a strong reference back would be a cycle keeping a finished trainer's models (and on a GPU their
+    memory) alive until a garbage collection happens to run."""
+
+    def __init__(self, trainer: DistillTrainer):
+        self._trainer = weakref.ref(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer.first_nonfinite_step is not None:
+        trainer = self._trainer()
+        if trainer is not None and trainer.first_nonfinite_step is not None:
             control.should_training_stop = True
             control.should_save = False  # keep the last good checkpoint as the newest one
         return control

@@ -110,7 +110,7 @@ def plan_job(job: Job, prep: Any) -> tuple[Any, memory.JobPlan | None]:
     if job.fit is not None:
         prep = job.fit(prep, budget)
     stages = job.stages(prep, budget)
-    return prep, memory.plan_job(stages, budget) if stages else None
+    return prep, memory.plan_job(stages, budget, memory.card_gb()) if stages else None
 
 
 def fit_gen_batch(prep: Any, budget: float | None, stages: dict[str, memory.Stage]) -> Any:

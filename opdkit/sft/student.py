@@ -303,6 +303,7 @@ def sft_stage(cfg: Any, budget: float | None) -> memory.Stage:
         prompt_len=cfg.max_prompt_length,
         completion_len=completion,
         eval_model="student",
+        eval_bf16=False,  # 04 evaluates its students in fp32 (`jobs.antidistill.points.student_accuracies`)
         eval_batch_size=cfg.eval_batch_size,
         eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
     )

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import random
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -158,14 +159,17 @@ class CompletionSFTTrainer(Trainer):
 
 
 class _StepLoss(TrainerCallback):
-    """Keeps the step's summed micro-batch losses (the step's token-mean loss) when the step ends."""
+    """Keeps the step's summed micro-batch losses (the step's token-mean loss) when the step ends. Holds its
+    trainer weakly (no reference cycle keeping a finished trainer's model alive)."""
 
     def __init__(self, trainer: CompletionSFTTrainer):
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.step_losses.append(self.trainer._step_loss)
-        self.trainer._step_loss = 0.0
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.step_losses.append(trainer._step_loss)
+            trainer._step_loss = 0.0
 
 
 class _QuietProgress(ProgressCallback):

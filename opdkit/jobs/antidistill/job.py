@@ -63,12 +63,15 @@ from opdkit.sft.student import sft_stage
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    """What one process holds at the stages of every point, one after the other: the ADS sampling of the
-    traces (`ads.sampler.sampling_stage`), then, with teacher and proxies in host memory on a GPU, the
+    """What one process holds at the stages of every point, one after the other: the student's baseline
+    evaluation beside the steering (`baseline_stage`, once), the ADS sampling of the traces
+    (`ads.sampler.sampling_stage`), then, with teacher and proxies in host memory on a GPU, the
     student's SFT and evaluation (`sft.student.sft_stage`), then the on-policy attackers when asked."""
     cfg = prep.cfg
+    sampling = sampling_stage(cfg, budget, gradients=2 if cfg.answer_lams else 1)
     out = {
-        "ADS sampling": sampling_stage(cfg, budget, gradients=2 if cfg.answer_lams else 1),
+        "baseline evaluation": baseline_stage(cfg, sampling),
+        "ADS sampling": sampling,
         "student SFT": sft_stage(cfg, budget),
     }
     if set(cfg.attackers) - {"sft"}:
@@ -76,10 +79,27 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
     return out
 
 
+def baseline_stage(cfg: AntidistillConfig, sampling: memory.Stage) -> memory.Stage:
+    """The fresh student evaluated in fp32 before any point (`points.baseline`), while the steering (teacher
+    and the perturbed copies, as while sampling) is already on the device."""
+    return dataclasses.replace(
+        sampling,
+        student=memory.ModelShape.from_config(cfg.student_model),
+        student_dtype="float32",
+        optimizer="none",
+        gen_batch_size=0,
+        eval_model="student",
+        eval_bf16=False,
+        eval_batch_size=cfg.eval_batch_size,
+        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+    )
+
+
 def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stage:
     """The on-policy attackers: 02's trainer on one device (`opd.arguments.distill_stage`), its teacher beside
     the proxy's two perturbed fp32 copies (the ADS teacher, with its stacked fp32 head), the student
-    evaluated."""
+    evaluated in fp32. The point's SFT student is freed before them (`points.run_once`), each attacker's
+    trainer before the next, so nothing of the earlier stages is held here."""
     gpu = budget is not None
     return dataclasses.replace(
         distill_stage(cfg, 1, budget),
@@ -91,6 +111,7 @@ def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stag
         proxy_gradients=2 if cfg.answer_lams else 1,
         proxy_on_host=gpu,
         eval_model="student",
+        eval_bf16=False,  # `points.student_accuracies` decodes the student in fp32
     )
 
 

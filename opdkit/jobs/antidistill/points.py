@@ -41,6 +41,7 @@ from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.opd.arguments import training_arguments
 from opdkit.opd.trainer import DistillTrainer
+from opdkit.rollout import engines
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.spread import read_result, run_safely
@@ -190,11 +191,13 @@ def run_once(point: Point, seed: int, prep: Prepared, held: Held) -> dict:
     trainer.log(
         {k: result[k] for k in measures if result[k] is not None}
     )  # to report_to, after the SFT steps
+    # The SFT student (merged adapters, AdamW state) is not held while the attackers run: the plan's
+    # on-policy stage has no room for it.
+    del trainer, student
+    engines.free_memory()
     result.update(run_attackers(point, seed, prep, held, folder))  # the on-policy attackers, if any
     write_jsonl(folder / "metrics.jsonl", steps)
     atomic_write_text(folder / "result.json", json.dumps(result, indent=2))
-    del trainer
-    del student
     held.steering.offload(False)
     return result
 
@@ -317,9 +320,10 @@ def run_attackers(point: Point, seed: int, prep: Prepared, held: Held, folder: P
     for attacker in [a for a in ON_POLICY if a in prep.cfg.attackers]:
         if attacker == "opd" and point.lam != 0:
             found.update(distill_on_policy(attacker, point, seed, prep, held, folder / OPD_DIR))
-            continue
-        plain = plain_result(point, seed, prep, held)
-        found.update({result_key(attacker, k): v for k, v in plain.items()})
+        else:
+            plain = plain_result(point, seed, prep, held)
+            found.update({result_key(attacker, k): v for k, v in plain.items()})
+        engines.free_memory()  # the attacker's student, trainer and scoring teacher, before the next
     return found
 
 
