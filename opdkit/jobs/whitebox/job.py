@@ -179,7 +179,10 @@ def distil(
     run.write_summary({**head, "accuracy_precision": accuracy_precision(cfg), "status": "training"})
     tracking.report_samples(trainer, cfg.report_to, run)
     live.notebook_view(
-        trainer, max_grad_norm=cfg.max_grad_norm or None, title=title or f"{JOB.name} · {prep.mode}"
+        trainer,
+        max_grad_norm=cfg.max_grad_norm or None,
+        title=title or f"{JOB.name} · {prep.mode}",
+        reference={"teacher_accuracy": teacher_acc, "student_accuracy_before": before},
     )
     if cfg.eval_steps and prep.eval_messages:
         measure = lambda m: sharded_accuracies(m, prep, world, rank, cfg.eval_steps_size, engine, False)[0]  # noqa: E731
