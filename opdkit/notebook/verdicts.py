@@ -174,6 +174,11 @@ def pct_interval(mean: float | None, ci: Sequence[float] | None, n: int, signed:
     return f"{head} [{fmt.format(ci[0] * 100)}, {fmt.format(ci[1] * 100)}]"
 
 
+def stat_text(d: dict, signed: bool = False) -> str:
+    """`pct_interval` of a {mean, ci, n} dict (`summarize`, `verdict`)."""
+    return pct_interval(d.get("mean"), d.get("ci"), d.get("n", 0), signed=signed)
+
+
 def sentence(v: dict, signed: bool = True) -> str:
     """'<claim>: holds (+4.2 points [+1.0, +7.4], 3 seeds).'"""
     seeds = f"{v['n']} seed{'s' if v['n'] != 1 else ''}"
