@@ -42,7 +42,11 @@ def test_small_tradeoff_run_writes_every_point(small_run):
     assert (
         0 <= summary["student_accuracy_before"] <= 1 and 0 <= summary["student_accuracy_before_forced"] <= 1
     )
-    assert "<th>student_accuracy_forced</th>" in report.summary_table_html(summary)
+    table = report.summary_table_html(summary)
+    assert "<th>forced</th>" in table and "(2 seeds)" not in table and "[" in table  # intervals of 2 seeds
+    assert summary["repeats"] == 2 and summary["findings"]["seeds"] == 2
+    assert {g["name"] for g in summary["findings"]["gaps"]} == {"ads-lam0.2-tau1", "ads-answer-lam0.1-tau1"}
+    assert all(p["student_accuracy_ci"] is not None for p in points)
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
     assert summary["student_holdout_loss_before"] == pytest.approx(
         gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5

@@ -96,6 +96,7 @@ class CellBar(std.tqdm):
     def __init__(self, *args, **kwargs):
         kwargs["file"] = _Discard()
         kwargs.setdefault("ncols", 100)
+        kwargs.setdefault("ascii", False)  # the display is unicode, whatever the discarded stream says
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:

@@ -133,6 +133,7 @@ def summary_table_html(summary: dict) -> str:
     contradicts it); `vs temperature` is the student minus the temperature sweep's at the point's teacher
     accuracy, seed by seed, with its verdict. `student (raw)` is the completions as written, `forced` with
     each final answer forced, as the ADS reference reports both."""
+    summary = _with_intervals(summary)
     n = summary.get("repeats") or findings_of(summary).get("seeds", 1)
     gaps = {g["name"]: g for g in findings_of(summary).get("gaps", [])}
     cols = [
