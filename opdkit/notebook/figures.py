@@ -238,7 +238,10 @@ def accuracy_bars(summary: dict, path=None):
         keys, colours = keys + [k + "_forced" for k in keys], colours * 2
     vals = [s.get(k) for k in keys]
     fig, ax = plt.subplots(figsize=(5.5 if len(keys) == 3 else 9, 3.4))
-    bars = ax.bar(names, [v or 0 for v in vals], color=colours, alpha=[1.0] * 3 + [0.6] * (len(keys) - 3))
+    bars = ax.bar(names, [v or 0 for v in vals], color=colours)
+    for b in bars[3:]:  # the forced accuracies: hatched beside the raw ones
+        b.set_hatch("//")
+        b.set_alpha(0.7)
     for b, k, v in zip(bars, keys, vals):
         ci = s.get(f"{k}_ci")
         if ci:
