@@ -50,7 +50,10 @@ def test_every_bar_of_a_cell_is_a_line_of_one_display(displays):
     cell[0] = 2  # the next cell: its own display
     for _ in progress.CellBar(range(2), desc="eval", leave=False):
         pass
-    assert len(shown) == 2 and shown[1] == ""  # a bar that does not stay leaves no line
+    assert len(shown) == 2 and shown[1] == ""  # a bar that does not stay leaves no line once done
+    cell[0] = 3
+    progress.BOARD.draw()  # nothing to show yet: no empty display
+    assert len(shown) == 2
 
 
 def test_only_the_last_finished_bars_stay_listed(displays):

@@ -49,6 +49,10 @@ def assert_readable(path: Path, run_needle: str) -> None:
     the run cell's plan once, its summary table last."""
     nb = json.loads(path.read_text())
     assert reader_problems(nb) == []
+    for cell in nb["cells"]:  # every figure cell shows its figure (the inline backend stays interactive)
+        source = "".join(cell["source"]).strip()
+        if cell["cell_type"] == "code" and source.startswith("report.") and source.endswith(";"):
+            assert any("image/png" in o.get("data", {}) for o in cell["outputs"]), source
     outputs = _cell_outputs(path, run_needle)
     assert sum("held at each phase" in json.dumps(o) for o in outputs) == 1, "one plan per run cell"
     assert "<table" in json.dumps(outputs[-1]), "the summary table is the run cell's last output"

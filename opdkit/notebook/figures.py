@@ -70,8 +70,15 @@ def styled(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with plt.rc_context(STYLE):
+        # Only the style's own keys are restored afterwards: `plt.rc_context` restores every setting, and
+        # would undo what the notebook's backend sets when the first figure starts it (interactive mode,
+        # without which the inline backend shows no later figure).
+        before = {k: matplotlib.rcParams[k] for k in STYLE}
+        matplotlib.rcParams.update(STYLE)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            matplotlib.rcParams.update(before)
 
     return wrapper
 

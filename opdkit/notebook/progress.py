@@ -70,6 +70,8 @@ class Board:
         from IPython.display import display
 
         data = {"text/plain": self.text()}
+        if self.handle is None and not data["text/plain"]:
+            return  # no display until a bar has a line to show
         if self.handle is None:
             self.handle = display(data, raw=True, display_id=True)
         else:
