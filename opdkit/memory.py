@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opdkit.config import ConfigError
+from opdkit.config import ConfigError, MissingInput, one_line
 
 GB = 1e9
 ALWAYS = "always"
@@ -117,7 +117,7 @@ class ModelShape:
         what = name or "the config"
         model_type = cfg.get("model_type")
         if model_type not in _FAMILIES:
-            raise ValueError(
+            raise ConfigError(
                 f"{what}: model_type {model_type!r} is not planned here (known: {sorted(_FAMILIES)}); add "
                 "its layer layout to opdkit.memory._FAMILIES, or plan with a config of the same layout."
             )
@@ -130,7 +130,7 @@ class ModelShape:
         )
         missing = [k for k in needed if cfg.get(k) is None]
         if missing:
-            raise ValueError(f"{what} has no {missing}; pass a decoder-only model's config.json.")
+            raise ConfigError(f"{what} has no {missing}; pass a decoder-only model's config.json.")
         qk_norm, qkv_bias, o_bias = _FAMILIES[model_type]
         attention_bias = bool(cfg.get("attention_bias", False))
         heads = int(cfg["num_attention_heads"])
@@ -222,7 +222,7 @@ def _config_path(text: str) -> Path:
     if path.is_file():
         return path
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no config.json at {path}; pass a model folder holding config.json, the file itself, or a "
             "hub name such as Qwen/Qwen3-0.6B."
         )
@@ -231,9 +231,9 @@ def _config_path(text: str) -> Path:
     try:
         return Path(hf_hub_download(text, "config.json"))
     except Exception as e:
-        raise FileNotFoundError(
-            f"could not fetch config.json of {text!r} from the hub ({type(e).__name__}: {e}); check the "
-            "name and the network (HF_HUB_OFFLINE), or pass a local folder holding its config.json."
+        raise MissingInput(
+            f"could not fetch config.json of {text!r} from the hub ({type(e).__name__}: {one_line(e)}); "
+            "check the name and the network (HF_HUB_OFFLINE), or pass a local folder holding its config.json."
         ) from e
 
 
@@ -909,12 +909,19 @@ class JobPlan:
         return json.dumps(self.to_dict(), indent=2)
 
     def check(self) -> None:
-        """Raise ConfigError, with the table and what would fit, when the plan does not fit its budget."""
+        """Raise ConfigError, one line with the verdict and what would fit (the table is shown before), when
+        the plan does not fit its budget."""
         if not self.fits:
+            plan = self.plan
+            fix = (
+                f"it would fit with {'; '.join(map(str, plan.suggestions))}"
+                if plan.suggestions
+                else "no setting brings it under"
+            )
             raise ConfigError(
-                f"this run does not fit its memory budget (nothing has been loaded):\n{self.table()}\n"
-                "Change the settings named under 'would fit with', use more processes or a larger GPU, or "
-                "set plan_gpu_memory_gb if the budget is not this GPU's."
+                f"this run does not fit its memory budget, nothing has been loaded: {plan.summary()} at "
+                f"{self.stage} (the plan above); {fix}; or use more processes or a larger GPU, or set "
+                "plan_gpu_memory_gb if the budget is not this GPU's."
             )
 
 

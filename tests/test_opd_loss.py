@@ -177,6 +177,109 @@ def test_chunked_matches_full_logits(chunk_size: int, beta: float) -> None:
     assert t_w_VH.grad is None
 
 
+@pytest.mark.parametrize("vocab_chunk_size", [1, 5, 23])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("beta", BETAS)
+def test_vocabulary_chunks_give_the_full_logits_values_and_gradients(
+    vocab_chunk_size: int, temperature: float, beta: float
+) -> None:
+    """However the vocabulary is cut (one row of it per tile, 5 rows with a ragged last tile, all of it), the
+    divergence, entropy, sampler log-probabilities and both gradients are the full-logits ones: to 1e-12 in
+    float64, to float32 rounding in float32."""
+    vocab = 23
+    for dtype, tol in (
+        (torch.float64, dict(rtol=1e-12, atol=1e-12)),
+        (torch.float32, dict(rtol=1e-5, atol=1e-6)),
+    ):
+        s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = (
+            t.detach().to(dtype).requires_grad_(t.requires_grad) for t in _heads(n_rows=9, vocab=vocab)
+        )
+        s_logits_NV = s_hidden_NH @ s_w_VH[:vocab].T
+        expected_N = per_token_divergence(s_logits_NV, t_hidden_NH @ t_w_VH[:vocab].T, beta, temperature)
+        grads = torch.autograd.grad(2.5 * expected_N.sum(), (s_hidden_NH, s_w_VH))
+        target_N = torch.tensor([0, 4, 5, 22, 23, 24, 9, 10, 11])  # 23 and 24: the student's padding rows
+        out = chunked_divergence(
+            s_hidden_NH,
+            s_w_VH,
+            t_hidden_NH,
+            t_w_VH,
+            beta=beta,
+            temperature=temperature,
+            vocab_size=vocab,
+            chunk_size=4,
+            vocab_chunk_size=vocab_chunk_size,
+            target_ids_N=target_N,
+        )
+        got = torch.autograd.grad(2.5 * out.sum, (s_hidden_NH, s_w_VH))
+        torch.testing.assert_close(out.per_token_N, expected_N.detach(), **tol)
+        p_s_NV = torch.softmax(s_logits_NV.detach() / temperature, dim=-1)
+        torch.testing.assert_close(out.student_entropy_N, -(p_s_NV * p_s_NV.log()).sum(-1), **tol)
+        logp_N = torch.log_softmax(s_hidden_NH @ s_w_VH.T, dim=-1).gather(1, target_N[:, None])[:, 0]
+        torch.testing.assert_close(out.student_token_logprob_N, logp_N.detach(), **tol)
+        for g, want in zip(got, grads):
+            torch.testing.assert_close(g, want, **tol)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_chunked_matches_trls_chunked_loss(beta: float, temperature: float) -> None:
+    """TRL's DistillationTrainer loss (`_chunked_divergence_loss`, its own tiles) gives the same mean
+    divergence, entropy and student gradients."""
+    trl_loss = pytest.importorskip("trl.trainer.distillation_trainer")._chunked_divergence_loss
+    s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = (t.detach().float() for t in _heads(n_rows=11, vocab=23))
+    s_hidden_NH, s_w_VH, t_w_VH = s_hidden_NH.requires_grad_(), s_w_VH[:23].requires_grad_(), t_w_VH[:23]
+    loss, entropy_sum, n = trl_loss(
+        s_hidden_NH[None], t_hidden_NH[None], s_w_VH, t_w_VH, torch.ones(1, 11), beta, temperature=temperature
+    )
+    want = torch.autograd.grad(loss, (s_hidden_NH, s_w_VH))
+    out = chunked_divergence(
+        s_hidden_NH,
+        s_w_VH,
+        t_hidden_NH,
+        t_w_VH,
+        beta=beta,
+        temperature=temperature,
+        chunk_size=4,
+        vocab_chunk_size=6,
+    )
+    torch.testing.assert_close(out.sum / n, loss)
+    torch.testing.assert_close(out.student_entropy_N.sum(), entropy_sum)
+    for got, expected in zip(torch.autograd.grad(out.sum / n, (s_hidden_NH, s_w_VH)), want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_chunked_peak_memory_is_the_head_gradient_and_a_few_tiles() -> None:
+    """The logits never exist beyond a chunk of rows x a chunk of vocabulary per model: the peak is the
+    head's gradient and a few such tiles, far below even one chunk of rows x the whole vocabulary."""
+    n_rows, vocab, hidden, chunk, vocab_chunk = 512, 16384, 16, 256, 1024
+    gen = torch.Generator().manual_seed(16)
+    s_hidden_NH = torch.randn(n_rows, hidden, generator=gen).requires_grad_()
+    s_w_VH = (0.1 * torch.randn(vocab, hidden, generator=gen)).requires_grad_()
+    t_hidden_NH, t_w_VH = (
+        torch.randn(n_rows, hidden, generator=gen),
+        0.1 * torch.randn(vocab, hidden, generator=gen),
+    )
+    for beta in (0.0, 0.5, 1.0):
+        s_hidden_NH.grad = s_w_VH.grad = None
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            chunked_divergence(
+                s_hidden_NH,
+                s_w_VH,
+                t_hidden_NH,
+                t_w_VH,
+                beta=beta,
+                chunk_size=chunk,
+                vocab_chunk_size=vocab_chunk,
+            ).sum.backward()
+        records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        live = peak = 0
+        for record in sorted(records, key=lambda e: e.start_ns()):
+            live += record.nbytes()
+            peak = max(peak, live)
+        tile = chunk * vocab_chunk * 4
+        assert peak < vocab * hidden * 4 + 5 * tile < chunk * vocab * 4, beta
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize(
     "vocab", [23, 25]

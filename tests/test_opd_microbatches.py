@@ -1,11 +1,12 @@
 """opdkit.opd.microbatches, the trainer's batch plumbing: one engine call for the step's micro-batches, cut
 back into micro-batches that look as if each had been sampled alone, and grouped by completion length with the
-same rows and less padding."""
+same rows and less padding; each row's place in the step's global batch, against accelerate's sharding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
@@ -103,3 +104,52 @@ def test_micro_batches_grouped_by_length_hold_the_same_rows_with_less_padding():
             torch.testing.assert_close(g.logprobs_BC[b, :n], whole.logprobs_BC[src, :n])
     area = sum(g.input_ids_BT.numel() for g in grouped)
     assert area < sum(r.input_ids_BT.numel() for r in plain)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(64))
+
+
+@pytest.mark.parametrize("iterable", [False, True])
+def test_each_row_s_global_place_is_its_prompt_s_place_in_the_step_whatever_the_process_count(iterable):
+    """accelerate's own sharding of a shuffled data loader (`prepare_data_loader`: `BatchSamplerShard`, or an
+    iterable dataset's `IterableDatasetShard`), 16 prompts a step in micro-batches of 2 on 1, 2 and 4
+    processes (8, 4 and 2 micro-batches each): `global_places` puts every prompt at the same place of the
+    same step, no two at one place."""
+    from accelerate.data_loader import prepare_data_loader
+
+    steps, batch = 4, 2
+    found = {}
+    for world in (1, 2, 4):
+        accumulate = 16 // (batch * world)
+        at: dict[tuple[int, int], int] = {}
+        for rank in range(world):
+            if iterable:
+                loader = DataLoader(Stream(), batch_size=batch)
+            else:
+                shuffled = RandomSampler(range(64), generator=torch.Generator().manual_seed(7))
+                loader = DataLoader(list(range(64)), batch_size=batch, sampler=shuffled)
+            loader = prepare_data_loader(
+                loader,
+                device=torch.device("cpu"),
+                num_processes=world,
+                process_index=rank,
+                put_on_device=False,
+                dispatch_batches=False,
+                use_seedable_sampler=True,
+                data_seed=5,
+            )
+            micro = [b.tolist() for b in loader]
+            assert len(micro) == steps * accumulate
+            for s in range(steps):
+                taken = micro[s * accumulate : (s + 1) * accumulate]
+                places = microbatches.global_places([len(b) for b in taken], rank, world, batch)
+                for place, prompt in zip(places, [p for b in taken for p in b], strict=True):
+                    assert (s, place) not in at
+                    at[s, place] = prompt
+        assert len(at) == 64 and sorted(at.values()) == list(range(64))
+        found[world] = at
+    assert found[1] == found[2] == found[4]
+    if iterable:
+        assert found[1] == {(s, p): 16 * s + p for s in range(steps) for p in range(16)}

@@ -176,6 +176,29 @@ def test_a_thousand_seeded_prompts_in_one_call(teacher_engine, tok):
     )
 
 
+def test_a_seed_per_row_draws_the_same_tokens_whatever_else_is_in_the_call(teacher_engine, tok, prompts):
+    """Temperature 1, one seed per request (`engines.rollout_seeds`): the whole call, its rows reversed and
+    each of its first rows alone sample the same completions; other seeds sample others."""
+    ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]
+    s = engines.SamplingSettings(40, 1.0, 1.0, [tok.eos_token_id], tok.pad_token_id)
+    seeds = engines.rollout_seeds(42, 3, list(range(ids.shape[0])))
+
+    def rows(r: sampling.Rollout) -> list[list[int]]:
+        return [c[m.bool()].tolist() for c, m in zip(r.completion_ids_BC, r.completion_mask_BC)]
+
+    whole = rows(teacher_engine.sample(None, ids, mask, s, seeds))
+    assert rows(teacher_engine.sample(None, ids.flip(0), mask.flip(0), s, seeds[::-1])) == whole[::-1]
+    alone = [
+        rows(teacher_engine.sample(None, ids[b : b + 1], mask[b : b + 1], s, seeds[b : b + 1]))[0]
+        for b in range(3)
+    ]
+    assert alone == whole[:3]
+    assert (
+        rows(teacher_engine.sample(None, ids, mask, s, engines.rollout_seeds(42, 4, list(range(15)))))
+        != whole
+    )
+
+
 class _Recorder:
     """Keeps the trainers a run builds, to look at their engines afterwards."""
 
@@ -393,6 +416,54 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
     assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
     records = [json.loads(r) for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
     assert len(records) == 2 and all(r["engine_logprob_gap"] < 1e-3 for r in records), records
+
+
+@pytest.mark.slow
+def test_one_and_two_gloo_processes_with_engines_sample_the_same_and_make_the_same_first_update(tmp_path):
+    """Temperature 1, 8 prompts a step in micro-batches of 2 (4 on one process, 2 on each of two), a vLLM
+    engine per process: every prompt draws the same completion (its request seeded by its place in the
+    step's global batch), so the first update is the same."""
+    over = {
+        **VLLM,
+        "max_steps": 1,
+        "max_grad_norm": 0.0,
+        "save_rollouts": True,
+        "subset_size": 64,
+        "gen_temperature": 1.0,
+        "per_device_train_batch_size": 2,
+        "global_batch_size": 8,
+    }
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        from opdkit.opd.callbacks import GradientDump
+        if __name__ == "__main__":
+            over = {over!r}
+            whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}},
+                         callbacks=[GradientDump({str(tmp_path / "two.pt")!r})])
+    """)
+    (tmp_path / "two.py").write_text(script)
+    subprocess.run([sys.executable, str(tmp_path / "two.py")], check=True, timeout=900)
+    whitebox.run(
+        "tiny", {**over, "run_dir": str(tmp_path / "one")}, callbacks=[GradientDump(str(tmp_path / "one.pt"))]
+    )
+
+    def sampled(run: Path) -> list[tuple]:
+        rows = []
+        for f in sorted((run / "rollouts").glob("step000001-rank*.pt")):
+            for mb in torch.load(f):
+                P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
+                for ids, attn, comp in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]):
+                    rows.append(
+                        (tuple(ids[:P][attn[:P].bool()].tolist()), tuple(ids[P:][comp.bool()].tolist()))
+                    )
+        return sorted(rows)
+
+    one, two = sampled(tmp_path / "one"), sampled(tmp_path / "two")
+    assert len(one) == len(two) == 8 and one == two
+    assert len({c for _, c in one}) > 4, "temperature 1: varied completions"
+    assert_grads_close(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), rtol=1e-4)
+    assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
 
 
 TEARDOWN_SCRIPT = """

@@ -52,3 +52,21 @@ def test_small_models_run_on_one_thread_unless_omp_is_set_and_the_caller_gets_it
         assert seen == [1, 2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cpu_launch_says_it_runs_on_the_cpu(tmp_path):
+    """accelerate's notebook launcher announces "Launching training on 2 CUDAs." on a machine without GPUs;
+    the kit's launch says what it runs on instead, and nothing else accelerate prints is lost."""
+    script = textwrap.dedent(f"""
+        from opdkit.run.launch import launch
+
+        def hello():
+            print("rank ran", flush=True)
+
+        launch(hello, (), 2, {str(tmp_path / "run")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launching 2 processes on the CPU (gloo)" in proc.stdout
+    assert "CUDA" not in proc.stdout + proc.stderr
+    assert proc.stdout.count("rank ran") == 2

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from opdkit.ads.gradient import tensor_norms
+from opdkit.config import ConfigError, MissingInput
 from opdkit.run.files import atomic_path, atomic_write_text, json_safe
 
 GRADS_FILE = "grads.safetensors"
@@ -25,7 +26,7 @@ META_FILE = "grads.json"
 META_KEY = "opdkit"  # the safetensors header entry that holds the metadata, so the file describes itself
 
 
-class GradsMismatch(ValueError):
+class GradsMismatch(ConfigError):
     """A saved gradient that does not belong to the model or tokenizer it is loaded for."""
 
 
@@ -76,7 +77,7 @@ def _grads_path(path: str | Path) -> Path:
     path = Path(path)
     file = path / GRADS_FILE if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no saved gradient at {file}; expected the {GRADS_FILE} that savegrad writes in its run "
             "directory, so pass that run directory (or the file)."
         )

@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit.config import ConfigError, setting
+from opdkit.config import ConfigError, MissingInput, setting
 from opdkit.rollout import sampling
 
 if TYPE_CHECKING:
@@ -121,19 +121,19 @@ def load_prompts(
     `seed` (-1: all rows, shuffled). Jobs load through their task (`opdkit.tasks.Task.load_prompts`).
     """
     if subset_size == 0 or subset_size < -1:
-        raise ValueError(
+        raise ConfigError(
             f"subset_size={subset_size} is not a number of prompts to keep; expected -1 (all) or a positive "
             "count, so pass e.g. subset_size=1000."
         )
     if path == "tiny":
-        raise ValueError(
+        raise ConfigError(
             "the tiny world's prompts are its task's, not a file: load them with "
             "opdkit.tasks.get_task('tiny').load_prompts(...)."
         )
     ds = load_raw(path, split)
     prompt_col = _prompt_column(ds, path)
     if len(ds) == 0:
-        raise ValueError(
+        raise ConfigError(
             f"{path!r} (split {split!r}) holds no rows; expected at least one prompt, so check the source."
         )
     ds = ds.shuffle(seed=seed)
@@ -219,7 +219,7 @@ def _looks_local(path: str) -> bool:
     )
 
 
-class UnreadableData(ValueError):
+class UnreadableData(ConfigError):
     """A local data file or folder exists but cannot be read as what its name says it is."""
 
 
@@ -232,12 +232,12 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
     if local.is_file():
         loader = getattr(datasets.Dataset, FILE_LOADERS.get(local.suffix, ""), None)
         if loader is None:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot read {path!r}: its type {local.suffix!r} is not one of {sorted(FILE_LOADERS)}; "
                 "convert it (e.g. Dataset.from_csv(...).to_parquet(...)) or save it with save_to_disk."
             )
         if _readable(path, lambda: _is_empty_file(local), f"a {local.suffix} file"):
-            raise ValueError(f"{path!r} holds no rows; expected at least one prompt, so check the file.")
+            raise ConfigError(f"{path!r} holds no rows; expected at least one prompt, so check the file.")
         return _readable(path, lambda: loader(str(local)), f"a {local.suffix} file")
     if local.is_dir():
         if (local / "dataset_dict.json").exists() or (local / "state.json").exists():
@@ -249,7 +249,7 @@ def load_raw(path: str, split: str) -> datasets.Dataset:
             path, lambda: datasets.load_dataset(str(local), split=split), "a folder of data files"
         )
     if _looks_local(path):
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no file or folder at {path!r} (resolved to {local.resolve()}); expected a local "
             f"{'/'.join(FILE_LOADERS)} file or a save_to_disk folder, so check the path and working "
             "directory."
@@ -290,7 +290,7 @@ def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str, pat
     if isinstance(loaded, datasets.Dataset):
         return loaded
     if split not in loaded:
-        raise ValueError(
+        raise ConfigError(
             f"{path!r} has no split {split!r}; it has {sorted(loaded)}, so pass one of them as split."
         )
     return loaded[split]
@@ -300,7 +300,7 @@ def _prompt_column(ds: datasets.Dataset, path: str) -> str:
     for col in PROMPT_COLUMNS:
         if col in ds.column_names:
             return col
-    raise ValueError(
+    raise ConfigError(
         f"{path!r} has no usable prompt column: found {ds.column_names}, expected one of "
         f"{list(PROMPT_COLUMNS)}; rename yours with dataset.rename_column(old, 'prompt') and save it again."
     )
@@ -313,7 +313,7 @@ def _normalise(ds: datasets.Dataset, prompt_col: str, reference: Reference) -> d
         convo = as_messages(row[prompt_col], i, prompt_col)
         final = convo.pop()["content"] if convo[-1]["role"] == "assistant" else None
         if not convo:
-            raise ValueError(
+            raise ConfigError(
                 f"row {i} of column {prompt_col!r} holds only an assistant turn; expected the prompt "
                 "conversation (at least one user message) before it."
             )
@@ -333,7 +333,7 @@ def as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
         and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
     ):
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise ValueError(
+    raise ConfigError(
         f"row {row} of column {col!r} is {type(value).__name__} {str(value)[:80]!r}; expected a string or a "
         "non-empty list of {'role': ..., 'content': ...} messages, so fix that row or drop it."
     )

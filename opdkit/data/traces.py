@@ -14,6 +14,7 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from opdkit.config import MissingInput
 from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.run.files import atomic_path
 
@@ -52,9 +53,7 @@ def load_traces(run_path: str | Path) -> datasets.Dataset:
     """The `traces/` folder of a run directory (savegrad's); a RunDir works too."""
     path = Path(getattr(run_path, "path", run_path)) / TRACES_DIR
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"no traces at {path}; expected the folder savegrad writes in its run directory."
-        )
+        raise MissingInput(f"no traces at {path}; expected the folder savegrad writes in its run directory.")
     return datasets.load_from_disk(str(path))
 
 

@@ -113,7 +113,8 @@ class OPDTraining:
 @dataclass
 class OPDArguments(OPDSettings, TrainingArguments):
     """`TrainingArguments` plus on-policy distillation's own settings, as TRL's `GKDConfig` extends its
-    `SFTConfig`. Rollouts are seeded by (`seed`, step, rank)."""
+    `SFTConfig`. Each rollout row is seeded by (`seed`, step, its place in the step's global batch), not by
+    process: the number of processes does not change what is sampled."""
 
     vllm_max_model_len: int = setting(
         0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0

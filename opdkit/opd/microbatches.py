@@ -1,7 +1,9 @@
-"""The trainer's batch plumbing: a step's prompt micro-batches joined for one engine call, and the sampled
-step cut back into micro-batches grouped by completion length.
+"""The trainer's batch plumbing: a step's prompt micro-batches joined for one engine call, each row's place in
+the step's global batch (what its sampling is keyed by), and the sampled step cut back into micro-batches
+grouped by completion length.
 
     ids_BP, mask_BP = concat_prompts(batches, pad_token_id)       # one left-padded batch for the engine
+    places = global_places(sizes, rank, world, batch_size)       # each row's place among all processes' rows
     order_B = length_order(rollout)                              # shortest completions first (stable)
     parts = split_rollout(rollout.rows(order_B), sizes)          # micro-batches, each trimmed to its rows
 """
@@ -22,6 +24,20 @@ def concat_prompts(batches: list[dict], pad_token_id: int) -> tuple[torch.Tensor
         ids.append(torch.nn.functional.pad(b["prompts"], (extra, 0), value=pad_token_id))
         masks.append(torch.nn.functional.pad(b["prompt_attention_mask"], (extra, 0), value=0))
     return torch.cat(ids), torch.cat(masks)
+
+
+def global_places(sizes: list[int], rank: int, world: int, batch_size: int) -> list[int]:
+    """Each row's place in the optimizer step's global batch, from this process's micro-batches (`sizes`
+    rows each, in the order the step took them): the position of its prompt in the step's slice of the
+    data order, whatever the number of processes.
+
+    accelerate shards the training data loader by batches (`BatchSamplerShard`; an iterable dataset's
+    `IterableDatasetShard` and a dispatching loader slice the same way): of the sampler's batches of
+    `batch_size` prompts, process `rank` of `world` takes every `world`-th, starting at its rank. So its
+    k-th micro-batch of the step is the step's batch k x world + rank, and its row i sits at
+    (k x world + rank) x batch_size + i. With G prompts a step, one process with G / b micro-batches and
+    two with G / 2b each read the same batches of the data order: the same prompt at the same place."""
+    return [(k * world + rank) * batch_size + i for k, n in enumerate(sizes) for i in range(n)]
 
 
 def length_order(r: sampling.Rollout) -> torch.Tensor:

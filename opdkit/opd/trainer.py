@@ -222,9 +222,11 @@ class DistillTrainer(Trainer):
 
     def _rollout_step(self, engine, batches: list[dict], step: int) -> list[dict]:
         """All of the step's prompts sampled in one engine call, then regrouped by completion length
-        (`microbatches.length_order`) and cut back into micro-batches of the same sizes. Sampling is seeded by
-        (seed, step, rank): a resumed run samples exactly what an unbroken run would have, whatever the RNG
-        history before the checkpoint."""
+        (`microbatches.length_order`) and cut back into micro-batches of the same sizes. Each row is sampled
+        from its own stream, keyed by (seed, step, its place in the step's global batch)
+        (`engines.rollout_seeds`, `microbatches.global_places`): 1, 2 or 8 processes draw the same
+        completions for the same prompts, and a resumed run samples exactly what an unbroken run would
+        have, whatever the RNG history before the checkpoint."""
         tok = self.processing_class
         model = self.accelerator.unwrap_model(self.model)
         # Once per optimizer step, so also before the first rollout after a resume.
@@ -237,9 +239,10 @@ class DistillTrainer(Trainer):
             pad_token_id=tok.pad_token_id,
         )
         ids_BP, mask_BP = microbatches.concat_prompts(batches, tok.pad_token_id)
-        seed = engines.rollout_seed(self.args.seed, step, self.args.process_index)
-        whole = engine.sample(model, ids_BP, mask_BP, settings, seed)
         sizes = [b["prompts"].shape[0] for b in batches]
+        a = self.args
+        places = microbatches.global_places(sizes, a.process_index, a.world_size, a.train_batch_size)
+        whole = engine.sample(model, ids_BP, mask_BP, settings, engines.rollout_seeds(a.seed, step, places))
         answers = [a for b, n in zip(batches, sizes) for a in (b.get("answers") or [None] * n)]
         order_B = microbatches.length_order(whole)
         parts = microbatches.split_rollout(whole.rows(order_B), sizes)

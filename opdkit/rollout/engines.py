@@ -4,6 +4,14 @@
     engine = make_engine("vllm", model_path=..., dtype="bfloat16", gpu_memory_utilization=0.3)
     engine.sync(student)                                     # once per optimizer step (a no-op for hf)
     r = engine.sample(student, prompt_ids_BP, prompt_mask_BP, settings, seed)   # a `sampling.Rollout`
+    seeds = rollout_seeds(seed, step, places)                # one seed per row: its own stream
+    r = engine.sample(student, prompt_ids_BP, prompt_mask_BP, settings, seeds)
+
+A call's `seed` is one int (the call's rows drawn from one stream: torch's global generator in the kit's loop,
+per-request seeds drawn from it in vLLM) or one seed per row, each row then drawn from its own stream in both
+engines (`sampling.keyed_draw` in the loop, `SamplingParams(seed=...)` in vLLM), so that a row samples the
+same completion whatever else shares its call; the trainer keys each row by (seed, step, its place in the
+step's global batch), and so samples the same whatever the number of processes.
 
 Both return the same `Rollout` layout (left-padded prompts, right-padded completions ending at the first
 EOS inclusive); vLLM also fills `r.logprobs_BC`, the raw (temperature 1) log-probabilities of the sampled
@@ -53,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opdkit import memory
-from opdkit.config import setting
+from opdkit.config import ConfigError, setting
 from opdkit.rollout import sampling
 from opdkit.run import sharding
 
@@ -134,7 +142,16 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
     return seed * 1_000_003 + step * 7919 + rank
 
 
-class EngineUnavailable(ImportError):
+def rollout_seeds(seed: int, step: int, places: list[int]) -> list[int]:
+    """One seed per row, keyed by a run's `seed`, the optimizer step, and the row's place in the step's
+    global batch (`opd.microbatches.global_places`): a hash (SplitMix64, chained over the three keys) into
+    [0, 2^63), so no two keys share a stream. Nothing of the process enters: 1 or 8 processes draw the same
+    completions for the same prompts, and a resumed run draws what an unbroken run would."""
+    head = sampling.splitmix64(sampling.splitmix64(seed + sampling.GOLDEN) ^ step)
+    return [sampling.splitmix64(head ^ sampling.splitmix64(p + sampling.GOLDEN)) >> 1 for p in places]
+
+
+class EngineUnavailable(ConfigError, ImportError):
     """The chosen rollout engine cannot run in this environment; the message names the remedies."""
 
 
@@ -182,7 +199,7 @@ def check_available(name: str, dry_run: bool = False) -> None:
     """Stop before any heavy work if `name` cannot run here (vllm not installed); a dry run, which plans a
     run for another machine, only says so."""
     if name not in ENGINES:
-        raise ValueError(f"rollout_engine={name!r} is not one of {list(ENGINES)}.")
+        raise ConfigError(f"rollout_engine={name!r} is not one of {list(ENGINES)}.")
     if name == "vllm":
         import importlib.util
 
@@ -262,9 +279,12 @@ class HFEngine:
         """Nothing to shut down: the loop samples from the live student."""
 
     def sample(
-        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
+        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int | list[int]
     ) -> sampling.Rollout:
-        if s.temperature > 0:  # greedy decoding leaves the global RNG alone
+        """`seed`: an int seeds torch's global generator for the call; a list (one per row) gives each row
+        its own stream (`sampling.keyed_draw`) and leaves the global generator alone."""
+        per_row = not isinstance(seed, int)
+        if s.temperature > 0 and not per_row:  # greedy decoding leaves the global RNG alone
             torch.manual_seed(seed)
         return sampling.sample(
             model,
@@ -277,6 +297,7 @@ class HFEngine:
             top_p=s.top_p,
             do_sample=s.temperature > 0,  # temperature 0 is greedy, as in vLLM
             synced_gpus=self.synced,
+            row_seeds_B=list(seed) if per_row else None,
         )
 
 
@@ -410,10 +431,11 @@ class VLLMEngine:
                 _repack_tied_head(runner.get_model())
 
     def sample(
-        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int
+        self, model, prompt_ids_BP, prompt_mask_BP, s: SamplingSettings, seed: int | list[int]
     ) -> sampling.Rollout:
         """`model` is unused: the engine samples from the weights of the last `sync` (with sleep mode, a
-        `sync` must come between two calls: the weights were dropped after the first)."""
+        `sync` must come between two calls: the weights were dropped after the first). `seed`: one int (the
+        requests' seeds drawn from it) or each request's own."""
         if self.asleep:
             raise RuntimeError("the vLLM engine is asleep (vllm_sleep): sync the weights before sampling.")
         from vllm import SamplingParams
@@ -423,10 +445,14 @@ class VLLMEngine:
             TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
             for ids, m in zip(prompt_ids_BP, prompt_mask_BP)
         ]
-        # One seed per request, drawn from (seed): a row's tokens do not depend on how rows are batched.
-        seeds = torch.randint(
-            0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)
-        ).tolist()
+        # One seed per request (given, or drawn from `seed`): a row's tokens do not depend on how rows are
+        # batched.
+        if isinstance(seed, int):
+            seeds = torch.randint(
+                0, 2**62, (len(prompts),), generator=torch.Generator().manual_seed(seed)
+            ).tolist()
+        else:
+            seeds = [int(x) for x in seed]
         params = [
             SamplingParams(
                 n=1,

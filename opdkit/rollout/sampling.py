@@ -7,7 +7,12 @@ Pitfalls this module exists for:
   after it must not count, which is why the mask is built from the first EOS, not from `!= pad`;
 - `model.generate` mixes the checkpoint's `generation_config` into sampling (top_k=50 by default,
   repetition penalties, ...), which would make "on-policy" samples come from another distribution;
-  `sample` is a plain KV-cached decoding loop that applies only what it is asked to.
+  `sample` is a plain KV-cached decoding loop that applies only what it is asked to;
+- one random stream for a whole batch makes a row's tokens depend on which other rows share its batch (and
+  on how many processes split the prompts): with `row_seeds_B` each row draws from its own counter-based
+  stream instead (`keyed_draw`: the n-th uniform of a row is a hash of its seed and n, turned into a token by
+  the inverse of its own distribution's CDF), so a row's completion depends on its seed and its own logits
+  alone.
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ def sample(
     do_sample: bool = True,
     synced_gpus: bool = False,
     logits_processor: list | None = None,
+    row_seeds_B: torch.Tensor | list[int] | None = None,
 ) -> Rollout:
     """Sample completions token by token with the model's KV cache (also under gradient checkpointing).
 
@@ -151,6 +157,10 @@ def sample(
     the tokens are those of `generate(..., top_k=0)` on a model without such settings (tested), at less
     per-token overhead. `synced_gpus=True` keeps every rank calling the model until all ranks are done,
     so ranks whose completions end early do not leave a sharded (FSDP) model waiting in a collective.
+
+    Randomness: torch's global generator (seed it first) draws the whole batch at once; with `row_seeds_B`
+    (one int64 seed per row) every row draws from its own stream (`keyed_draw`) and the global generator is
+    left alone, so a row samples the same tokens whatever else is in its batch.
     """
     was_training = model.training
     model.eval()
@@ -165,6 +175,7 @@ def sample(
             list(logits_processor or []) + (warpers(temperature, top_p) if do_sample else []),
             do_sample,
             synced_gpus,
+            None if row_seeds_B is None else torch.as_tensor(row_seeds_B, dtype=torch.int64),
         )
     finally:
         model.train(was_training)
@@ -181,9 +192,11 @@ def sample(
 
 
 def _decode(
-    model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced
+    model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced, seeds_B
 ):
     """Prompt + up to `max_new_tokens` tokens; rows that ended continue with padding until all rows end."""
+    if seeds_B is not None:
+        seeds_B = seeds_B.to(ids_BP.device)
     seq_BT, mask_BT = ids_BP, mask_BP
     pos_BT = position_ids_from_mask(mask_BP)
     cache = {cache_kwarg(model): DynamicCache(config=model.config)}
@@ -205,7 +218,9 @@ def _decode(
         if not done_B.all():  # (all done here only under `synced`: this rank keeps the others company)
             for proc in processors:
                 logits_BV = proc(seq_BT, logits_BV)
-            if do_sample:
+            if do_sample and seeds_B is not None:
+                next_B = keyed_draw(logits_BV, seeds_B, i)
+            elif do_sample:
                 next_B = torch.multinomial(torch.softmax(logits_BV, dim=-1), num_samples=1).squeeze(1)
             else:
                 next_B = logits_BV.argmax(dim=-1)
@@ -217,6 +232,59 @@ def _decode(
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
         step_ids, step_pos = seq_BT[:, -1:], step_pos[:, -1:] + 1
     return seq_BT
+
+
+# SplitMix64 (Steele, Lea and Flood, 2014): the n-th output of the stream seeded by s is mix(s + n x GOLDEN).
+# In torch's int64 arithmetic, which wraps as uint64 does; a right shift of a negative int64 copies the sign
+# bit, so `_shift_right` masks it back to a logical shift.
+GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
+
+
+def as_int64(x: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shift_right(x_B: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x_B >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x_B: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (bit for bit the uint64 function, `splitmix64` in Python)."""
+    x_B = (x_B ^ _shift_right(x_B, 30)) * as_int64(_MIX[0])
+    x_B = (x_B ^ _shift_right(x_B, 27)) * as_int64(_MIX[1])
+    return x_B ^ _shift_right(x_B, 31)
+
+
+def splitmix64(x: int) -> int:
+    """The same finaliser on a Python int (uint64 arithmetic): what `rollout_seeds` hashes keys with."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * _MIX[0]) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX[1]) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seeds_B: torch.Tensor, index: int) -> torch.Tensor:
+    """The `index`-th uniform in (0, 1) of each row's stream (float64, 53 random bits): a function of the
+    row's seed and `index` alone."""
+    state_B = seeds_B + as_int64((index + 1) * GOLDEN)
+    return (_shift_right(mix64(state_B), 11).double() + 0.5) * 2.0**-53
+
+
+def keyed_draw(logits_BV: torch.Tensor, seeds_B: torch.Tensor, index: int) -> torch.Tensor:
+    """One token per row from softmax(logits_BV) (processed logits: -inf where a warper removed a token),
+    by the inverse of the row's CDF at its `index`-th uniform u: the first token whose cumulative weight
+    reaches u x the row's total, so token j is drawn with probability w_j / total. Exact up to rounding
+    (fp32 weights, their cumulative sum in float64: 12 B per row and token beside the logits); a removed
+    token (zero weight, no step of the CDF) is never drawn, and u < 1 keeps the target within the total (a
+    cumulative sum of non-negative terms never decreases)."""
+    w_BV = (logits_BV - logits_BV.max(dim=-1, keepdim=True).values).exp_()
+    cdf_BV = torch.cumsum(w_BV, dim=-1, dtype=torch.float64)
+    target_B1 = keyed_uniform(seeds_B, index)[:, None] * cdf_BV[:, -1:]
+    return torch.searchsorted(cdf_BV, target_B1).squeeze(1)
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from opdkit.config import ConfigError, to_dict
+from opdkit.config import ConfigError, MissingInput, to_dict
 from opdkit.run.files import atomic_write_text, json_safe, read_jsonl
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -161,7 +161,7 @@ class RunDir:
         """The resolved config.yaml of this run (with `job` and `mode`); `job` checks whose run it is."""
         path = self.path / "config.yaml"
         if not path.is_file():
-            raise FileNotFoundError(f"no config.yaml in {self.path}; expected a run directory opdkit wrote.")
+            raise MissingInput(f"no config.yaml in {self.path}; expected a run directory opdkit wrote.")
         config = yaml.safe_load(path.read_text())
         if job is not None and config.get("job") != job:
             raise ConfigError(f"{self.path} is a {config.get('job')!r} run, not a {job} run.")

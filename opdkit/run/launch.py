@@ -4,7 +4,9 @@
     run = start_run(process_fn, cfg, job="whitebox", mode="tiny", prepared=prep)   # a job's run()
 
 N > 1 goes through accelerate's `notebook_launcher` (fork; gloo on CPU, NCCL on GPUs). Nothing may
-touch CUDA or create an Accelerator in the parent before it forks. A rank that fails writes its real
+touch CUDA or create an Accelerator in the parent before it forks. The launch says what it runs on
+(`launch_message`: "launching 2 processes on the CPU (gloo)"), in place of accelerate's line, which names
+CUDA on a machine without GPUs. A rank that fails writes its real
 traceback to `<run_dir>/errors/rank<k>.txt` and stderr before re-raising; the parent then raises one
 error carrying that traceback, so a notebook (and papermill's exit status) shows what went wrong.
 Past one node, run `python -m opdkit.whitebox` under torchrun / `accelerate launch` instead: each
@@ -13,6 +15,7 @@ process then calls the job function directly (`num_processes` is ignored there).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -104,10 +107,12 @@ def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) 
     # launcher refuses to start while it exists; the launched processes build their own.
     AcceleratorState._reset_state(reset_partial_state=True)
     error_dir = Path(run_path) / "errors"
+    print(launch_message(num_processes), flush=True)
     try:
-        notebook_launcher(
-            _Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port())
-        )
+        with _without_accelerate_launch_line():
+            notebook_launcher(
+                _Traced(fn, error_dir), args, num_processes=num_processes, use_port=str(_free_port())
+            )
     except BaseException as exc:
         reports = sorted(error_dir.glob("rank*.txt")) if error_dir.exists() else []
         detail = (
@@ -116,6 +121,35 @@ def launch(fn: Callable, args: tuple, num_processes: int, run_path: str | Path) 
         raise RankFailed(
             f"{len(reports) or 'a'} rank(s) failed in {num_processes}-process run:\n{detail}"
         ) from exc
+
+
+def launch_message(num_processes: int) -> str:
+    """What a launch of `num_processes` processes runs on: the visible GPUs (NCCL) or the CPU (gloo). The
+    GPU count is NVML's, which leaves CUDA untouched before the fork."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus:
+        return f"launching {num_processes} processes on {min(gpus, num_processes)} of {gpus} GPU(s) (nccl)"
+    return f"launching {num_processes} processes on the CPU (gloo)"
+
+
+@contextlib.contextmanager
+def _without_accelerate_launch_line():
+    """accelerate's `notebook_launcher` announces "Launching training on N CUDAs." whatever the device (its
+    device guess defaults to CUDA): its module's `print` drops that line meanwhile (`launch_message` says
+    it instead); anything else it prints goes through."""
+    from accelerate import launchers
+
+    def quiet(*args, **kwargs):
+        if not (args and str(args[0]).startswith("Launching training on")):
+            print(*args, **kwargs)
+
+    launchers.print = quiet  # a module global shadows the builtin for that module's code only
+    try:
+        yield
+    finally:
+        del launchers.print
 
 
 def start_run(

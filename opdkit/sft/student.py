@@ -221,7 +221,11 @@ def distill(
         order=batch_order(len(rows), cfg.sft_batch_size, steps, seed),
         pad_token_id=tok.pad_token_id,
     )
-    last = checkpoints.resume_checkpoint(args.output_dir) if cfg.resume else None
+    last = (
+        checkpoints.resume_checkpoint(args.output_dir, checkpoints.trainer_layout(trainer))
+        if cfg.resume
+        else None
+    )
     if last is not None:
         problem = trained_on_problem(last, rows)
         if problem:

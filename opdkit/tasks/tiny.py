@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opdkit.config import ConfigError
 from opdkit.tasks.base import Messages, Task
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def heldout_problems(n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
     """Evaluation problems: the first `n` of the `seed` stream. At the default seed they come from the
     reserved pool that training streams and gradient holdouts leave out, so `n` is at most HELDOUT_POOL."""
     if seed == HELDOUT_SEED and n > HELDOUT_POOL:
-        raise ValueError(
+        raise ConfigError(
             f"{n} held-out problems asked for, but only the first {HELDOUT_POOL} of the held-out stream are "
             "kept apart from training; ask for at most that many."
         )
@@ -240,7 +241,7 @@ class TinyTask(Task):
         (`training_problems`: none of them held out for evaluation or in the gradient holdouts' class);
         `path` and `split` name the tiny world and are otherwise unused."""
         if subset_size == 0 or subset_size < -1:
-            raise ValueError(f"subset_size={subset_size}; expected -1 (all) or a positive count.")
+            raise ConfigError(f"subset_size={subset_size}; expected -1 (all) or a positive count.")
         n = DEFAULT_SIZE if subset_size == -1 else subset_size
         return as_dataset(training_problems(n, training_seed(seed)))
 

@@ -55,7 +55,9 @@ class AntidistillConfig(
         "", "a savegrad run directory with grads.safetensors; empty runs savegrad inside this run"
     )
     grads_mode: str = setting(
-        "tiny", "savegrad preset run when grads_run is empty (with this teacher, proxy and seed)"
+        "tiny",
+        "savegrad preset run when grads_run is empty, with this run's teacher, proxy and prompts "
+        "(dataset_path, split, seed, prompt length, system prompt): its holdout is this file's tail",
     )
     eval_dataset_path: str = setting(
         "", "evaluation prompts for the distilled students; empty: the task's own held-out problems"

@@ -4,7 +4,7 @@ load.
 
     points = sweep_points(cfg)                                  # every (method, λ, τ), in sweep order
     messages, answers = training_prompts(cfg, task)             # what the teacher answers at every point
-    grads_dir = ensure_grads(cfg, run, n)                       # grads_run, or a savegrad run made in grads/
+    grads_dir = ensure_grads(cfg, run, n)        # grads_run, or a savegrad run on these prompts in grads/
     steering, holdout = load_steering(cfg, proxy_tok, student_tok, grads_dir, device, run)
 
 Checked before anything is written (`check_grads_run`, `check_apart_from_gradient`): a given gradient must
@@ -151,14 +151,45 @@ def eval_prompts(
     return *held, prompts.removed(eval_in_train=kept.overlap, eval_repeats=kept.repeats)
 
 
+# What defines the prompts a gradient's holdout is cut from, and how they are rendered: a savegrad run this
+# run starts (grads_run empty) takes them from this run, so its holdout is the tail of the shuffle whose head
+# the teacher answers here. `subset_size` is not among them: savegrad's counts the holdout, this run's its
+# training prompts.
+HOLDOUT_FIELDS = (
+    "dataset_path",
+    "dataset_split",
+    "seed",
+    "max_prompt_length",
+    "system_prompt",
+    "enable_thinking",
+)
+
+
 def grads_overrides(cfg: AntidistillConfig, run_dir: str = "") -> dict:
-    """savegrad's overrides when this run computes its own gradient (grads_run empty)."""
+    """savegrad's overrides when this run computes its own gradient (grads_run empty): this run's teacher and
+    proxy, and its prompts (`HOLDOUT_FIELDS`), over `grads_mode`'s preset."""
     return {
         "teacher_model": cfg.teacher_model,
         "proxy_model": cfg.proxy_model,
-        "seed": cfg.seed,
+        **{name: getattr(cfg, name) for name in HOLDOUT_FIELDS},
         **({"run_dir": run_dir} if run_dir else {}),
     }
+
+
+def grads_config(cfg: AntidistillConfig, run_dir: str = "") -> savegrad.SaveGradConfig:
+    """The config of the savegrad run this run starts when grads_run is empty (`grads_overrides` over
+    `grads_mode`'s preset); a ConfigError when that preset cannot cut a holdout from this run's prompts."""
+    saved = load_config(savegrad.SaveGradConfig, cfg.grads_mode, grads_overrides(cfg, run_dir))
+    own_stream = tasks.for_dataset(cfg.dataset_path).reserved_holdout(1, cfg.seed) is not None
+    if not own_stream and not saved.traces_path and saved.holdout_fraction >= 1.0:
+        raise ConfigError(
+            f"grads_mode={cfg.grads_mode!r} holds out the whole of dataset_path (holdout_fraction="
+            f"{saved.holdout_fraction:g}, meant for the tiny task's own problem stream), so its gradient "
+            f"would be computed on the very prompts the teacher answers here; with a file "
+            f"({cfg.dataset_path!r}) choose a grads_mode that holds out its tail (full, ads-paper) or give "
+            "grads_run."
+        )
+    return saved
 
 
 def check_apart_from_gradient(cfg: AntidistillConfig, train_messages: list[list[dict]]) -> str:
@@ -175,8 +206,8 @@ def check_apart_from_gradient(cfg: AntidistillConfig, train_messages: list[list[
             )
             return f"not checked: {cfg.grads_run} has neither config.yaml nor traces/"
     else:
-        saved = load_config(savegrad.SaveGradConfig, cfg.grads_mode, grads_overrides(cfg))
-        holdout, source = savegrad.holdout_messages(saved), f"savegrad --mode {cfg.grads_mode}"
+        holdout = savegrad.holdout_messages(grads_config(cfg))
+        source = f"savegrad --mode {cfg.grads_mode} on {cfg.dataset_path}"
     shared = prompts.overlap_count(train_messages, prompts.prompt_keys(holdout))
     if shared:
         raise ConfigError(
@@ -201,8 +232,9 @@ def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) 
                 f"no {traces.TRACES_DIR}/; use a savegrad run directory or set answer_lams to []."
             )
     else:
-        # An unknown preset fails here, not after the run dir exists.
-        load_config(savegrad.SaveGradConfig, cfg.grads_mode)
+        # An unknown preset, or one that cannot take this run's prompts, fails here, not after the run dir
+        # exists.
+        grads_config(cfg)
 
 
 def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillConfig, str]:
@@ -355,6 +387,8 @@ def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:
     """The prompts, then the tokenizers, then the gradient's fit to the proxy, in the original's order (data
     files in milliseconds, before any download): every cheap failure happens here."""
     sweep_points(cfg)  # two points sharing a folder name are a ConfigError
+    if any(a != "sft" for a in cfg.attackers):  # on-policy attackers train in one process each
+        cfg.accumulation_steps(1)
     task = tasks.for_dataset(cfg.dataset_path)
     messages, answers = training_prompts(cfg, task)
     eval_messages, eval_answers, removed = eval_prompts(cfg, task, messages)

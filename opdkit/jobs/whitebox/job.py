@@ -22,7 +22,7 @@ from opdkit.config import repeat_seeds
 from opdkit.data import prompts
 from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.prepare import Prepared, prepared
+from opdkit.jobs.whitebox.inputs import Prepared, prepared
 from opdkit.models import load_model, load_tokenizer, num_params
 from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
@@ -161,7 +161,11 @@ def distil(
     # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
     acc = lambda m, e=None: sharded_accuracies(m, prep, world, rank, engine=e)  # noqa: E731
-    last = checkpoints.resume_checkpoint(run.path / "checkpoints") if cfg.resume else None
+    last = (
+        checkpoints.resume_checkpoint(run.path / "checkpoints", checkpoints.trainer_layout(trainer))
+        if cfg.resume
+        else None
+    )
     earlier = run.read_summary() if last is not None and (run.path / "summary.json").exists() else {}
     before, before_forced = earlier.get("student_accuracy_before"), None
     if before is not None:

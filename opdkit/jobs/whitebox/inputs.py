@@ -1,6 +1,6 @@
-"""whitebox's prepared run: everything that can fail cheaply, before anything is written (the prompts, then
-the tokenizers, as the original does: the data file in milliseconds, before any download); above all the
-training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
+"""whitebox's inputs, its prepared run: everything that can fail cheaply, before anything is written (the
+prompts, then the tokenizers, as the original does: the data file in milliseconds, before any download); above
+all the training prompts and the evaluation problems, apart by text (`prompts.prompt_key`).
 
     prep = prepared(cfg, mode)                 # Prepared: train_dataset, eval_messages, tokenizer, ...
     split = split_prompts(task, cfg, exclude=prompt_keys(holdout))    # split.train, split.eval_messages, ...
@@ -27,6 +27,7 @@ from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_tokenizers, load_tokenizer
 from opdkit.rollout import engines
+from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
 
 
@@ -151,7 +152,9 @@ class Prepared:
 
 def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     """The prompts, then the tokenizers, as the original does (the data file in milliseconds, before any
-    download): every cheap failure happens here, before anything is written."""
+    download): every cheap failure happens here, before anything is written; first of all a global batch
+    that does not split over the run's processes."""
+    cfg.accumulation_steps(run_processes(cfg.num_processes))
     task = tasks.for_dataset(cfg.dataset_path)
     exclude = prompts.prompt_keys(excluded_holdout(cfg.exclude_run)) if cfg.exclude_run else set()
     split = split_prompts(task, cfg, exclude)

@@ -11,7 +11,7 @@ from opdkit import tasks
 from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.jobs.savegrad.config import SaveGradConfig
-from opdkit.jobs.whitebox.prepare import split_prompts
+from opdkit.jobs.whitebox.inputs import split_prompts
 from opdkit.run.folders import RunDir
 
 
@@ -79,8 +79,8 @@ def test_no_room_for_held_out_rows_is_an_error(dapo_parquet, subset_size, eval_s
 
 
 def test_whitebox_prepare_uses_the_split(dapo_parquet, tiny_tokenizer, monkeypatch):
+    from opdkit.jobs.whitebox import inputs as wb_prepare
     from opdkit.jobs.whitebox import job
-    from opdkit.jobs.whitebox import prepare as wb_prepare
 
     monkeypatch.setattr(wb_prepare, "load_tokenizer", lambda name: tiny_tokenizer)
     monkeypatch.setattr(wb_prepare, "check_tokenizers", lambda a, b: None)
@@ -111,8 +111,8 @@ def test_prompt_key_ignores_whitespace_and_the_system_prompt():
 
 def test_whitebox_leaves_savegrads_holdout_out_when_told(dapo_parquet, tiny_tokenizer, monkeypatch, tmp_path):
     from opdkit.jobs import savegrad
+    from opdkit.jobs.whitebox import inputs as wb_prepare
     from opdkit.jobs.whitebox import job
-    from opdkit.jobs.whitebox import prepare as wb_prepare
 
     monkeypatch.setattr(wb_prepare, "load_tokenizer", lambda name: tiny_tokenizer)
     monkeypatch.setattr(wb_prepare, "check_tokenizers", lambda a, b: None)
@@ -136,6 +136,9 @@ def test_antidistill_one_file_for_both_sets(repeated_parquet, tiny_tokenizer, mo
     from opdkit.jobs.antidistill import job, sweep
 
     monkeypatch.setattr(sweep, "load_tokenizer", lambda name: tiny_tokenizer)
+    # Not about the gradient: tiny's grads_mode cannot cut a holdout from a file (each prompt here repeats).
+    monkeypatch.setattr(sweep, "check_grads_run", lambda cfg, tok: None)
+    monkeypatch.setattr(sweep, "check_apart_from_gradient", lambda cfg, messages: "not checked")
     prep = job.prepare(
         "tiny",
         {

@@ -1,0 +1,112 @@
+"""The tiny teacher again, on a byte-level BPE tokenizer: a teacher that cuts text differently from the tiny
+student, built with the tiny world's own recipe (`opdkit.build.tiny_world`).
+
+    python -m opdkit.build.bpe_teacher --out opdkit/tiny/assets/teacher-bpe     # `tiny:teacher-bpe`
+    tok = build_bpe_tokenizer()          # deterministic: trained on a fixed stream of tiny-task conversations
+
+The tiny world's own tokenizer has one token per character; this one is byte-level BPE (GPT-2's byte alphabet,
+so any text encodes, as Qwen's and DeepSeek's do) with merges learned from the task's text: digits merge in
+pairs ("358" is "35" "8", "15" one token). With the same Qwen-style chat template and special tokens as the
+character tokenizer, a teacher trained on it reads the same conversations in other tokens, which is what
+distilling across tokenizers (`opdkit.opd.crosstok`) needs to be tried on a CPU. Same architecture, optimiser,
+data stream and stopping rule as the shipped teacher; only the tokenizer (and so the embedding's rows)
+differs. Writes the model, its tokenizer and `recipe.json` (held-out accuracy, build time) into one folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from opdkit.build import tiny_world as build
+from opdkit.tasks import tiny as task
+from opdkit.tiny.tokenizer import CHAT_TEMPLATE, IM_END, PAD, SPECIALS
+
+VOCAB_SIZE = 400  # 256 bytes, 5 special tokens and the merges
+
+
+def corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Text the merges are learned from: the role names and `n` prompts with one of their scratchpads."""
+    rng = random.Random(seed)
+    lines = ["system", "user", "assistant"]
+    for _ in range(n):
+        problem = task.sample_problem(rng)
+        lines += [problem.prompt, task.scratchpad(problem, rng)]
+    return lines
+
+
+def build_bpe_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=IM_END,
+        bos_token=None,
+        additional_special_tokens=SPECIALS[1:],
+        padding_side="left",
+        model_max_length=512,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_bpe_teacher(
+    out: str | Path, *, steps: int = 6000, stop_accuracy: float = 0.995, eval_every: int = 250, seed: int = 0
+) -> dict:
+    """Train and save the teacher into `out`; returns what `recipe.json` records."""
+    out, t0 = Path(out), time.time()
+    tokenizer = build_bpe_tokenizer()
+    teacher = build.qwen3_model(build.TEACHER, tokenizer, seed)
+    history = build.train_on_task(
+        teacher,
+        tokenizer,
+        steps=steps,
+        lr=3e-3,
+        batch_size=64,
+        seed=seed + 1,
+        eval_every=eval_every,
+        stop_when=lambda acc: acc >= stop_accuracy,
+        desc="teacher-bpe",
+    )
+    teacher.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {
+        "task": "3-digit addition with a column scratchpad (opdkit.tasks.tiny)",
+        "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens (opdkit.build.bpe_teacher)",
+        "seed": seed,
+        "teacher": {**asdict(build.TEACHER), "params": teacher.num_parameters(), "history": history},
+        "teacher_heldout_accuracy": build.heldout_accuracy(teacher, tokenizer),
+        "build_seconds": round(time.time() - t0, 1),
+    }
+    (out / "recipe.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="folder to write the teacher and its tokenizer into")
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    rec = build_bpe_teacher(a.out, steps=a.steps, seed=a.seed)
+    print(json.dumps({k: v for k, v in rec.items() if k != "teacher"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,816 @@
+"""Distilling from a teacher with another tokenizer: GOLD's cross-tokenizer divergence, vectorised and exact.
+
+    s_bytes, t_bytes = TokenBytes.of(student_tok), TokenBytes.of(teacher_tok)       # once per tokenizer
+    match = VocabMatch.of(student_tok, teacher_tok)                             # once per pair (hybrid)
+    student = [Tokens(ids, s_bytes.ends(ids)) for ids in completions]                 # the sampled ids
+    teacher = [t_bytes.tokenize(teacher_tok, s_bytes.text(ids), eos_id) for ids in completions]
+    plan = align(student, teacher, settings, student_eos=..., teacher_eos=...)
+    out = cross_tokenizer_divergence(s_hidden_NH, s_head_VH, t_hidden_MH, t_head_WH, plan, settings,
+                                     match=match)
+    (out.sum / plan.num_groups).backward()      # or plan.row_mean_weights() for TRL's mean of per-row means
+
+The teacher reads the student's completion as text, re-tokenized its own way. Each completion's tokens
+are grouped where the two tokenizations' byte end-offsets coincide (a two-pointer walk, `align_ends`); a
+group of several tokens is merged by the chain rule into one distribution per side: "bayesian", the last
+token's distribution (conditioned on the actual earlier tokens) times the probabilities of the actual
+earlier tokens; "observed", the first token's distribution times the probabilities of the actual later
+tokens. Each group's loss is ULD's sorted-probability L1 between the two merged distributions (the
+vocabularies differ, so probabilities are compared rank by rank), or the hybrid: generalized JSD on the
+vocabulary both tokenizers share (matched by exact token string) plus the sorted L1 on the rest, weighted
+fixed or by the share of the teacher's vocabulary that matched. This follows TRL's GOLD (`ULDLoss`,
+trl/experimental/gold) to 1e-6 in float64 (tests/test_opd_crosstok.py), with the exceptions below.
+
+Tensor names: N student completion tokens (flattened over the batch), V the student's vocabulary, M the
+teacher's completion tokens, W the teacher's vocabulary, G groups, Q the scalar (non-base) tokens of
+multi-token groups, R the groups of one chunk, H hidden sizes, S the shared vocabulary, B rows.
+
+Rows: row n of `student_hidden_NH` is the hidden state whose logits give token n's probability (position
+P-1+k for completion token k after a P-token prompt), completions in batch order, every token including a
+trailing EOS even when it is skipped; the same for the teacher's M rows. `prediction_positions` says which.
+
+Pitfalls this module exists for:
+- TRL's "observed" strategy (its default) reads each answer token's row one position late: the logits at
+  the token's own position, which predict the next token. Single-token groups then compare the two
+  models' next-token distributions after the same text, which is consistent, but a multi-token group
+  multiplies the probability of token k under the distribution that predicts token k+1. "observed" here
+  is the chain rule done right (the row that predicts each token); "observed-trl" reproduces TRL's rows
+  (`prediction_positions` moves them), for comparisons only. "bayesian" is TRL's PR #5905 and agrees.
+- byte offsets come from the tokens themselves, not from the fast tokenizer's character offsets: a
+  multi-byte character split over two byte-level tokens has one character span but two byte ends, and
+  an emoji or CJK character is 3-4 bytes. `TokenBytes` decodes each token through the byte-level
+  alphabet (or, for a character tokenizer like the tiny world's, encodes each token's characters), and
+  checks that the teacher's tokens spell the text byte for byte; where a normalizer changed the text it
+  falls back to the character offsets, with the tokens inside one character closing no group.
+- special tokens (the EOS) are zero-width, so both sides' EOS tokens close a group at the text's end;
+  with skip-EOS (GOLD's default) a trailing EOS is dropped on that side. A truncated completion (no EOS)
+  keeps its last token: TRL drops the last token whatever it is.
+- ULD sorts every merged distribution over the whole vocabulary (~50 ms per row of 151k on a CPU core).
+  `sorted_l1` gets the same value without sorting: it buckets the values by their float32 exponent and
+  top mantissa bits (one pass), counts each bucket on both sides, and reads from the counts which of
+  two rank-matched values is larger wherever the two values sit in different buckets; only buckets where
+  the two sides' ranks meet are sorted, a few percent of the values when the two distributions differ
+  in shape (a row where they hold over a quarter, two distributions of one shape, is sorted in full).
+  The result is exact: the same terms as the full sort, summed in another order (float rounding only),
+  and the same subgradient; tests/test_opd_crosstok.py checks it against the sort with ties, zeros and
+  values equal to 1e-4.
+- nothing is materialised over the whole batch's vocabulary: scalar tokens need only their own
+  probability, base rows are processed `chunk_size` groups at a time and recomputed in the backward
+  pass (`torch.utils.checkpoint`; the student's signs of the sorted L1 are kept compactly, per bucket,
+  for it), so memory is a few chunk x vocabulary buffers (GOLD keeps full B x T x V logits, ~10 GB per
+  model at 64 x 256 tokens and Qwen3's vocabulary in float32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from opdkit.config import ConfigError, check_ranges, setting
+
+EPS = 1e-8  # GOLD's floor on a merged token's probability and on the hybrid's matched probabilities
+
+
+@dataclass
+class CrossTokenizerSettings:
+    """GOLD's knobs for a teacher with another tokenizer (mixed into a job's config like `OPDSettings`)."""
+
+    crosstok_align: str = setting(
+        "bytes",
+        "how the two tokenizations are paired: bytes (groups close where both sides' byte ends coincide; "
+        "byte-level BPE or character tokenizers) or positional (token k with token k, ULD's fallback)",
+        choices=("bytes", "positional"),
+    )
+    crosstok_merge: str = setting(
+        "bayesian",
+        "how a group of several tokens becomes one distribution: bayesian (the last token's distribution "
+        "times the actual earlier tokens' probabilities), observed (the first token's distribution times "
+        "the actual later tokens' probabilities), observed-trl (TRL's observed, one position late)",
+        choices=("bayesian", "observed", "observed-trl"),
+    )
+    crosstok_hybrid: bool = setting(
+        False,
+        "generalized JSD (the kit's beta) on the vocabulary both tokenizers share, sorted L1 on the rest; "
+        "off: sorted L1 (ULD) on the whole vocabularies",
+    )
+    crosstok_hybrid_weights: str = setting(
+        "adaptive",
+        "hybrid: adaptive (matched part weighted by the share of the teacher's vocabulary that matched, "
+        "the rest by one minus it) or fixed (crosstok_matched_weight, crosstok_unmatched_weight)",
+        choices=("adaptive", "fixed"),
+    )
+    crosstok_matched_weight: float = setting(
+        0.5, "hybrid, fixed weights: weight of the matched part", min=0.0
+    )
+    crosstok_unmatched_weight: float = setting(
+        0.5, "hybrid, fixed weights: weight of the unmatched part", min=0.0
+    )
+    crosstok_student_temperature: float = setting(
+        1.0, "temperature of the student's distributions in the cross-tokenizer loss", min=1e-3
+    )
+    crosstok_teacher_temperature: float = setting(
+        1.0, "temperature of the teacher's distributions in the cross-tokenizer loss", min=1e-3
+    )
+    crosstok_skip_student_eos: bool = setting(True, "leave the student's trailing EOS out of the loss")
+    crosstok_skip_teacher_eos: bool = setting(True, "leave the teacher's trailing EOS out of the loss")
+
+
+def _check(settings: CrossTokenizerSettings) -> None:
+    check_ranges(settings, fields(CrossTokenizerSettings))
+
+
+def prediction_positions(prompt_len: int, completion_len: int, settings: CrossTokenizerSettings) -> range:
+    """The positions whose hidden states are a completion's rows: P-1+k for token k, one later for
+    `crosstok_merge=observed-trl` (TRL's rows)."""
+    shift = 0 if settings.crosstok_merge == "observed-trl" else -1
+    return range(prompt_len + shift, prompt_len + shift + completion_len)
+
+
+# Token bytes -----------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others for the
+    code points from 256 on, in order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One completion as one tokenizer cut it: token ids and each token's end in the completion's UTF-8
+    bytes (non-decreasing; odd values mark a token that ends inside a character, see `TokenBytes`)."""
+
+    ids: list[int]
+    byte_ends: list[int]
+
+
+@dataclass
+class TokenBytes:
+    """The bytes each token id stands for, for one tokenizer (`TokenBytes.of(tokenizer)`, once).
+
+    Byte ends are kept doubled (byte e is 2e), so the character-offset fallback can place a token that
+    ends inside a character at 2e-1, where no token of the other side ends."""
+
+    pieces: list[bytes]
+    kind: str  # "byte-level" or "characters"
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenBytes:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ConfigError(
+                f"{type(tokenizer).__name__} is not a fast tokenizer; byte alignment needs one "
+                "(AutoTokenizer.from_pretrained(..., use_fast=True)) or crosstok_align=positional."
+            )
+        kind = _tokenizer_kind(json.loads(backend.to_str()))
+        added = backend.get_added_tokens_decoder()
+        vocab = backend.get_vocab(with_added_tokens=True)
+        pieces = [b""] * (max(vocab.values()) + 1)
+        decoder = _byte_level_decoder()
+        for token, i in vocab.items():
+            if i in added:  # added tokens are stored as text; special ones are not part of it
+                pieces[i] = b"" if added[i].special else added[i].content.encode()
+            elif kind == "characters":
+                pieces[i] = token.encode()
+            else:
+                try:
+                    pieces[i] = bytes(decoder[c] for c in token)
+                except KeyError:
+                    raise ConfigError(
+                        f"token {token!r} (id {i}) is not in the byte-level alphabet; the tokenizer's "
+                        "pieces are not bytes, so use crosstok_align=positional."
+                    ) from None
+        return cls(pieces, kind)
+
+    def ends(self, ids: Sequence[int]) -> list[int]:
+        """Doubled byte end of each token in the text the ids spell."""
+        out, total = [], 0
+        for i in ids:
+            total += len(self.pieces[i])
+            out.append(2 * total)
+        return out
+
+    def text(self, ids: Sequence[int]) -> str:
+        """The text the ids spell, special tokens left out; cut before the first byte that is not valid
+        UTF-8 (a character the completion left unfinished), so the text's bytes are a prefix of the ids'."""
+        data = b"".join(self.pieces[i] for i in ids)
+        try:
+            return data.decode()
+        except UnicodeDecodeError as err:
+            return data[: err.start].decode()
+
+    def tokenize(self, tokenizer, text: str, eos_id: int | None = None) -> Tokens:
+        """`text` in this tokenizer's tokens (no special tokens added), then `eos_id` (zero width)."""
+        enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+        ids = list(enc.ids)
+        ends = self.ends(ids)
+        if b"".join(self.pieces[i] for i in ids) != text.encode():
+            ends = _ends_from_offsets(text, enc.offsets)  # a normalizer changed the text
+        if eos_id is not None:
+            ids.append(eos_id)
+            ends.append(ends[-1] if ends else 0)
+        return Tokens(ids, ends)
+
+
+def _tokenizer_kind(spec: dict) -> str:
+    """ "byte-level" (a ByteLevel pre-tokenizer or decoder), "characters" (pieces are literal text: no
+    normalizer, pre-tokenizer, prefixes or byte fallback), or a ConfigError saying what to use instead."""
+    if "ByteLevel" in json.dumps(spec.get("pre_tokenizer")) or "ByteLevel" in json.dumps(spec.get("decoder")):
+        return "byte-level"
+    model = spec.get("model") or {}
+    literal = (
+        spec.get("normalizer") is None
+        and spec.get("pre_tokenizer") is None
+        and (spec.get("decoder") or {}).get("type") in (None, "Fuse")
+        and model.get("type") in ("BPE", "WordLevel")
+        and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")
+        and not model.get("byte_fallback")
+    )
+    if literal:
+        return "characters"
+    raise ConfigError(
+        f"the tokenizer ({model.get('type')} model, decoder {(spec.get('decoder') or {}).get('type')}) is "
+        "neither byte-level BPE nor a character tokenizer, so its byte offsets are not exact; use "
+        "crosstok_align=positional (ULD's token-by-position pairing)."
+    )
+
+
+def _ends_from_offsets(text: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
+    """Doubled byte ends from character offsets: a token ends at its character's end, except that all but
+    the last of the tokens ending in one character end inside it (2e-1) and so close no group."""
+    char_end = [0]
+    for ch in text:
+        char_end.append(char_end[-1] + len(ch.encode()))
+    ends = [2 * char_end[e] for _, e in offsets]
+    for k in range(len(ends) - 1):
+        if ends[k] == ends[k + 1]:
+            ends[k] -= 1
+    return ends
+
+
+# Vocabulary matching ----------------------------------------------------------------------------------
+
+
+@dataclass
+class VocabMatch:
+    """Token ids both tokenizers spell the same (exact token string, as GOLD matches them), by teacher id."""
+
+    student_ids_S: torch.Tensor
+    teacher_ids_S: torch.Tensor
+
+    @classmethod
+    def of(cls, student_tokenizer, teacher_tokenizer) -> VocabMatch:
+        student = student_tokenizer.get_vocab()
+        pairs = sorted(
+            (t_id, student[tok]) for tok, t_id in teacher_tokenizer.get_vocab().items() if tok in student
+        )
+        teacher_ids, student_ids = zip(*pairs) if pairs else ((), ())
+        return cls(torch.tensor(student_ids, dtype=torch.long), torch.tensor(teacher_ids, dtype=torch.long))
+
+    def __len__(self) -> int:
+        return len(self.teacher_ids_S)
+
+
+# Alignment --------------------------------------------------------------------------------------------
+
+
+def align_ends(s_ends: Sequence[int], t_ends: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Groups of token indices (student, teacher) closing where both sides' byte ends coincide: advance the
+    side whose token ends first (GOLD's `_align_by_byte_offsets`). Tokens after the last common end (a
+    completion cut inside a character) take no part: GOLD pairs them as one last group, though the two
+    sides then spell different bytes. A group may be empty on one side (zero-width tokens)."""
+    groups, s0, t0, s, t = [], 0, 0, 0, 0
+    while s < len(s_ends) and t < len(t_ends):
+        if s_ends[s] < t_ends[t]:
+            s += 1
+        elif s_ends[s] > t_ends[t]:
+            t += 1
+        else:
+            s, t = s + 1, t + 1
+            groups.append((list(range(s0, s)), list(range(t0, t))))
+            s0, t0 = s, t
+    return groups
+
+
+@dataclass
+class Alignment:
+    """Which rows make each group's merged distribution, for a whole batch (`align` builds it).
+
+    A group g has one base row per side (`s_base_G`, `t_base_G`) whose full distribution is used, and
+    scalar rows (`s_scalar_Q` in group `s_scalar_group_Q`, predicting `s_scalar_token_Q`) whose actual
+    token's probability multiplies it."""
+
+    s_base_G: torch.Tensor
+    t_base_G: torch.Tensor
+    s_scalar_Q: torch.Tensor
+    s_scalar_group_Q: torch.Tensor
+    s_scalar_token_Q: torch.Tensor
+    t_scalar_Q: torch.Tensor
+    t_scalar_group_Q: torch.Tensor
+    t_scalar_token_Q: torch.Tensor
+    row_G: torch.Tensor  # the batch row of each group
+    num_rows: int
+    num_student_tokens: int  # N: rows the student's hidden states must have
+    num_teacher_tokens: int  # M
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.s_base_G)
+
+    def groups_per_row(self) -> torch.Tensor:
+        return torch.bincount(self.row_G, minlength=self.num_rows)
+
+    def row_mean_weights(self) -> torch.Tensor:
+        """Per group, 1 / (rows x groups in its row): weighting the groups' losses by it gives TRL's loss, the
+        mean over rows of each row's mean over its groups (a row without groups counts as 0)."""
+        per_row = self.groups_per_row().clamp(min=1)
+        return 1.0 / (self.num_rows * per_row[self.row_G].double())
+
+    def to(self, device: torch.device | str) -> Alignment:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Alignment(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def align(
+    student: Sequence[Tokens],
+    teacher: Sequence[Tokens],
+    settings: CrossTokenizerSettings,
+    *,
+    student_eos: int | None = None,
+    teacher_eos: int | None = None,
+) -> Alignment:
+    """Groups over a batch of completions: row b's student tokens are rows [sum of earlier lengths, + its
+    length) of the student's hidden states, the same for the teacher. O(tokens) integer work per row."""
+    _check(settings)
+    if len(student) != len(teacher):
+        raise ValueError(
+            f"{len(student)} student completions but {len(teacher)} teacher ones; pass one per row"
+        )
+    lists: dict[str, list[int]] = {k: [] for k in ("sb", "tb", "sq", "sg", "st", "tq", "tg", "tt", "row")}
+    bayesian = settings.crosstok_merge == "bayesian"
+    s_off = t_off = 0
+    for b, (s, t) in enumerate(zip(student, teacher)):
+        s_n = _kept(s.ids, settings.crosstok_skip_student_eos, student_eos)
+        t_n = _kept(t.ids, settings.crosstok_skip_teacher_eos, teacher_eos)
+        if settings.crosstok_align == "positional":
+            groups = [([k], [k]) for k in range(min(s_n, t_n))]
+        else:
+            groups = [g for g in align_ends(s.byte_ends[:s_n], t.byte_ends[:t_n]) if g[0] and g[1]]
+        for s_idx, t_idx in groups:
+            g = len(lists["row"])
+            lists["row"].append(b)
+            for idx, off, tokens, (base, q, qg, qt) in (
+                (s_idx, s_off, s.ids, ("sb", "sq", "sg", "st")),
+                (t_idx, t_off, t.ids, ("tb", "tq", "tg", "tt")),
+            ):
+                base_k = idx[-1] if bayesian else idx[0]
+                lists[base].append(off + base_k)
+                for k in idx:
+                    if k != base_k:
+                        lists[q].append(off + k)
+                        lists[qg].append(g)
+                        lists[qt].append(tokens[k])
+        s_off, t_off = s_off + len(s.ids), t_off + len(t.ids)
+    as_t = {k: torch.tensor(v, dtype=torch.long) for k, v in lists.items()}
+    return Alignment(
+        as_t["sb"], as_t["tb"], as_t["sq"], as_t["sg"], as_t["st"], as_t["tq"], as_t["tg"], as_t["tt"],
+        as_t["row"], len(student), s_off, t_off,
+    )  # fmt: skip
+
+
+def _kept(ids: Sequence[int], skip_eos: bool, eos: int | None) -> int:
+    """How many leading tokens take part: all, or all but a trailing EOS when skipping it."""
+    return len(ids) - 1 if skip_eos and ids and eos is not None and ids[-1] == eos else len(ids)
+
+
+# The loss ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CrossTokenizerOutput:
+    """What `cross_tokenizer_divergence` returns for G groups."""
+
+    sum: torch.Tensor  # scalar, differentiable: sum over groups of weight x group loss
+    per_group_G: torch.Tensor  # detached loss of each group (its matched and unmatched parts weighted)
+    matched_G: torch.Tensor | None = None  # hybrid: detached generalized JSD on the shared vocabulary
+    unmatched_G: torch.Tensor | None = None  # hybrid: detached sorted L1 on the rest
+
+
+@dataclass
+class _Side:
+    """One model's rows and head, its temperature and vocabulary width."""
+
+    hidden: torch.Tensor
+    head: torch.Tensor | None  # None: `hidden` rows are logits already
+    temperature: float
+    vocab: int
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities at this side's temperature from rows of its hidden states (or logits)."""
+        if self.head is None:
+            logits = hidden[:, : self.vocab]
+        else:
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits = F.linear(hidden.to(self.head.dtype), self.head[: self.vocab])
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return F.log_softmax(logits.to(dtype) / self.temperature, dim=-1)
+
+
+def cross_tokenizer_divergence(
+    student_hidden_NH: torch.Tensor,
+    student_head_VH: torch.Tensor | None,
+    teacher_hidden_MH: torch.Tensor,
+    teacher_head_WH: torch.Tensor | None,
+    alignment: Alignment,
+    settings: CrossTokenizerSettings,
+    *,
+    match: VocabMatch | None = None,
+    beta: float = 1.0,
+    student_vocab_size: int | None = None,
+    teacher_vocab_size: int | None = None,
+    group_weights_G: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> CrossTokenizerOutput:
+    """Sum over groups of the cross-tokenizer loss, from final hidden states and bias-free heads (or, with a
+    head of None, from logits rows: `student_hidden_NH` is then N x V logits).
+
+    Gradient reaches the student's rows and head; the teacher's are detached. `match` (from `VocabMatch.of`)
+    is needed with `crosstok_hybrid`; `beta` is the hybrid's generalized JSD weight (0 forward KL, 1 reverse
+    KL, GOLD's default 0.5). `*_vocab_size` slices padded heads to their tokenizers; the adaptive hybrid
+    weight is |shared| / the teacher's vocabulary so sliced. `group_weights_G` weights each group's loss in
+    `sum` (`alignment.row_mean_weights()` gives TRL's reduction); default 1.
+    """
+    _check(settings)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    for name, hidden, rows in (
+        ("student_hidden_NH", student_hidden_NH, alignment.num_student_tokens),
+        ("teacher_hidden_MH", teacher_hidden_MH, alignment.num_teacher_tokens),
+    ):
+        if hidden.dim() != 2 or hidden.shape[0] != rows:
+            raise ValueError(
+                f"{name} {tuple(hidden.shape)} must have one row per completion token of the alignment "
+                f"({rows}); gather the rows of every completion token, trailing EOS included"
+            )
+    student = _Side(
+        student_hidden_NH,
+        student_head_VH,
+        settings.crosstok_student_temperature,
+        _width(student_hidden_NH, student_head_VH, student_vocab_size, "student"),
+    )
+    teacher = _Side(
+        teacher_hidden_MH.detach(),
+        None if teacher_head_WH is None else teacher_head_WH.detach(),
+        settings.crosstok_teacher_temperature,
+        _width(teacher_hidden_MH, teacher_head_WH, teacher_vocab_size, "teacher"),
+    )
+    hybrid = _hybrid_plan(settings, match, beta, student.vocab, teacher.vocab, student_hidden_NH.device)
+    al = alignment.to(student_hidden_NH.device)
+    log_c_s_G = _log_scalars(student, al.s_scalar_Q, al.s_scalar_token_Q, al.s_scalar_group_Q, al, chunk_size)
+    with torch.no_grad():
+        log_c_t_G = _log_scalars(
+            teacher, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, al, chunk_size
+        )
+    wants_grad = torch.is_grad_enabled() and (
+        student.hidden.requires_grad or (student.head is not None and student.head.requires_grad)
+    )
+    parts = []
+    # One gather, then split: the backward of split is one concatenation (of indexing per chunk, a
+    # full-size gradient per chunk).
+    chunks = zip(
+        student.hidden[al.s_base_G].split(chunk_size),
+        log_c_s_G.split(chunk_size),
+        teacher.hidden[al.t_base_G].split(chunk_size),
+        log_c_t_G.split(chunk_size),
+    )
+    saved: dict = {}  # emptied again by the backward pass (or dropped with the graph)
+    for index, (s_rows, log_c_s, t_rows, log_c_t) in enumerate(chunks):
+        args = (
+            s_rows,
+            student.head,
+            log_c_s,
+            t_rows,
+            log_c_t,
+            student,
+            teacher,
+            hybrid,
+            saved if wants_grad else None,
+            index,
+        )
+        parts.append(
+            checkpoint(_group_chunk, *args, use_reentrant=False) if wants_grad else _group_chunk(*args)
+        )
+    dtype = torch.promote_types(student_hidden_NH.dtype, torch.float32)
+    loss_G = torch.cat([p[0] for p in parts]) if parts else student_hidden_NH.new_zeros(0, dtype=dtype)
+    weights = torch.ones_like(loss_G) if group_weights_G is None else group_weights_G.to(loss_G)
+    # An empty batch still gives a sum attached to the student's graph (its gradient is zero).
+    total = (weights * loss_G).sum() + 0.0 * student_hidden_NH.sum()
+    out = CrossTokenizerOutput(sum=total, per_group_G=loss_G.detach())
+    if hybrid is not None and parts:
+        out.matched_G = torch.cat([p[1] for p in parts]).detach()
+        out.unmatched_G = torch.cat([p[2] for p in parts]).detach()
+    return out
+
+
+def _width(hidden: torch.Tensor, head: torch.Tensor | None, vocab_size: int | None, name: str) -> int:
+    rows = hidden.shape[1] if head is None else head.shape[0]
+    if vocab_size is None:
+        return rows
+    if not 1 <= vocab_size <= rows:
+        raise ValueError(
+            f"{name}_vocab_size={vocab_size} must be between 1 and the {name}'s {rows} logits; use "
+            f"len(tokenizer) of the {name}'s tokenizer"
+        )
+    return vocab_size
+
+
+@dataclass
+class _Hybrid:
+    beta: float
+    matched_weight: float
+    unmatched_weight: float
+    s_ids_S: torch.Tensor
+    t_ids_S: torch.Tensor
+    s_unmatched_V: torch.Tensor  # 1.0 where the student's token has no teacher twin
+    t_unmatched_W: torch.Tensor
+
+
+def _hybrid_plan(settings, match, beta, s_vocab, t_vocab, device) -> _Hybrid | None:
+    if not settings.crosstok_hybrid:
+        return None
+    if match is None:
+        raise ValueError("crosstok_hybrid needs match=VocabMatch.of(student_tokenizer, teacher_tokenizer)")
+    keep = (match.student_ids_S < s_vocab) & (match.teacher_ids_S < t_vocab)
+    s_ids, t_ids = match.student_ids_S[keep].to(device), match.teacher_ids_S[keep].to(device)
+    if settings.crosstok_hybrid_weights == "adaptive":
+        matched = len(t_ids) / max(1, t_vocab)
+        weights = (matched, 1.0 - matched)
+    else:
+        weights = (settings.crosstok_matched_weight, settings.crosstok_unmatched_weight)
+    s_un, t_un = torch.ones(s_vocab, device=device), torch.ones(t_vocab, device=device)
+    s_un[s_ids], t_un[t_ids] = 0.0, 0.0
+    return _Hybrid(beta, *weights, s_ids, t_ids, s_un, t_un)
+
+
+def _log_scalars(side: _Side, rows_Q, tokens_Q, groups_Q, al: Alignment, chunk_size: int) -> torch.Tensor:
+    """Per group, the sum of log max(p(actual token), EPS) over its scalar rows (GOLD's clamped product)."""
+    wants_grad = torch.is_grad_enabled() and (
+        side.hidden.requires_grad or (side.head is not None and side.head.requires_grad)
+    )
+    parts = []
+    for hidden, tokens in zip(side.hidden[rows_Q].split(chunk_size), tokens_Q.split(chunk_size)):
+        args = (side, hidden, tokens)
+        parts.append(
+            checkpoint(_token_log_probs, *args, use_reentrant=False)
+            if wants_grad
+            else _token_log_probs(*args)
+        )
+    dtype = torch.promote_types(side.hidden.dtype, torch.float32)
+    log_c_G = torch.zeros(al.num_groups, dtype=dtype, device=side.hidden.device)
+    if parts:
+        log_p_Q = torch.cat(parts)
+        log_c_G = log_c_G.index_add(0, groups_Q, log_p_Q.exp().clamp_min(EPS).log())
+    return log_c_G
+
+
+def _token_log_probs(side: _Side, hidden_QX: torch.Tensor, tokens_Q: torch.Tensor) -> torch.Tensor:
+    return side.log_probs(hidden_QX).gather(1, tokens_Q.unsqueeze(1)).squeeze(1)
+
+
+def _group_chunk(
+    s_rows,
+    s_head,
+    log_c_s_R,
+    t_rows,
+    log_c_t_R,
+    student: _Side,
+    teacher: _Side,
+    hybrid,
+    saved: dict,
+    index: int,
+):
+    """(loss, matched part, unmatched part) of R groups from their base rows and scalar factors; `saved`
+    carries the signs of the sorted L1 from the forward pass to the checkpoint's recomputation."""
+    s_side = _Side(s_rows, s_head, student.temperature, student.vocab)  # the head as passed: in the graph
+    m_s_RV = (s_side.log_probs(s_rows) + log_c_s_R.unsqueeze(1)).exp()
+    if hybrid is None and saved is not None and 2 * index in saved:  # recomputing: the teacher's part is kept
+        loss_R = sorted_l1(m_s_RV, None, saved, 2 * index)
+        return loss_R, loss_R, loss_R
+    with torch.no_grad():
+        m_t_RW = (teacher.log_probs(t_rows) + log_c_t_R.unsqueeze(1)).exp()
+    if hybrid is None:
+        loss_R = sorted_l1(m_s_RV, m_t_RW, saved, 2 * index)
+        return loss_R, loss_R, loss_R
+    matched_R = _matched_jsd(m_s_RV[:, hybrid.s_ids_S], m_t_RW[:, hybrid.t_ids_S], hybrid.beta)
+    unmatched_R = sorted_l1(
+        m_s_RV * hybrid.s_unmatched_V, m_t_RW * hybrid.t_unmatched_W, saved, 2 * index + 1
+    )
+    return hybrid.matched_weight * matched_R + hybrid.unmatched_weight * unmatched_R, matched_R, unmatched_R
+
+
+def _matched_jsd(p_s_RS: torch.Tensor, p_t_RS: torch.Tensor, beta: float) -> torch.Tensor:
+    """GOLD's generalized JSD on (unnormalised) merged probabilities floored at EPS, summed per row."""
+    ls, lt = p_s_RS.clamp_min(EPS).log(), p_t_RS.clamp_min(EPS).log()
+    if beta == 0:
+        return (lt.exp() * (lt - ls)).sum(-1)
+    if beta == 1:
+        return (ls.exp() * (ls - lt)).sum(-1)
+    lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+    return (beta * lt.exp() * (lt - lm) + (1 - beta) * ls.exp() * (ls - lm)).sum(-1)
+
+
+# Sorted L1 without sorting ----------------------------------------------------------------------------
+
+_SHIFT = 16  # float32 bits >> 16: exponent and 7 mantissa bits, buckets 0.8 % wide
+_DENSE = 4  # a row whose met buckets hold over 1/_DENSE of its values is sorted in full
+
+
+def sorted_l1(
+    a_RV: torch.Tensor, b_RW: torch.Tensor | None, saved: dict | None = None, key: int = 0
+) -> torch.Tensor:
+    """Per row, sum_i |a_(i) - b_(i)| over both rows sorted in descending order, the shorter padded with
+    zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
+    difference at each value's rank), `b` taken as constant.
+
+    Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
+    (`_rank_signs`); exact, no full sort. With `saved`, the first call under `key` keeps a's signs compactly
+    (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
+    backward pass reads them back instead of ranking again (and needs no `b`)."""
+    if saved is not None and key in saved:
+        signs_a, b_part_R = saved.pop(key)
+        with torch.no_grad():
+            sign_a_RV = signs_a.expand(a_RV.detach())
+        return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
+    with torch.no_grad():
+        signs_a, sign_b_RW = _rank_signs(a_RV.detach(), b_RW.detach())
+        b_part_R = (sign_b_RW.to(b_RW.dtype) * b_RW.detach()).sum(-1)
+        sign_a_RV = signs_a.expand(a_RV.detach())
+    if saved is not None:
+        saved[key] = (signs_a, b_part_R)
+    return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
+
+
+@dataclass
+class _Signs:
+    """One side's signs, compactly: per (row, bucket) where uniform, then the exact ones of met buckets and
+    the rows sorted in full."""
+
+    top: int
+    low: int
+    uniform_RK: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    exact: torch.Tensor
+    dense_rows: torch.Tensor
+    dense_RV: torch.Tensor
+
+    def expand(self, values_RV: torch.Tensor) -> torch.Tensor:
+        keys = _float_keys(values_RV).clamp_min_(self.low).long().neg_().add_(self.top)
+        sign_RV = self.uniform_RK.gather(1, keys)
+        sign_RV[self.rows, self.cols] = self.exact
+        sign_RV[self.dense_rows] = self.dense_RV
+        return sign_RV
+
+
+def _float_keys(values: torch.Tensor) -> torch.Tensor:
+    """The float32 bits >> _SHIFT of non-negative values: monotone in the value (float32 rounding is)."""
+    return values.float().view(torch.int32) >> _SHIFT
+
+
+@dataclass
+class _Ranked:
+    """One side of `_rank_signs`: values, their bucket (0 the largest values, K - 1 the smallest, over the
+    key range both sides span), per-row bucket counts, and cumulative counts from the top."""
+
+    values: torch.Tensor
+    keys: torch.Tensor
+    count_RK: torch.Tensor
+    cum_RK: torch.Tensor
+
+    @classmethod
+    def of(cls, values: torch.Tensor, keys32: torch.Tensor, top: int, buckets: int) -> _Ranked:
+        keys = keys32.long().neg_().add_(top)
+        count = torch.zeros(values.shape[0], buckets, dtype=torch.long, device=values.device)
+        count.scatter_add_(1, keys, torch.ones(1, 1, dtype=torch.long, device=values.device).expand_as(keys))
+        return cls(values, keys, count, count.cumsum(1))
+
+    @property
+    def buckets(self) -> int:
+        return self.count_RK.shape[1]
+
+    def bucket_of_rank(self, rank: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket holding the value of each 1-based rank (per row: `rank` R x K; or of `rows[i]`);
+        K past the row's length (padding zeros, below every bucket)."""
+        k = self.buckets
+        if rows is None:
+            return torch.searchsorted(self.cum_RK, rank).clamp(max=k)
+        width = self.values.shape[1] + 1
+        offset = torch.arange(self.cum_RK.shape[0], device=rank.device) * width
+        flat = (self.cum_RK + offset.unsqueeze(1)).flatten()
+        found = torch.searchsorted(flat, rank + offset[rows])
+        return (found - rows * k).clamp(max=k)
+
+
+def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Tensor]:
+    """sign(a_(i) - b_(i)) at each value's rank i, for every value of a (compactly) and of b (int8)."""
+    keys_a, keys_b = _float_keys(a_RV), _float_keys(b_RW)
+    top, low = int(max(keys_a.max(), keys_b.max())), int(min(keys_a.min(), keys_b.min()))
+    if low == 0:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
+        low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
+        keys_a, keys_b = keys_a.clamp_min(low), keys_b.clamp_min(low)
+    buckets = top - low + 1
+    a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
+    del keys_a, keys_b
+    bucket_K = torch.arange(buckets, device=a_RV.device)
+    uniform, met = [], []
+    for mine, other, flip in ((a, b, 1), (b, a, -1)):
+        first_RK = mine.cum_RK - mine.count_RK + 1
+        lo_RK, hi_RK = other.bucket_of_rank(first_RK), other.bucket_of_rank(mine.cum_RK)
+        # The other side's values at this bucket's ranks all in lower buckets: this side's are larger.
+        sign_RK = torch.where(lo_RK > bucket_K, 1, torch.where(hi_RK < bucket_K, -1, 0)) * flip
+        uniform.append(sign_RK.to(torch.int8))
+        met.append((mine.count_RK > 0) & (sign_RK == 0))
+    # Where the two count curves run together (distributions of one shape), most values sit in met buckets
+    # and one plain sort of those rows is cheaper than sorting them bucket by bucket.
+    met_values_R = (met[0] * a.count_RK).sum(1) + (met[1] * b.count_RK).sum(1)
+    dense_R = met_values_R * _DENSE > a_RV.shape[1] + b_RW.shape[1]
+    met = [m & ~dense_R.unsqueeze(1) for m in met]
+    sorted_a, sorted_b = _sort_met(a, met[0]), _sort_met(b, met[1])
+    exact_a = torch.zeros(0, dtype=torch.int8, device=a_RV.device)
+    sign_b = uniform[1].gather(1, b.keys)
+    for other, mine_sorted, other_sorted, flip in (
+        (b, sorted_a, sorted_b, 1),
+        (a, sorted_b, sorted_a, -1),
+    ):
+        rows, cols, vals, keys, rank = mine_sorted
+        exact = torch.zeros(0, dtype=torch.long, device=a_RV.device)
+        if len(rows):
+            theirs = other.bucket_of_rank(rank, rows)
+            exact = torch.where(theirs > keys, 1, -1) * flip
+            same = theirs == keys
+            if same.any():
+                # Both values of this rank in one bucket: that bucket is met on both sides, so sorted, and
+                # the other side's sorted values are in (row, rank) order.
+                o_rows, _, o_vals, _, o_rank = other_sorted
+                stride = max(a_RV.shape[1], b_RW.shape[1]) + 2
+                pos = torch.searchsorted(o_rows * stride + o_rank, rows[same] * stride + rank[same])
+                exact[same] = torch.sign(vals[same] - o_vals[pos]).long() * flip
+        if flip == 1:
+            exact_a = exact.to(torch.int8)
+        else:
+            sign_b[rows, cols] = exact.to(torch.int8)
+    dense_rows = dense_R.nonzero().squeeze(1)
+    dense_a, sign_b[dense_rows] = _sorted_signs(a_RV[dense_rows], b_RW[dense_rows])
+    return _Signs(top, low, uniform[0], sorted_a[0], sorted_a[1], exact_a, dense_rows, dense_a), sign_b
+
+
+def _sorted_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rank_signs` by sorting both rows in full."""
+    width = max(a_RV.shape[1], b_RW.shape[1])
+    sa, ia = a_RV.sort(dim=1, descending=True)
+    sb, ib = b_RW.sort(dim=1, descending=True)
+    diff = torch.sign(F.pad(sa, (0, width - sa.shape[1])) - F.pad(sb, (0, width - sb.shape[1]))).to(
+        torch.int8
+    )
+    sign_a = torch.empty_like(diff[:, : a_RV.shape[1]]).scatter_(1, ia, diff[:, : a_RV.shape[1]])
+    sign_b = torch.empty_like(diff[:, : b_RW.shape[1]]).scatter_(1, ib, diff[:, : b_RW.shape[1]])
+    return sign_a, sign_b
+
+
+def _sort_met(side: _Ranked, met_RK: torch.Tensor):
+    """(rows, columns, values, keys, 1-based ranks) of the values in met buckets, ordered by row, bucket,
+    then value descending (so ordered by (row, rank))."""
+    rows, cols = met_RK.gather(1, side.keys).nonzero(as_tuple=True)
+    vals, keys = side.values[rows, cols], side.keys[rows, cols]
+    order = torch.argsort(vals, descending=True, stable=True)
+    segment = rows[order] * side.buckets + keys[order]
+    order = order[torch.argsort(segment, stable=True)]
+    rows, cols, vals, keys = rows[order], cols[order], vals[order], keys[order]
+    segment = rows * side.buckets + keys
+    _, counts = torch.unique_consecutive(segment, return_counts=True)
+    starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    within = torch.arange(len(rows), device=rows.device) - starts
+    rank = (side.cum_RK - side.count_RK)[rows, keys] + within + 1
+    return rows, cols, vals, keys, rank

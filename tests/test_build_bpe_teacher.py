@@ -1,0 +1,49 @@
+"""The tiny world's byte-level BPE tokenizer and the recipe of a teacher on it (opdkit.build.bpe_teacher)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from opdkit.build.bpe_teacher import VOCAB_SIZE, build_bpe_teacher, build_bpe_tokenizer
+from opdkit.opd.crosstok import TokenBytes, align_ends
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return build_bpe_tokenizer()
+
+
+def test_the_tokenizer_is_byte_level_deterministic_and_merges_digits(bpe, tiny_tokenizer):
+    assert len(bpe) == VOCAB_SIZE and bpe.get_vocab() == build_bpe_tokenizer().get_vocab()
+    assert TokenBytes.of(bpe).kind == "byte-level" and bpe.bos_token is None
+    assert (bpe.eos_token, bpe.pad_token) == (tiny_tokenizer.eos_token, tiny_tokenizer.pad_token)
+    completion = "8+7=15,5+6+1=12,3+4+1=8;825"
+    pieces = bpe.convert_ids_to_tokens(bpe(completion, add_special_tokens=False).input_ids)
+    assert "15" in pieces and "12" in pieces and len(pieces) < len(completion)
+    assert bpe.decode(bpe(completion + " é🤖").input_ids) == completion + " é🤖"  # any text encodes
+
+
+def test_the_chat_template_marks_the_completion(bpe):
+    messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": "8+7=15;825"}]
+    out = bpe.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    marked = [i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    assert bpe.decode(marked) == "8+7=15;825<|im_end|>"
+
+
+def test_the_character_student_and_the_bpe_teacher_align(bpe, tiny_tokenizer):
+    text = "8+7=15,5+6+1=12,3+4+1=8;825"
+    chars, pieces = TokenBytes.of(tiny_tokenizer), TokenBytes.of(bpe)
+    s_ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
+    t = pieces.tokenize(bpe, chars.text(s_ids), bpe.eos_token_id)
+    groups = align_ends(chars.ends(s_ids), t.byte_ends[:-1])
+    assert [k for g, _ in groups for k in g] == list(range(len(text)))
+    assert any(len(s) == 2 and len(g) == 1 for s, g in groups)  # "15": two characters, one BPE token
+
+
+def test_the_recipe_runs_a_few_steps(tmp_path):
+    rec = build_bpe_teacher(tmp_path, steps=3, eval_every=2)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.vocab_size == VOCAB_SIZE
+    assert set(rec) >= {"teacher_heldout_accuracy", "build_seconds"} and (tmp_path / "recipe.json").exists()
