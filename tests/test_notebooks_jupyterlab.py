@@ -60,7 +60,7 @@ SHOWN_OUTPUTS = 50  # JupyterLab's maxNumberOutputs: past it, "Show more outputs
 SHORT = {
     "savegrad": {"subset_size": 8},
     "whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
-    "cliplesson": {"max_steps": 4, "ablations": False, "sgd_arms": False, "eval_size": 10},
+    "cliplesson": {"arm_max_steps": 4, "ablations": False, "sgd_arms": False, "arm_eval_size": 10},
     "antidistill": {
         "lams": [0.0, 0.1],
         "answer_lams": [],
