@@ -135,6 +135,25 @@ class RunFields:
             )
 
 
+@dataclass
+class RepeatSettings:
+    """Repeats of a run with other seeds, for the intervals its verdicts are judged on
+    (`notebook.verdicts`); composed by the jobs that state a finding (02, 03, 04)."""
+
+    repeats: int = setting(
+        1,
+        "runs with seeds seed, seed+1, ...: each varies what its seed varies (rollouts, data order, the "
+        "student's initialisation, the teacher's traces); every number reported is their mean with its 95 % "
+        "Student-t interval, and a verdict needs 2 or more (3 to settle one)",
+        min=1,
+    )
+
+
+def repeat_seeds(cfg: Any) -> list[int]:
+    """The seeds of a run's repeats: seed, seed+1, ..., `repeats` of them."""
+    return [cfg.seed + k for k in range(cfg.repeats)]
+
+
 DEFAULT_MODE = "tiny"
 NOTEBOOK_ONLY = {"mode"}  # notebook parameters that are not config fields
 

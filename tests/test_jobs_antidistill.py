@@ -13,6 +13,7 @@ from conftest import SMALL_SWEEP
 from opdkit.ads import gradfile
 from opdkit.jobs import antidistill
 from opdkit.jobs.antidistill import report
+from opdkit.notebook.demo import reader_problems
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,11 @@ def test_small_tradeoff_run_writes_every_point(small_run):
     assert (
         0 <= summary["student_accuracy_before"] <= 1 and 0 <= summary["student_accuracy_before_forced"] <= 1
     )
-    assert "<th>student_accuracy_forced</th>" in report.summary_table_html(summary)
+    table = report.summary_table_html(summary)
+    assert "<th>forced</th>" in table and "(2 seeds)" not in table and "[" in table  # intervals of 2 seeds
+    assert summary["repeats"] == 2 and summary["findings"]["seeds"] == 2
+    assert {g["name"] for g in summary["findings"]["gaps"]} == {"ads-lam0.2-tau1", "ads-answer-lam0.1-tau1"}
+    assert all(p["student_accuracy_ci"] is not None for p in points)
     # the student before distillation is the proxy: its held-out loss is the one 01_save_grad reported
     assert summary["student_holdout_loss_before"] == pytest.approx(
         gradfile.read_meta(summary["grads_run"])["loss"], rel=1e-5
@@ -100,3 +105,14 @@ def test_notebook_runs_headless(tmp_path, monkeypatch, grads_run):
     ]
     for fig in ("tradeoff", "tradeoff_holdout_loss", "ads_tokens"):
         assert (run_dir / "figures" / f"{fig}.png").stat().st_size > 1000, fig
+    nb = json.loads((tmp_path / "out.ipynb").read_text())
+    assert reader_problems(nb) == []  # no step table, no widget, every cell within JupyterLab's 50 outputs
+    run_cell = next(c["outputs"] for c in nb["cells"] if "antidistill.run(" in "".join(c["source"]))
+    assert sum("held at each phase" in json.dumps(o) for o in run_cell) == 1
+    assert "<table" in json.dumps(run_cell[-1]) and "Training Loss" not in json.dumps(run_cell)
+    closing = next(
+        c["outputs"] for c in nb["cells"][::-1] if "report.explain(summary)" in "".join(c["source"])
+    )
+    assert "**Finding.** At equal teacher accuracy" in json.dumps(closing) or "No ADS line" in json.dumps(
+        closing
+    )

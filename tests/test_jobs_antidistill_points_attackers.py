@@ -15,6 +15,7 @@ from opdkit.jobs import antidistill
 from opdkit.jobs.antidistill import points, report, sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Point
+from opdkit.notebook import verdicts
 from opdkit.run.folders import RunDir
 
 SHORT = {
@@ -66,8 +67,12 @@ def test_figure_and_paragraph_come_from_the_run(short_run):
     assert report.attackers(short_run) is not None and short_run.figure("attackers").is_file()
     text = report.attackers_explained(summary)
     ads = next(p for p in summary["points"] if p["lam"] != 0)
-    gap = (ads["opd_student_accuracy"] - ads["opd_plain_student_accuracy"]) * 100
-    assert f"{abs(gap):.1f} points {'below' if gap < 0 else 'above'} its plain-scored control" in text
+    gap = ads["opd_student_accuracy"] - ads["opd_plain_student_accuracy"]
+    (found,) = summary["findings"]["attackers"]  # λ = 0 is no comparison: opd is the control there
+    assert found["mean"] == pytest.approx(gap) and found["word"] == "within noise at 1 seed"
+    assert text.startswith("**Finding.** Serving the ADS distribution slows the on-policy attacker")
+    assert f"λ=0.08: {verdicts.points(gap)} (1 seed), **within noise at 1 seed**" in text
+    assert "shared by every λ of that temperature" in text
     rows = report.attack_rows(summary)
     assert [r["opd"] for r in rows] == [p["opd_student_accuracy"] for p in summary["points"]]
 

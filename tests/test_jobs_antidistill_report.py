@@ -4,55 +4,43 @@ showing exactly the tokens ADS moved."""
 
 from __future__ import annotations
 
-import pytest
-
 from opdkit.jobs.antidistill import report
 
 
-def test_gap_compares_ads_with_temperature_at_equal_teacher_accuracy():
-    pts = [
-        {
-            "name": "t1",
-            "method": "temperature",
-            "lam": 0.0,
-            "temperature": 1.0,
-            "teacher_accuracy": 0.9,
-            "student_accuracy": 0.8,
-        },
-        {
-            "name": "t2",
-            "method": "temperature",
-            "lam": 0.0,
-            "temperature": 1.5,
-            "teacher_accuracy": 0.5,
-            "student_accuracy": 0.4,
-        },
-        {
-            "name": "a1",
-            "method": "ads",
-            "lam": 0.1,
-            "temperature": 1.0,
-            "teacher_accuracy": 0.7,
-            "student_accuracy": 0.5,
-        },
-        {
-            "name": "a2",
-            "method": "ads",
-            "lam": 0.2,
-            "temperature": 1.0,
-            "teacher_accuracy": 0.3,
-            "student_accuracy": 0.1,
-        },
+def _point(name: str, method: str, lam: float, tau: float, teacher: float, students: list[float]) -> dict:
+    runs = [
+        {"seed": 42 + k, "teacher_accuracy": teacher, "student_accuracy": y, "student_holdout_loss": 0.2}
+        for k, y in enumerate(students)
     ]
-    summary = {"points": pts, "student_accuracy_before": 0.2}
-    got = {g["name"]: g for g in report.gaps(summary)}
-    assert got["a1"]["temperature_student_accuracy"] == pytest.approx(0.6)
-    assert got["a1"]["gap"] == pytest.approx(-0.1)
-    assert got["a2"]["gap"] is None  # below the temperature sweep's range: no extrapolation
+    return {"name": name, "method": method, "lam": lam, "temperature": tau, "runs": runs, "seconds": 1.0}
+
+
+def test_the_text_opens_with_the_finding_computed_from_the_points():
+    """A summary without stored findings (a run summarised before they were kept): the report computes them;
+    the first sentence is the verdict at the matched teacher accuracy, in percent."""
+    pts = [
+        _point("t1", "temperature", 0.0, 1.0, 0.9, [0.79, 0.80, 0.81]),
+        _point("t2", "temperature", 0.0, 1.5, 0.5, [0.39, 0.40, 0.41]),
+        _point("a1", "ads", 0.1, 1.0, 0.7, [0.49, 0.50, 0.51]),
+        _point("a2", "ads", 0.2, 1.0, 0.3, [0.09, 0.10, 0.11]),
+    ]
+    summary = {"points": pts, "student_accuracy_before": 0.2, "repeats": 3}
     text = report.explain(summary)
-    assert "10.0 points lower" in text and "no comparison" in text and "mean gap -10.0 points" in text
-    assert [c["temperature"] for c in report.tradeoff_curves(summary)["temperature"]] == [1.0, 1.5]
-    assert [c["lam"] for c in report.tradeoff_curves(summary)["ADS (τ=1)"]] == [0.0, 0.1, 0.2]
+    first = text.splitlines()[0]
+    assert first.startswith("**Finding.** At equal teacher accuracy (50.0 %), ADS (τ=1) leaves its students")
+    assert "**holds**" in first and "-10.0 points" in first
+    assert "ADS λ=0.2 (τ=1): outside the temperature sweep's teacher accuracies, no comparison." in text
+    assert "ADS λ=0.1 (τ=1) leaves its students less accurate" in text
+    # the paper's crossing: ADS falls to the undistilled 20 % between λ 0.1 (70 %) and 0.2 (30 %), at 41,
+    # 40 and 39 % by seed; the temperature sweep stays above it down to its lowest teacher accuracy
+    assert "ADS (τ=1): the distilled student falls to the undistilled" in text
+    assert "with the teacher at 40.0 % [37.5, 42.5]" in text
+    assert (
+        "temperature: its students stay above the undistilled student's accuracy down to the teacher's 50.0 %"
+        in text
+    )
+    table = report.summary_table_html(summary)
+    assert "-10.0 points [-10.0, -10.0] (holds)" in table and "80.0 % [77.5, 82.5]" in table
 
 
 def test_explain_names_the_failed_points():

@@ -8,7 +8,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs import cliplesson, whitebox
 from opdkit.jobs.cliplesson import job as cliplesson_job
 from opdkit.jobs.cliplesson import report as cliplesson_report
-from opdkit.jobs.cliplesson.arms import arm_overrides
+from opdkit.jobs.cliplesson.arms import arm_overrides, lesson_summary
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 
@@ -51,10 +51,42 @@ def test_full_lesson_compares_sanity_with_noclip():
     assert (arms["clip"].learning_rate, arms["noclip"].learning_rate) == (1e-6, 5e-6)
 
 
-def test_seeds_are_parsed_with_clear_errors():
-    assert cliplesson_job.parse_seeds("1, 2,3") == [1, 2, 3]
-    with pytest.raises(ConfigError, match="comma-separated"):
-        cliplesson_job.parse_seeds("a,b")
+def test_repeats_give_every_arm_its_seeds_and_are_declared_once():
+    prep = cliplesson.prepare("tiny", {"repeats": 3, "seed": 7})
+    assert prep.seeds == [7, 8, 9]
+    with pytest.raises(ConfigError, match="repeats=0 is below"):
+        load_config(ClipLessonConfig, "tiny", {"repeats": 0})
+    with pytest.raises(ConfigError, match="unknown parameter 'seeds'"):
+        load_config(ClipLessonConfig, "tiny", {"seeds": "1,2"})
+
+
+def test_lesson_summary_pairs_the_arms_by_seed():
+    """Synthetic arms: clip ahead of noclip by 20 points at every seed (the seeds move both together), the
+    SGD pair within noise; the findings say so, each arm's figures are means with intervals."""
+
+    def stats(acc: float, loss: float) -> dict:
+        return {"final_accuracy": acc, "max_loss": loss, "clipping": True, "learning_rate": 1e-3}
+
+    base = {1: 0.5, 2: 0.7, 3: 0.9}
+    results = {
+        "clip": {s: stats(a, 1.0) for s, a in base.items()},
+        "noclip": {s: stats(a - 0.2, 3.0 + s) for s, a in base.items()},
+        "sgd-clip": {s: stats(a, 1.0) for s, a in base.items()},
+        "sgd-noclip": {s: stats(a + d, 1.0) for (s, a), d in zip(base.items(), (0.05, -0.04, 0.01))},
+    }
+    summary = lesson_summary(results)
+    assert summary["repeats"] == 3 and set(summary["arms"]) == set(results)
+    noclip = summary["arms"]["noclip"]
+    assert noclip["final_accuracy"] == pytest.approx(0.5) and noclip["max_loss"] == pytest.approx(5.0)
+    low, high = noclip["final_accuracy_ci"]
+    assert low < 0.3 and high > 0.7  # the arm's own interval is wide ...
+    found = {(f["arm"], f["against"]): f for f in summary["findings"]}
+    head = found[("clip", "noclip")]  # ... its paired difference is not
+    assert head["word"] == "holds" and head["mean"] == pytest.approx(0.2) and head["n"] == 3
+    assert found[("sgd-clip", "sgd-noclip")]["word"] == "within noise at 3 seeds"
+    assert summary["findings"][0] is head  # the headline comes first
+    text = cliplesson_report.explain(summary)
+    assert text.startswith("**Finding.** the clipped arm ends more accurate") and "**holds**" in text
 
 
 @pytest.mark.slow
@@ -64,7 +96,8 @@ def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
         "tiny",
         {
             "run_dir": str(tmp_path / "l"),
-            "seeds": "1,2,3",
+            "seed": 1,
+            "repeats": 3,
             "ablations": False,
             "sgd_arms": False,
             "max_steps": 60,
@@ -73,7 +106,7 @@ def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
     )
     s = lesson.read_summary()
     for seed in (1, 2, 3):
-        clip, noclip = s["clip"]["seeds"][str(seed)], s["noclip"]["seeds"][str(seed)]  # JSON keys
+        clip, noclip = s["arms"]["clip"]["seeds"][str(seed)], s["arms"]["noclip"]["seeds"][str(seed)]
         assert noclip["max_loss"] > 2 * clip["max_loss"], seed
         assert noclip["final_accuracy"] < clip["final_accuracy"], seed
         assert clip["max_loss"] < 2.5 and clip["final_loss"] < 0.6 * clip["max_loss"], seed
@@ -88,8 +121,8 @@ def test_existing_runs_can_be_the_arms(tmp_path):
         "tiny", {"run_dir": str(tmp_path / "l"), "clip_run": str(c.path), "noclip_run": str(n.path)}
     )
     s = lesson.read_summary()
-    assert set(s) == {"clip", "noclip"}
-    for arm in s.values():
+    assert set(s["arms"]) == {"clip", "noclip"}
+    for arm in s["arms"].values():
         assert set(arm) >= {
             "max_grad_norm",
             "median_grad_norm",
@@ -101,8 +134,8 @@ def test_existing_runs_can_be_the_arms(tmp_path):
             "learning_rate",
             "clipping",
         }
-    assert s["clip"]["clipping"] and not s["noclip"]["clipping"]
-    assert "clip vs noclip" in cliplesson_report.explain(s)
+    assert s["arms"]["clip"]["clipping"] and not s["arms"]["noclip"]["clipping"]
+    assert "within noise at 1 seed" in cliplesson_report.explain(s)  # one seed: no interval, no verdict
     step, near = cliplesson_report.spike_samples(s, "noclip")
     assert step in (1, 2) and near
 
@@ -118,7 +151,7 @@ def test_resume_reuses_finished_arms_and_resumes_the_others(tmp_path, monkeypatc
     from opdkit.run.folders import RunDir
 
     started = []
-    monkeypatch.setattr(whitebox, "run", lambda mode, over: started.append(over) or RunDir(tmp_path))
+    monkeypatch.setattr(whitebox, "run", lambda mode, over, **kw: started.append(over) or RunDir(tmp_path))
     cfg = load_config(ClipLessonConfig, "tiny", {"resume": True})
     clip, noclip = cliplesson_job.arms(cfg)[:2]
     lesson = RunDir(tmp_path)

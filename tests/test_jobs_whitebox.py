@@ -341,8 +341,11 @@ def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path)
     from opdkit.jobs.whitebox import report
 
     fig = report.curves(run)
-    assert len(fig.axes) == 5 and fig.axes[-1].get_title() == "held-out accuracy"
-    assert list(fig.axes[-1].lines[0].get_xdata()) == [2, 4]
+    shown = [ax for ax in fig.axes if ax.get_visible()]  # three panels a row: the sixth place hidden
+    assert len(shown) == 5 and shown[-1].get_title() == "held-out accuracy while training"
+    assert list(shown[-1].lines[0].get_xdata()) == [2, 4]
+    teacher = run.read_summary()["teacher_accuracy"]
+    assert any(list(line.get_ydata()) == [teacher, teacher] for line in shown[-1].lines), "the teacher's line"
 
 
 # ---- the full preset's code path on stand-ins -----------------------------------------------------

@@ -76,3 +76,25 @@ def test_a_trained_sft_trainer_is_freed_without_a_garbage_collection(tmp_path, t
         assert [r() is None for r in refs] == [True] * 3
     finally:
         gc.enable()
+
+
+def test_in_a_notebook_kernel_the_step_table_gives_way_to_a_quiet_bar(tmp_path, tok, monkeypatch):
+    """In a kernel transformers adds NotebookProgressCallback (a growing "Step | Training Loss" table), which
+    is no ProgressCallback: the trainer takes it out too, for its bar without a printed dict per step."""
+    import transformers.trainer
+    from transformers.utils.notebook import NotebookProgressCallback
+
+    monkeypatch.setattr(transformers.trainer, "DEFAULT_PROGRESS_CALLBACK", NotebookProgressCallback)
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 4
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[]
+    )
+    trainer = CompletionSFTTrainer(
+        model=tiny_model("tiny:student"),
+        args=args,
+        train_dataset=rows,
+        pad_token_id=tok.pad_token_id,
+        order=[[0, 1]],
+    )
+    kinds = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert "NotebookProgressCallback" not in kinds and "_QuietProgress" in kinds

@@ -16,3 +16,9 @@ Which room may import which (tests/test_layout.py checks it):
 - the library imports no job (the `python -m opdkit.<job>` entry points are thin shims, not library);
 - nothing below `if __name__ == "__main__":` but the call of `main`.
 """
+
+from opdkit.notebook import progress
+
+# First, before any job imports transformers (which imports tqdm.auto): in a notebook kernel every progress
+# bar becomes a line of its cell's one progress display, not an ipywidget (`notebook.progress`).
+progress.install()

@@ -3,7 +3,8 @@
     python -m opdkit.notebook.demo --out runs/demo notebooks/*.ipynb
 
 Each notebook writes its run directory inside `<out>/<stamp>/` and its executed copy next to it;
-the end prints where the executed notebooks, summaries and figures are.
+the end prints where the executed notebooks, summaries and figures are, and what a reader of an executed
+notebook in JupyterLab would trip over (`reader_problems`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,39 @@ def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
     return executed, run_dir, time.time() - t0
 
 
+SHOWN_OUTPUTS = 50  # JupyterLab shows a cell's first 50 outputs, then "Show more outputs"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def reader_problems(notebook: dict) -> list[str]:
+    """What a reader of an executed notebook meets in JupyterLab, per code cell: more outputs than it shows
+    (the last ones, a summary table among them, behind "Show more outputs"; counted as saved, before
+    JupyterLab merges neighbouring stream outputs), transformers' step tables, and widget outputs without a
+    static view (which read "Error displaying widget" once the kernel is gone)."""
+    bad = []
+    for i, cell in enumerate(notebook.get("cells", [])):
+        outs = cell.get("outputs", [])
+        shown = len(outs)
+        tables = sum("Training Loss" in str(o.get("data", {}).get("text/html", "")) for o in outs)
+        widgets = sum(
+            WIDGET in o.get("data", {}) and not {"text/html", "image/png"} & set(o["data"]) for o in outs
+        )
+        if shown > SHOWN_OUTPUTS:
+            bad.append(f"cell {i}: {shown} outputs, JupyterLab shows {SHOWN_OUTPUTS}")
+        if tables:
+            bad.append(f"cell {i}: {tables} transformers step table(s)")
+        if widgets:
+            bad.append(f"cell {i}: {widgets} widget output(s) without a static view")
+    return bad
+
+
 def _headline(summary: dict) -> dict:
     """Scalar entries as they are; per-arm entries (dicts) reduced to their final accuracy."""
     out = {}
     for k, v in summary.items():
-        if isinstance(v, dict):
+        if k == "arms" and isinstance(v, dict):  # cliplesson: each arm's final accuracy
+            out.update({f"{arm}.final_accuracy": e.get("final_accuracy") for arm, e in v.items()})
+        elif isinstance(v, dict):
             if "final_accuracy" in v:
                 out[f"{k}.final_accuracy"] = v["final_accuracy"]
         elif not isinstance(v, list):
@@ -63,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows.append((nb.name, executed, run_dir, secs))
         print(f"  done in {secs:.0f} s", flush=True)
+        for problem in reader_problems(json.loads(executed.read_text())):
+            print(f"  for a reader in JupyterLab: {problem}", flush=True)
     print(f"\nmake demo finished in {time.time() - t_all:.0f} s; everything is under {out}\n")
     for name, executed, run_dir, secs in rows:
         print(f"{name}  ({secs:.0f} s)\n  executed notebook: {executed}")

@@ -1,23 +1,135 @@
-"""Figures and HTML views of a run directory; each figure is also saved under `figures/`.
+"""Figures and HTML views of a run directory; each figure is also saved under `figures/`. One style for every
+figure of the kit (`styled`): a colour-blind-safe palette (Okabe and Ito's, `PALETTE`), text that stays
+readable at the size JupyterLab shows a figure, units on the axes, accuracies in percent.
 
-fig = training_curves(run)                    # loss, pre-clip grad norm, length, entropy, accuracy
+fig = training_curves([run])                  # loss, pre-clip grad norm, length, entropy, accuracy
+fig = training_curves(seed_runs)              # the same, the mean over seeds with its 95 % band
 html = samples_html(run.read_jsonl("samples.jsonl")[-4:])
+
+Pitfalls this module exists for:
+- JupyterLab shows a figure at most as wide as its cell (about 1100 px on a laptop): a wider one is scaled
+  down, and its 8 pt text becomes 6 px. Figures here are at most `MAX_WIDTH_IN` inches at 100 dpi, their
+  smallest text 9 pt (12.5 px); `smallest_text_px` measures it, and the tests hold every figure to 10 px.
+- a reference line at 99.7 % on a 0-100 % axis sits on the frame: the axes leave room above 100 %.
+- labels on points of several curves collide: `place_labels` moves each one clear of those placed before.
 """
 
 from __future__ import annotations
 
+import functools
 import html as _html
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import matplotlib
 
 if matplotlib.get_backend().lower() == "agg" or not matplotlib.get_backend():
     matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import PercentFormatter  # noqa: E402
 
+from opdkit.notebook import verdicts  # noqa: E402
 from opdkit.run.folders import RunDir  # noqa: E402
+
+# Okabe & Ito (2008), distinguishable with every common colour-vision deficiency; one place for the kit.
+PALETTE = {
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "green": "#009E73",
+    "orange": "#E69F00",
+    "sky": "#56B4E9",
+    "purple": "#CC79A7",
+    "yellow": "#F0E442",
+    "black": "#000000",
+    "grey": "#888888",
+}
+CYCLE = [PALETTE[c] for c in ("blue", "vermillion", "green", "orange", "sky", "purple", "black")]
+TEACHER, STUDENT, BEFORE = PALETTE["blue"], PALETTE["green"], PALETTE["grey"]
+MAX_WIDTH_IN = 10.5  # 1050 px at 100 dpi: JupyterLab's cell shows it unscaled on a laptop
+DISPLAY_DPI = 100  # matplotlib's figure.dpi, which the inline backend draws at
+SAVE_DPI = 110
+STYLE = {
+    "figure.dpi": DISPLAY_DPI,
+    "savefig.dpi": SAVE_DPI,
+    "font.size": 10,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "legend.fontsize": 9,
+    "figure.titlesize": 12,
+    "axes.prop_cycle": matplotlib.cycler(color=CYCLE),
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
+
+
+def styled(fn: Callable) -> Callable:
+    """Draw `fn`'s figure in the kit's style (`STYLE`), leaving the caller's matplotlib settings alone."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        # Only the style's own keys are restored afterwards: `plt.rc_context` restores every setting, and
+        # would undo what the notebook's backend sets when the first figure starts it (interactive mode,
+        # without which the inline backend shows no later figure).
+        before = {k: matplotlib.rcParams[k] for k in STYLE}
+        matplotlib.rcParams.update(STYLE)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            matplotlib.rcParams.update(before)
+
+    return wrapper
+
+
+def smallest_text_px(fig, shown_width_px: float = 1100.0) -> float:
+    """The smallest visible text of `fig` in screen pixels when JupyterLab shows it `shown_width_px` wide at
+    most (a wider figure is scaled down to that width)."""
+    fig.canvas.draw()
+    width_px = fig.get_figwidth() * DISPLAY_DPI
+    scale = min(1.0, shown_width_px / width_px) * DISPLAY_DPI / 72.0
+    sizes = [
+        t.get_fontsize() * scale
+        for t in fig.findobj(matplotlib.text.Text)
+        if t.get_visible() and t.get_text().strip()
+    ]
+    return min(sizes, default=float("inf"))
+
+
+def percent_axis(ax, axis: str = "y", top: float = 1.0) -> None:
+    """Accuracies as percent on `axis` (0 to `top`, with room above 100 % for a line at the top)."""
+    (ax.yaxis if axis == "y" else ax.xaxis).set_major_formatter(PercentFormatter(1.0, decimals=0))
+    if top is not None:
+        (ax.set_ylim if axis == "y" else ax.set_xlim)(0.0, top + 0.08)
+
+
+def place_labels(
+    ax, xy: Sequence[tuple[float, float]], texts: Sequence[str], colour: str, placed: list
+) -> None:
+    """Annotate each point with its text, moved down (then up, then aside) until its box overlaps neither
+    another label in `placed` (the boxes placed so far, shared across calls) nor the axes' edge."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    offsets = [(5, -12), (5, 6), (-30, -12), (-30, 6), (5, -24), (5, 18), (-30, -24), (-30, 18)]
+    for (x, y), text in zip(xy, texts):
+        for dx, dy in offsets:
+            note = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=9, color=colour
+            )
+            box = note.get_window_extent(renderer).expanded(1.05, 1.1)
+            inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
+            if inside and not any(box.overlaps(b) for b in placed):
+                placed.append(box)
+                break
+            note.remove()
+        else:
+            note = ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=(5, -12), fontsize=9, color=colour
+            )
+            placed.append(note.get_window_extent(renderer))
 
 
 def series(records: list[dict], key: str) -> tuple[list, list]:
@@ -25,91 +137,140 @@ def series(records: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def training_curves(run: RunDir, max_grad_norm: float | None = None, title: str = ""):
-    """Panels from metrics.jsonl: loss, pre-clip gradient norm (log), completion length, entropy, and the
-    held-out accuracy measured while training (`eval_accuracy` rows), if any."""
-    fig = draw_training_curves(run.read_jsonl(), max_grad_norm, title, _summary_or_empty(run))
-    fig.savefig(run.figure("training_curves"), dpi=110)
+def band_series(runs: Sequence[list[dict]], key: str) -> tuple[list, list, list, list]:
+    """Steps logged by every run, and per step the mean of `key` over the runs with its 95 % interval."""
+    by_run = [dict(zip(*series(records, key))) for records in runs]
+    steps = sorted(set.intersection(*(set(d) for d in by_run))) if by_run else []
+    stats = [verdicts.interval([d[s] for d in by_run]) for s in steps]
+    return steps, [i.mean for i in stats], [i.low for i in stats], [i.high for i in stats]
+
+
+def training_curves(runs: Sequence[RunDir], max_grad_norm: float | None = None, title: str = ""):
+    """Panels from each run's metrics.jsonl: loss, pre-clip gradient norm (log), completion length, entropy,
+    and the held-out accuracy measured while training (`eval_accuracy` rows), if any; with several runs
+    (seeds) each panel is their mean with its 95 % band. Saved as the first run's parent's figure."""
+    records = [r.read_jsonl() for r in runs]
+    summaries = [_summary_or_empty(r) for r in runs]
+    reference = {k: verdicts.interval([s.get(k) for s in summaries]) for k in REFERENCES}
+    fig = draw_training_curves(records, max_grad_norm, title, {k: v.mean for k, v in reference.items() if v})
     return fig
 
 
 CURVE_PANELS = [
-    ("loss", "divergence per token"),
-    ("grad_norm", "pre-clip gradient norm"),
-    ("completion_length", "mean completion length"),
-    ("entropy", "student entropy (nats/token)"),
+    ("loss", "divergence per token", "nats / token"),
+    ("grad_norm", "pre-clip gradient norm", "L2 norm (log scale)"),
+    ("completion_length", "mean completion length", "tokens"),
+    ("entropy", "student entropy", "nats / token"),
 ]
+ACCURACY_PANEL = ("eval_accuracy", "held-out accuracy while training", "greedy accuracy")
+REFERENCES = ("teacher_accuracy", "student_accuracy_before")
 
 
+@styled
 def draw_training_curves(
-    records: list[dict],
+    runs: Sequence[list[dict]],
     max_grad_norm: float | None = None,
     title: str = "",
-    summary: dict | None = None,
+    reference: dict | None = None,
     fig=None,
 ):
-    """The training curves of `records` on `fig` (cleared; a new one if None); the live view redraws with
-    it."""
-    panels = CURVE_PANELS + (
-        [("eval_accuracy", "held-out accuracy")] if series(records, "eval_accuracy")[0] else []
-    )
-    if fig is None:
-        fig = plt.figure(figsize=(4 * len(panels), 3.2))
+    """The training curves of `runs` (each a run's metrics records; several: their mean and 95 % band) on
+    `fig` (cleared; a new one if None), three panels a row; `reference` holds the teacher's accuracy and the
+    student's before training, drawn on the accuracy panel. The live view redraws with it."""
+    runs = [r for r in runs if r]
+    panels = CURVE_PANELS + ([ACCURACY_PANEL] if any(series(r, "eval_accuracy")[0] for r in runs) else [])
+    cols, rows = 3, -(-len(panels) // 3)
+    size = (MAX_WIDTH_IN, 2.9 * rows + (0.4 if title else 0))
+    fig = plt.figure(figsize=size) if fig is None else fig
     fig.clear()
-    axes = fig.subplots(1, len(panels))
-    for ax, (key, label) in zip(axes, panels):
-        x, y = series(records, key)
-        ax.plot(x, y, lw=1.2, marker="o" if key == "eval_accuracy" else None, ms=3)
-        ax.set_title(label, fontsize=10)
+    fig.set_size_inches(*size)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (key, label, unit) in zip(axes, panels):
+        colour = PALETTE["blue"] if key != "eval_accuracy" else STUDENT
+        marker = "o" if key == "eval_accuracy" else None
+        if len(runs) > 1:
+            x, mean, low, high = band_series(runs, key)
+            ax.plot(x, mean, lw=1.3, color=colour, marker=marker, ms=3, label=f"mean of {len(runs)} seeds")
+            ax.fill_between(x, low, high, color=colour, alpha=0.25, lw=0, label="95 % interval")
+        elif runs:
+            ax.plot(*series(runs[0], key), lw=1.2, color=colour, marker=marker, ms=3)
+        ax.set_title(label)
         ax.set_xlabel("optimizer step")
-        if key == "grad_norm" and y:
+        ax.set_ylabel(unit)
+        if key == "grad_norm" and any(series(r, key)[0] for r in runs):
             ax.set_yscale("log")
             if max_grad_norm and math.isfinite(max_grad_norm) and max_grad_norm < 1e8:
-                ax.axhline(max_grad_norm, color="red", ls="--", lw=1, label=f"clip at {max_grad_norm:g}")
-                ax.legend(fontsize=8)
+                ax.axhline(
+                    max_grad_norm,
+                    color=PALETTE["vermillion"],
+                    ls="--",
+                    lw=1,
+                    label=f"clip at {max_grad_norm:g}",
+                )
         if key == "eval_accuracy":
-            _accuracy_references(ax, summary or {})
+            _accuracy_references(ax, reference or {})
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def _accuracy_references(ax, summary: dict) -> None:
-    ax.set_ylim(-0.02, 1.02)
-    if summary.get("teacher_accuracy") is not None:
-        ax.axhline(summary["teacher_accuracy"], color="#37a", ls="--", lw=1, label="teacher")
-    if summary.get("student_accuracy_before") is not None:
-        ax.plot([0], [summary["student_accuracy_before"]], "s", color="#bbb", label="student before")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="best")
+def _accuracy_references(ax, reference: dict) -> None:
+    percent_axis(ax)
+    teacher, before = reference.get("teacher_accuracy"), reference.get("student_accuracy_before")
+    if teacher is not None:
+        ax.axhline(teacher, color=TEACHER, ls="--", lw=1.2, label=f"teacher ({verdicts.pct(teacher)})")
+    if before is not None:
+        ax.axhline(before, color=BEFORE, ls=":", lw=1.2, label=f"student before ({verdicts.pct(before)})")
 
 
 def _summary_or_empty(run: RunDir) -> dict:
     return run.read_summary() if (run.path / "summary.json").is_file() else {}
 
 
-def accuracy_bars(run: RunDir, summary: dict | None = None):
-    s = summary or run.read_summary()
+@styled
+def accuracy_bars(summary: dict, path=None):
+    """Student before and after, and the teacher (raw, and forced beside it when measured): bars at the
+    mean, with the 95 % interval over seeds as error bars when the summary has one (`<key>_ci`)."""
+    s = summary
     names = ["student before", "student after", "teacher"]
     keys = ["student_accuracy_before", "student_accuracy_after", "teacher_accuracy"]
-    colours = ["#bbb", "#3a7", "#37a"]
+    colours = [BEFORE, STUDENT, TEACHER]
     if any(s.get(k + "_forced") is not None for k in keys):  # whitebox's forced_accuracy: beside the raw
         names = [n + "\nraw" for n in names] + [n + "\nforced" for n in names]
-        keys, colours = keys + [k + "_forced" for k in keys], colours + ["#ddd", "#8c9", "#8ac"]
+        keys, colours = keys + [k + "_forced" for k in keys], colours * 2
     vals = [s.get(k) for k in keys]
-    fig, ax = plt.subplots(figsize=(5 if len(keys) == 3 else 8, 3))
+    fig, ax = plt.subplots(figsize=(5.5 if len(keys) == 3 else 9, 3.4))
     bars = ax.bar(names, [v or 0 for v in vals], color=colours)
-    for b, v in zip(bars, vals):
-        ax.text(
-            b.get_x() + b.get_width() / 2, (v or 0) + 0.01, "n/a" if v is None else f"{v:.1%}", ha="center"
-        )
-    ax.set_ylim(0, 1.1)
-    ax.set_ylabel("held-out accuracy")
+    for b in bars[3:]:  # the forced accuracies: hatched beside the raw ones
+        b.set_hatch("//")
+        b.set_alpha(0.7)
+    for b, k, v in zip(bars, keys, vals):
+        ci = s.get(f"{k}_ci")
+        if ci:
+            ax.errorbar(
+                b.get_x() + b.get_width() / 2,
+                v,
+                yerr=[[v - ci[0]], [ci[1] - v]],
+                color="black",
+                capsize=4,
+                lw=1,
+            )
+        top = ci[1] if ci else (v or 0)
+        ax.text(b.get_x() + b.get_width() / 2, top + 0.02, verdicts.pct(v), ha="center", fontsize=9)
+    percent_axis(ax, top=1.05)
+    ax.set_ylabel("held-out accuracy (greedy)")
+    n = s.get("repeats", 1)
+    note = f"; mean of {n} seeds, 95 % interval" if n and n > 1 else ""
     if s.get("accuracy_precision"):
-        ax.set_title(f"greedy, decoded at {s['accuracy_precision']}", fontsize=9)
+        ax.set_title(f"decoded at {s['accuracy_precision']}{note}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(run.figure("accuracy"), dpi=110)
+    if path:
+        fig.savefig(path)
     return fig
 
 
@@ -149,18 +310,20 @@ def samples_html(samples: Sequence[dict]) -> str:
     return legend + "".join(sample_html(s, vmax) for s in samples)
 
 
+@styled
 def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled completions"):
     """A static picture of `samples_html` for headless runs: one row of coloured tokens per sample."""
     rows = list(samples)
-    fig, ax = plt.subplots(figsize=(12, 0.45 * max(1, len(rows)) + 0.6))
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 0.45 * max(1, len(rows)) + 0.7))
     ax.axis("off")
     vmax = max((max(s["divergence"] + [1e-9]) for s in rows), default=1.0)
     cmap = plt.get_cmap("Reds")
+    char = 0.62 * 9 / 72 / (MAX_WIDTH_IN * ax.get_position().width)  # a 9 pt monospace character, in axes
     for i, s in enumerate(rows):
         y = 1 - (i + 0.5) / max(1, len(rows))
-        label = f"step {s['step']}  {prompt_label(s['prompt'], 18)}"
-        ax.text(0.0, y, label, fontsize=8, va="center", family="monospace", transform=ax.transAxes)
-        x = 0.2
+        label = f"step {s['step']}  {prompt_label(s['prompt'], 14)}"
+        ax.text(0.0, y, label, fontsize=9, va="center", family="monospace", transform=ax.transAxes)
+        x = 0.25
         for tok, d in zip(s["tokens"], s["divergence"]):
             t = tok.replace("\n", "⏎")
             ax.text(
@@ -173,11 +336,11 @@ def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled com
                 transform=ax.transAxes,
                 bbox=dict(boxstyle="square,pad=0.1", fc=cmap(min(1.0, d / vmax)), ec="none"),
             )
-            x += 0.0085 * max(1, len(t))
+            x += char * (max(1, len(t)) + 0.4)
             if x > 0.98:
                 break
-    ax.set_title(f"{title} (colour: per-token divergence, max {vmax:.3f})", fontsize=10)
+    ax.set_title(f"{title} (colour: per-token divergence, max {vmax:.3f} nats)")
     fig.tight_layout()
     if path:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path)
     return fig

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opdkit import memory
@@ -136,17 +137,24 @@ def fit_gen_batch(prep: Any, budget: float | None, stages: dict[str, memory.Stag
 
 
 def run_job(
-    job: Job, mode: str = "tiny", overrides: dict | None = None, prepared: Any = None, **kwargs: Any
+    job: Job,
+    mode: str = "tiny",
+    overrides: dict | None = None,
+    prepared: Any = None,
+    *,
+    child: bool = False,
+    **kwargs: Any,
 ) -> RunDir | None:
     """Run `job` (see the module's docstring): returns its run folder, or None after a dry run. `prepared`: a
-    notebook's own `prepare_job` result (its first example already shown); `kwargs` go to every `process`
-    (in this process only: transformers callbacks, say)."""
+    notebook's own `prepare_job` result (its first example already shown); `child`: a run inside another
+    (`run_child`), whose plan is checked and saved but not shown again; `kwargs` go to every `process` (in
+    this process only: transformers callbacks, say)."""
     prep = prepared if prepared is not None else prepare_job(job, mode, overrides)
-    if prepared is None and getattr(prep, "first_example", ""):
+    if prepared is None and not child and getattr(prep, "first_example", ""):
         print0(prep.first_example)
     prep, plan = plan_job(job, prep)
     cfg = prep.cfg
-    if plan is not None:
+    if plan is not None and not child:
         print0(plan.table())
     if cfg.dry_run:
         stop_after_plan(job.name)
@@ -182,6 +190,30 @@ def run_job(
     if job.track and run.writer:
         job.track(prep, run, summary if summary is not None else run.read_summary())
     return run
+
+
+def run_child(
+    run: Callable[..., RunDir | None],
+    mode: str,
+    overrides: dict,
+    path: Path,
+    resume: bool,
+    label: str,
+    **kwargs,
+) -> RunDir:
+    """A run inside another one (an arm of a lesson, one seed of repeats) in `path`, by the job's `run(mode,
+    overrides, child=True, **kwargs)`: its plan is not shown again (the parent's plan holds it). With `resume`
+    a finished child (done, or stopped on a non-finite gradient) is reused as it is and an unfinished one
+    continues from its newest complete checkpoint."""
+    over = {**overrides, "run_dir": str(path)}
+    if resume and path.is_dir() and any(path.iterdir()):
+        summary = path / "summary.json"
+        status = RunDir.attach(path).read_summary().get("status", "") if summary.is_file() else ""
+        if status == "done" or status.startswith("stopped"):
+            print0(f"--- {label}: reusing the finished run in {path} ({status})")
+            return RunDir.attach(path)
+        over["resume"] = True
+    return run(mode, over, child=True, **kwargs)
 
 
 def run_process(

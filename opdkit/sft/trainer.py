@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
+from transformers.utils.notebook import NotebookProgressCallback
 
 from opdkit.data.labels import IGNORE, right_pad_batch, shifted_labels, token_losses
 from opdkit.run.files import atomic_write_text
@@ -106,7 +107,9 @@ class CompletionSFTTrainer(Trainer):
         self.order, self.step_losses, self._step_loss = order, [], 0.0
         self.model_accepts_loss_kwargs = True  # compute_loss divides by num_items_in_batch itself
         self.add_callback(_StepLoss(self))
-        if self.pop_callback(ProgressCallback):  # the bar without a printed dict per step
+        # the bar without a printed dict per step, nor, in a notebook kernel, transformers' growing step table
+        # (NotebookProgressCallback, which is not a ProgressCallback)
+        if self.pop_callback(ProgressCallback) or self.pop_callback(NotebookProgressCallback):
             self.add_callback(_QuietProgress())
 
     @functools.cached_property

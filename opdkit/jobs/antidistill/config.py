@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from opdkit.ads import direction
-from opdkit.config import ConfigError, RunFields, float_list, name_list, setting
+from opdkit.config import ConfigError, RepeatSettings, RunFields, float_list, name_list, setting
 from opdkit.data.prompts import PromptSettings
 from opdkit.models import (
     CheckpointingSettings,
@@ -28,6 +28,7 @@ ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in points.py
 @dataclass
 class AntidistillConfig(
     RunFields,
+    RepeatSettings,
     TeacherSettings,
     ProxySettings,
     StudentSettings,
@@ -95,12 +96,6 @@ class AntidistillConfig(
         "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache "
         "(small models)",
         choices=direction.METHODS,
-    )
-    repeats: int = setting(
-        1,
-        "runs of every point, with seeds seed, seed+1, ...: new sampling noise and SFT order; the mean "
-        "is plotted",
-        min=1,
     )
     attackers: list = setting(
         ("sft",),

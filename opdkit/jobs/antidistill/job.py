@@ -48,10 +48,11 @@ from tqdm.auto import tqdm
 from opdkit import memory
 from opdkit.ads.sampler import sampling_stage
 from opdkit.config import to_dict
+from opdkit.jobs.antidistill import findings, sweep
 from opdkit.jobs.antidistill import points as pt
-from opdkit.jobs.antidistill import sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared, prepared, sweep_points
+from opdkit.notebook import verdicts
 from opdkit.opd.arguments import distill_stage
 from opdkit.run import spread, tracking
 from opdkit.run.cli import run_from_cli
@@ -160,8 +161,13 @@ def process(prep: Prepared, run: RunDir, shares: list[list[str]]) -> None:
 def summarize(prep: Prepared, run: RunDir, failure: str | None) -> dict:
     """The points gathered from their folders (`points.gather`), the sweep's facts; failed points said."""
     cfg = prep.cfg
+    gathered = pt.gather(sweep_points(cfg), run, failure)
+    gathered["points"] = [findings.with_intervals(p) for p in gathered["points"]]
     summary = {
-        **pt.gather(sweep_points(cfg), run, failure),
+        **gathered,
+        "repeats": cfg.repeats,
+        "interval": verdicts.INTERVAL_NAME,
+        "findings": findings.findings(gathered),
         "grads_run": str(sweep.grads_path(cfg, run)),
         "eps": cfg.eps,
         "ads_method": cfg.ads_method,

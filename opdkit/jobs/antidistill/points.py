@@ -39,6 +39,7 @@ from opdkit.ads.teacher import ADSTeacher
 from opdkit.data import prompts
 from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
+from opdkit.notebook.verdicts import pct
 from opdkit.opd.arguments import training_arguments
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import engines
@@ -350,16 +351,13 @@ def mean_over_runs(runs: list[dict]) -> dict:
     return out
 
 
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
-
-
 def result_line(r: dict) -> str:
+    """A finished point in one line, accuracies in percent (means over its runs)."""
     if r["status"] != "done":
         return f"{r['name']:28s} FAILED: {r['error'].strip().splitlines()[-1]}"
     return (
-        f"{r['name']:28s} teacher {_num(r['teacher_accuracy'])}  student {r['student_accuracy']:.3f} "
-        f"(forced {_num(r.get('student_accuracy_forced'))})  ({r['seconds']:.0f} s)"
+        f"{r['name']:28s} teacher {pct(r['teacher_accuracy'])}  student {pct(r['student_accuracy'])} "
+        f"(forced {pct(r.get('student_accuracy_forced'))})  ({r['seconds']:.0f} s)"
     )
 
 

@@ -1,12 +1,11 @@
-"""What a finished antidistill run shows: the trade-off of teacher against distilled-student accuracy
-(figures, each also saved where `path` says), a table of every point, each ADS point against the temperature
-sweep at the same teacher accuracy in sentences built from summary.json; what a run with several attackers
-shows (how far ADS moved each attacker's student, whether it slowed the on-policy attacker against its
-control); and which tokens ADS changes, one prompt at a time (`TokenLens`: a figure, HTML, and a widget to
-explore them).
+"""What a finished antidistill run shows, from summary.json: its finding first (ADS against temperature
+sampling at equal teacher accuracy, each verdict from its interval over seeds), a table of every point with
+its intervals, the trade-off figures (`figures.py`), the ADS paper's crossing, each on-policy attacker
+against its control; and which tokens ADS changes, one prompt at a time (`TokenLens`: a figure, HTML, and in
+JupyterLab a widget to explore them).
 
-    display(HTML(summary_table_html(summary))); tradeoff(run); print(explain(summary))
-    print(attackers_explained(summary)); lens = TokenLens(run); c = lens.compare(0, lam=0.1, seed=0)
+    display(HTML(summary_table_html(summary))); tradeoff(run); display(Markdown(explain(summary)))
+    display(Markdown(attackers_explained(summary))); lens = TokenLens(run); c = lens.compare(0, lam=0.1)
 """
 
 from __future__ import annotations
@@ -18,100 +17,54 @@ from pathlib import Path
 from opdkit import tasks
 from opdkit.ads import sampler
 from opdkit.data import prompts
+from opdkit.jobs.antidistill import findings as fd
 from opdkit.jobs.antidistill import sweep
-from opdkit.jobs.antidistill.config import ATTACKER_NAMES, AntidistillConfig
+from opdkit.jobs.antidistill.config import AntidistillConfig
+from opdkit.jobs.antidistill.figures import (
+    attackers_figure,
+    attackers_in,
+    correct_mark,
+    token_changes_figure,
+    tradeoff_figure,
+    tradeoff_loss_figure,
+)
+from opdkit.jobs.antidistill.findings import ADS_LABELS
 from opdkit.jobs.antidistill.points import result_key
 from opdkit.models import eos_ids, load_tokenizer
-from opdkit.notebook.figures import plt, prompt_label
-from opdkit.notebook.widgets import reporting
+from opdkit.notebook import verdicts
+from opdkit.notebook.verdicts import pct, pct_interval, stat_text
+from opdkit.notebook.widgets import live_view, reporting
 from opdkit.run.folders import RunDir
 
-ADS_COLOURS = ("#d33", "#e90", "#a2a", "#c60")
-TEMPERATURE_COLOUR = "#37a"
+__all__ = [
+    "TokenLens",
+    "attack_rows",
+    "attackers",
+    "attackers_explained",
+    "attackers_figure",
+    "attackers_in",
+    "explain",
+    "figures",
+    "findings_of",
+    "headline",
+    "summary_table_html",
+    "token_changes",
+    "token_changes_figure",
+    "token_changes_html",
+    "token_explorer",
+    "tradeoff",
+    "tradeoff_figure",
+    "tradeoff_loss",
+    "tradeoff_loss_figure",
+]
 
 
-RAW, FORCED = "student_accuracy", "student_accuracy_forced"  # a point's two student accuracies
-
-
-def _accuracy_xy(points: Sequence[dict], key: str = RAW) -> tuple[list[float], list[float]]:
-    kept = [p for p in points if p.get("teacher_accuracy") is not None and p.get(key) is not None]
-    return [p["teacher_accuracy"] for p in kept], [p[key] for p in kept]
-
-
-ADS_LABELS = {"ads": "ADS", "ads-answer": "ADS, answer-token gradient"}
-
-
-def tradeoff_curves(summary: dict) -> dict[str, list[dict]]:
-    """The lines of the trade-off figure: the temperature sweep (by τ) and one line per ADS method and ADS
-    temperature (by λ), each ADS line starting at the λ = 0 point of its temperature when that was run."""
-    points = summary["points"]
-    curves = {"temperature": sorted((p for p in points if p["lam"] == 0), key=lambda p: p["temperature"])}
-    methods = dict.fromkeys(p["method"] for p in points if p["lam"] != 0)
-    for method in methods:
-        for tau in sorted({p["temperature"] for p in points if p["method"] == method}):
-            start = [p for p in points if p["lam"] == 0 and p["temperature"] == tau]
-            line = sorted(
-                (p for p in points if p["method"] == method and p["temperature"] == tau),
-                key=lambda p: p["lam"],
-            )
-            curves[f"{ADS_LABELS.get(method, method)} (τ={tau:g})"] = start + line
-    return curves
-
-
-def tradeoff_figure(summary: dict, path=None, title: str = ""):
-    """Teacher accuracy (x) against distilled-student accuracy (y), ADS against temperature sampling, as in
-    the ADS paper's headline figure: a method is better for the teacher where its curve lies lower at the
-    same x (the teacher stays accurate, students distilled from it do not). The students' raw accuracy on
-    the left; with their final answers forced (as the ADS reference reports too) beside it, on the right,
-    when the run measured it."""
-    forced = any(p.get(FORCED) is not None for p in summary["points"])
-    fig, axes = plt.subplots(1, 2 if forced else 1, figsize=(12.4 if forced else 6.4, 4.6), squeeze=False)
-    panels = ((RAW, "student_accuracy_before", "raw"), (FORCED, "student_accuracy_before_forced", "forced"))
-    for ax, (key, before_key, kind) in zip(axes[0], panels):
-        _tradeoff_panel(ax, summary, key, summary.get(before_key), kind)
-    axes[0][0].set_title(title or "antidistillation sampling vs temperature sampling", fontsize=10)
-    if forced:
-        axes[0][1].set_title("the same students, each final answer forced", fontsize=10)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
-
-
-def _tradeoff_panel(ax, summary: dict, key: str, before: float | None, kind: str) -> None:
-    """One panel of `tradeoff`: the students' `key` accuracy (raw or forced) against teacher accuracy."""
-    for i, (label, line) in enumerate(tradeoff_curves(summary).items()):
-        is_temp = label == "temperature"
-        colour = TEMPERATURE_COLOUR if is_temp else ADS_COLOURS[(i - 1) % len(ADS_COLOURS)]
-        x, y = _accuracy_xy(line, key)
-        ax.plot(x, y, "o-" if is_temp else "s-", color=colour, label=label, lw=1.4, ms=5)
-        runs = [r for p in line for r in p.get("runs", []) if len(p.get("runs", [])) > 1]
-        if runs:  # every repeat of a point, around the mean the line goes through
-            rx, ry = _accuracy_xy(runs, key)
-            ax.scatter(rx, ry, color=colour, s=9, alpha=0.35, marker="o" if is_temp else "s")
-        for p in line:
-            if p.get("teacher_accuracy") is None or p.get(key) is None or (not is_temp and p["lam"] == 0):
-                continue
-            tag = f"τ={p['temperature']:g}" if is_temp else f"λ={p['lam']:g}"
-            ax.annotate(
-                tag,
-                (p["teacher_accuracy"], p[key]),
-                textcoords="offset points",
-                xytext=(4, 4 if is_temp else -10),
-                fontsize=7,
-                color=colour,
-            )
-    if before is not None:
-        ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
-    ax.plot([0, 1], [0, 1], color="#ccc", lw=0.8, zorder=0)
-    xs, ys = _accuracy_xy(summary["points"], key)
-    ys += [before] if before is not None else []
-    if xs:
-        ax.set_xlim(max(0.0, min(xs) - 0.05), min(1.0, max(xs) + 0.05))
-        ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.02, max(ys) + 0.08))
-    ax.set_xlabel("teacher accuracy (its training traces)")
-    ax.set_ylabel(f"distilled student accuracy, {kind} (held out)")
-    ax.legend(fontsize=8, loc="upper left")
+def findings_of(summary: dict) -> dict:
+    """The run's findings: summary.json's, or computed now from its points (a run summarised before they
+    were kept)."""
+    if summary.get("findings"):
+        return summary["findings"]
+    return fd.findings({**summary, "points": [fd.with_intervals(p) for p in summary.get("points", [])]})
 
 
 def _token_span(t: dict) -> str:
@@ -128,10 +81,6 @@ def _token_span(t: dict) -> str:
     )
 
 
-def _verdict(ok: bool | None) -> str:
-    return "" if ok is None else (" ✓" if ok else " ✗")
-
-
 def token_changes_html(c: dict) -> str:
     """One comparison from `antidistill.TokenLens.compare`: the plain trace, and the ADS trace drawn with
     the same noise, its changed tokens highlighted (hover for the probabilities and the plain token)."""
@@ -143,116 +92,10 @@ def token_changes_html(c: dict) -> str:
         f"λ {c['lam']:g} · τ {c['temperature']:g} · "
         f"seed {c['seed']} · {n} token(s) changed<br>"
         f'<span style="color:#666">plain&nbsp;</span><span style="font-family:monospace">{plain}</span>'
-        f"{_verdict(c['plain_correct'])}<br>"
+        f"{correct_mark(c['plain_correct'])}<br>"
         f'<span style="color:#666">ADS&nbsp;&nbsp;&nbsp;</span>{"".join(_token_span(t) for t in c["tokens"])}'
-        f"{_verdict(c['correct'])}</div>"
+        f"{correct_mark(c['correct'])}</div>"
     )
-
-
-def token_changes_figure(comparisons: Sequence[dict], path=None, title: str = "tokens ADS changed"):
-    """A static picture of `token_changes_html` for headless runs: per comparison, the plain trace and the
-    ADS trace with its changed tokens on orange."""
-    rows = list(comparisons)
-    fig, ax = plt.subplots(figsize=(12, 0.75 * max(1, len(rows)) + 0.7))
-    ax.axis("off")
-    for i, c in enumerate(rows):
-        y = 1 - (i + 0.5) / max(1, len(rows))
-        tag = "answer-grad " if c.get("method") == "ads-answer" else ""
-        ax.text(
-            0.0,
-            y + 0.12 / len(rows),
-            f"{prompt_label(c['prompt'], 16)}  {tag}λ={c['lam']:g}",
-            fontsize=8,
-            family="monospace",
-            va="center",
-            transform=ax.transAxes,
-        )
-        ax.text(
-            0.2,
-            y + 0.15 / len(rows),
-            f"plain: {c['plain_completion']}{_verdict(c['plain_correct'])}",
-            fontsize=8,
-            family="monospace",
-            va="center",
-            color="#555",
-            transform=ax.transAxes,
-        )
-        x = 0.2
-        ax.text(
-            x,
-            y - 0.12 / len(rows),
-            "ADS:",
-            fontsize=8,
-            family="monospace",
-            va="center",
-            transform=ax.transAxes,
-        )
-        x += 0.035
-        for t in c["tokens"]:
-            s = t["text"].replace("\n", "⏎")
-            box = dict(boxstyle="square,pad=0.1", fc="#f0a040", ec="none") if t["changed"] else None
-            ax.text(
-                x,
-                y - 0.12 / len(rows),
-                s,
-                fontsize=8,
-                family="monospace",
-                va="center",
-                bbox=box,
-                transform=ax.transAxes,
-            )
-            x += 0.0068 * max(1, len(s))
-            if x > 0.97:
-                break
-        ax.text(
-            min(x + 0.01, 0.98),
-            y - 0.12 / len(rows),
-            _verdict(c["correct"]).strip(),
-            fontsize=8,
-            va="center",
-            transform=ax.transAxes,
-        )
-    ax.set_title(
-        f"{title} (orange: a token plain sampling would not have drawn with the same noise)", fontsize=10
-    )
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
-
-
-def tradeoff_loss_figure(summary: dict, path=None):
-    """Teacher accuracy (x) against the distilled students' NLL on the gradient's held-out traces (y): the
-    objective ADS steers by. Higher at the same x: ADS moved the students where its gradient points."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (label, line) in enumerate(tradeoff_curves(summary).items()):
-        is_temp = label == "temperature"
-        kept = [
-            p
-            for p in line
-            if p.get("teacher_accuracy") is not None and p.get("student_holdout_loss") is not None
-        ]
-        colour = TEMPERATURE_COLOUR if is_temp else ADS_COLOURS[(i - 1) % len(ADS_COLOURS)]
-        ax.plot(
-            [p["teacher_accuracy"] for p in kept],
-            [p["student_holdout_loss"] for p in kept],
-            "o-" if is_temp else "s-",
-            color=colour,
-            label=label,
-            lw=1.4,
-            ms=5,
-        )
-    before = summary.get("student_holdout_loss_before")
-    if before is not None:
-        ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.3f})")
-    ax.set_xlabel("teacher accuracy (its training traces)")
-    ax.set_ylabel("distilled student's NLL on held-out teacher traces")
-    ax.set_title("the proxy objective ADS steers by", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
 
 
 def ads_token_explorer(
@@ -280,22 +123,177 @@ def ads_token_explorer(
     return w.VBox([w.HBox([prompt, lam]), w.HBox([method, seed_box]), out, errors])
 
 
-ATTACKER_COLOURS = {"sft": "#37a", "opd": "#d33", "opd-plain": "#2a2"}
-ATTACKER_LABELS = {
-    "sft": "SFT on the teacher's traces",
-    "opd": "on-policy, scored with the ADS distribution",
-    "opd-plain": "on-policy, scored with the plain teacher",
-}
+def _cell(p: dict, key: str, n: int) -> str:
+    return pct_interval(p.get(key), p.get(f"{key}_ci"), n) if p.get(key) is not None else "–"
 
 
-def attackers_in(summary: dict) -> list[str]:
-    """The attackers whose accuracy the run's points carry, in `ATTACKER_NAMES` order."""
-    points = summary.get("points", [])
-    return [a for a in ATTACKER_NAMES if any(p.get(result_key(a)) is not None for p in points)]
+def summary_table_html(summary: dict) -> str:
+    """One row per point, each accuracy the mean over seeds with its interval; `slip` and `contradiction`
+    split the teacher's wrong traces (tiny task: a wrong answer that follows from its own working, or one that
+    contradicts it); `vs temperature` is the student minus the temperature sweep's at the point's teacher
+    accuracy, seed by seed, with its verdict. `student (raw)` is the completions as written, `forced` with
+    each final answer forced, as the ADS reference reports both."""
+    summary = _with_intervals(summary)
+    n = summary.get("repeats") or findings_of(summary).get("seeds", 1)
+    gaps = {g["name"]: g for g in findings_of(summary).get("gaps", [])}
+    cols = [
+        "method",
+        "λ",
+        "τ",
+        "teacher",
+        "slip",
+        "contradiction",
+        "student (raw)",
+        "forced",
+        "vs temperature",
+    ]
+    cols += ["held-out NLL", "runs", "seconds"]
+    rows = []
+    for p in summary["points"]:
+        err, loss, gap = p.get("errors") or {}, p.get("student_holdout_loss"), gaps.get(p["name"])
+        versus = (
+            "–" if gap is None or gap["mean"] is None else f"{stat_text(gap, signed=True)} ({gap['word']})"
+        )
+        cells = [
+            p["method"],
+            f"{p['lam']:g}",
+            f"{p['temperature']:g}",
+            _cell(p, "teacher_accuracy", n),
+            pct(err.get("slip")),
+            pct(err.get("contradiction")),
+            _cell(p, "student_accuracy", n),
+            _cell(p, "student_accuracy_forced", n),
+            versus,
+            "–" if loss is None else f"{loss:.3f}",
+            str(len(p.get("runs", [1]))),
+            f"{p['seconds']:.0f}",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    caption = f"mean of {n} seeds [{verdicts.INTERVAL_NAME}]" if n > 1 else "one seed (no interval)"
+    head = "".join(f"<th>{c}</th>" for c in cols)
+    return f"<table><caption>{caption}</caption><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _error_lines(summary: dict) -> list[str]:
+    """Per method, the range of the share of traces whose wrong answer contradicts their own working."""
+    out = []
+    for method in dict.fromkeys(p["method"] for p in summary["points"]):
+        shares = [
+            e["contradiction"] for p in summary["points"] if p["method"] == method and (e := p.get("errors"))
+        ]
+        if shares:
+            out.append(
+                f"- {ADS_LABELS.get(method, method)}: {pct(min(shares))} to {pct(max(shares))} of the traces "
+                "have a wrong answer that contradicts their own working (the other wrong ones follow from a "
+                "slip in it)."
+            )
+    return out
+
+
+def headline(summary: dict) -> str:
+    """The finding in one sentence: each ADS line against temperature sampling at the matched teacher
+    accuracy, with its verdict."""
+    m = findings_of(summary).get("matched") or {}
+    ads = [line for line in m.get("lines", []) if "vs_temperature" in line]
+    if not ads:
+        return (
+            "No ADS line shares a teacher accuracy with the temperature sweep in every seed, so this run "
+            "cannot say whether ADS hurts distilled students more than temperature sampling."
+        )
+    parts = [
+        f"{line['label']} leaves its students {stat_text(v, signed=True)} against temperature sampling's "
+        f"(the claim that it hurts them more: **{v['word']}**)"
+        for line in ads
+        if (v := line["vs_temperature"])
+    ]
+    return f"At equal teacher accuracy ({pct(m['teacher_accuracy'])}), " + "; ".join(parts) + "."
+
+
+def _crossing_lines(summary: dict) -> list[str]:
+    out = []
+    for c in findings_of(summary).get("crossings", []):
+        if c["mean"] is None:
+            out.append(
+                f"- {c['label']}: its students stay above the undistilled student's accuracy down to the "
+                f"teacher's {pct(c['lowest_teacher'])}, the lowest of its sweep: no crossing within it."
+            )
+            continue
+        some = f" (in {c['reached']} of {c['seeds']} seeds; the others never get there)"
+        out.append(
+            f"- {c['label']}: the distilled student falls to the undistilled student's accuracy with the "
+            f"teacher at {pct_interval(c['mean'], c['ci'], c['reached'])}"
+            f"{'' if c['reached'] == c['seeds'] else some}."
+        )
+    return out
+
+
+def explain(summary: dict) -> str:
+    """What this run concludes, in sentences computed from summary.json: the headline finding with its
+    verdict, the ADS paper's crossing per line, each ADS point against temperature sampling, the traces'
+    errors, and the students' held-out NLL."""
+    f = findings_of(summary)
+    n = f.get("seeds", 0)
+    lines = [f"**Finding.** {headline(summary)}"]
+    for p in summary.get("failed_points", []):
+        last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
+        lines.append(
+            f"- **{p['name']} failed** ({last}); its traceback is in points/{p['name']}/error.txt, and "
+            "`resume=True` with the same run_dir runs it again."
+        )
+    m = f.get("matched") or {}
+    for line in m.get("lines", []):
+        lines.append(
+            f"- at teacher {pct(m['teacher_accuracy'])}: {line['label']} students {stat_text(line)}."
+        )
+    lines.append(
+        "- the ADS paper's measure, the teacher accuracy at which a line's distilled student falls to the "
+        f"undistilled student's {pct(summary.get('student_accuracy_before'))} (raw):"
+    )
+    lines += ["  " + c for c in _crossing_lines(summary)]
+    for g in f.get("gaps", []):
+        if g["mean"] is None:
+            where = g["claim"].split(" leaves")[0]
+            lines.append(f"- {where}: outside the temperature sweep's teacher accuracies, no comparison.")
+        else:
+            lines.append(f"- {verdicts.sentence(g)}")
+    lines += _error_lines(summary)
+    lines += _nll_line(summary)
+    if n < 3:
+        lines.append(
+            f"- {n} seed{'s' if n != 1 else ''}: one run's student accuracy moves by several points with the "
+            "sampling noise and the SFT order alone; `-p mode tiny-seeds` (or `-p repeats 3`) gives every "
+            "point its interval."
+        )
+    return "\n".join(lines)
+
+
+def _nll_line(summary: dict) -> list[str]:
+    """The students' NLL on the gradient's held-out traces, highest under ADS against highest under
+    temperature: what ADS steers, whatever it did to accuracy."""
+    key = "student_holdout_loss"
+    highest = {
+        label: max(
+            (p[key] for p in line if p.get(key) is not None and (label == "temperature" or p["lam"])),
+            default=None,
+        )
+        for label, line in fd.lines(summary["points"]).items()
+    }
+    temp = highest.pop("temperature", None)
+    ads = ", ".join(f"{label} up to {v:.3f}" for label, v in highest.items() if v is not None)
+    if temp is None or not ads:
+        return []
+    before = summary.get("student_holdout_loss_before")
+    return [
+        "- the students' NLL on the gradient's held-out traces (what ADS steers by), in nats per token: "
+        f"under ADS {ads}; under temperature sampling up to {temp:.3f}"
+        + (f"; before distillation {before:.3f}" if before is not None else "")
+        + ". ADS moves the students where its gradient points; accuracy says whether that is what the "
+        "evaluation rewards."
+    ]
 
 
 def attack_rows(summary: dict) -> list[dict]:
-    """One row per point: λ, τ, the teacher's accuracy and each attacker's student accuracy."""
+    """One row per point: λ, τ, the teacher's accuracy and each attacker's student accuracy (means)."""
     return [
         {
             "name": p["name"],
@@ -308,206 +306,67 @@ def attack_rows(summary: dict) -> list[dict]:
     ]
 
 
-def attackers_figure(summary: dict, path=None, title: str = ""):
-    """Teacher accuracy under the point's sampling (x) against each attacker's held-out student accuracy
-    (y): one colour per attacker; solid squares along λ for ADS, dashed circles along τ for temperature."""
-    fig, ax = plt.subplots(figsize=(6.8, 4.8))
-    ys: list[float] = []
-    for attacker in attackers_in(summary):
-        named = False
-        key, colour = result_key(attacker), ATTACKER_COLOURS[attacker]
-        for label, line in tradeoff_curves(summary).items():
-            kept = [p for p in line if p.get("teacher_accuracy") is not None and p.get(key) is not None]
-            if not kept:
-                continue
-            is_temp = label == "temperature"
-            x, y = [p["teacher_accuracy"] for p in kept], [p[key] for p in kept]
-            ys += y
-            name = None if named else ATTACKER_LABELS[attacker]
-            named = True
-            ax.plot(x, y, "o--" if is_temp else "s-", color=colour, lw=1.3, ms=5, label=name, alpha=0.9)
-            for p in kept:
-                if not is_temp and p["lam"] != 0:
-                    ax.annotate(
-                        f"λ={p['lam']:g}",
-                        (p["teacher_accuracy"], p[key]),
-                        textcoords="offset points",
-                        xytext=(4, -10),
-                        fontsize=7,
-                        color=colour,
-                    )
+def _attacker_state(r: dict, before: float | None) -> str:
+    if r["damaged"]:
+        return f"**damaged**: it ends below where it started ({pct(before)}) by its whole interval"
+    return "slowed, not damaged" if r["word"] == verdicts.HOLDS else "not slowed beyond the noise"
+
+
+def attackers_explained(summary: dict) -> str:
+    """Each on-policy attacker's finding from summary.json: per ADS point, the ADS-scored student against its
+    control (shared by every λ of its τ), with its verdict, and "damaged" where it ends below its start."""
+    found = attackers_in(summary)
+    if found == ["sft"] or not found:
+        return (
+            "- only the SFT attacker ran (attackers: [sft]); add opd and opd-plain to measure on-policy ones."
+        )
     before = summary.get("student_accuracy_before")
-    if before is not None:
-        ax.axhline(before, color="grey", ls=":", lw=1, label=f"student before distillation ({before:.0%})")
-        ys.append(before)
-    xs = [p["teacher_accuracy"] for p in summary["points"] if p.get("teacher_accuracy") is not None]
-    if xs and ys:
-        ax.set_xlim(max(0.0, min(xs) - 0.05), min(1.0, max(xs) + 0.05))
-        ax.set_ylim(max(0.0, min(ys) - 0.05), min(1.02, max(ys) + 0.1))
-    ax.set_xlabel("teacher accuracy (its sampled traces)")
-    ax.set_ylabel("distilled student accuracy (held out)")
-    ax.set_title(title or "each attacker against ADS (solid) and temperature sampling (dashed)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=110)
-    return fig
-
-
-def temperature_student_at(points: list[dict], teacher_accuracy: float) -> float | None:
-    """The temperature sweep's student accuracy at this teacher accuracy, linearly interpolated between its
-    two nearest points (by teacher accuracy); None outside the sweep's range or with fewer than 2 points."""
-    curve = sorted(
-        (p["teacher_accuracy"], p["student_accuracy"])
-        for p in points
-        if p["lam"] == 0 and p["teacher_accuracy"] is not None
-    )
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x0 <= teacher_accuracy <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (teacher_accuracy - x0) / (x1 - x0)
-    return None
-
-
-def gaps(summary: dict) -> list[dict]:
-    """Per ADS point: its student accuracy minus the temperature sweep's at the same teacher accuracy.
-    Negative: ADS hurt the distilled student more than temperature sampling did, at equal teacher accuracy."""
-    out = []
-    for p in summary["points"]:
-        if p["lam"] == 0 or p["teacher_accuracy"] is None:
-            continue
-        ref = temperature_student_at(summary["points"], p["teacher_accuracy"])
-        out.append(
-            {
-                "name": p["name"],
-                "method": p["method"],
-                "lam": p["lam"],
-                "temperature": p["temperature"],
-                "teacher_accuracy": p["teacher_accuracy"],
-                "student_accuracy": p["student_accuracy"],
-                "temperature_student_accuracy": ref,
-                "gap": None if ref is None else p["student_accuracy"] - ref,
-            }
-        )
-    return out
-
-
-def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{v:.1%}"
-
-
-def summary_table_html(summary: dict) -> str:
-    """One row per point; `slip` and `contradiction` split the teacher's wrong traces (tiny task): a wrong
-    answer that follows from its own working, or one that contradicts it. `student_accuracy` is raw (the
-    completions as written), `student_accuracy_forced` with each final answer forced, as the ADS reference
-    reports both."""
-    cols = [
-        "method",
-        "lam",
-        "temperature",
-        "teacher_accuracy",
-        "slip",
-        "contradiction",
-        "student_accuracy",
-        "student_accuracy_forced",
-        "student_holdout_loss",
-        "runs",
-        "seconds",
-    ]
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    rows = []
-    for p in summary["points"]:
-        err, loss = p.get("errors") or {}, p.get("student_holdout_loss")
-        cells = [
-            p["method"],
-            f"{p['lam']:g}",
-            f"{p['temperature']:g}",
-            _pct(p["teacher_accuracy"]),
-            _pct(err.get("slip")),
-            _pct(err.get("contradiction")),
-            _pct(p["student_accuracy"]),
-            _pct(p.get("student_accuracy_forced")),
-            "–" if loss is None else f"{loss:.3f}",
-            str(len(p.get("runs", [1]))),
-            f"{p['seconds']:.0f}",
-        ]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
-
-
-def _error_lines(summary: dict) -> list[str]:
-    """Per method, the range of the share of traces whose wrong answer contradicts their own working."""
-    out = []
-    for method in dict.fromkeys(p["method"] for p in summary["points"]):
-        shares = [
-            p["errors"]["contradiction"]
-            for p in summary["points"]
-            if p["method"] == method and p.get("errors")
-        ]
-        if shares:
-            label = ADS_LABELS.get(method, method)
-            out.append(
-                f"- {label}: {min(shares):.1%} to {max(shares):.1%} of the traces have a wrong answer that "
-                "contradicts their own working (the rest of the wrong ones follow from a slip in it)."
-            )
-    return out
-
-
-def explain(summary: dict) -> str:
-    """What this run measured, in sentences built from summary.json: each ADS point against the temperature
-    sweep at the same teacher accuracy."""
-    lines = [
-        f"- student before distillation: {_pct(summary.get('student_accuracy_before'))} raw, "
-        f"{_pct(summary.get('student_accuracy_before_forced'))} with its final answer forced; the "
-        "comparisons below are of raw accuracy, the forced one is in the table and the figure's right panel."
-    ]
-    for p in summary.get("failed_points", []):
-        last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
+    rows = findings_of(summary).get("attackers", [])
+    lines = []
+    if rows:
+        held = sum(r["word"] == verdicts.HOLDS for r in rows)
+        each = "; ".join(f"λ={r['lam']:g}: {stat_text(r, signed=True)}, **{r['word']}**" for r in rows)
         lines.append(
-            f"- **{p['name']} failed** ({last}); its traceback is in points/{p['name']}/error.txt, and "
-            "`resume=True` with the same run_dir runs it again."
+            "**Finding.** Serving the ADS distribution slows the on-policy attacker against its control at "
+            f"{held} of {len(rows)} ADS point(s) by its interval ({each})."
         )
-    for gp in gaps(summary):
-        label = ADS_LABELS.get(gp["method"], gp["method"])
-        where = (
-            f"{label} λ={gp['lam']:g} (τ={gp['temperature']:g}): teacher {_pct(gp['teacher_accuracy'])}, "
-            f"student {_pct(gp['student_accuracy'])}"
-        )
-        if gp["gap"] is None:
-            lines.append(
-                f"- {where}; outside the temperature sweep's range of teacher accuracy, no comparison."
-            )
-        else:
-            verdict = "lower" if gp["gap"] < 0 else "higher"
-            lines.append(
-                f"- {where}; temperature sampling at that teacher accuracy: student "
-                f"{_pct(gp['temperature_student_accuracy'])}, so the ADS student is "
-                f"{abs(gp['gap']) * 100:.1f} points {verdict}."
-            )
-    lines += _error_lines(summary)
-    runs = min((len(p.get("runs", [None])) for p in summary["points"]), default=0)
-    for method in dict.fromkeys(gp["method"] for gp in gaps(summary)):
-        known = [gp["gap"] for gp in gaps(summary) if gp["method"] == method and gp["gap"] is not None]
-        if known:
-            lines.append(
-                f"- {ADS_LABELS.get(method, method)}: "
-                f"mean gap {sum(known) / len(known) * 100:+.1f} points "
-                f"over {len(known)} comparable point(s) (negative favours ADS)."
-            )
     lines.append(
-        f"- each point is the mean of {runs} run(s); one run's student accuracy moves by several points with "
-        "the sampling noise and the SFT order alone (raise `repeats` to average it)."
+        "- the control (opd-plain) is one on-policy student per temperature and seed, trained once and "
+        "shared by every λ of that temperature; at λ = 0 the ADS-scored student is that control (the same "
+        f"teacher), so λ = 0 is no comparison. Student before distillation: {pct(before)}."
     )
+    for r in rows:
+        lines.append(
+            f"- λ={r['lam']:g} (τ={r['temperature']:g}): ADS-scored student {stat_text(r['student'])}, "
+            f"control {stat_text(r['control'])}; {_attacker_state(r, before)}."
+        )
+    sft, opd = result_key("sft"), result_key("opd")
+    diffs = [
+        p[sft] - p[opd]
+        for p in summary["points"]
+        if p["lam"] and p.get(opd) is not None and p.get(sft) is not None
+    ]
+    if diffs:
+        lines.append(
+            f"- at the same ADS points the SFT student is {verdicts.points(sum(diffs) / len(diffs))} from "
+            "the ADS-scored on-policy student on average (positive: SFT learns more from that teacher)."
+        )
     return "\n".join(lines)
+
+
+def _with_intervals(summary: dict) -> dict:
+    """A summary whose points carry their intervals (a run summarised before they were kept gets them now)."""
+    return {**summary, "points": [fd.with_intervals(p) for p in summary.get("points", [])]}
 
 
 def tradeoff(run: RunDir):
     """Teacher accuracy (x) against the distilled students' held-out accuracy (y), one curve per sweep."""
-    return tradeoff_figure(run.read_summary(), path=run.figure("tradeoff"))
+    return tradeoff_figure(_with_intervals(run.read_summary()), path=run.figure("tradeoff"))
 
 
 def tradeoff_loss(run: RunDir):
     """Teacher accuracy against the students' NLL on the gradient's held-out traces."""
-    return tradeoff_loss_figure(run.read_summary(), path=run.figure("tradeoff_holdout_loss"))
+    return tradeoff_loss_figure(_with_intervals(run.read_summary()), path=run.figure("tradeoff_holdout_loss"))
 
 
 def shown_lam(cfg: AntidistillConfig, method: str = "ads") -> float:
@@ -528,17 +387,21 @@ def token_changes(run: RunDir, lens: TokenLens, cfg: AntidistillConfig, prompts:
 
 
 def token_explorer(lens: TokenLens, cfg: AntidistillConfig):
-    """A widget: any training prompt, λ (the sweep's, and twice the largest), gradient and seed
-    (JupyterLab)."""
+    """A widget where a person is watching (JupyterLab): any training prompt, λ (the sweep's, and twice the
+    largest), gradient and seed; a headless run says where to find it instead."""
     methods = ["ads", "ads-answer"] if cfg.answer_lams else ["ads"]
     lams = sorted({0.0, *cfg.lams, *cfg.answer_lams, 2 * shown_lam(cfg)})
-    return ads_token_explorer(lens.compare, lens.labels, lams, methods)
+    return live_view(
+        lambda: ads_token_explorer(lens.compare, lens.labels, lams, methods),
+        "<i>The token explorer computes as you pick, so it needs a running kernel: open this notebook in "
+        "JupyterLab and run it there. The static figure above is this run's.</i>",
+    )
 
 
 def attackers(run: RunDir):
     """Teacher accuracy against each attacker's student accuracy (figures/attackers.png); None when only the
     SFT attacker ran."""
-    summary = run.read_summary()
+    summary = _with_intervals(run.read_summary())
     if attackers_in(summary) in ([], ["sft"]):
         return None
     return attackers_figure(summary, path=run.figure("attackers"))
@@ -549,80 +412,6 @@ def figures(run: RunDir) -> None:
     tradeoff(run)
     tradeoff_loss(run)
     attackers(run)
-
-
-def _pct_or_na(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1%}"
-
-
-def _points(a: float, b: float) -> str:
-    return f"{(b - a) * 100:+.1f} points"
-
-
-def attackers_explained(summary: dict) -> str:
-    """Sentences built from summary.json: per ADS line, each attacker's student at λ = 0 and at every λ, and
-    the on-policy attacker against its plain-scored control at the same point."""
-    found = attackers_in(summary)
-    if found == ["sft"] or not found:
-        return (
-            "- only the SFT attacker ran (attackers: [sft]); add opd and opd-plain to measure on-policy ones."
-        )
-    lines = [f"- student before distillation: {_pct_or_na(summary.get('student_accuracy_before'))}."]
-    for label, line in tradeoff_curves(summary).items():
-        if label == "temperature":
-            continue
-        start = next((p for p in line if p["lam"] == 0), None)
-        for p in (p for p in line if p["lam"] != 0):
-            moved = []
-            for a in found:
-                now = p.get(result_key(a))
-                was = start.get(result_key(a)) if start else None
-                if now is None:
-                    continue
-                moved.append(
-                    f"{a} {_pct_or_na(now)}"
-                    + (f" ({_points(was, now)} from λ = 0)" if was is not None else "")
-                )
-            teacher = f"teacher {_pct_or_na(p.get('teacher_accuracy'))}"
-            if start and start.get("teacher_accuracy") is not None and p.get("teacher_accuracy") is not None:
-                teacher += f" ({_points(start['teacher_accuracy'], p['teacher_accuracy'])})"
-            lines.append(f"- {label}, λ={p['lam']:g}: {teacher}; students: " + ", ".join(moved) + ".")
-    pairs = [
-        (p, p[result_key("opd")] - p[result_key("opd-plain")])
-        for p in summary["points"]
-        if p["lam"] != 0
-        and p.get(result_key("opd")) is not None
-        and p.get(result_key("opd-plain")) is not None
-    ]
-    if pairs:
-        slower = [p for p, d in pairs if d < 0]
-        mean = sum(d for _, d in pairs) / len(pairs)
-        lines.append(
-            f"- the on-policy attacker scored with the ADS distribution ends {abs(mean) * 100:.1f} points "
-            f"{'below' if mean < 0 else 'above'} its plain-scored control on average over {len(pairs)} ADS "
-            f"point(s) ({len(slower)} below, {len(pairs) - len(slower)} not): "
-            + (
-                "serving the ADS distribution slowed the on-policy attacker in this run."
-                if mean < 0
-                else "serving the ADS distribution did not slow the on-policy attacker in this run."
-            )
-        )
-        sft = [
-            p[result_key("sft")] - p[result_key("opd")]
-            for p, _ in pairs
-            if p.get(result_key("sft")) is not None
-        ]
-        if sft:
-            lines.append(
-                f"- at the same ADS points the SFT student is {sum(sft) / len(sft) * 100:+.1f} points from "
-                "the ADS-scored on-policy student on average (positive: SFT learns more from that teacher)."
-            )
-    runs = min((len(p.get("runs", [None])) for p in summary["points"]), default=0)
-    lines.append(
-        f"- each point is the mean of {runs} run(s); one run's accuracy moves by several points with the "
-        "seeds alone, so differences of that size are not a finding."
-    )
-    return "\n".join(lines)
 
 
 class TokenLens:

@@ -3,6 +3,7 @@ figures the summary promises, read from its run folder.
 
     for arm in arms(cfg): run = whitebox.run(arm.mode, {**arm_overrides(arm, cfg), "seed": 42})
     stats = arm_stats(run, arm)
+    summary = lesson_summary({"clip": {42: stats, 43: ...}, "noclip": {...}})   # means, intervals, findings
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
+from opdkit.notebook import verdicts
 from opdkit.run.folders import RunDir
 
 
@@ -29,16 +31,6 @@ class Arm:
     @property
     def clipping(self) -> bool:
         return 0 < self.max_grad_norm < 1e8
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in str(text).replace(" ", "").split(",") if s]
-    except ValueError:
-        raise ConfigError(f"seeds={text!r} must be comma-separated integers, e.g. '1,2,3'.") from None
-    if not seeds:
-        raise ConfigError("seeds is empty; give at least one seed, e.g. '42'.")
-    return seeds
 
 
 def arms(cfg: ClipLessonConfig) -> list[Arm]:
@@ -121,9 +113,52 @@ def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
         over["eval_size"] = cfg.arm_eval_size
     if cfg.teacher_server:
         over |= {"teacher_server": cfg.teacher_server, "teacher_server_dtype": cfg.teacher_server_dtype}
+    over["repeats"] = 1  # the lesson repeats its arms itself
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer
     return over
+
+
+NUMERIC = ("max_grad_norm", "median_grad_norm", "clipped_steps", "max_loss", "final_loss", "final_accuracy")
+# (arm, against, claim): each judged on the per-seed difference of final accuracy (the arms share seeds)
+COMPARISONS = (
+    ("clip", "noclip", "the clipped arm ends more accurate than the unclipped one (the original's pair)"),
+    ("clip-at-noclip-lr", "noclip", "at noclip's learning rate, clipping alone keeps the arm more accurate"),
+    ("clip", "noclip-at-clip-lr", "at clip's learning rate, clipping makes the arm more accurate"),
+    ("clip", "clip-at-noclip-lr", "with clipping, the lower learning rate ends more accurate"),
+    ("sgd-clip", "sgd-noclip", "with SGD at one learning rate, clipping alone makes the arm more accurate"),
+)
+
+
+def lesson_summary(results: dict[str, dict[int, dict]]) -> dict:
+    """The lesson's summary from every arm's per-seed figures (`arm_stats`): per arm the mean of each figure
+    over the seeds with its interval (`<figure>_ci`), the first seed's run folder and settings, every seed's
+    figures under `seeds`; the findings (`COMPARISONS`), each a paired verdict on final accuracy."""
+    out: dict[str, dict] = {}
+    for name, by_seed in results.items():
+        first = by_seed[min(by_seed)]
+        entry = {**first, "seeds": by_seed}
+        for key in NUMERIC:
+            stat = verdicts.summarize([s.get(key) for s in by_seed.values()])
+            entry[key], entry[f"{key}_ci"] = stat["mean"], stat["ci"]
+        entry["first_nonfinite_steps"] = [s.get("first_nonfinite_step") for s in by_seed.values()]
+        out[name] = entry
+    findings = []
+    for arm, other, claim in COMPARISONS:
+        if arm in results and other in results:
+            pairs = zip(results[arm].values(), results[other].values())  # seed by seed, in seed order
+            diffs = [
+                a["final_accuracy"] - b["final_accuracy"]
+                for a, b in pairs
+                if a.get("final_accuracy") is not None and b.get("final_accuracy") is not None
+            ]
+            findings.append({"arm": arm, "against": other, **verdicts.verdict(claim, diffs)})
+    return {
+        "arms": out,
+        "findings": findings,
+        "repeats": max((len(v) for v in results.values()), default=0),
+        "interval": verdicts.INTERVAL_NAME,
+    }
 
 
 def existing_arms(cfg: ClipLessonConfig) -> list[tuple[Arm, str, int]]:

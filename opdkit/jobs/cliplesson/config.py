@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from opdkit.config import RunFields, setting
+from opdkit.config import RepeatSettings, RunFields, setting
 from opdkit.opd.served import ServedSettings
 
 
 @dataclass
-class ClipLessonConfig(RunFields, ServedSettings):
+class ClipLessonConfig(RunFields, RepeatSettings, ServedSettings):
     """Clip versus no-clip (notebook 03): arms built from whitebox presets or runs; with `teacher_server`,
     every arm's teacher is that server's."""
 
@@ -28,7 +28,6 @@ class ClipLessonConfig(RunFields, ServedSettings):
     )
     sgd_lr: float = setting(0.05, "learning rate of both SGD arms", min=0.0)
     sgd_momentum: float = setting(0.9, "momentum of both SGD arms", min=0.0, max=1.0)
-    seeds: str = setting("42", "comma-separated seeds; every arm runs once per seed")
     arm_max_steps: int = setting(0, "optimizer steps of every arm; 0 keeps each arm preset's", min=0)
     arm_eval_size: int = setting(
         -1, "held-out problems per accuracy measurement of every arm; -1 keeps each arm preset's", min=-1

@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opdkit import memory
-from opdkit.config import load_config, to_dict
+from opdkit.config import load_config, repeat_seeds, to_dict
 from opdkit.jobs import whitebox
-from opdkit.jobs.cliplesson.arms import Arm, arm_overrides, arm_stats, arms, existing_arms, parse_seeds
+from opdkit.jobs.cliplesson.arms import Arm, arm_overrides, arm_stats, arms, existing_arms, lesson_summary
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.run import tracking
 from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.lifecycle import Job, prepare_job, run_job
+from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
@@ -34,32 +34,15 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 
 
 def run_arm(arm: Arm, seed: int, cfg: ClipLessonConfig, lesson: RunDir) -> RunDir:
-    """The arm's whitebox run in arms/<arm>-seed<seed>/. With resume=True a finished arm (done, or stopped on
-    a non-finite gradient) is reused and an unfinished one continues from its newest complete checkpoint."""
+    """The arm's whitebox run in arms/<arm>-seed<seed>/, its live figure named after the arm
+    (`lifecycle.run_child`: with resume=True a finished arm is reused, an unfinished one continues)."""
     path = lesson.path / "arms" / f"{arm.name}-seed{seed}"
-    over = {**arm_overrides(arm, cfg), "seed": seed, "run_dir": str(path)}
-    if cfg.resume and path.is_dir() and any(path.iterdir()):
-        status = (
-            RunDir.attach(path).read_summary().get("status", "") if (path / "summary.json").is_file() else ""
-        )
-        if status == "done" or status.startswith("stopped"):
-            print0(f"--- arm {arm.name} (seed {seed}): reusing the finished run in {path} ({status})")
-            return RunDir.attach(path)
-        over["resume"] = True
-    print0(
-        f"--- arm {arm.name} (seed {seed}): lr {arm.learning_rate:g}, "
-        f"{'clip at ' + format(arm.max_grad_norm, 'g') if arm.clipping else 'no clipping'}"
-    )
-    return whitebox.run(arm.mode, over)
-
-
-def summarize(results: dict[str, dict[int, dict]]) -> dict:
-    """One entry per arm: the first seed's figures, plus every seed's under `seeds`."""
-    out = {}
-    for name, by_seed in results.items():
-        first = by_seed[min(by_seed)]
-        out[name] = {**first, "seeds": by_seed}
-    return out
+    over = {**arm_overrides(arm, cfg), "seed": seed}
+    clipping = f"clip at {arm.max_grad_norm:g}" if arm.clipping else "no clipping"
+    label = f"arm {arm.name} (seed {seed})"
+    print0(f"--- {label}: {arm.optimizer} lr {arm.learning_rate:g}, {clipping}")
+    title = f"{arm.name} · {arm.optimizer} lr {arm.learning_rate:g}, {clipping} · seed {seed}"
+    return run_child(whitebox.run, arm.mode, over, path, cfg.resume, label, title=title)
 
 
 @dataclass
@@ -80,7 +63,7 @@ def prepared(cfg: ClipLessonConfig, mode: str) -> Prepared:
             whitebox.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
     elif cfg.dry_run:
         print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
-    return Prepared(cfg, mode, arm_list, parse_seeds(cfg.seeds), existing)
+    return Prepared(cfg, mode, arm_list, repeat_seeds(cfg), existing)
 
 
 def process(prep: Prepared, run: RunDir) -> None:
@@ -103,18 +86,19 @@ def arm_runs(prep: Prepared, run: RunDir) -> list[tuple[Arm, RunDir, int]]:
 
 
 def gather(prep: Prepared, run: RunDir, failure: str | None) -> dict:
-    """The lesson's summary from its arms' folders (`summarize`)."""
+    """The lesson's summary from its arms' folders (`arms.lesson_summary`)."""
     results: dict[str, dict[int, dict]] = {}
     for arm, arm_run, seed in arm_runs(prep, run):
         results.setdefault(arm.name, {})[seed] = arm_stats(arm_run, arm)
-    return summarize(results)
+    return lesson_summary(results)
 
 
 def track(prep: Prepared, run: RunDir, summary: dict) -> None:
     """The arms as one table, to the `report_to` tracker."""
     tracker = tracking.Tracker.start(prep.cfg.report_to, run, config=to_dict(prep.cfg))
+    arms_ = summary["arms"].items()
     tracker.table(
-        "arms", [{"arm": name, **{k: v for k, v in e.items() if k != "seeds"}} for name, e in summary.items()]
+        "arms", [{"arm": name, **{k: v for k, v in e.items() if k != "seeds"}} for name, e in arms_]
     )
     tracker.finish()
 

@@ -1,7 +1,8 @@
 """What a finished savegrad run shows: its traces as the proxy read them, their lengths, and the saved
 gradient's norm per layer and per tensor.
 
-    print(show_traces(run, n=4)); length_histogram(run); layer_norm_bars(run); largest_tensors(run)
+    display(HTML(summary_table_html(summary))); print(show_traces(run, n=4)); length_histogram(run)
+    layer_norm_bars(run); largest_tensors(run)
 """
 
 from __future__ import annotations
@@ -9,8 +10,27 @@ from __future__ import annotations
 from opdkit.ads import gradfile, gradient
 from opdkit.data.traces import format_trace, load_traces
 from opdkit.models import load_tokenizer, model_skeleton
+from opdkit.notebook import verdicts
 from opdkit.notebook.figures import plt
 from opdkit.run.folders import RunDir
+
+
+def summary_table_html(summary: dict) -> str:
+    """The run at a glance: traces, the teacher's accuracy on them, the proxy's loss and the gradient's norm
+    (accuracies in percent)."""
+    rows = [
+        ("traces", f"{summary.get('num_traces')} ({summary.get('truncated_traces', 0)} truncated)"),
+        ("teacher accuracy on them", verdicts.pct(summary.get("teacher_accuracy"))),
+        ("completion tokens, mean per trace", f"{summary.get('mean_completion_tokens', float('nan')):.1f}"),
+        (
+            f"proxy loss ({summary.get('normalization')} mean), nats/token",
+            f"{summary.get('proxy_loss', float('nan')):.4f}",
+        ),
+        ("gradient norm", f"{summary.get('grad_norm', float('nan')):.4g}"),
+        ("status", str(summary.get("status"))),
+    ]
+    body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
+    return f"<table>{body}</table>"
 
 
 def show_traces(run: RunDir, n: int = 4) -> str:

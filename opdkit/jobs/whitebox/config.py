@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from opdkit.config import ConfigError, RunFields, setting
+from opdkit.config import ConfigError, RepeatSettings, RunFields, setting
 from opdkit.data.prompts import PromptSettings
 from opdkit.models import CheckpointingSettings, PrecisionSettings, StudentSettings, TeacherSettings
 from opdkit.opd.arguments import OPDSettings, OPDTraining
@@ -17,6 +17,7 @@ from opdkit.tasks.evaluate import EvalSettings
 @dataclass
 class WhiteboxConfig(
     RunFields,
+    RepeatSettings,
     StudentSettings,
     TeacherSettings,
     ServedSettings,

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 
 from opdkit import memory
-from opdkit.config import ConfigError, load_config
+from opdkit.config import ConfigError, load_config, repeat_seeds
 from opdkit.data import prompts
+from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, prepared
 from opdkit.models import load_model, load_tokenizer, num_params
-from opdkit.notebook import live
+from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
 from opdkit.opd import served
 from opdkit.opd.arguments import OPDArguments, distill_stage
@@ -39,7 +40,7 @@ from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes, under_external_launcher
-from opdkit.run.lifecycle import Job, prepare_job, run_job
+from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
 from opdkit.tasks.evaluate import completion_budget, configured_accuracy
 
 SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
@@ -114,11 +115,14 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
     )
 
 
-def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
+def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: str = "") -> None:
     """What every process runs: load the models, measure accuracy, distil, measure it again, write the
-    summary. However it ends, the trainer's rollout engine is shut down, so a next run in this process (03's
-    arms, Run All again) finds the memory free."""
+    summary (with `repeats` > 1: one such run per seed, `run_seeds`). However it ends, the trainer's rollout
+    engine is shut down, so a next run in this process (03's arms, Run All again) finds the memory free."""
     t0, cfg = time.time(), prep.cfg
+    if cfg.repeats > 1:
+        run_seeds(prep, run, callbacks, title)
+        return
     args = training_arguments(cfg, run.path, prep.eval_prompt_tokens)  # starts the process group (N > 1)
     world, rank = args.world_size, args.process_index
     run.write_env(world_size=world)
@@ -148,7 +152,7 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None) -> None:
         callbacks=callbacks,
     )
     try:
-        distil(prep, run, trainer, teacher, world, rank, t0)
+        distil(prep, run, trainer, teacher, world, rank, t0, title)
     finally:
         trainer.close_engine()
         if cfg.teacher_server:
@@ -176,7 +180,14 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
 
 
 def distil(
-    prep: Prepared, run: RunDir, trainer: DistillTrainer, teacher, world: int, rank: int, t0: float
+    prep: Prepared,
+    run: RunDir,
+    trainer: DistillTrainer,
+    teacher,
+    world: int,
+    rank: int,
+    t0: float,
+    title: str = "",
 ) -> None:
     """Accuracy before (kept from the summary on resume), training, accuracy after, the summary."""
     cfg = prep.cfg
@@ -197,7 +208,7 @@ def distil(
     teacher_acc, teacher_forced = (None, None) if cfg.teacher_server else acc(teacher)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
-    print0(f"accuracy before: teacher {teacher_acc}, student {before}")
+    print0(f"accuracy before: teacher {verdicts.pct(teacher_acc)}, student {verdicts.pct(before)}")
     forced_before = (
         {"student_accuracy_before_forced": before_forced, "teacher_accuracy_forced": teacher_forced}
         if cfg.forced_accuracy
@@ -206,7 +217,12 @@ def distil(
     head = {"student_accuracy_before": before, **forced_before, "teacher_accuracy": teacher_acc}
     run.write_summary({**head, "accuracy_precision": accuracy_precision(cfg), "status": "training"})
     tracking.report_samples(trainer, cfg.report_to, run)
-    live.notebook_view(trainer, max_grad_norm=cfg.max_grad_norm or None, title=f"{JOB.name} · {prep.mode}")
+    live.notebook_view(
+        trainer,
+        max_grad_norm=cfg.max_grad_norm or None,
+        title=title or f"{JOB.name} · {prep.mode}",
+        reference={"teacher_accuracy": teacher_acc, "student_accuracy_before": before},
+    )
     if cfg.eval_steps and prep.eval_messages:
         measure = lambda m: sharded_accuracies(m, prep, world, rank, cfg.eval_steps_size, engine, False)[0]  # noqa: E731
         add_step_accuracy(trainer, measure, cfg.eval_steps)
@@ -233,8 +249,9 @@ def distil(
         "wall_time_s": round(time.time() - t0, 1),
         "status": "stopped: non-finite gradient" if trainer.first_nonfinite_step else "done",
     }
+    summary["finding"] = seeds.finding([summary])
     run.write_summary(summary)
-    print0(f"accuracy after: student {after}")
+    print0(f"accuracy after: student {verdicts.pct(after)}")
 
 
 def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
@@ -261,7 +278,36 @@ def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
     }
 
 
-JOB = Job("whitebox", WhiteboxConfig, prepare=prepared, stages=stages, process=process)
+def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:
+    """`repeats` > 1: one whitebox run per seed in seeds/seed<seed>/ (`lifecycle.run_child`; resume reuses
+    the finished ones), gathered by `summarize`."""
+    for seed in repeat_seeds(prep.cfg):
+        label = f"{title or f'{JOB.name} · {prep.mode}'} · seed {seed}"
+        print0(f"--- {label}")
+        over = seeds.seed_overrides(prep.cfg, seed)
+        path = seeds.seed_path(parent, seed)
+        run_child(run, prep.mode, over, path, prep.cfg.resume, label, callbacks=callbacks, title=label)
+
+
+def own_processes(prep: Prepared, run: RunDir) -> tuple[int, tuple]:
+    """One process per GPU, or, with `repeats` > 1, this one: each seed's run launches its own."""
+    return (1 if prep.cfg.repeats > 1 else processes(prep.cfg)), ()
+
+
+def summarize(prep: Prepared, run: RunDir, failure: str | None) -> dict | None:
+    """A repeated run's summary from its seeds (`seeds.gather`); None for one run (its process wrote it)."""
+    return seeds.gather(run, prep.cfg) if prep.cfg.repeats > 1 else None
+
+
+JOB = Job(
+    "whitebox",
+    WhiteboxConfig,
+    prepare=prepared,
+    stages=stages,
+    process=process,
+    summarize=summarize,
+    processes=own_processes,
+)
 
 
 def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
@@ -279,18 +325,27 @@ def run(
     overrides: dict | None = None,
     prepared: Prepared | None = None,
     callbacks: list | None = None,
+    *,
+    child: bool = False,
+    title: str = "",
 ) -> RunDir | None:
     """The run (`lifecycle.run_job`): its folder, or None after a dry run. `callbacks` (transformers
-    `TrainerCallback`s) are handed to the trainer in every process. `teacher_server: local` runs it beside
-    the teacher's server (`with_local_server`)."""
+    `TrainerCallback`s) are handed to the trainer in every process; `title` names the live figure (03: the
+    arm); `child`: a run inside another (`lifecycle.run_child`). `teacher_server: local` runs it beside the
+    teacher's server (`with_local_server`)."""
     cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
     if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
-        return with_local_server(cfg, mode, overrides, prepared, callbacks)
-    return run_job(JOB, mode, overrides, prepared, callbacks=callbacks)
+        return with_local_server(cfg, mode, overrides, prepared, callbacks, child=child, title=title)
+    return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
 
 
 def with_local_server(
-    cfg: WhiteboxConfig, mode: str, overrides: dict | None, prepared: Prepared | None, callbacks: list | None
+    cfg: WhiteboxConfig,
+    mode: str,
+    overrides: dict | None,
+    prepared: Prepared | None,
+    callbacks: list | None,
+    **run_kw,
 ) -> RunDir | None:
     """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
     temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
@@ -320,7 +375,7 @@ def with_local_server(
         try:
             if train:
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
-            return run_job(JOB, mode, over, prepared, callbacks=callbacks)
+            return run_job(JOB, mode, over, prepared, callbacks=callbacks, **run_kw)
         finally:
             if train:
                 if before is None:

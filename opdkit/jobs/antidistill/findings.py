@@ -1,0 +1,202 @@
+"""What an antidistill run concludes, computed from its points' runs (one per seed): the lines of the
+trade-off, each point's statistics over seeds, ADS against temperature sampling at equal teacher accuracy,
+the ADS paper's crossing, and each on-policy attacker against its control; every claim a verdict from its
+95 % interval over seeds (`notebook.verdicts`).
+
+    summary["points"] = [with_intervals(p) for p in summary["points"]]
+    summary["findings"] = findings(summary)           # matched, gaps, crossings, attackers, headline
+
+Paired by seed: the points of one repeat share their seed (the same sampling noise, SFT order and student),
+so each comparison is made seed by seed (an ADS point against the temperature curve of the same seed, an
+attacker against its control of the same seed) and the interval is that of the per-seed differences.
+
+- **matched**: one teacher accuracy every line reaches in every seed (the highest of their lowest); each
+  line's student accuracy interpolated there, and each ADS line minus temperature's, seed by seed.
+- **gaps**: each ADS point's student minus the temperature curve's at the point's own teacher accuracy.
+- **crossings** (the ADS paper's measure): the teacher accuracy at which a line's distilled student falls to
+  the undistilled student's accuracy, interpolated, seed by seed; None where the sweep never gets there.
+- **attackers**: per ADS point, the ADS-scored on-policy student minus the plain-scored control (one control
+  per τ and seed, shared by every λ of that τ: said so); "damaged" when the student ends below where it
+  started by its whole interval.
+"""
+
+from __future__ import annotations
+
+from opdkit.notebook import verdicts
+
+RAW = "student_accuracy"
+MEASURES = (
+    "teacher_accuracy",
+    "student_accuracy",
+    "student_accuracy_forced",
+    "student_holdout_loss",
+    "opd_student_accuracy",
+    "opd_student_accuracy_forced",
+    "opd_student_holdout_loss",
+    "opd_plain_student_accuracy",
+    "opd_plain_student_accuracy_forced",
+    "opd_plain_student_holdout_loss",
+)
+ADS_LABELS = {"ads": "ADS", "ads-answer": "ADS, answer-token gradient"}
+GRADIENT_NAMES = {"ads": "completion", "ads-answer": "answer-token"}
+
+
+def with_intervals(point: dict) -> dict:
+    """The point with each measure the mean over its runs and `<measure>_ci` its interval (None: one run)."""
+    runs = point.get("runs", [])
+    out = dict(point)
+    for key in MEASURES:
+        values = [r.get(key) for r in runs]
+        if any(v is not None for v in values):
+            stat = verdicts.summarize(values)
+            out[key], out[f"{key}_ci"] = stat["mean"], stat["ci"]
+    return out
+
+
+def lines(points: list[dict]) -> dict[str, list[dict]]:
+    """The lines of the trade-off in sweep order: the temperature sweep (by τ), then one line per ADS method
+    and ADS temperature (by λ), each starting at the λ = 0 point of its temperature when that was run."""
+    out = {"temperature": sorted((p for p in points if p["lam"] == 0), key=lambda p: p["temperature"])}
+    for method in dict.fromkeys(p["method"] for p in points if p["lam"] != 0):
+        for tau in sorted({p["temperature"] for p in points if p["method"] == method}):
+            start = [p for p in points if p["lam"] == 0 and p["temperature"] == tau]
+            line = sorted(
+                (p for p in points if p["method"] == method and p["temperature"] == tau),
+                key=lambda p: p["lam"],
+            )
+            out[f"{ADS_LABELS.get(method, method)} (τ={tau:g})"] = start + line
+    return out
+
+
+def seeds_of(points: list[dict]) -> list[int]:
+    return sorted({r["seed"] for p in points for r in p.get("runs", [])})
+
+
+def at_seed(point: dict, seed: int, key: str) -> float | None:
+    return next((r.get(key) for r in point.get("runs", []) if r["seed"] == seed), None)
+
+
+def seed_curve(line: list[dict], seed: int, key: str = RAW) -> tuple[list[float], list[float]]:
+    """One seed's (teacher accuracy, `key`) along a line, in sweep order, points it lacks left out."""
+    pairs = [(at_seed(p, seed, "teacher_accuracy"), at_seed(p, seed, key)) for p in line]
+    kept = [(x, y) for x, y in pairs if x is not None and y is not None]
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def _claim(label: str) -> str:
+    return f"{label} leaves its students less accurate than temperature sampling at equal teacher accuracy"
+
+
+def point_gaps(points: list[dict], key: str = RAW) -> list[dict]:
+    """Per ADS point: its student minus the temperature curve's at its own teacher accuracy, seed by seed
+    (a seed whose point lies outside its temperature sweep's range is left out), judged on the interval."""
+    temperature, seeds, out = lines(points)["temperature"], seeds_of(points), []
+    for p in (p for p in points if p["lam"] != 0):
+        diffs = []
+        for seed in seeds:
+            x, y = at_seed(p, seed, "teacher_accuracy"), at_seed(p, seed, key)
+            ref = (
+                None
+                if x is None or y is None
+                else verdicts.interpolate(*seed_curve(temperature, seed, key), x)
+            )
+            diffs.append(None if ref is None else y - ref)
+        label = f"{ADS_LABELS.get(p['method'], p['method'])} λ={p['lam']:g} (τ={p['temperature']:g})"
+        out.append(
+            {"name": p["name"], "method": p["method"], **verdicts.verdict(_claim(label), diffs, above=False)}
+        )
+    return out
+
+
+def matched(points: list[dict], key: str = RAW) -> dict:
+    """Every line's student accuracy at one teacher accuracy that every line reaches in every seed (the
+    highest of the lines' lowest), and each ADS line minus temperature's there, seed by seed. Empty when the
+    lines share no teacher accuracy."""
+    all_lines, seeds = lines(points), seeds_of(points)
+    curves = {label: [seed_curve(line, s, key) for s in seeds] for label, line in all_lines.items()}
+    curves = {label: c for label, c in curves.items() if all(xs for xs, _ in c)}
+    if "temperature" not in curves or len(curves) < 2:
+        return {}
+    low = max(min(xs) for c in curves.values() for xs, _ in c)
+    high = min(max(xs) for c in curves.values() for xs, _ in c)
+    if low > high:
+        return {}
+    at = {label: [verdicts.interpolate(xs, ys, low) for xs, ys in c] for label, c in curves.items()}
+    out = {"teacher_accuracy": low, "lines": []}
+    for label, values in at.items():
+        entry = {"label": label, **verdicts.summarize(values)}
+        if label != "temperature":
+            diffs = [
+                a - b if a is not None and b is not None else None for a, b in zip(values, at["temperature"])
+            ]
+            entry["vs_temperature"] = verdicts.verdict(_claim(label), diffs, above=False)
+        out["lines"].append(entry)
+    return out
+
+
+def crossings(points: list[dict], before: float | None, key: str = RAW) -> list[dict]:
+    """Per line, the ADS paper's measure: the teacher accuracy at which its distilled student falls to the
+    undistilled student's accuracy `before`, interpolated seed by seed (`verdicts.crossing`); `reached` of
+    `seeds` got there within the sweep, `lowest_teacher` is the lowest teacher accuracy the line reached."""
+    if before is None:
+        return []
+    seeds, out = seeds_of(points), []
+    for label, line in lines(points).items():
+        curves = [seed_curve(line, s, key) for s in seeds]
+        found = [verdicts.crossing(xs, ys, before) for xs, ys in curves]
+        lowest = [min(xs) for xs, _ in curves if xs]
+        out.append(
+            {
+                "label": label,
+                **verdicts.summarize(found),
+                "reached": sum(x is not None for x in found),
+                "seeds": len(seeds),
+                "lowest_teacher": verdicts.summarize(lowest)["mean"],
+                "by_seed": found,
+            }
+        )
+    return out
+
+
+def attackers(points: list[dict], before: float | None) -> list[dict]:
+    """Per ADS point with on-policy attackers: the ADS-scored student (opd) minus its plain-scored control
+    (opd-plain), seed by seed, judged on the interval; whether it ends below its start (`damaged`)."""
+    out = []
+    for p in (p for p in points if p["lam"] != 0 and p.get("opd_student_accuracy") is not None):
+        seeds = [r["seed"] for r in p.get("runs", [])]
+        opd = [at_seed(p, s, "opd_student_accuracy") for s in seeds]
+        control = [at_seed(p, s, "opd_plain_student_accuracy") for s in seeds]
+        diffs = [a - b if a is not None and b is not None else None for a, b in zip(opd, control)]
+        label = f"{ADS_LABELS.get(p['method'], p['method'])} λ={p['lam']:g} (τ={p['temperature']:g})"
+        claim = f"{label} slows the on-policy attacker against its control"
+        ends = verdicts.interval(opd)
+        below = (
+            verdicts.word(ends, above=False, threshold=before)
+            if before is not None and ends
+            else "not measured"
+        )
+        out.append(
+            {
+                "name": p["name"],
+                "lam": p["lam"],
+                "temperature": p["temperature"],
+                **verdicts.verdict(claim, diffs, above=False),
+                "student": verdicts.summarize(opd),
+                "control": verdicts.summarize(control),
+                "damaged": below == verdicts.HOLDS,
+                "below_start": below,
+            }
+        )
+    return out
+
+
+def findings(summary: dict) -> dict:
+    """Everything the run concludes (the module's docstring), from its points and its baseline."""
+    points, before = summary.get("points", []), summary.get("student_accuracy_before")
+    return {
+        "seeds": len(seeds_of(points)),
+        "matched": matched(points),
+        "gaps": point_gaps(points),
+        "crossings": crossings(points, before),
+        "attackers": attackers(points, before),
+    }
