@@ -1045,7 +1045,7 @@ def test_plan_matches_the_measured_peak_of_ads_sampling_where_kv_caches_dominate
     perturbed copies, each with its KV cache) at a size where the KV caches are more than half the plan."""
     spec = {
         "kind": "ads",
-        "rows": 16,
+        "rows": 8,
         "prompt": 64,
         "completion": 192,
         "teacher_dtype": "float32",
@@ -1059,7 +1059,7 @@ def test_plan_matches_the_measured_peak_of_ads_sampling_where_kv_caches_dominate
         sampler="teacher",
         device="cpu",
         bf16=False,
-        gen_batch_size=16,
+        gen_batch_size=8,
         prompt_len=64,
         completion_len=192,
     )
