@@ -19,14 +19,16 @@ from transformers import TrainingArguments
 from opdkit import memory
 from opdkit.config import ConfigError, check_ranges, setting
 from opdkit.models import checkpointing_argument
+from opdkit.opd.crosstok import CrossTokenizerSettings
 from opdkit.rollout.engines import EngineSettings
 from opdkit.run import sharding, tracking
 from opdkit.run.launch import launched_world_size
 
 
 @dataclass
-class OPDSettings(EngineSettings):
-    """The distillation's own settings: the divergence, the student's sampling, what is logged."""
+class OPDSettings(EngineSettings, CrossTokenizerSettings):
+    """The distillation's own settings: the divergence, the student's sampling, what is logged; with a
+    teacher whose tokenizer differs from the student's, the cross-tokenizer loss's (`crosstok_*`)."""
 
     beta: float = setting(
         1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
