@@ -18,7 +18,8 @@ from transformers import TrainingArguments
 
 from opdkit import memory
 from opdkit.config import ConfigError, check_ranges, setting
-from opdkit.models import checkpointing_argument
+from opdkit.models import checkpointing_argument, load_tokenizer
+from opdkit.opd import crossteacher
 from opdkit.opd.crosstok import CrossTokenizerSettings
 from opdkit.rollout.engines import EngineSettings
 from opdkit.run import sharding, tracking
@@ -205,4 +206,12 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         vllm_sleep=cfg.vllm_sleep,
         engine_dtype=dtype,
         sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
+        cross_tokenizer=cross_tokenizer(cfg),
     )
+
+
+def cross_tokenizer(cfg: Any) -> bool:
+    """Whether the config's teacher reads another tokenizer than its student (`opd.crossteacher`)."""
+    if cfg.teacher_model == cfg.student_model:
+        return False
+    return crossteacher.differ(load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model))
