@@ -198,3 +198,26 @@ def test_what_cannot_be_aligned_is_refused_in_one_line(tmp_path, tok):
     with pytest.raises(ConfigError, match="comparisons only"):
         trl_rows = _args(tmp_path, crosstok_merge="observed-trl")
         crossteacher.CrossTeacher.of(tok, build_bpe_tokenizer(), trl_rows)
+
+
+def test_micro_batches_add_up_to_the_whole_batch(tmp_path, tok, bpe):
+    """The step's loss is the mean over its groups: two micro-batches, each divided by the step's group
+    count (what `get_batch_samples` passes as num_items_in_batch), give the whole batch's loss and gradient"""
+    trainer = _trainer(tmp_path, tok, bpe, _teacher(len(bpe)))
+    r = _rollout(tok)
+    whole = trainer._sample_dict(r, list(range(4)), [None] * 4)
+    n = whole["crosstok_groups"]
+    trainer.compute_loss(trainer.model, whole, num_items_in_batch=n).backward()
+    want = {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad()
+    total = 0.0
+    for rows in (torch.tensor([0, 2]), torch.tensor([1, 3])):
+        part = trainer._sample_dict(r.rows(rows), rows.tolist(), [None] * 2)
+        loss = trainer.compute_loss(trainer.model, part, num_items_in_batch=n)
+        loss.backward()
+        total += float(loss.detach())
+    with torch.no_grad():
+        whole_loss = float(trainer.compute_loss(trainer.model, whole, num_items_in_batch=n))
+    assert total == pytest.approx(whole_loss, rel=1e-12)
+    for k, p in trainer.model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-9, atol=1e-12)
