@@ -428,6 +428,8 @@ class Stage:
     trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
         adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
         have none. 0: every parameter trains.
+    cross_tokenizer: the teacher has another tokenizer (`opd.crossteacher`): the loss's chunks hold rows of
+        both vocabularies, the student's and the teacher's own.
     """
 
     student: ModelShape | None = None
@@ -465,6 +467,7 @@ class Stage:
     teacher_served: bool = False
     served_dtype: str = "bfloat16"
     gpu_memory_gb: float = 0.0
+    cross_tokenizer: bool = False
 
     def __post_init__(self) -> None:
         choices = {
@@ -592,6 +595,8 @@ def _training_rows(s: Stage) -> list[Row]:
     rows = [Row("activations", act, how, "train")]
     if s.teacher is None:
         return rows
+    if s.cross_tokenizer:
+        return rows + [_cross_tokenizer_chunk(s, m, n_pred)]
     vocab, chunk = min(m.vocab_size, s.teacher.vocab_size), min(s.loss_chunk_size, n_pred)
     # The divergence runs outside autocast: each head's matmul is in its weights' dtype (the student's is
     # bf16 only as FSDP's unsharded copy); a half-precision product is converted to fp32 beside the other.
@@ -610,6 +615,15 @@ def _training_rows(s: Stage) -> list[Row]:
         how = "the head's fp32 gradient from the divergence, beside the .grad DDP's reducer allocates"
         rows.append(Row("divergence head gradient", m.embedding_params * 4, how, "train"))
     return rows
+
+
+def _cross_tokenizer_chunk(s: Stage, m: ModelShape, n_pred: int) -> Row:
+    """GOLD's loss, `loss_chunk_size` groups at a time (at most one per student token): each side's log-probs
+    and merged probabilities in fp32 at its own vocabulary, and the sorted L1's keys and buckets; the
+    checkpointed chunk is rebuilt once in the backward pass."""
+    chunk, both = min(s.loss_chunk_size, n_pred), m.vocab_size + s.teacher.vocab_size
+    how = f"{_n(chunk)} groups x ({_n(m.vocab_size)} + {_n(s.teacher.vocab_size)} teacher) x 16 B"
+    return Row("cross-tokenizer chunk", chunk * both * 16, how, "train")
 
 
 def _decode_rows(s: Stage, role: str, batch: int, length: int, phase: str, autocast: bool) -> list[Row]:

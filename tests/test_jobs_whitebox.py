@@ -15,11 +15,11 @@ import torch
 from conftest import InterruptAt, Interrupted
 from transformers import AutoModelForCausalLM
 
-from opdkit import tiny
+from opdkit import memory, tiny
 from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import report as whitebox_report
-from opdkit.models import TokenizerMismatch, small_qwen3
+from opdkit.models import small_qwen3
 from opdkit.opd import microbatches
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
@@ -428,10 +428,55 @@ def test_cheap_errors_before_anything_is_written(tmp_path, overrides, error, mat
     assert not run_dir.exists()
 
 
-def test_vocabulary_mismatch_is_caught_before_loading_models(tmp_path, qwen3_standins):
-    with pytest.raises(TokenizerMismatch, match="tokenizer"):
-        whitebox.run("tiny", {"run_dir": str(tmp_path / "x"), "teacher_model": qwen3_standins[1]})
+def test_a_teacher_tokenizer_that_cannot_be_aligned_is_caught_before_loading_models(tmp_path):
+    """Another vocabulary takes the cross-tokenizer path (`opd.crossteacher`); a WordPiece teacher's byte
+    offsets are not exact, so it is refused in prepare, before anything is written."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordPiece({"[UNK]": 0, "1": 1, "##2": 2}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="[UNK]").save_pretrained(tmp_path / "wp")
+    with pytest.raises(ConfigError, match="teacher's tokenizer differs from the student's"):
+        whitebox.run("tiny", {"run_dir": str(tmp_path / "x"), "teacher_model": str(tmp_path / "wp")})
     assert not (tmp_path / "x").exists()
+
+
+def test_a_teacher_with_another_tokenizer_trains_the_student(tmp_path, capsys):
+    """The job end to end with a (random) byte-level BPE teacher: the start names the teacher's tokenizer and
+    the overlap, the memory plan counts both vocabularies, the steps run and the student changes."""
+    from opdkit.build.bpe_teacher import build_bpe_tokenizer
+
+    bpe = build_bpe_tokenizer()
+    teacher = small_qwen3(64, 1, len(bpe), 3, eos_token_id=bpe.eos_token_id, pad_token_id=bpe.pad_token_id)
+    teacher.save_pretrained(tmp_path / "teacher")
+    bpe.save_pretrained(tmp_path / "teacher")
+    over = dict(
+        run_dir=str(tmp_path / "run"),
+        teacher_model=str(tmp_path / "teacher"),
+        subset_size=16,
+        eval_size=4,
+        eval_steps=0,
+        max_steps=2,
+        per_device_train_batch_size=8,
+        save_steps=0,
+        sample_every=1,
+        crosstok_hybrid=True,
+    )
+    prep = whitebox.prepare("tiny", over)
+    stage = whitebox.stage(prep.cfg, 1, None)
+    assert stage.cross_tokenizer
+    chunk = [r for r in memory.plan(stage).rows if r.component == "cross-tokenizer chunk"]
+    groups = min(prep.cfg.loss_chunk_size, 8 * prep.cfg.max_new_tokens)
+    assert chunk and chunk[0].bytes == groups * (stage.student.vocab_size + len(bpe)) * 16
+    run = whitebox.run("tiny", over, prepared=prep)
+    out = capsys.readouterr().out
+    assert f"teacher tokenizer {tmp_path / 'teacher'} differs" in out and "vocabulary overlap" in out
+    records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2 and all(r["loss"] > 0 and r["entropy"] is None for r in steps)
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["steps"] == 2
 
 
 def test_unknown_mode(tmp_path):

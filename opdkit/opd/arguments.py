@@ -18,15 +18,18 @@ from transformers import TrainingArguments
 
 from opdkit import memory
 from opdkit.config import ConfigError, check_ranges, setting
-from opdkit.models import checkpointing_argument
+from opdkit.models import checkpointing_argument, load_tokenizer
+from opdkit.opd import crossteacher
+from opdkit.opd.crosstok import CrossTokenizerSettings
 from opdkit.rollout.engines import EngineSettings
 from opdkit.run import sharding, tracking
 from opdkit.run.launch import launched_world_size
 
 
 @dataclass
-class OPDSettings(EngineSettings):
-    """The distillation's own settings: the divergence, the student's sampling, what is logged."""
+class OPDSettings(EngineSettings, CrossTokenizerSettings):
+    """The distillation's own settings: the divergence, the student's sampling, what is logged; with a
+    teacher whose tokenizer differs from the student's, the cross-tokenizer loss's (`crosstok_*`)."""
 
     beta: float = setting(
         1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
@@ -207,4 +210,12 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
         teacher_served=served,
         served_dtype=getattr(cfg, "teacher_server_dtype", "bfloat16"),
+        cross_tokenizer=cross_tokenizer(cfg),
     )
+
+
+def cross_tokenizer(cfg: Any) -> bool:
+    """Whether the config's teacher reads another tokenizer than its student (`opd.crossteacher`)."""
+    if cfg.teacher_model == cfg.student_model:
+        return False
+    return crossteacher.differ(load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model))

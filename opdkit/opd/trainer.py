@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from opdkit import memory
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids, load_model
-from opdkit.opd import microbatches
+from opdkit.opd import crossteacher, microbatches
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling
@@ -53,14 +53,20 @@ from opdkit.run.folders import RunDir
 SYNC_CHECK_STEPS = 2
 
 
-def check_vocab_sizes(student: PreTrainedModel, teacher: PreTrainedModel, tokenizer) -> int:
-    """The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it)."""
+def check_vocab_sizes(
+    student: PreTrainedModel, teacher: PreTrainedModel, tokenizer, teacher_tokenizer=None
+) -> int:
+    """The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it); a
+    teacher with a tokenizer of its own (`teacher_tokenizer`) is checked against that one."""
     vocab = len(tokenizer)
-    for name, model in (("student", student), ("teacher", teacher)):
+    for name, model, tok in (
+        ("student", student, tokenizer),
+        ("teacher", teacher, teacher_tokenizer or tokenizer),
+    ):
         rows = model.get_output_embeddings().weight.shape[0]
-        if rows < vocab:
+        if rows < len(tok):
             raise TokenizerMismatch(
-                f"the {name} has {rows} output rows but the tokenizer has {vocab} tokens; "
+                f"the {name} has {rows} output rows but the tokenizer has {len(tok)} tokens; "
                 "the model and tokenizer do not belong together."
             )
     return vocab
@@ -141,8 +147,15 @@ class DistillTrainer(Trainer):
         tok = self.processing_class
         if tok is None:
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
-        check_tokenizers(tok, teacher_tokenizer or tok)
-        self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok)
+        # A teacher with another tokenizer reads the completions re-tokenized and is compared through GOLD's
+        # cross-tokenizer loss (`crossteacher`); None: the two share one vocabulary.
+        self.crosstok = None
+        if crossteacher.differ(tok, teacher_tokenizer):
+            self.crosstok = crossteacher.CrossTeacher.of(tok, teacher_tokenizer, self.args)
+        else:
+            check_tokenizers(tok, teacher_tokenizer or tok)
+        self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok, teacher_tokenizer)
+        self.teacher_vocab_size = len(teacher_tokenizer) if self.crosstok else self.vocab_size
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
         # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
         self.stop_ids = eos_ids(tok, self.model)
@@ -187,9 +200,12 @@ class DistillTrainer(Trainer):
             self.teacher.prepare_step(samples)
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
-        n_local = sum(
-            (s["completion_mask_BC"].sum() for s in samples), torch.zeros((), device=device)
-        ).float()
+        if self.crosstok is not None:  # the cross-tokenizer loss is a mean over the step's groups
+            n_local = sum((s["crosstok_groups"] for s in samples), torch.zeros((), device=device)).float()
+        else:
+            n_local = sum(
+                (s["completion_mask_BC"].sum() for s in samples), torch.zeros((), device=device)
+            ).float()
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
         return samples, n_global.clamp(min=1.0)
 
@@ -277,6 +293,12 @@ class DistillTrainer(Trainer):
         }
         if r.logprobs_BC is not None:  # the engine's; the training forward compares the student's
             sample["engine_logprobs_BC"] = r.logprobs_BC
+        if self.crosstok is not None:
+            sample.update(
+                self.crosstok.prepare(
+                    r.input_ids_BT, r.attention_mask_BT, r.completion_mask_BC, self.stop_ids
+                )
+            )
         return sample
 
     def _save_rollouts(self, samples: list[dict], step: int) -> None:
@@ -293,9 +315,12 @@ class DistillTrainer(Trainer):
         pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
         pred_BT[:, prompt_len - 1 : prompt_len - 1 + comp_BC.shape[1]] = comp_BC.bool()
         fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
+        t_fwd, t_pred_BT = (
+            (fwd, pred_BT) if self.crosstok is None else crossteacher.teacher_forward_inputs(inputs)
+        )
         with torch.no_grad():  # the backbone alone: no other layer's output is kept
             t_hidden_NH, t_head_VH = sharding.call_inside_forward(
-                self.teacher, self.teacher, self._teacher_part, pred_BT, **fwd
+                self.teacher, self.teacher, self._teacher_part, t_pred_BT, **t_fwd
             )
         target_N = engine_logp_N = None
         if "engine_logprobs_BC" in inputs:
@@ -307,6 +332,21 @@ class DistillTrainer(Trainer):
         student = self.accelerator.unwrap_model(model)
 
         def student_part(**fwd):
+            if self.crosstok is not None:
+                return crossteacher.student_cross_divergence(
+                    student,
+                    fwd,
+                    pred_BT,
+                    t_hidden_NH,
+                    t_head_VH,
+                    inputs["crosstok_alignment"],
+                    self.crosstok,
+                    beta=self.args.beta,
+                    student_vocab_size=self.vocab_size,
+                    teacher_vocab_size=self.teacher_vocab_size,
+                    chunk_size=self.args.loss_chunk_size,
+                    target_ids_N=target_N,
+                )
             return student_divergence(
                 student,
                 fwd,
@@ -322,11 +362,15 @@ class DistillTrainer(Trainer):
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
-            div_sum, per_token_N, entropy_N, token_logp_N = sharding.call_inside_forward(
-                model, student, student_part, **fwd
-            )
-        out = DivergenceOutput(div_sum, per_token_N, entropy_N, token_logp_N)
-        n = num_items_in_batch if num_items_in_batch is not None else comp_BC.sum().clamp(min=1)
+            parts = sharding.call_inside_forward(model, student, student_part, **fwd)
+        if self.crosstok is not None:  # no entropy: the cross-tokenizer loss never forms all token rows
+            div_sum, per_token_N, token_logp_N = parts
+            parts = (div_sum, per_token_N, torch.zeros_like(per_token_N), token_logp_N)
+        out = DivergenceOutput(*parts)
+        if num_items_in_batch is not None:
+            n = num_items_in_batch
+        else:  # the micro-batch's own completion tokens, or groups with the cross-tokenizer loss
+            n = (comp_BC.sum() if self.crosstok is None else inputs["crosstok_groups"]).clamp(min=1)
         # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
         loss = out.sum / n * self.args.world_size
         self.stats.entropy_sum += out.student_entropy_N.sum()
@@ -459,7 +503,7 @@ class DistillTrainer(Trainer):
             "lr": logs.get("learning_rate"),
             "completion_length": toks / max(seqs, 1),
             "truncated_fraction": trunc / max(seqs, 1),
-            "entropy": ent / max(toks, 1),
+            "entropy": ent / max(toks, 1) if self.crosstok is None else None,
             "tokens_per_s": toks / elapsed,
             "completion_tokens": toks,
             # Mean |log p_engine - log p_student| of the sampled tokens: a stale or wrong weight sync

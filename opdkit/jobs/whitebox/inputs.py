@@ -26,7 +26,7 @@ from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_tokenizers, load_tokenizer
-from opdkit.opd import served
+from opdkit.opd import crossteacher, served
 from opdkit.rollout import engines
 from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
@@ -162,7 +162,11 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     if cfg.system_prompt:
         split = with_system(split, cfg.system_prompt)
     tok = load_tokenizer(cfg.student_model)
-    check_tokenizers(tok, load_tokenizer(cfg.teacher_model))
+    teacher_tok = load_tokenizer(cfg.teacher_model)
+    if crossteacher.differ(tok, teacher_tok):  # the cross-tokenizer loss; refused here if it cannot align
+        crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
+    else:
+        check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, tok)
     train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)

@@ -28,7 +28,7 @@ from opdkit.data import prompts
 from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, prepared
-from opdkit.models import load_model, load_tokenizer, num_params
+from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
 from opdkit.opd import served
@@ -151,6 +151,8 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
         run=run,
         callbacks=callbacks,
     )
+    if trainer.crosstok is not None:
+        print0(trainer.crosstok.describe(resolve(cfg.teacher_model)))
     try:
         distil(prep, run, trainer, teacher, world, rank, t0, title)
     finally:

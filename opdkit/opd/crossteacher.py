@@ -1,0 +1,242 @@
+"""A teacher with another tokenizer inside `DistillTrainer`: its inputs re-tokenized, and the student's part
+of the loss as GOLD's cross-tokenizer divergence (`opdkit.opd.crosstok`).
+
+    cross = CrossTeacher.of(student_tok, teacher_tok, args)     # None when both tokenizers are one vocabulary
+    extra = cross.prepare(ids_BT, attn_BT, comp_BC, stop_ids)    # per micro-batch, at rollout time
+    parts = student_cross_divergence(student, fwd, pred_BT, t_hidden_MH, t_head_WH,
+                                     extra["crosstok_alignment"], cross, beta=..., chunk_size=...)
+
+What the teacher reads, as GOLD builds it (`build_teacher_inputs_from_texts`): the student's chat-templated
+prompt decoded with its special tokens and tokenized by the teacher's tokenizer (its own BOS added, a trailing
+EOS removed), then the completion's text in the teacher's tokens, then the teacher's EOS where the student's
+completion ended with a stop token (GOLD appends it to truncated completions too). The teacher's rows are the
+positions that predict each of its completion tokens (`crosstok.prediction_positions`).
+
+The loss of a step is the mean over the step's groups (all micro-batches and processes: the trainer counts the
+groups when it counts tokens), so batch size, accumulation and processes never change the gradient, as in the
+same-tokenizer path; TRL's `ULDLoss` takes the mean over a batch's rows of each row's mean over its groups,
+the same when every row has as many groups. `crosstok_merge=observed-trl` (TRL's rows one position late) is
+for comparisons only and refused here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from opdkit.config import ConfigError
+from opdkit.opd.crosstok import (
+    Alignment,
+    CrossTokenizerSettings,
+    TokenBytes,
+    Tokens,
+    VocabMatch,
+    align,
+    cross_tokenizer_divergence,
+    prediction_positions,
+)
+from opdkit.rollout import sampling
+
+
+def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | None) -> bool:
+    """Whether the teacher's tokenizer is another vocabulary than the student's (the cross-tokenizer path)."""
+    return teacher is not None and teacher.get_vocab() != student.get_vocab()
+
+
+@dataclass
+class CrossTeacher:
+    """Both tokenizers, their token bytes and shared vocabulary, and the cross-tokenizer settings."""
+
+    student_tokenizer: PreTrainedTokenizerBase
+    teacher_tokenizer: PreTrainedTokenizerBase
+    settings: CrossTokenizerSettings
+    student_bytes: TokenBytes | None  # None with crosstok_align=positional
+    teacher_bytes: TokenBytes | None
+    match: VocabMatch
+
+    @classmethod
+    def of(cls, student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, settings) -> CrossTeacher:
+        """From the two tokenizers and any object with the `crosstok_*` fields (`OPDArguments`, a job's
+        config); a ConfigError of one line when the two cannot be aligned."""
+        own = CrossTokenizerSettings(
+            **{f.name: getattr(settings, f.name) for f in fields(CrossTokenizerSettings)}
+        )
+        if own.crosstok_merge == "observed-trl":
+            raise ConfigError(
+                "crosstok_merge=observed-trl reads TRL's rows one position late and is for comparisons only; "
+                "train with bayesian or observed."
+            )
+        by_bytes = own.crosstok_align == "bytes"
+        try:
+            s_bytes = TokenBytes.of(student) if by_bytes else None
+            t_bytes = TokenBytes.of(teacher) if by_bytes else None
+        except ConfigError as err:
+            raise ConfigError(f"the teacher's tokenizer differs from the student's and {err}") from None
+        return cls(student, teacher, own, s_bytes, t_bytes, VocabMatch.of(student, teacher))
+
+    @property
+    def teacher_eos(self) -> int | None:
+        return self.teacher_tokenizer.eos_token_id
+
+    def overlap(self) -> tuple[int, int]:
+        """(tokens both tokenizers spell alike, the teacher's vocabulary)."""
+        return len(self.match), len(self.teacher_tokenizer)
+
+    def describe(self, teacher_path: str) -> str:
+        shared, vocab = self.overlap()
+        s = self.settings
+        loss = (
+            "hybrid (generalized JSD on the shared tokens, sorted L1 on the rest)"
+            if s.crosstok_hybrid
+            else "ULD"
+        )
+        return (
+            f"teacher tokenizer {teacher_path} differs from the student's: cross-tokenizer loss ({loss}, "
+            f"{s.crosstok_align} alignment, {s.crosstok_merge} merge); vocabulary overlap {shared:,} of the "
+            f"teacher's {vocab:,} tokens ({shared / max(vocab, 1):.1%}); the student's has "
+            f"{len(self.student_tokenizer):,}"
+        )
+
+    def _text(self, ids: list[int]) -> str:
+        if self.student_bytes is not None:
+            return self.student_bytes.text(ids)
+        return self.student_tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def _teacher_tokens(self, text: str, eos: int | None) -> Tokens:
+        if self.teacher_bytes is not None:
+            return self.teacher_bytes.tokenize(self.teacher_tokenizer, text, eos)
+        ids = self.teacher_tokenizer.encode(text, add_special_tokens=False) + (
+            [eos] if eos is not None else []
+        )
+        return Tokens(ids, [0] * len(ids))
+
+    def teacher_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """The student's prompt as the teacher reads it (as GOLD: decoded with specials, re-tokenized)."""
+        text = self.student_tokenizer.decode(
+            prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        ids = list(self.teacher_tokenizer(text, add_special_tokens=True)["input_ids"])
+        if ids and self.teacher_eos is not None and ids[-1] == self.teacher_eos:
+            ids = ids[:-1]
+        return ids
+
+    def prepare(
+        self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, comp_BC: torch.Tensor, stop_ids: list[int]
+    ) -> dict:
+        """A micro-batch's teacher inputs and alignment (host work, O(tokens)), as entries of the sample:
+        `teacher_input_ids`, `teacher_attention_mask`, `teacher_pred_BT` (the rows of the teacher's completion
+        tokens), `crosstok_alignment` and `crosstok_groups` (a 0-d tensor, for the step's count)."""
+        ids, attn, comp = ids_BT.cpu(), attn_BT.cpu().bool(), comp_BC.cpu().bool()
+        prompt_len = ids.shape[1] - comp.shape[1]
+        eos = self.student_tokenizer.eos_token_id
+        skip = self.settings.crosstok_skip_student_eos
+        students, teachers, sequences, spans = [], [], [], []
+        for b in range(ids.shape[0]):
+            prompt = ids[b, :prompt_len][attn[b, :prompt_len]].tolist()
+            completion = ids[b, prompt_len:][comp[b]].tolist()
+            stopped = bool(completion) and completion[-1] in stop_ids
+            text = self._text(completion[:-1] if stopped else completion)
+            s_ids = list(completion)
+            if stopped and skip and eos is not None:
+                s_ids[-1] = eos  # any stop token is the EOS that skip-EOS leaves out
+            s_ends = self.student_bytes.ends(s_ids) if self.student_bytes else [0] * len(s_ids)
+            students.append(Tokens(s_ids, s_ends))
+            t = self._teacher_tokens(text, self.teacher_eos if stopped else None)
+            teachers.append(t)
+            t_prompt = self.teacher_prompt(prompt)
+            sequences.append(t_prompt + t.ids)
+            spans.append(prediction_positions(len(t_prompt), len(t.ids), self.settings))
+        t_ids_BT, t_attn_BT = sampling.left_pad(sequences, _pad_id(self.teacher_tokenizer))
+        t_pred_BT = torch.zeros_like(t_attn_BT, dtype=torch.bool)
+        for b, (seq, span) in enumerate(zip(sequences, spans)):
+            shift = t_ids_BT.shape[1] - len(seq)
+            t_pred_BT[b, shift + span.start : shift + span.stop] = True
+        plan = align(students, teachers, self.settings, student_eos=eos, teacher_eos=self.teacher_eos)
+        device = ids_BT.device
+        return {
+            "teacher_input_ids": t_ids_BT.to(device),
+            "teacher_attention_mask": t_attn_BT.to(device),
+            "teacher_pred_BT": t_pred_BT.to(device),
+            "crosstok_alignment": plan,
+            "crosstok_groups": torch.tensor(float(plan.num_groups), device=device),
+        }
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return 0 if pad is None else pad
+
+
+def teacher_forward_inputs(sample: dict) -> tuple[dict, torch.Tensor]:
+    """The teacher's forward arguments (positions as under left padding) and its rows."""
+    attn = sample["teacher_attention_mask"]
+    fwd = dict(
+        input_ids=sample["teacher_input_ids"],
+        attention_mask=attn,
+        position_ids=sampling.position_ids_from_mask(attn),
+        use_cache=False,
+    )
+    return fwd, sample["teacher_pred_BT"]
+
+
+def student_cross_divergence(
+    student: PreTrainedModel,
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    t_hidden_MH: torch.Tensor,
+    t_head_WH: torch.Tensor,
+    plan: Alignment,
+    cross: CrossTeacher,
+    *,
+    beta: float,
+    student_vocab_size: int,
+    teacher_vocab_size: int,
+    chunk_size: int,
+    target_ids_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The student's part of the cross-tokenizer loss, run as its forward like `trainer.student_divergence`:
+    (summed group losses, each group's loss on the student token that closes the group (0 elsewhere), the
+    student's log-probability of each `target_ids_N` token if given)."""
+    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
+    s_head_VH = student.get_output_embeddings().weight
+    with torch.autocast(s_hidden_NH.device.type, enabled=False):
+        out = cross_tokenizer_divergence(
+            s_hidden_NH,
+            s_head_VH,
+            t_hidden_MH,
+            t_head_WH,
+            plan,
+            cross.settings,
+            match=cross.match,
+            beta=beta,
+            student_vocab_size=student_vocab_size,
+            teacher_vocab_size=teacher_vocab_size,
+            chunk_size=chunk_size,
+        )
+        token_logp_N = None
+        if target_ids_N is not None:
+            token_logp_N = _token_logprobs(
+                s_hidden_NH.detach(), s_head_VH.detach(), target_ids_N, student_vocab_size, chunk_size
+            )
+    al = plan.to(s_hidden_NH.device)
+    last_G = al.s_base_G.clone()
+    if len(al.s_scalar_Q):
+        last_G = last_G.scatter_reduce(0, al.s_scalar_group_Q, al.s_scalar_Q, "amax")
+    per_token_N = torch.zeros(s_hidden_NH.shape[0], dtype=out.per_group_G.dtype, device=s_hidden_NH.device)
+    per_token_N[last_G] = out.per_group_G
+    return out.sum, per_token_N, token_logp_N
+
+
+@torch.no_grad()
+def _token_logprobs(hidden_NH, head_VH, target_N, vocab: int, chunk_size: int) -> torch.Tensor:
+    """The student's log-probability of each sampled token (the vLLM engine's gap check), chunk by chunk."""
+    parts = []
+    for h, t in zip(hidden_NH.split(chunk_size), target_N.split(chunk_size)):
+        logits = F.linear(h.to(head_VH.dtype), head_VH[:vocab]).float()
+        parts.append(logits.gather(1, t.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1))
+    return torch.cat(parts) if parts else hidden_NH.new_zeros(0)
