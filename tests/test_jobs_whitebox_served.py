@@ -51,7 +51,7 @@ def test_a_served_teacher_takes_the_in_process_teachers_first_update(tmp_path, s
     summary = run.read_summary()
     assert summary["teacher_server"] == stub.url and summary["teacher_accuracy"] is None
     assert summary["teacher_transfer"]["tokens"] > 0 and summary["teacher_transfer"]["retries"] == 0
-    check = json.loads((run.path / whitebox.job.SERVED_CHECK_FILE).read_text())
+    check = json.loads((run.path / whitebox.teacher.SERVED_CHECK_FILE).read_text())
     assert check["url"] == stub.url and check["tokenizer_checked"] and check["state_gap"] < 1e-5
 
 

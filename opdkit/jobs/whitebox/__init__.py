@@ -1,5 +1,6 @@
-"""whitebox (notebooks/02_whitebox.ipynb): white-box on-policy distillation. `job.py` trains, `report.py`
-shows the run."""
+"""whitebox (notebooks/02_whitebox.ipynb): white-box on-policy distillation. `job.py` trains (its prompts in
+`inputs.py`, its accuracy in `accuracy.py`, a served teacher in `teacher.py`, repeats in `seeds.py`),
+`report.py` shows the run."""
 
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.job import JOB, main, memory_plan, prepare, processes, run, stage

@@ -180,3 +180,13 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     return Prepared(
         cfg, mode, task, tok, train, msgs, split.eval_answers, dropped, first, longest, split.removed
     )
+
+
+def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
+    """The rows passed over to keep evaluation off training and training off savegrad's holdout, and
+    whether that holdout was known."""
+    return {
+        "prompts_removed_for_overlap": prep.removed,
+        "exclude_run": cfg.exclude_run
+        or "not given: training prompts were not checked against a savegrad run's holdout",
+    }

@@ -13,21 +13,19 @@ process loads the student and the teacher, measures greedy accuracy before, dist
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from opdkit import memory
-from opdkit.config import ConfigError, load_config, repeat_seeds
+from opdkit.config import load_config, repeat_seeds
 from opdkit.data import prompts
 from opdkit.jobs.whitebox import seeds
+from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.inputs import Prepared, prepared
+from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
+from opdkit.jobs.whitebox.teacher import local_server, served_facts, served_teacher
 from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
@@ -37,13 +35,10 @@ from opdkit.opd.callbacks import add_step_accuracy
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.cli import run_from_cli
-from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.launch import run_processes, under_external_launcher
+from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
-from opdkit.tasks.evaluate import completion_budget, configured_accuracy
-
-SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
+from opdkit.tasks.evaluate import completion_budget
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -57,47 +52,6 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage:
     """What one process of this run holds (`opd.arguments.distill_stage`)."""
     return distill_stage(cfg, world, budget)
-
-
-def accuracy_precision(cfg: WhiteboxConfig) -> str:
-    """How the run's accuracies decode. With the kit's loop every model decodes at the precision the
-    student samples its rollouts at; with vLLM the student's (before, while and after training) decode in
-    the engine at its weights' dtype, the teacher's on the kit's loop."""
-    loop = "bf16 autocast" if cfg.bf16 else "fp32"
-    return loop if cfg.rollout_engine == "hf" else f"student vLLM {engine_dtype(cfg.bf16)}, teacher {loop}"
-
-
-def engine_dtype(bf16: bool) -> str:
-    return "bfloat16" if bf16 else "float32"
-
-
-def sharded_accuracies(
-    model,
-    prep: Prepared,
-    world: int,
-    rank: int,
-    limit: int | None = None,
-    engine=None,
-    forced: bool | None = None,
-) -> tuple[float | None, float | None]:
-    """(raw, forced) greedy accuracy on the first `limit` evaluation problems, split across processes, every
-    model decoded under the run's one autocast (`accuracy_precision`;
-    `tasks.evaluate.configured_accuracy`)."""
-    messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
-    acc = configured_accuracy(
-        prep.cfg,
-        model,
-        prep.tokenizer,
-        prep.task,
-        messages,
-        answers,
-        forced=forced,
-        engine=engine,
-        world=world,
-        rank=rank,
-        progress=rank == 0,
-    )
-    return acc.raw, acc.forced
 
 
 def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
@@ -159,26 +113,6 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
         trainer.close_engine()
         if cfg.teacher_server:
             teacher.close()
-
-
-def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
-    """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
-    the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
-    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
-    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
-    saved = run.path / SERVED_CHECK_FILE
-    if cfg.resume and saved.exists():
-        served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
-    elif run.writer:
-        atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
-    gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
-    tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
-    print0(
-        f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
-        f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
-        f"({report.head_rows} x {report.hidden_size}, {report.head_source})"
-    )
-    return teacher
 
 
 def distil(
@@ -256,30 +190,6 @@ def distil(
     print0(f"accuracy after: student {verdicts.pct(after)}")
 
 
-def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
-    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
-    if not cfg.teacher_server:
-        return {}
-    stats = teacher.stats
-    return {
-        "teacher_server": teacher.client.url,
-        "teacher_transfer": {
-            **dataclasses.asdict(stats),
-            "bytes_per_token": round(stats.bytes_per_token(), 1),
-        },
-    }
-
-
-def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:
-    """The rows passed over to keep evaluation off training and training off savegrad's holdout, and
-    whether that holdout was known."""
-    return {
-        "prompts_removed_for_overlap": prep.removed,
-        "exclude_run": cfg.exclude_run
-        or "not given: training prompts were not checked against a savegrad run's holdout",
-    }
-
-
 def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:
     """`repeats` > 1: one whitebox run per seed in seeds/seed<seed>/ (`lifecycle.run_child`; resume reuses
     the finished ones), gathered by `summarize`."""
@@ -334,56 +244,12 @@ def run(
     """The run (`lifecycle.run_job`): its folder, or None after a dry run. `callbacks` (transformers
     `TrainerCallback`s) are handed to the trainer in every process; `title` names the live figure (03: the
     arm); `child`: a run inside another (`lifecycle.run_child`). `teacher_server: local` runs it beside the
-    teacher's server (`with_local_server`)."""
+    teacher's server (`teacher.local_server`)."""
     cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
     if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
-        return with_local_server(cfg, mode, overrides, prepared, callbacks, child=child, title=title)
+        with local_server(cfg, overrides, prepared) as (overrides, prepared):
+            return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
     return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
-
-
-def with_local_server(
-    cfg: WhiteboxConfig,
-    mode: str,
-    overrides: dict | None,
-    prepared: Prepared | None,
-    callbacks: list | None,
-    **run_kw,
-) -> RunDir | None:
-    """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
-    temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
-    the run ends. Without CUDA the server runs on the CPU beside the training."""
-    if under_external_launcher():
-        raise ConfigError(
-            "teacher_server local starts one server for the run: start the run as one process (num_processes "
-            "picks the training processes), not under torchrun; or start the server yourself, give its URL."
-        )
-    gpus = train = None
-    if torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        gpus, train = served.split_gpus(cfg.teacher_gpus, ids)
-    log = Path(tempfile.mkdtemp(prefix="opdkit-teacher-")) / "teacher-server.log"
-    where = "GPUs " + ",".join(gpus) if gpus else "the CPU"
-    print0(f"teacher_server local: starting {cfg.teacher_model} on {where}")
-    print0(f"  its log: {log}")
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with served.job_server(cfg, log, gpus) as server:
-        over = {**(overrides or {}), "teacher_server": server.url}
-        if prepared is not None:
-            prepared = dataclasses.replace(
-                prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
-            )
-            served.check_job_server(prepared.cfg, prepared.tokenizer)
-        try:
-            if train:
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
-            return run_job(JOB, mode, over, prepared, callbacks=callbacks, **run_kw)
-        finally:
-            if train:
-                if before is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,100 @@
+"""The white-box run's teacher when it is served (`teacher_server`, `opd.served`): its head checked against
+the server before training, what its states cost, and `teacher_server: local`'s server around the run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from opdkit.config import ConfigError
+from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.jobs.whitebox.inputs import Prepared
+from opdkit.opd import served
+from opdkit.run.files import atomic_write_text
+from opdkit.run.folders import RunDir, print0
+from opdkit.run.launch import under_external_launcher
+
+SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
+
+
+def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
+    """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
+    the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
+    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
+    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+    saved = run.path / SERVED_CHECK_FILE
+    if cfg.resume and saved.exists():
+        served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
+    elif run.writer:
+        atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
+    gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
+    tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
+    print0(
+        f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
+        f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
+        f"({report.head_rows} x {report.hidden_size}, {report.head_source})"
+    )
+    return teacher
+
+
+def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
+    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
+    if not cfg.teacher_server:
+        return {}
+    stats = teacher.stats
+    return {
+        "teacher_server": teacher.client.url,
+        "teacher_transfer": {
+            **dataclasses.asdict(stats),
+            "bytes_per_token": round(stats.bytes_per_token(), 1),
+        },
+    }
+
+
+@contextlib.contextmanager
+def local_server(
+    cfg: WhiteboxConfig, overrides: dict | None, prepared: Prepared | None
+) -> Iterator[tuple[dict, Prepared | None]]:
+    """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
+    temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
+    the run ends: yields the run's overrides and prepared run pointed at it. Without CUDA the server runs on
+    the CPU beside the training."""
+    if under_external_launcher():
+        raise ConfigError(
+            "teacher_server local starts one server for the run: start the run as one process (num_processes "
+            "picks the training processes), not under torchrun; or start the server yourself, give its URL."
+        )
+    gpus = train = None
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        gpus, train = served.split_gpus(cfg.teacher_gpus, ids)
+    log = Path(tempfile.mkdtemp(prefix="opdkit-teacher-")) / "teacher-server.log"
+    where = "GPUs " + ",".join(gpus) if gpus else "the CPU"
+    print0(f"teacher_server local: starting {cfg.teacher_model} on {where}")
+    print0(f"  its log: {log}")
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with served.job_server(cfg, log, gpus) as server:
+        over = {**(overrides or {}), "teacher_server": server.url}
+        if prepared is not None:
+            prepared = dataclasses.replace(
+                prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
+            )
+            served.check_job_server(prepared.cfg, prepared.tokenizer)
+        try:
+            if train:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
+            yield over, prepared
+        finally:
+            if train:
+                if before is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = before
