@@ -47,6 +47,11 @@ def test_set_values_are_read_as_yaml():
     assert parse_cli(ToyConfig, "a toy job", []) == ("tiny", {})
 
 
+def test_set_given_twice_keeps_both():
+    argv = ["--set", "max_steps=5", "--set", "report_to=none", "max_steps=7"]
+    assert parse_cli(ToyConfig, "a toy job", argv)[1] == {"max_steps": 7, "report_to": "none"}
+
+
 def test_a_set_without_a_value_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_cli(ToyConfig, "a toy job", ["--set", "max_steps"])

@@ -41,7 +41,12 @@ def arguments(cls: type[RunFields], description: str, argv: list[str] | None = N
         help=f"preset in params/{cls.job}/: {', '.join(available_modes(cls))}",
     )
     p.add_argument(
-        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config fields (listed below)"
+        "--set",
+        nargs="*",
+        action="extend",  # `--set a=1 --set b=2` keeps both
+        default=[],
+        metavar="KEY=VALUE",
+        help="override config fields (listed below)",
     )
     p.add_argument(
         "--debug", action="store_true", help="show the traceback of a bad-input error, not just its message"
