@@ -29,8 +29,11 @@ Pitfalls this module exists for:
   whole model in bf16; `engines.VLLMEngine.sync` streams them, one tensor at a time (`Stage.sync_streamed`);
 - AdamW steps one tensor at a time on CPU but with `foreach` on CUDA, whose sqrt(v) temporary is as large
   as all parameters together;
-- on CPU, torch 2.13's bf16 linear of the last position's (strided) hidden state copies the head's weight
-  once per row (`logits_to_keep=1` in the kit's decoding loop): 128 rows of Qwen3-4B would copy 99.6 GB.
+- on CPU, torch 2.13's bf16 linear of the last position's (strided) hidden state (`logits_to_keep=1` in the
+  kit's decoding loop) is a bmm against the head expanded to every row; where oneDNN takes bf16 matmuls (a
+  CPU with AVX512-BF16 or AMX: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`) that expansion is made
+  contiguous, a copy of the head per row (128 rows of Qwen3-4B: 99.6 GB); elsewhere (an AVX2-only CPU) the
+  BLAS bmm reads the expanded head in place and nothing is copied (`cpu_bf16_head_copies`).
 """
 
 from __future__ import annotations
@@ -412,7 +415,8 @@ class Stage:
         "student", with a teacher) no cache, but the ADS teacher's stacked fp32 head.
     bf16: autocast mixed precision for training, the kit's rollouts and evaluation. eval_bf16: evaluation's
         own when it differs (None: `bf16`; 04 evaluates its students in fp32). device: "cuda" or "cpu"
-        (AdamW's temporaries, the CPU bf16 head copies).
+        (AdamW's temporaries, the CPU bf16 head copies). cpu_bf16_head_copies: whether a bf16 decoding
+        loop on CPU copies the head per row (None: as this host's torch does, `cpu_bf16_head_copies`).
     optimizer: "adamw" (2 states), "sgd" (with momentum: 1), "none" (gradients only).
     sampler: whose decoding with the kit's loop fills the rollout KV cache, `gen_batch_size` rows of
         prompt_len + completion_len tokens (02 samples every row of an optimizer step at once);
@@ -440,6 +444,7 @@ class Stage:
     proxy_dtype: str = "float32"
     bf16: bool = True
     device: str = "cuda"
+    cpu_bf16_head_copies: bool | None = None
     optimizer: str = "adamw"
     parallelism: str = "ddp"
     world_size: int = 1
@@ -626,9 +631,21 @@ def _cross_tokenizer_chunk(s: Stage, m: ModelShape, n_pred: int) -> Row:
     return Row("cross-tokenizer chunk", chunk * both * 16, how, "train")
 
 
+def cpu_bf16_head_copies() -> bool:
+    """Whether this host's torch copies the head once per row in a bf16 decoding step on CPU: oneDNN takes
+    its bf16 matmuls (AVX512-BF16 or AMX), and makes the head expanded to every row contiguous; an AVX2-only
+    CPU's BLAS bmm reads it in place (measured: tests/test_memory.py)."""
+    import torch
+
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _decode_rows(s: Stage, role: str, batch: int, length: int, phase: str, autocast: bool) -> list[Row]:
     """The kit's KV-cached loop: the cache (in the dtypes the model keeps it, `kv_bytes_per_token`), the
-    prefill's working set, and on CPU the bf16 head copies."""
+    prefill's working set, and on CPU the bf16 head copies where this torch makes them."""
     m, weights = s.model(role)
     what = f"{role} {'rollout' if phase == 'rollout' else 'evaluation'}"
     per = kv_bytes_per_token(m, weights, autocast)
@@ -650,11 +667,12 @@ def _decode_rows(s: Stage, role: str, batch: int, length: int, phase: str, autoc
             phase,
         ),
     ]
-    if s.device == "cpu" and dtype_bytes(weights) == 2:
+    bf16_on_cpu = s.device == "cpu" and dtype_bytes(weights) == 2
+    if bf16_on_cpu and (cpu_bf16_head_copies() if s.cpu_bf16_head_copies is None else s.cpu_bf16_head_copies):
         how = (
             f"{batch} rows x the head ({_n(m.vocab_size)} x {m.hidden_size} x 2 B): torch's CPU bf16 linear "
         )
-        how += "copies the weight per row of a strided input"
+        how += "copies the weight per row of a strided input (oneDNN's bf16 bmm)"
         rows.append(Row(f"CPU {weights} head copies, {what}", batch * m.embedding_params * 2, how, phase))
     return rows
 

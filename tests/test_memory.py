@@ -521,8 +521,28 @@ def test_ads_stage_by_hand(size):
     assert rows["KV cache, ADS perturbed copies"] == 2 * 128 * 1536 * kv_p
     on_gpu = _rows(plan(dataclasses.replace(stage, proxy_on_host=True)))
     assert on_gpu["ADS proxy"] == on_gpu["ADS proxy gradients"] == 0
-    on_cpu = _rows(plan(dataclasses.replace(stage, device="cpu")))
+    on_cpu = _rows(plan(dataclasses.replace(stage, device="cpu", cpu_bf16_head_copies=True)))
     assert on_cpu["CPU bfloat16 head copies, teacher rollout"] == 128 * d["V"] * d["h"] * 2
+    in_place = _rows(plan(dataclasses.replace(stage, device="cpu", cpu_bf16_head_copies=False)))
+    assert "CPU bfloat16 head copies, teacher rollout" not in in_place
+    assert on_cpu.keys() - in_place.keys() == {"CPU bfloat16 head copies, teacher rollout"}
+
+
+def test_cpu_bf16_head_copies_is_what_this_host_allocates():
+    """The plan's CPU head copies against what torch's profiler sees allocated by a bf16 linear of the last
+    position of a (rows, tokens, hidden) batch, as the kit's decoding loop computes its logits: a head per
+    row where oneDNN takes bf16 matmuls, only the logits where the BLAS bmm reads the expanded head."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, hidden, vocab = 4, 64, 1000
+    head = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    last = torch.randn(rows, 3, hidden, dtype=torch.bfloat16)[:, -1:, :]
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.nn.functional.linear(last, head)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert (largest >= rows * vocab * hidden * 2) == memory.cpu_bf16_head_copies(), largest
+    if not memory.cpu_bf16_head_copies():
+        assert largest == rows * vocab * 2  # the logits alone
 
 
 @pytest.mark.parametrize(
