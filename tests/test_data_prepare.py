@@ -7,8 +7,9 @@ from __future__ import annotations
 import datasets
 import pytest
 
+from opdkit import tasks
 from opdkit.config import load_config
-from opdkit.data import prepare, prompts
+from opdkit.data import prepare
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
@@ -48,7 +49,8 @@ def test_files_from_a_local_hub(tmp_path, local_hub, capsys):
     assert unique.column_names == dapo.column_names
     assert unique.to_list() == dapo.to_list()  # one row per prompt, first occurrences, in order
     assert "12 unique prompts of 36 rows" in said
-    train = prompts.load_prompts(str(out / "gsm8k-main-train.parquet"))
+    path = str(out / "gsm8k-main-train.parquet")
+    train = tasks.for_dataset(path).load_prompts(path)  # GSM8K's task reads the answer after ####
     assert len(train) == 7 and sorted(train["answer"]) == sorted(str(2 * i) for i in range(7))
     assert len(datasets.Dataset.from_parquet(str(out / "gsm8k-main-test.parquet"))) == 3
     assert not (out / "gsm8k-platinum-test.parquet").exists()
