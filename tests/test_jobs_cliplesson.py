@@ -100,8 +100,8 @@ def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
             "repeats": 3,
             "ablations": False,
             "sgd_arms": False,
-            "max_steps": 60,
-            "eval_size": 150,
+            "arm_max_steps": 60,
+            "arm_eval_size": 150,
         },
     )
     s = lesson.read_summary()

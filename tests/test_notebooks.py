@@ -164,7 +164,7 @@ def test_bad_input_stops_the_notebook_with_one_line(tmp_path, parameters, messag
 @pytest.mark.slow
 def test_clip_lesson_notebook_runs_headless(tmp_path):
     run_dir = tmp_path / "lesson"
-    execute("03_clip_vs_noclip.ipynb", tmp_path, run_dir=str(run_dir), max_steps=6, eval_size=20)
+    execute("03_clip_vs_noclip.ipynb", tmp_path, run_dir=str(run_dir), arm_max_steps=6, arm_eval_size=20)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["arms"]) == {
         "clip",
