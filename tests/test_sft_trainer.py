@@ -86,15 +86,19 @@ def test_in_a_notebook_kernel_the_step_table_gives_way_to_a_quiet_bar(tmp_path, 
 
     monkeypatch.setattr(transformers.trainer, "DEFAULT_PROGRESS_CALLBACK", NotebookProgressCallback)
     rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 4
-    args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[]
-    )
-    trainer = CompletionSFTTrainer(
-        model=tiny_model("tiny:student"),
-        args=args,
-        train_dataset=rows,
-        pad_token_id=tok.pad_token_id,
-        order=[[0, 1]],
-    )
-    kinds = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, use_cpu=True, report_to=[])
+
+    def callbacks(disable_tqdm: bool) -> list[str]:
+        trainer = CompletionSFTTrainer(
+            model=tiny_model("tiny:student"),
+            args=TrainingArguments(**kwargs, disable_tqdm=disable_tqdm),  # its default follows the log level
+            train_dataset=rows,
+            pad_token_id=tok.pad_token_id,
+            order=[[0, 1]],
+        )
+        return [type(c).__name__ for c in trainer.callback_handler.callbacks]
+
+    kinds = callbacks(disable_tqdm=False)
     assert "NotebookProgressCallback" not in kinds and "_QuietProgress" in kinds
+    quiet = callbacks(disable_tqdm=True)  # no bar: transformers' PrinterCallback would print a dict per step
+    assert "PrinterCallback" not in quiet and "_QuietProgress" not in quiet

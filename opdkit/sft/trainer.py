@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils.notebook import NotebookProgressCallback
 
 from opdkit.data.labels import IGNORE, right_pad_batch, shifted_labels, token_losses
@@ -108,7 +108,8 @@ class CompletionSFTTrainer(Trainer):
         self.model_accepts_loss_kwargs = True  # compute_loss divides by num_items_in_batch itself
         self.add_callback(_StepLoss(self))
         # the bar without a printed dict per step, nor, in a notebook kernel, transformers' growing step table
-        # (NotebookProgressCallback, which is not a ProgressCallback)
+        # (NotebookProgressCallback, which is not a ProgressCallback); without a bar (disable_tqdm), no dicts
+        self.pop_callback(PrinterCallback)
         if self.pop_callback(ProgressCallback) or self.pop_callback(NotebookProgressCallback):
             self.add_callback(_QuietProgress())
 
