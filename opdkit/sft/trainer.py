@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.utils.notebook import NotebookProgressCallback
 
 from opdkit.data.labels import IGNORE, right_pad_batch, shifted_labels, token_losses
 from opdkit.run.files import atomic_write_text
@@ -110,7 +109,8 @@ class CompletionSFTTrainer(Trainer):
         # the bar without a printed dict per step, nor, in a notebook kernel, transformers' growing step table
         # (NotebookProgressCallback, which is not a ProgressCallback); without a bar (disable_tqdm), no dicts
         self.pop_callback(PrinterCallback)
-        if self.pop_callback(ProgressCallback) or self.pop_callback(NotebookProgressCallback):
+        table = _notebook_progress()
+        if self.pop_callback(ProgressCallback) or (table is not None and self.pop_callback(table)):
             self.add_callback(_QuietProgress())
 
     @functools.cached_property
@@ -174,6 +174,15 @@ class _StepLoss(TrainerCallback):
         if trainer is not None:
             trainer.step_losses.append(trainer._step_loss)
             trainer._step_loss = 0.0
+
+
+def _notebook_progress() -> type | None:
+    """transformers' notebook table callback; None without IPython (the vLLM venv), where none is added."""
+    try:
+        from transformers.utils.notebook import NotebookProgressCallback
+    except ImportError:
+        return None
+    return NotebookProgressCallback
 
 
 class _QuietProgress(ProgressCallback):
