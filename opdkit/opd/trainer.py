@@ -375,6 +375,7 @@ class DistillTrainer(Trainer):
         loss = out.sum / n * self.args.world_size
         self.stats.entropy_sum += out.student_entropy_N.sum()
         if engine_logp_N is not None:
+            token_logp_N = out.student_token_logprob_N
             gap_N = (token_logp_N - engine_logp_N.to(token_logp_N)).abs()
             self.stats.gap_sum += gap_N.sum()
             self.stats.gap_tokens += gap_N.shape[0]
