@@ -27,7 +27,8 @@ from transformers import PreTrainedTokenizerFast
 
 from opdkit.build import tiny_world as build
 from opdkit.tasks import tiny as task
-from opdkit.tiny.tokenizer import CHAT_TEMPLATE, IM_END, PAD, SPECIALS
+from opdkit.tiny import tokenizer as tiny_tokenizer
+from opdkit.tiny.tokenizer import SPECIALS
 
 VOCAB_SIZE = 400  # 256 bytes, 5 special tokens and the merges
 
@@ -53,17 +54,7 @@ def build_bpe_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast
         show_progress=False,
     )
     core.train_from_iterator(corpus(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token=PAD,
-        eos_token=IM_END,
-        bos_token=None,
-        additional_special_tokens=SPECIALS[1:],
-        padding_side="left",
-        model_max_length=512,
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return tiny_tokenizer.wrap(core)
 
 
 def build_bpe_teacher(

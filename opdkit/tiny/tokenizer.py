@@ -38,6 +38,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIALS)
+    return wrap(core)
+
+
+def wrap(core: Tokenizer) -> PreTrainedTokenizerFast:
+    """A `tokenizers` core as the tiny world's transformers tokenizer: its specials, left padding, the chat
+    template (the character tokenizer here, the BPE teacher's in `opdkit.build.bpe_teacher`)."""
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
