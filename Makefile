@@ -1,4 +1,5 @@
-# Two commands: `make demo` runs every notebook headless into runs/demo/, `make test` runs the tests.
+# Two commands: `make demo` runs every notebook headless into runs/demo/, `make test` runs the tests
+# (`make test-slow` the end-to-end runs marked slow: notebooks, several processes, measured memory peaks).
 # Both use the active virtualenv / conda env if there is one, else create .venv/ here.
 SHELL := /bin/bash
 ifneq ($(VIRTUAL_ENV)$(CONDA_PREFIX),)
@@ -27,7 +28,7 @@ VLLM_KIT_DEPS := "accelerate>=1.10" "datasets>=3.0" "safetensors>=0.4" "pyyaml>=
 # by side: one thread each is faster on a laptop and far faster on a shared 2-core machine.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test test-fast test-vllm vllm-env install bench gpu-wheels lint clean-runs
+.PHONY: demo test test-slow test-vllm vllm-env install bench gpu-wheels lint clean-runs
 
 .venv/.opdkit-installed: pyproject.toml
 	@test -x .venv/bin/python || python3 -m venv .venv
@@ -44,8 +45,13 @@ demo: install
 	@$(PY) -m opdkit.notebook.demo --out $(DEMO_DIR) $(NOTEBOOKS)
 
 test: install $(VLLM_VENV)/.opdkit-installed
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm and not slow" $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m "vllm and not slow" $(PYTEST_ARGS)
+
+# The end-to-end runs marked slow (CI runs them after `make test`).
+test-slow: install $(VLLM_VENV)/.opdkit-installed
+	$(PY) -m pytest -m "slow and not vllm" $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -m "slow and vllm" $(PYTEST_ARGS)
 
 # The vLLM engine's tests alone, in the vLLM venv (built on first use, ~2-3 minutes, ~4 GB).
 test-vllm: $(VLLM_VENV)/.opdkit-installed
@@ -62,9 +68,6 @@ $(VLLM_VENV)/.opdkit-installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -e . --no-deps
 	$(VLLM_VENV)/bin/pip install -q $(VLLM_KIT_DEPS) $(VLLM_PINS)
 	@touch $@
-
-test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Benchmarks against TRL and the ADS scripts, and the vLLM engine against the HF loop (P5, in .venv-vllm);
 # about 25 minutes on 2 CPU cores, and ~20 more for P8 (the cross-tokenizer loss, most of it TRL's); see

@@ -86,6 +86,7 @@ def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypat
     assert "Training Loss" not in json.dumps(outputs) and "'loss'" not in json.dumps(outputs)
 
 
+@pytest.mark.slow
 def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
     """papermill alone only warns about `-p bogus 1`; the notebook must stop with a clear error."""
     run_dir = tmp_path / "run"
@@ -114,6 +115,7 @@ def test_unknown_notebook_parameter_fails_before_anything_is_written(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_dry_run_stops_the_notebook_at_the_run_cell_with_the_plan(tmp_path):
     """`-p dry_run True`: the plan is shown, then one line says why the notebook stopped (not an
     AttributeError from a report cell); nothing is written."""

