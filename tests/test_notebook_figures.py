@@ -108,7 +108,19 @@ def test_lesson_figures_name_every_arm_in_its_own_colour():
     assert_readable(clip_figures.lesson_accuracy(arms))
 
 
-def tradeoff_summary() -> dict:
+def line_has_markers(ax, x: float, y: float) -> bool:
+    """Is (x, y) on screen a marked point of one of `ax`'s lines (not a point of a marker-less line)?"""
+    return any(
+        line.get_marker() not in (None, "None", "")
+        and any(
+            abs(px - x) < 0.5 and abs(py - y) < 0.5 for px, py in ax.transData.transform(line.get_xydata())
+        )
+        for line in ax.lines
+    )
+
+
+def tradeoff_summary(crowded: bool = False) -> dict:
+    """A sweep's summary; `crowded`: the points near the plain teacher as close as make demo's 04 put them."""
     rng = random.Random(0)
 
     def point(method, lam, tau, teacher, student):
@@ -138,6 +150,13 @@ def tradeoff_summary() -> dict:
     ]
     pts += [point("ads", lam, 1.0, 0.93 - 3.5 * lam, 0.8 - 2.6 * lam) for lam in (0.05, 0.08, 0.11)]
     pts += [point("ads-answer", lam, 1.0, 0.93 - 8 * lam, 0.8 - 14 * lam) for lam in (0.015, 0.03, 0.045)]
+    if crowded:  # make demo's 04: (teacher, student) of τ=1.2, λ=0.05 and λ=0.015 within 7 points of τ=1's
+        near = {("temperature", 1.2): (0.87, 0.80), ("ads", 0.05): (0.87, 0.81)}
+        near[("ads-answer", 0.015)] = (0.91, 0.80)
+        for p in pts:
+            spot = near.get((p["method"], p["temperature"] if p["method"] == "temperature" else p["lam"]))
+            for r in p["runs"] if spot else []:
+                r["teacher_accuracy"], r["student_accuracy"] = spot[0] + rng.uniform(-0.005, 0.005), spot[1]
     pts = [findings.with_intervals(p) for p in pts]
     summary = {
         "points": pts,
@@ -148,9 +167,10 @@ def tradeoff_summary() -> dict:
     return {**summary, "findings": findings.findings(summary)}
 
 
-def test_tradeoff_figure_is_readable_with_intervals_crossings_and_labels_apart():
-    summary = tradeoff_summary()
-    fig = ad_figures.tradeoff_figure(summary)
+@pytest.mark.parametrize("crowded", [False, True])
+def test_tradeoff_figure_is_readable_with_intervals_crossings_and_labels_apart(crowded, tmp_path):
+    summary = tradeoff_summary(crowded)
+    fig = ad_figures.tradeoff_figure(summary, path=tmp_path / "tradeoff.png")  # as saved: laid out
     assert_readable(fig)
     ax = fig.axes[0]
     assert "(%)" in ax.get_xlabel() and "(%)" in ax.get_ylabel()
@@ -159,6 +179,8 @@ def test_tradeoff_figure_is_readable_with_intervals_crossings_and_labels_apart()
     renderer = fig.canvas.get_renderer()
     boxes = [t.get_window_extent(renderer) for t in notes]
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    markers = [ax.transData.transform(xy) for line in ax.lines for xy in line.get_xydata()]
+    assert not any(b.contains(x, y) for b in boxes for x, y in markers if line_has_markers(ax, x, y))
     assert any(t.get_text().startswith("matched") for t in ax.texts)
     assert_readable(ad_figures.tradeoff_loss_figure(summary))
 

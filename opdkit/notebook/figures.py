@@ -11,7 +11,8 @@ Pitfalls this module exists for:
   down, and its 8 pt text becomes 6 px. Figures here are at most `MAX_WIDTH_IN` inches at 100 dpi, their
   smallest text 9 pt (12.5 px); `smallest_text_px` measures it, and the tests hold every figure to 10 px.
 - a reference line at 99.7 % on a 0-100 % axis sits on the frame: the axes leave room above 100 %.
-- labels on points of several curves collide: `place_labels` moves each one clear of those placed before.
+- labels on points of several curves collide: `place_labels` moves each one clear of those placed before,
+  and `PointLabels` places them only once the lines are all drawn and laid out (both move the points).
 """
 
 from __future__ import annotations
@@ -104,32 +105,79 @@ def percent_axis(ax, axis: str = "y", top: float = 1.0) -> None:
         (ax.set_ylim if axis == "y" else ax.set_xlim)(0.0, top + 0.08)
 
 
+class PointLabels:
+    """Labels on points of several curves, placed where they collide with no other (`place_labels`) once the
+    figure is laid out: added while lines are drawn (`add`), placed after the last line and `tight_layout`
+    (`place`), since both move the points on screen and a label placed early ends up on another."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []
+
+    def add(self, ax, xy: Sequence[tuple[float, float]], texts: Sequence[str], colour: str) -> None:
+        self.pending.append((ax, list(xy), list(texts), colour))
+
+    def place(self) -> None:
+        from matplotlib.transforms import Bbox
+
+        placed: dict = {}
+        for ax, xy, _, _ in self.pending:  # the points themselves (their markers) are taken too
+            for x, y in ax.transData.transform(xy):
+                placed.setdefault(id(ax), []).append(Bbox([[x - 5, y - 5], [x + 5, y + 5]]))
+        for ax, xy, texts, colour in self.pending:
+            place_labels(ax, xy, texts, colour, placed.setdefault(id(ax), []))
+        self.pending.clear()
+
+
 def place_labels(
     ax, xy: Sequence[tuple[float, float]], texts: Sequence[str], colour: str, placed: list
 ) -> None:
-    """Annotate each point with its text, moved down (then up, then aside) until its box overlaps neither
-    another label in `placed` (the boxes placed so far, shared across calls) nor the axes' edge."""
+    """Annotate each point with its text at the nearest of `LABEL_SPOTS` (rings of 8 directions, farther out
+    each ring) whose box overlaps neither another label in `placed` (the boxes placed so far, shared across
+    calls) nor the axes' edge; where every spot is taken, at the one overlapping the others least."""
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
-    offsets = [(5, -12), (5, 6), (-30, -12), (-30, 6), (5, -24), (5, 18), (-30, -24), (-30, 18)]
+
+    def overlap(box) -> float:
+        return sum(
+            max(0.0, min(box.x1, b.x1) - max(box.x0, b.x0)) * max(0.0, min(box.y1, b.y1) - max(box.y0, b.y0))
+            for b in placed
+        )
+
     for (x, y), text in zip(xy, texts):
-        for dx, dy in offsets:
+        best = None
+        for dx, dy in LABEL_SPOTS:
             note = ax.annotate(
-                text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=9, color=colour
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                fontsize=9,
+                color=colour,
+                ha="right" if dx < 0 else "left",
+                va="top" if dy < 0 else "bottom",
             )
             box = note.get_window_extent(renderer).expanded(1.05, 1.1)
             inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
-            if inside and not any(box.overlaps(b) for b in placed):
-                placed.append(box)
+            cost = overlap(box) + (0.0 if inside else 1e9)
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, note, box)
+            else:
+                note.remove()
+            if cost == 0:
                 break
-            note.remove()
-        else:
-            note = ax.annotate(
-                text, (x, y), textcoords="offset points", xytext=(5, -12), fontsize=9, color=colour
-            )
-            placed.append(note.get_window_extent(renderer))
+        placed.append(best[2])
+
+
+# Where `place_labels` tries a label, in offset points from its point: 8 directions, nearest ring first.
+LABEL_SPOTS = [
+    (round(r * dx), round(r * dy))
+    for r in (6, 14, 24, 36)
+    for dx, dy in ((1, -1), (1, 1), (-1, -1), (-1, 1), (0.3, -1.2), (0.3, 1.2), (1.4, 0), (-1.4, 0))
+]
 
 
 def series(records: list[dict], key: str) -> tuple[list, list]:

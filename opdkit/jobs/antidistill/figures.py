@@ -19,8 +19,8 @@ from opdkit.notebook.figures import (
     BEFORE,
     MAX_WIDTH_IN,
     PALETTE,
+    PointLabels,
     percent_axis,
-    place_labels,
     plt,
     prompt_label,
     styled,
@@ -81,21 +81,25 @@ def tradeoff_figure(summary: dict, path=None, title: str = ""):
         (RAW, "student_accuracy_before", "raw"),
         (FORCED, "student_accuracy_before_forced", "answer forced"),
     )
+    labels_on_points = PointLabels()
     for ax, (key, before_key, kind) in zip(axes[0], panels):
-        _tradeoff_panel(ax, summary, key, summary.get(before_key), kind)
+        _tradeoff_panel(ax, summary, key, summary.get(before_key), kind, labels_on_points)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
     seeds = summary.get("repeats") or fd.findings(summary).get("seeds", 1)
     note = f"mean of {seeds} seeds, bars: 95 % interval" if seeds and seeds > 1 else "one seed, no interval"
     fig.suptitle(title or f"antidistillation sampling against temperature sampling ({note})")
     fig.tight_layout(rect=(0, 0.1 + 0.03 * ((len(labels) - 1) // 3), 1, 1))
+    labels_on_points.place()
     if path:
         fig.savefig(path)
     return fig
 
 
-def _tradeoff_panel(ax, summary: dict, key: str, before: float | None, kind: str) -> None:
-    styles, placed = line_styles(summary), []
+def _tradeoff_panel(
+    ax, summary: dict, key: str, before: float | None, kind: str, labels_on_points: PointLabels
+) -> None:
+    styles = line_styles(summary)
     points = summary["points"]
     for label, line in fd.lines(points).items():
         kept = _draw_line(ax, line, key, styles[label], label)
@@ -103,7 +107,7 @@ def _tradeoff_panel(ax, summary: dict, key: str, before: float | None, kind: str
         tagged = [p for p in kept if is_temp or p["lam"] != 0]
         texts = [f"τ={p['temperature']:g}" if is_temp else f"λ={p['lam']:g}" for p in tagged]
         xy = [(p["teacher_accuracy"], p[key]) for p in tagged]
-        place_labels(ax, xy, texts, styles[label]["color"], placed)
+        labels_on_points.add(ax, xy, texts, styles[label]["color"])
     if before is not None:
         ax.axhline(
             before,
@@ -178,7 +182,7 @@ def attackers_figure(summary: dict, path=None, title: str = ""):
     from opdkit.jobs.antidistill.points import result_key
 
     fig, ax = plt.subplots(figsize=(8.5, 5.4))
-    found, placed = attackers_in(summary), []
+    found, labels_on_points = attackers_in(summary), PointLabels()
     for label, line in fd.lines(summary["points"]).items():
         is_temp = label == "temperature"
         for attacker in found:
@@ -195,7 +199,7 @@ def attackers_figure(summary: dict, path=None, title: str = ""):
             if not is_temp and attacker == "opd":
                 tagged = [p for p in kept if p["lam"] != 0]
                 xy = [(p["teacher_accuracy"], p[key]) for p in tagged]
-                place_labels(ax, xy, [f"λ={p['lam']:g}" for p in tagged], style["color"], placed)
+                labels_on_points.add(ax, xy, [f"λ={p['lam']:g}" for p in tagged], style["color"])
         if not is_temp and "opd-plain" in found:
             control = next(
                 (p for p in line if p["lam"] == 0 and p.get(result_key("opd-plain")) is not None), None
@@ -224,6 +228,7 @@ def attackers_figure(summary: dict, path=None, title: str = ""):
     ax.set_title(title or "each attacker; green band: the control shared by every λ of its τ")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
     fig.tight_layout()
+    labels_on_points.place()
     if path:
         fig.savefig(path, bbox_inches="tight")
     return fig
