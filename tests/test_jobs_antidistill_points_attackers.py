@@ -71,7 +71,7 @@ def test_figure_and_paragraph_come_from_the_run(short_run):
     (found,) = summary["findings"]["attackers"]  # λ = 0 is no comparison: opd is the control there
     assert found["mean"] == pytest.approx(gap) and found["word"] == "within noise at 1 seed"
     assert text.startswith("**Finding.** Serving the ADS distribution slows the on-policy attacker")
-    assert f"λ=0.08: {verdicts.points(gap)} (1 seed), **within noise at 1 seed**" in text
+    assert f"λ=0.08: {verdicts.points(gap)}, **within noise at 1 seed**" in text
     assert "shared by every λ of that temperature" in text
     rows = report.attack_rows(summary)
     assert [r["opd"] for r in rows] == [p["opd_student_accuracy"] for p in summary["points"]]

@@ -66,7 +66,7 @@ def test_text_in_percent():
     assert v.pct(0.6234) == "62.3 %" and v.points(-0.031) == "-3.1 points"
     assert v.pct_interval(0.62, [0.55, 0.695], 3) == "62.0 % [55.0, 69.5]"
     assert v.pct_interval(0.04, [-0.01, 0.09], 3, signed=True) == "+4.0 points [-1.0, +9.0]"
-    assert v.pct_interval(0.5, None, 1) == "50.0 % (1 seed)"
+    assert v.pct_interval(0.5, None, 1) == "50.0 %"  # the table's caption or the sentence says "1 seed"
     s = v.sentence({"claim": "clip beats noclip", "word": "holds", "mean": 0.2, "ci": [0.1, 0.3], "n": 3})
     assert s == "clip beats noclip: **holds** (+20.0 points [+10.0, +30.0], 3 seeds)."
 

@@ -164,12 +164,12 @@ def points(value: float | None, digits: int = 1) -> str:
 
 def pct_interval(mean: float | None, ci: Sequence[float] | None, n: int, signed: bool = False) -> str:
     """'62.3 % [55.1, 69.5]' (or '+4.2 points [-1.0, +9.4]' with `signed`), the interval in the same unit;
-    one seed: the value and '(1 seed)'."""
+    one seed: the value alone (tables say "one seed" in their caption, sentences after the value)."""
     if mean is None:
         return "n/a"
     head = points(mean) if signed else pct(mean)
     if not ci:
-        return f"{head} ({n} seed{'s' if n != 1 else ''})" if n else head
+        return head
     fmt = "{:+.1f}" if signed else "{:.1f}"
     return f"{head} [{fmt.format(ci[0] * 100)}, {fmt.format(ci[1] * 100)}]"
 
