@@ -163,3 +163,24 @@ def test_teacher_gpus_split_the_visible_gpus():
     ):
         with pytest.raises(ConfigError, match=match):
             served.split_gpus(bad, ["0", "1"])
+
+
+def test_teacher_logprobs_topk_is_refused_without_a_server_or_at_another_temperature():
+    """`teacher_logprobs` (ServedSettings): exact or topk:K; topk needs a server and kl_temperature 1, each
+    refusal one ConfigError line before anything runs. A local server for it is a generation server."""
+    load = lambda **over: load_config(whitebox.WhiteboxConfig, "tiny", over)  # noqa: E731
+    assert load().topk() is None and load(teacher_server="http://x", teacher_logprobs="topk:20").topk() == 20
+    for over, match in (
+        ({"teacher_logprobs": "topk:20"}, "set teacher_server"),
+        ({"teacher_logprobs": "top20", "teacher_server": "http://x"}, "expected exact, or topk:K"),
+        ({"teacher_logprobs": "topk:0", "teacher_server": "http://x"}, "expected exact, or topk:K"),
+        (
+            {"teacher_logprobs": "topk:5", "teacher_server": "http://x", "kl_temperature": 2.0},
+            "kl_temperature 1",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load(**over)
+    cfg = load(teacher_server="local", teacher_logprobs="topk:7")
+    cmd = served.job_server(cfg, "/tmp/x.log").command
+    assert cmd[cmd.index("--runner") + 1] == "generate" and cmd[cmd.index("--max-logprobs") + 1] == "7"

