@@ -184,3 +184,27 @@ def test_teacher_logprobs_topk_is_refused_without_a_server_or_at_another_tempera
     cfg = load(teacher_server="local", teacher_logprobs="topk:7")
     cmd = served.job_server(cfg, "/tmp/x.log").command
     assert cmd[cmd.index("--runner") + 1] == "generate" and cmd[cmd.index("--max-logprobs") + 1] == "7"
+
+
+def test_whitebox_with_two_weighted_teachers_logs_each_and_refuses_a_resume_with_another_set(tmp_path):
+    """02 tiny with `teachers` (the tiny teacher and the tiny student as a second teacher) and
+    `teacher_weights` 0.7 / 0.3: every step logs divergence/a and divergence/b (0: b is the student), the loss
+    is 0.7 D(a) + 0.3 D(b), the summary names the set, and a resume
+    with b replaced stops with one line; routed teachers on data without a teacher_id column, and weights
+    naming other ids, are refused before anything is written."""
+    two = {"teachers": "a=tiny:teacher,b=tiny:student", "teacher_weights": "a=0.7,b=0.3", **SMALL}
+    run = run_tiny(tmp_path, "r", **two)
+    step = run.read_jsonl()[0]
+    # b is the student itself: its divergence is 0, the loss 0.7 of a's (per token)
+    assert step["divergence/a"] > 0 and step["divergence/b"] == pytest.approx(0.0, abs=1e-6)
+    assert step["loss"] == pytest.approx(0.7 * step["divergence/a"], rel=1e-4)
+    assert run.read_summary()["teachers"] == ["a", "b"]
+    assert (run.path / "checkpoints" / "teachers.json").exists()
+    # another set by its settings: refused by the run folder's settings check; by its weights (the same
+    # names, other models): by the trainer's fingerprints (tests/test_opd_mixture.py)
+    with pytest.raises(ConfigError, match="differ from the run.*'teachers'"):
+        run_tiny(tmp_path, "r", **{**two, "teachers": "a=tiny:teacher,b=tiny:teacher", "resume": True})
+    with pytest.raises(ConfigError, match="teacher_id column"):
+        run_tiny(tmp_path, "routed", teachers="a=tiny:teacher,b=tiny:student")
+    with pytest.raises(ConfigError, match="one weight per teacher id"):
+        run_tiny(tmp_path, "w", teachers="a=tiny:teacher,b=tiny:student", teacher_weights="a=1,c=1")

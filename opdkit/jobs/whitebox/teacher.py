@@ -16,7 +16,9 @@ import torch
 from opdkit.config import ConfigError
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared
-from opdkit.opd import served, topk
+from opdkit.models import load_model
+from opdkit.opd import mixture, served, topk
+from opdkit.opd.head import load_head
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import under_external_launcher
@@ -56,8 +58,38 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
     return teacher
 
 
+def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.dtype) -> torch.nn.Module:
+    """`teachers`: each loaded in process (in `dtype`, on `device`) or, with a server, its head alone and its
+    states from there (checked as `teacher_server`'s are); routed by the data's `teacher_id` column
+    (`mixture.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
+    trainer logs each one's divergence and refuses a resume with another set (its `teachers.json`)."""
+    found: dict[str, torch.nn.Module] = {}
+    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    for t in cfg.teacher_specs():
+        if t.server:
+            client = served.PoolingClient(t.server, dtype=cfg.teacher_server_dtype)
+            teacher = served.ServedTeacher(
+                client, load_head(t.model, dtype), served_dtype=cfg.teacher_server_dtype
+            )
+            teacher.check(tokenizer=prep.tokenizer, expect_name=t.model, min_model_len=longest)
+            where = f"served by {t.server}, its head here"
+        else:
+            teacher, where = load_model(t.model, dtype, device), "in this process"
+        found[t.id] = teacher
+        print0(f"teacher {t.id}: {t.model}, {where}")
+    weights = cfg.weights()
+    if weights:
+        print0("teachers weighted: loss = " + " + ".join(f"{w:g} D({k})" for k, w in weights.items()))
+        return mixture.WeightedTeachers(found, weights)
+    print0(f"teachers routed by the data's teacher_id column: {', '.join(found)}")
+    return mixture.RoutedTeacher(found)
+
+
 def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
-    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
+    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`);
+    with `teachers`, their ids and weights."""
+    if cfg.teachers:
+        return {"teachers": [t.id for t in cfg.teacher_specs()], "teacher_weights": cfg.weights() or None}
     if not cfg.teacher_server:
         return {}
     stats = teacher.stats
