@@ -391,7 +391,9 @@ class ServedTeacher(torch.nn.Module):
     """A frozen teacher for `DistillTrainer` whose final hidden states come from a pooling server and whose
     head is `head` (read alone from the checkpoint). `check_calls`: how many requests have every state
     checked against the checkpoint's final norm (`state_gap`, tolerance `STATE_TOLERANCE[served_dtype]`);
-    `max_request_tokens` / `in_flight`: how a step's rows are cut into requests and how many go at once."""
+    `max_request_tokens` / `in_flight`: how a step's rows are cut into requests and how many go at once;
+    `reference`: the same teacher in process, for `DistillTrainer`'s `teacher_logprob_gap` on the first steps
+    (the state check cannot see a wrong head; this can)."""
 
     def __init__(
         self,
@@ -401,8 +403,12 @@ class ServedTeacher(torch.nn.Module):
         check_calls: int = 2,
         max_request_tokens: int = 32768,
         in_flight: int = 2,
+        reference: torch.nn.Module | None = None,
     ):
         super().__init__()
+        # The teacher in this process as well, where one fits: `DistillTrainer` compares the served
+        # states x head with it on the first steps (`teacher_logprob_gap`) and stops a wrong run.
+        self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         self.client, self.name, self.head_source = client, head.name, head.source
         self.config = head.config
         self.served_dtype = served_dtype

@@ -150,6 +150,8 @@ class StepStats:
     entropy_sum: Number = 0.0
     gap_sum: Number = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
     gap_tokens: Number = 0.0
+    teacher_gap_sum: Number = 0.0  # sum of |log p_served - log p_reference| (a served teacher's first steps)
+    teacher_gap_tokens: Number = 0.0
     # several teachers: each one's summed per-token divergence, then its token count (2 x teachers)
     per_teacher: torch.Tensor | None = None
     started: float = field(default_factory=time.time)
@@ -162,6 +164,8 @@ class StepStats:
             self.entropy_sum,
             self.gap_sum,
             self.gap_tokens,
+            self.teacher_gap_sum,
+            self.teacher_gap_tokens,
         ]
         out = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in vals])
         if self.per_teacher is None:
@@ -252,6 +256,10 @@ class DistillTrainer(Trainer):
         self._engine: engines.HFEngine | engines.VLLMEngine | None = None
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
+        # A served teacher with a reference in process: its states x head against it on the first steps.
+        self.teacher_reference = getattr(self.teacher, "reference", None)
+        self._teacher_checks_left = SYNC_CHECK_STEPS if self.teacher_reference is not None else 0
+        self._check_teacher_now = False
         self.add_callback(_NonFiniteStop(self))
         self.add_callback(_HeldRecord(self))
 
@@ -268,6 +276,8 @@ class DistillTrainer(Trainer):
         step = self.state.global_step
         engine = self.engine()  # built (a vLLM engine: tens of seconds) before the step's clock starts
         self.stats = StepStats()
+        self._check_teacher_now = self._teacher_checks_left > 0
+        self._teacher_checks_left -= self._check_teacher_now
         if self.teacher_ids:
             self.stats.per_teacher = torch.zeros(2 * len(self.teacher_ids), device=device)
         samples = self._rollout_step(engine, batches, step) if batches else []
@@ -421,6 +431,9 @@ class DistillTrainer(Trainer):
                 t_hidden_NH, t_head_VH = sharding.call_inside_forward(
                     self.teacher, self.teacher, self._teacher_part, t_pred_BT, **t_fwd
                 )
+            if self._check_teacher_now and self.crosstok is None:
+                self._check_teacher_now = False
+                self._check_teacher(t_hidden_NH, t_head_VH, fwd, pred_BT, ids_BT)
         target_N = engine_logp_N = None
         if "engine_logprobs_BC" in inputs:
             # Selected here, where the selection above has already waited for the device, not after the
@@ -560,6 +573,46 @@ class DistillTrainer(Trainer):
         head_VH = self.teacher.get_output_embeddings().weight
         return t_hidden_NH, head_VH.detach().clone() if self.teacher_sharded else head_VH
 
+    @torch.no_grad()
+    def _check_teacher(self, t_hidden_NH, t_head_VH, fwd: dict, pred_BT, ids_BT) -> None:
+        """`teacher_logprob_gap`: the mean |log p_served - log p_reference| of the sampled tokens, the served
+        states x this run's head against the teacher in this process (`ServedTeacher.reference`), over the
+        micro-batch summed across processes; past `served.FINGERPRINT_TOLERANCE` of the server's dtype the
+        run stops (`served.ServedTeacherMismatch`, one line) before the step's update."""
+        ref = self.teacher_reference
+        target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
+        r_hidden_NH = ref.base_model(**fwd).last_hidden_state[pred_BT]
+        r_head_VH = ref.get_output_embeddings().weight
+        V = self.vocab_size
+        gaps = []
+        for s in range(0, target_N.shape[0], self.args.loss_chunk_size):
+            rows, tgt = (
+                slice(s, s + self.args.loss_chunk_size),
+                target_N[s : s + self.args.loss_chunk_size, None],
+            )
+            lp = [
+                torch.log_softmax(h[rows].float() @ w[:V].float().T, -1).gather(1, tgt).squeeze(1)
+                for h, w in ((t_hidden_NH, t_head_VH), (r_hidden_NH, r_head_VH))
+            ]
+            gaps.append((lp[0] - lp[1]).abs())
+        gap_N = torch.cat(gaps) if gaps else t_hidden_NH.new_zeros(0)
+        self.stats.teacher_gap_sum += gap_N.sum().double()
+        self.stats.teacher_gap_tokens += gap_N.shape[0]
+        sums = torch.stack([gap_N.sum().double(), torch.tensor(float(gap_N.shape[0]), device=gap_N.device)])
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        gap = float(sums[0] / sums[1].clamp(min=1))
+        dtype = getattr(self.teacher, "served_dtype", "float32")
+        tolerance = served.FINGERPRINT_TOLERANCE.get(dtype, 0.1)
+        if not gap <= tolerance:
+            raise served.ServedTeacherMismatch(
+                f"teacher_logprob_gap {gap:.3g} at step {self.state.global_step + 1} (tolerance "
+                f"{tolerance:g} for a {dtype} server): the served states times this run's teacher head "
+                "give other log-probabilities of the sampled tokens than the teacher in this process; the "
+                "server serves another model than teacher_model, or the head is not its own. Stopped before "
+                "the update."
+            )
+
     def _check_sync(self, gap_N: torch.Tensor) -> None:
         """The one host read before a backward pass (first steps only): every rank stops together if the
         micro-batch's gap, summed over all processes, is off."""
@@ -658,9 +711,9 @@ class DistillTrainer(Trainer):
         sums = self.stats.as_tensor(self.args.device)
         if self.args.world_size > 1 and dist.is_initialized():
             dist.all_reduce(sums)
-        seqs, toks, trunc, ent, gap, gap_toks = sums[:6].tolist()
+        seqs, toks, trunc, ent, gap, gap_toks, t_gap, t_gap_toks = sums[:8].tolist()
         n_teachers = len(self.teacher_ids)
-        per_teacher = sums[6:].tolist() if self.stats.per_teacher is not None else [0.0] * (2 * n_teachers)
+        per_teacher = sums[8:].tolist() if self.stats.per_teacher is not None else [0.0] * (2 * n_teachers)
         elapsed = max(time.time() - self.stats.started, 1e-9)
         max_norm = self.args.max_grad_norm
         record = {
@@ -680,6 +733,8 @@ class DistillTrainer(Trainer):
         }
         for tid, div, n in zip(self.teacher_ids, per_teacher[:n_teachers], per_teacher[n_teachers:]):
             record[f"divergence/{tid}"] = div / n if n else None  # mean per token over its rows
+        if self.teacher_reference is not None:  # a served teacher against its reference, first steps only
+            record["teacher_logprob_gap"] = t_gap / t_gap_toks if t_gap_toks else None
         if self.topk is not None:  # the loss is not the divergence: say so beside it
             record["teacher_logprobs"] = f"topk:{self.topk.k} (approximate)"
         if self.run and self.args.process_index == 0:
