@@ -208,3 +208,11 @@ def test_whitebox_with_two_weighted_teachers_logs_each_and_refuses_a_resume_with
         run_tiny(tmp_path, "routed", teachers="a=tiny:teacher,b=tiny:student")
     with pytest.raises(ConfigError, match="one weight per teacher id"):
         run_tiny(tmp_path, "w", teachers="a=tiny:teacher,b=tiny:student", teacher_weights="a=1,c=1")
+
+
+def test_teacher_server_reference_logs_the_teacher_logprob_gap_on_the_first_steps(tmp_path, stub):
+    """`teacher_server_reference`: the teacher in process too, compared with the served states x head on the
+    first two steps (the stub serves the tiny teacher's own states: the gap is rounding)."""
+    run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server_reference=True, max_steps=3))
+    gaps = [r["teacher_logprob_gap"] for r in run.read_jsonl() if "loss" in r]
+    assert gaps[0] < 1e-5 and gaps[1] < 1e-5 and gaps[2] is None, gaps

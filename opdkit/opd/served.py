@@ -95,6 +95,13 @@ class ServedSettings:
         "teacher_server: the dtype the server computes in (its --dtype), which the states also travel in",
         choices=("float32", "bfloat16", "float16"),
     )
+    teacher_server_reference: bool = setting(
+        False,
+        "teacher_server: also load teacher_model whole in each training process and compare the served "
+        "states x head with it on the first 2 steps (teacher_logprob_gap; the run stops past the server "
+        "dtype's tolerance): to validate a setup where the teacher fits (the start checks cannot see a "
+        "wrong head)",
+    )
     teacher_logprobs: str = setting(
         "exact",
         "how the teacher's distribution reaches the loss: exact, every logit (the teacher in process, or "
@@ -707,8 +714,14 @@ def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, Serv
     """A job's served teacher: `teacher_model`'s head alone in `dtype` (the in-process teacher's), its states
     from `teacher_server`, checked (`ServedTeacher.check`) before training (`teacher_logprobs` topk:K:
     `topk.job_topk_teacher` instead)."""
+    from opdkit.models import load_model
+
+    reference = load_model(cfg.teacher_model, dtype) if cfg.teacher_server_reference else None
     teacher = ServedTeacher(
-        job_client(cfg), load_head(cfg.teacher_model, dtype), served_dtype=cfg.teacher_server_dtype
+        job_client(cfg),
+        load_head(cfg.teacher_model, dtype),
+        served_dtype=cfg.teacher_server_dtype,
+        reference=reference,
     )
     report = teacher.check(
         tokenizer=tokenizer,
