@@ -216,3 +216,19 @@ def test_teacher_server_reference_logs_the_teacher_logprob_gap_on_the_first_step
     run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server_reference=True, max_steps=3))
     gaps = [r["teacher_logprob_gap"] for r in run.read_jsonl() if "loss" in r]
     assert gaps[0] < 1e-5 and gaps[1] < 1e-5 and gaps[2] is None, gaps
+
+
+def test_a_local_servers_own_plan_counts_its_weights_and_kv_cache_per_gpu():
+    """`served.server_plan`: the teacher's weights over the tensor-parallel GPUs and the KV cache vLLM makes
+    of the rest of its 0.9 share, counted here from the tiny teacher's own config and parameters."""
+    cfg = load_config(whitebox.WhiteboxConfig, "tiny", {"teacher_server": "local", "teacher_gpus": "0,1"})
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    c = teacher.config
+    weights = sum(p.numel() for p in teacher.parameters()) * 2 / 2  # bf16, over 2 GPUs
+    per_token = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 2 / 2  # K and V, bf16
+    kv = 0.9 * 80e9 - weights
+    line = served.server_plan(cfg, 80)
+    assert f"KV cache {kv / 1e9:.2f} GB" in line and f"= {int(kv // per_token):,} tokens" in line, line
+    assert "80 GB GPU x 2 (tensor parallel)" in line and "pooling" in line
+    topk_cfg = {"teacher_server": "local", "teacher_logprobs": "topk:20"}
+    assert "generation" in served.server_plan(load_config(whitebox.WhiteboxConfig, "tiny", topk_cfg), None)

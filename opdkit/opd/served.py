@@ -677,9 +677,44 @@ def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> Serv
         gpus=gpus,
         dtype=cfg.teacher_server_dtype,
         max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        gpu_memory_utilization=LOCAL_GPU_MEMORY_UTILIZATION,
         kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
         runner="generate" if k else "pooling",
         max_logprobs=k or 20,
+    )
+
+
+LOCAL_GPU_MEMORY_UTILIZATION = 0.9  # the share of each of its GPUs a local teacher server takes
+
+
+def server_plan(cfg, gpu_gb: float | None) -> str:
+    """`teacher_server: local`: what its vLLM server holds on each of `teacher_gpus` (`gpu_gb` GB each; None:
+    the CPU, its fixed KV cache), beside the run's own plan: the teacher's weights in `teacher_server_dtype`
+    split over the tensor-parallel GPUs, and the KV cache vLLM makes of the rest of its share, in tokens and
+    in the run's longest sequences (prompt + completion)."""
+    from opdkit import memory
+
+    shape = memory.ModelShape.from_config(cfg.teacher_model)
+    tp = max(1, len([g for g in cfg.teacher_gpus.split(",") if g.strip()])) if gpu_gb else 1
+    weights = shape.num_params * memory.dtype_bytes(cfg.teacher_server_dtype) / tp
+    per_token = memory.kv_bytes_per_token(shape, cfg.teacher_server_dtype) / tp  # KV heads split over tp
+    share = LOCAL_GPU_MEMORY_UTILIZATION * gpu_gb * memory.GB if gpu_gb else None
+    kv = share - weights if share else CPU_KV_CACHE_BYTES
+    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    where = f"{gpu_gb:g} GB GPU x {tp} (tensor parallel)" if gpu_gb else "the CPU"
+    kind = "generation (top-K log-probs)" if cfg.topk() else "pooling (hidden states)"
+    head = f"teacher server plan ({kind} on {where}), per {'GPU' if gpu_gb else 'process'}:"
+    if kv <= 0:
+        return (
+            f"{head} weights {weights / memory.GB:.2f} GB ({cfg.teacher_server_dtype}) exceed its "
+            f"{LOCAL_GPU_MEMORY_UTILIZATION:g} share ({share / memory.GB:.1f} GB): no room for a KV cache; "
+            "add teacher_gpus."
+        )
+    of = f" (of {LOCAL_GPU_MEMORY_UTILIZATION:g} x {gpu_gb:g} GB)" if gpu_gb else " (fixed on CPU)"
+    return (
+        f"{head} weights {weights / memory.GB:.2f} GB ({cfg.teacher_server_dtype}), KV cache "
+        f"{kv / memory.GB:.2f} GB{of} = {int(kv // per_token):,} tokens, "
+        f"{int(kv // (per_token * longest)):,} sequences of {longest}"
     )
 
 

@@ -250,6 +250,8 @@ def run(
     arm); `child`: a run inside another (`lifecycle.run_child`). `teacher_server: local` runs it beside the
     teacher's server (`teacher.local_server`)."""
     cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
+    if cfg.teacher_server == served.LOCAL and not child:  # the server's own plan, beside the run's
+        print0(served.server_plan(cfg, memory.budget_gb(cfg.plan_gpu_memory_gb)))
     if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
         with local_server(cfg, overrides, prepared) as (overrides, prepared):
             return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
