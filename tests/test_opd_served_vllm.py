@@ -344,3 +344,20 @@ def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
     over |= {"teacher_server": "local", "teacher_server_dtype": "float32", "run_dir": str(tmp_path / "r")}
     url = whitebox.run("tiny", over).read_summary()["teacher_server"]
     assert url.startswith("http://127.0.0.1:") and not is_up(url)
+
+
+def test_whitebox_with_teacher_logprobs_topk_runs_against_a_generation_server(tmp_path, generation):
+    """02 tiny with `teacher_logprobs: topk:20` against the generation server: the start checks pass, the
+    run trains with a finite loss, and its steps and summary say the divergence is approximate."""
+    from opdkit.jobs import whitebox
+
+    over = dict(max_steps=2, eval_size=0, sample_every=0, save_steps=0, subset_size=16, max_new_tokens=16)
+    over |= {"teacher_server": generation.url, "teacher_logprobs": "topk:20", "run_dir": str(tmp_path / "r")}
+    run = whitebox.run("tiny", over)
+    steps = [r for r in run.read_jsonl() if "loss" in r]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert all(r["teacher_logprobs"] == "topk:20 (approximate)" for r in steps)
+    summary = run.read_summary()
+    assert (
+        summary["teacher_logprobs"] == "topk:20 (approximate)" and summary["teacher_server"] == generation.url
+    )
