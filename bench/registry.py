@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8")
+FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8", "P9")
 
 
 @dataclass
@@ -333,6 +333,26 @@ def _p7(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
+def _p9(samples: dict, params: dict, threads: int) -> list[Figure]:
+    run = samples["topk20"][0]
+    setup = {**params, "threads": threads, **{k: run[k] for k in ("exact", "tokens", "vocab")}}
+    setup["by_k"] = run["by_k"]  # per K: divergence, divergence_error, gradient_error, gradient_cosine
+    return [
+        ratio_figure(
+            "P9",
+            "Top-20 divergence (teacher_logprobs topk:20) as a share of the exact one, tiny world",
+            samples,
+            key="divergence",
+            metric="summed reverse KL over the batch's completion tokens",
+            target=0.9,
+            higher_is_better=True,
+            baseline=importlib.import_module("bench.topk_error").BASELINE,
+            setup=setup,
+            sides=("topk20", "exact"),
+        )
+    ]
+
+
 def _step_medians(samples: dict) -> dict[str, float | None]:
     return {
         side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
@@ -386,6 +406,8 @@ BENCHES["P6"] = Bench(
 BENCHES["P7"] = Bench(
     "p7_served_bytes", "bench.served_teacher", ("exact", "topk20"), 1, _p7, venv=".venv-vllm", max_reps=1
 )
+# The top-K divergence's error against exact: deterministic (seeded), one run per side is enough.
+BENCHES["P9"] = Bench("p9_topk_error", "bench.topk_error", ("topk20", "exact"), 1, _p9, max_reps=1)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

@@ -284,3 +284,20 @@ def test_p6_measures_the_served_teacher_at_p1bs_size_in_the_vllm_venv():
     assert p6.sides == ("served", "local") and p7.sides == ("exact", "topk20")
     assert p6.venv_of("served") == p6.venv_of("local") == p7.venv == ".venv-vllm"
     assert {"P6", "P7"} <= set(registry.FIGURES) and p6.max_reps == 3
+
+
+def test_p9_measures_the_topk_divergences_error_against_exact():
+    """P9 at quick size: the top-K divergence never exceeds the exact one, and its error and its gradient's
+    fall as K grows; the figure is the top-20 share of the exact divergence."""
+    from bench import registry, topk_error
+
+    p = registry.BENCHES["P9"].default_params(quick=True)
+    found = topk_error.errors(p)
+    by_k = [found["by_k"][str(k)] for k in topk_error.KS]
+    assert all(0 <= e["divergence_error"] < 1 for e in by_k) and found["tokens"] > 0
+    for key in ("divergence_error", "gradient_error"):
+        assert [e[key] for e in by_k] == sorted((e[key] for e in by_k), reverse=True), key
+    samples = {"topk20": [{"divergence": found["by_k"]["20"]["divergence"], **found}], "exact": [found]}
+    samples["exact"][0] = {**found, "divergence": found["exact"]}
+    (fig,) = registry._p9(samples, p, 1)
+    assert fig.value == pytest.approx(1 - found["by_k"]["20"]["divergence_error"])

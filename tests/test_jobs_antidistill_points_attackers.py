@@ -118,3 +118,40 @@ def test_config_refuses_attackers_it_cannot_run(over, match):
 
 def test_tiny_default_keeps_only_the_sft_attacker():
     assert load_config(AntidistillConfig, "tiny").attackers == ["sft"]
+
+
+def test_with_teacher_server_the_scoring_teacher_takes_the_served_states(grads_run):
+    """`teacher_server` (a stub pooling server serving 04's tiny teacher): the attackers' ADS teacher, on
+    the trainer's path (base_model states x stacked head), gives the in-process one's logits; the config
+    refuses what 04 cannot use."""
+    from test_opd_served import StubPoolingServer
+
+    from opdkit.models import load_tokenizer
+    from opdkit.opd import served
+    from opdkit.opd.head import load_head
+
+    prep = antidistill.prepare("tiny", {**SHORT, "grads_run": str(grads_run)})
+    steering, _ = sweep.load_steering(
+        prep.cfg, prep.proxy_tokenizer, prep.student_tokenizer, grads_run, torch.device("cpu")
+    )
+    name = prep.cfg.teacher_model
+    ids = torch.tensor([[5, 9, 11, 7, 3, 8]])
+    mask = torch.ones_like(ids)
+    with StubPoolingServer(steering.teacher, name, load_tokenizer(name)) as stub:
+        client = served.PoolingClient(stub.url, dtype="float32", retries=1)
+        st = served.ServedTeacher(client, load_head(name, torch.float32), served_dtype="float32")
+        for attacker, point in (("opd", Point("ads", 0.08, 1.3)), ("opd-plain", Point("t", 0.0, 1.0))):
+            got, want = (points.scoring_teacher(attacker, point, steering, base) for base in (st, None))
+            with torch.no_grad():
+                logits = [
+                    t.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+                    @ t.get_output_embeddings().weight.T
+                    for t in (got, want)
+                ]
+            torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    for over, match in (
+        ({"teacher_server": "http://x"}, "on-policy attackers"),
+        ({"teacher_server": "local", "attackers": ["sft", "opd"]}, "running pooling server"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_config(AntidistillConfig, "tiny", over)

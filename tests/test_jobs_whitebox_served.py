@@ -163,3 +163,72 @@ def test_teacher_gpus_split_the_visible_gpus():
     ):
         with pytest.raises(ConfigError, match=match):
             served.split_gpus(bad, ["0", "1"])
+
+
+def test_teacher_logprobs_topk_is_refused_without_a_server_or_at_another_temperature():
+    """`teacher_logprobs` (ServedSettings): exact or topk:K; topk needs a server and kl_temperature 1, each
+    refusal one ConfigError line before anything runs. A local server for it is a generation server."""
+    load = lambda **over: load_config(whitebox.WhiteboxConfig, "tiny", over)  # noqa: E731
+    assert load().topk() is None and load(teacher_server="http://x", teacher_logprobs="topk:20").topk() == 20
+    for over, match in (
+        ({"teacher_logprobs": "topk:20"}, "set teacher_server"),
+        ({"teacher_logprobs": "top20", "teacher_server": "http://x"}, "expected exact, or topk:K"),
+        ({"teacher_logprobs": "topk:0", "teacher_server": "http://x"}, "expected exact, or topk:K"),
+        (
+            {"teacher_logprobs": "topk:5", "teacher_server": "http://x", "kl_temperature": 2.0},
+            "kl_temperature 1",
+        ),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load(**over)
+    cfg = load(teacher_server="local", teacher_logprobs="topk:7")
+    cmd = served.job_server(cfg, "/tmp/x.log").command
+    assert cmd[cmd.index("--runner") + 1] == "generate" and cmd[cmd.index("--max-logprobs") + 1] == "7"
+
+
+def test_whitebox_with_two_weighted_teachers_logs_each_and_refuses_a_resume_with_another_set(tmp_path):
+    """02 tiny with `teachers` (the tiny teacher and the tiny student as a second teacher) and
+    `teacher_weights` 0.7 / 0.3: every step logs divergence/a and divergence/b (0: b is the student), the loss
+    is 0.7 D(a) + 0.3 D(b), the summary names the set, and a resume
+    with b replaced stops with one line; routed teachers on data without a teacher_id column, and weights
+    naming other ids, are refused before anything is written."""
+    two = {"teachers": "a=tiny:teacher,b=tiny:student", "teacher_weights": "a=0.7,b=0.3", **SMALL}
+    run = run_tiny(tmp_path, "r", **two)
+    step = run.read_jsonl()[0]
+    # b is the student itself: its divergence is 0, the loss 0.7 of a's (per token)
+    assert step["divergence/a"] > 0 and step["divergence/b"] == pytest.approx(0.0, abs=1e-6)
+    assert step["loss"] == pytest.approx(0.7 * step["divergence/a"], rel=1e-4)
+    assert run.read_summary()["teachers"] == ["a", "b"]
+    assert (run.path / "checkpoints" / "teachers.json").exists()
+    # another set by its settings: refused by the run folder's settings check; by its weights (the same
+    # names, other models): by the trainer's fingerprints (tests/test_opd_mixture.py)
+    with pytest.raises(ConfigError, match="differ from the run.*'teachers'"):
+        run_tiny(tmp_path, "r", **{**two, "teachers": "a=tiny:teacher,b=tiny:teacher", "resume": True})
+    with pytest.raises(ConfigError, match="teacher_id column"):
+        run_tiny(tmp_path, "routed", teachers="a=tiny:teacher,b=tiny:student")
+    with pytest.raises(ConfigError, match="one weight per teacher id"):
+        run_tiny(tmp_path, "w", teachers="a=tiny:teacher,b=tiny:student", teacher_weights="a=1,c=1")
+
+
+def test_teacher_server_reference_logs_the_teacher_logprob_gap_on_the_first_steps(tmp_path, stub):
+    """`teacher_server_reference`: the teacher in process too, compared with the served states x head on the
+    first two steps (the stub serves the tiny teacher's own states: the gap is rounding)."""
+    run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server_reference=True, max_steps=3))
+    gaps = [r["teacher_logprob_gap"] for r in run.read_jsonl() if "loss" in r]
+    assert gaps[0] < 1e-5 and gaps[1] < 1e-5 and gaps[2] is None, gaps
+
+
+def test_a_local_servers_own_plan_counts_its_weights_and_kv_cache_per_gpu():
+    """`served.server_plan`: the teacher's weights over the tensor-parallel GPUs and the KV cache vLLM makes
+    of the rest of its 0.9 share, counted here from the tiny teacher's own config and parameters."""
+    cfg = load_config(whitebox.WhiteboxConfig, "tiny", {"teacher_server": "local", "teacher_gpus": "0,1"})
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    c = teacher.config
+    weights = sum(p.numel() for p in teacher.parameters()) * 2 / 2  # bf16, over 2 GPUs
+    per_token = c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 2 / 2  # K and V, bf16
+    kv = 0.9 * 80e9 - weights
+    line = served.server_plan(cfg, 80)
+    assert f"KV cache {kv / 1e9:.2f} GB" in line and f"= {int(kv // per_token):,} tokens" in line, line
+    assert "80 GB GPU x 2 (tensor parallel)" in line and "pooling" in line
+    topk_cfg = {"teacher_server": "local", "teacher_logprobs": "topk:20"}
+    assert "generation" in served.server_plan(load_config(whitebox.WhiteboxConfig, "tiny", topk_cfg), None)

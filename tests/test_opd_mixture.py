@@ -70,14 +70,21 @@ def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, 
     trainer = DistillTrainer(
         model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=routed
     )
-    loss = trainer.compute_loss(trainer.model, {k: v for k, v in batch.items() if k != "teacher_id"})
+    loss = trainer.compute_loss(trainer.model, batch)
     with torch.no_grad():
         s_NV = _completion_logits(_model("tiny:student"), r)
         t_NV = {k: _completion_logits(m, r) for k, m in teachers.items()}
     row_N = torch.repeat_interleave(torch.arange(5), r.completion_mask_BC.sum(1))
     own_NV = torch.stack([t_NV[owners[int(b)]][n] for n, b in enumerate(row_N)])
-    want = per_token_divergence(s_NV, own_NV, beta=1.0).sum() / r.completion_mask_BC.sum()
+    own_N = per_token_divergence(s_NV, own_NV, beta=1.0)
+    want = own_N.sum() / r.completion_mask_BC.sum()
     loss = float(loss.detach())
+    # each teacher's metric: the divergence of its own rows' tokens only
+    owner_N = [owners[int(b)] for b in row_N]
+    per = trainer.stats.per_teacher.tolist()
+    for j, tid in enumerate(["big", "small"]):
+        mine = torch.tensor([o == tid for o in owner_N])
+        assert per[j] == pytest.approx(float(own_N[mine].sum()), rel=1e-5) and per[2 + j] == int(mine.sum())
     assert loss == pytest.approx(float(want), rel=1e-5)
     everyone_big = per_token_divergence(s_NV, t_NV["big"], beta=1.0).sum() / r.completion_mask_BC.sum()
     assert abs(loss - float(everyone_big)) > 1e-3  # the routing mattered
@@ -114,3 +121,92 @@ def test_a_resume_with_another_teacher_set_is_refused(teachers):
         mixture.check_same_teachers(saved, mixture.fingerprints(swapped, probe))
     with pytest.raises(mixture.TeacherSetMismatch, match="resumed with \\['big'\\]"):
         mixture.check_same_teachers(saved, mixture.fingerprints({"big": teachers["big"]}, probe))
+
+
+def _perturbed(name: str, seed: int = 0) -> torch.nn.Module:
+    """The model with noise added to every weight: another teacher of the same shape."""
+    model = _model(name)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.std().clamp(min=1e-3))
+    return model
+
+
+def test_the_trainer_with_weighted_teachers_takes_the_weighted_sum_and_logs_each(tmp_path, tok, rollout):
+    """`WeightedTeachers` (the tiny teacher and a perturbed copy, 0.7 / 0.3) in `DistillTrainer`: the loss is
+    (0.7 D1 + 0.3 D2) / N from full logits, and each teacher's own divergence is kept for its metric."""
+    r = rollout
+    teachers = {"a": _model("tiny:teacher"), "b": _perturbed("tiny:teacher")}
+    mix = mixture.WeightedTeachers(teachers, {"a": 0.7, "b": 0.3})
+    args = OPDArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
+    )
+    trainer = DistillTrainer(model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=mix)
+    batch = {"input_ids": r.input_ids_BT, "attention_mask": r.attention_mask_BT}
+    batch["completion_mask_BC"] = r.completion_mask_BC
+    loss = float(trainer.compute_loss(trainer.model, batch).detach())
+    n = r.completion_mask_BC.sum()
+    with torch.no_grad():
+        s_NV = _completion_logits(_model("tiny:student"), r)
+        d = {
+            k: float(per_token_divergence(s_NV, _completion_logits(m, r), beta=1.0).sum())
+            for k, m in teachers.items()
+        }
+    assert loss == pytest.approx(float((0.7 * d["a"] + 0.3 * d["b"]) / n), rel=1e-5)
+    assert abs(d["a"] - d["b"]) > 1e-3 * d["a"]  # the two teachers differ
+    sums = trainer.stats.per_teacher.tolist()
+    assert sums[:2] == pytest.approx([d["a"], d["b"]], rel=1e-5) and sums[2:] == [float(n)] * 2
+    with pytest.raises(ValueError, match="one weight per teacher id"):
+        mixture.WeightedTeachers(teachers, {"a": 1.0})
+
+
+def _train(tmp_path, tok, teacher, steps: int, resume: str | None = None) -> DistillTrainer:
+    from datasets import Dataset
+
+    rows = [
+        {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer, "teacher_id": tid}
+        for p, tid in zip(task.problems(8, 9), ["a", "b"] * 4)
+    ]
+    args = OPDArguments(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        sample_every=0,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        logging_steps=1,
+        disable_tqdm=True,
+        save_strategy="steps",
+        save_steps=1,
+        remove_unused_columns=False,
+    )
+    trainer = DistillTrainer(
+        model=_model("tiny:student"),
+        args=args,
+        processing_class=tok,
+        teacher_model=teacher,
+        train_dataset=Dataset.from_list(rows),
+        data_collator=PromptCollator(tok, 64),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_routed_training_logs_each_teachers_divergence_and_a_resume_with_another_set_is_refused(
+    tmp_path, tok
+):
+    """A `teacher_id` column routes each prompt (the collator carries it through the rollout); every step
+    logs divergence/a and divergence/b; the fingerprints are saved with the run; a resume with the same
+    set continues, with another (a teacher swapped for a perturbed copy) it stops with one line."""
+    a, b = _model("tiny:teacher"), _perturbed("tiny:teacher")
+    first = _train(tmp_path, tok, mixture.RoutedTeacher({"a": a, "b": b}), steps=1)
+    logged = [h for h in first.state.log_history if "loss" in h][0]
+    assert logged["divergence/a"] > 0 and logged["divergence/b"] > 0
+    assert (tmp_path / "teachers.json").exists()
+    again = _train(tmp_path, tok, mixture.RoutedTeacher({"a": a, "b": b}), 2, str(tmp_path / "checkpoint-1"))
+    assert again.state.global_step == 2
+    other = mixture.RoutedTeacher({"a": a, "b": _perturbed("tiny:teacher", seed=1)})
+    with pytest.raises(mixture.TeacherSetMismatch, match="teacher 'b' scores the probe differently"):
+        _train(tmp_path, tok, other, 3, str(tmp_path / "checkpoint-2"))

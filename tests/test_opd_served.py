@@ -387,3 +387,58 @@ def test_a_local_server_serves_the_teachers_states_on_its_gpus(tmp_path, monkeyp
     assert "--enforce-eager" in cpu.command and cpu.command[cpu.command.index("--model") + 1] == tiny.resolve(
         "tiny:teacher"
     )
+
+
+def _training(tmp_path, teacher_model, tok, steps: int) -> DistillTrainer:
+    from datasets import Dataset
+
+    from opdkit.data.prompts import PromptCollator
+
+    rows = [
+        {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in task.problems(8, 5)
+    ]
+    args = OPDArguments(
+        output_dir=str(tmp_path),
+        report_to=[],
+        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        use_cpu=True,
+        sample_every=0,
+        save_strategy="no",
+        remove_unused_columns=False,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    return DistillTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")),
+        args=args,
+        processing_class=tok,
+        teacher_model=teacher_model,
+        train_dataset=Dataset.from_list(rows),
+        data_collator=PromptCollator(tok, 64),
+    )
+
+
+def test_a_wrong_head_is_stopped_by_the_teacher_logprob_gap_on_the_first_step(tmp_path, stub, teacher, tok):
+    """`teacher_logprob_gap` against the teacher in process (`reference`): the right head gives ~0 on the
+    first steps; a head scaled by 1.5 (which the final-norm state check cannot see: the states are right)
+    stops the run at step 1, before its update, with one line."""
+    import dataclasses
+
+    head = load_head("tiny:teacher")
+    right = served.ServedTeacher(_client(stub.url), head, served_dtype="float32", reference=teacher)
+    ok = _training(tmp_path / "right", right, tok, steps=3)
+    ok.train()
+    gaps = [h.get("teacher_logprob_gap") for h in ok.state.log_history if "loss" in h]
+    assert gaps[0] < 1e-5 and gaps[1] < 1e-5 and gaps[2] is None, gaps  # checked on the first 2 steps
+    scaled = dataclasses.replace(head, weight_VH=head.weight_VH * 1.5)
+    wrong = served.ServedTeacher(_client(stub.url), scaled, served_dtype="float32", reference=teacher)
+    bad = _training(tmp_path / "wrong", wrong, tok, steps=3)
+    before = {n: p.detach().clone() for n, p in bad.model.named_parameters()}
+    with pytest.raises(
+        served.ServedTeacherMismatch, match=r"teacher_logprob_gap \S+ at step 1 \(tolerance 0.001"
+    ):
+        bad.train()
+    assert bad.state.global_step == 0 and max(wrong.state_gaps) < 1e-5  # the state check passed
+    assert all(torch.equal(p, before[n]) for n, p in bad.model.named_parameters())

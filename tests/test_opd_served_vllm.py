@@ -114,7 +114,7 @@ def test_the_start_checks_pass_against_the_real_server(pooling, tok):
     assert report.state_gap < 1e-4, report.state_gap
 
 
-def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, **kw) -> DistillTrainer:
+def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, cls=DistillTrainer, **kw) -> DistillTrainer:
     rows = [
         {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer}
         for p in task.problems(24, 5)
@@ -139,7 +139,7 @@ def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, **kw) -> DistillT
         disable_tqdm=True,
         **{"save_strategy": "no", **kw},
     )
-    return DistillTrainer(
+    return cls(
         model=AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")),
         args=args,
         processing_class=tok,
@@ -254,6 +254,51 @@ def test_topk_from_prompt_logprobs_is_the_teachers_and_its_error_against_exact_f
     assert errors[1] > errors[5] > errors[20] > errors[100] >= 0 and errors[100] < 0.01, errors
 
 
+class _FirstStepInputs(DistillTrainer):
+    """Keeps the first step's micro-batches (what the loss was computed on, before any update)."""
+
+    seen: list[dict]
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self.state.global_step == 0:
+            keys = ("input_ids", "attention_mask", "completion_mask_BC")
+            self.seen.append({k: inputs[k].detach().clone() for k in keys})
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_the_trainer_with_teacher_logprobs_topk_trains_on_the_topk_divergence(tmp_path, generation, tok):
+    """`topk.TopKTeacher` against the generation server: two steps run with a finite loss, labelled
+    approximate, and the first step's loss is `topk_divergence` computed directly: the fresh student's
+    logits of each unpadded row, the server's top-K of the same row asked for alone."""
+    k = 5
+    client = topk.PromptLogprobsClient(generation.url, timeout_s=60.0, retries=2, backoff_s=0.2)
+    trainer = _trainer(tmp_path, topk.TopKTeacher(client, k), tok, max_steps=2, cls=_FirstStepInputs)
+    trainer.seen = []
+    trainer.train()
+    losses = _losses(trainer)
+    assert trainer.state.global_step == 2 and len(losses) == 2
+    assert bool(torch.isfinite(torch.tensor(losses)).all())
+    assert trainer.state.log_history[0]["teacher_logprobs"] == f"topk:{k} (approximate)"
+    assert client.stats.requests == 2 and client.stats.rows == 16  # one request per step (prepare_step)
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")).eval()
+    total, tokens = 0.0, 0
+    for mb in trainer.seen:
+        ids_BT, attn_BT, comp_BC = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
+        prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+        for b in range(ids_BT.shape[0]):
+            first = int(attn_BT[b].nonzero()[0])
+            row = ids_BT[b][attn_BT[b].bool()].tolist()
+            at = torch.tensor([prompt_len - 1 + j - first for j in comp_BC[b].nonzero().squeeze(1).tolist()])
+            with torch.no_grad():
+                s_NV = student(input_ids=torch.tensor([row])).logits[0, at]
+            ((ids_TK, logp_TK),) = client.topk([row], k)
+            total += float(topk.topk_divergence(s_NV, ids_TK[at], logp_TK[at], beta=1.0).sum())
+            tokens += len(at)
+    assert tokens == sum(int(mb["completion_mask_BC"].sum()) for mb in trainer.seen) > 0
+    # the server's log-probabilities of a row asked alone against within the step's batch: ~1e-6
+    assert losses[0] == pytest.approx(total / tokens, rel=1e-4), (losses[0], total / tokens)
+
+
 def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):
     """02 tiny end to end (`teacher_server`: start checks, prepared steps, the head alone) against the same
     run with the teacher in process: the same first loss and gradient, fp32, relative 1e-5."""
@@ -301,3 +346,20 @@ def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
     over |= {"teacher_server": "local", "teacher_server_dtype": "float32", "run_dir": str(tmp_path / "r")}
     url = whitebox.run("tiny", over).read_summary()["teacher_server"]
     assert url.startswith("http://127.0.0.1:") and not is_up(url)
+
+
+def test_whitebox_with_teacher_logprobs_topk_runs_against_a_generation_server(tmp_path, generation):
+    """02 tiny with `teacher_logprobs: topk:20` against the generation server: the start checks pass, the
+    run trains with a finite loss, and its steps and summary say the divergence is approximate."""
+    from opdkit.jobs import whitebox
+
+    over = dict(max_steps=2, eval_size=0, sample_every=0, save_steps=0, subset_size=16, max_new_tokens=16)
+    over |= {"teacher_server": generation.url, "teacher_logprobs": "topk:20", "run_dir": str(tmp_path / "r")}
+    run = whitebox.run("tiny", over)
+    steps = [r for r in run.read_jsonl() if "loss" in r]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    assert all(r["teacher_logprobs"] == "topk:20 (approximate)" for r in steps)
+    summary = run.read_summary()
+    assert (
+        summary["teacher_logprobs"] == "topk:20 (approximate)" and summary["teacher_server"] == generation.url
+    )

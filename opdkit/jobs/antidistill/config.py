@@ -18,6 +18,7 @@ from opdkit.models import (
     TeacherSettings,
 )
 from opdkit.opd.arguments import OPDSettings, OPDTraining
+from opdkit.opd.served import ServedSettings
 from opdkit.rollout.engines import TraceSettings
 from opdkit.sft.student import SFTSettings
 from opdkit.tasks.evaluate import EvalSettings
@@ -40,6 +41,7 @@ class AntidistillConfig(
     SFTSettings,
     OPDSettings,
     OPDTraining,
+    ServedSettings,
 ):
     """Antidistillation sampling and its trade-off (antidistill): a λ sweep of ADS beside a temperature
     sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT
@@ -128,6 +130,22 @@ class AntidistillConfig(
                 f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy)."
             )
         self.attackers = name_list("attackers", self.attackers)
+        if self.teacher_server:  # read by the on-policy attackers' trainers only
+            if not [a for a in self.attackers if a != "sft"]:
+                raise ConfigError(
+                    "teacher_server is read by the on-policy attackers (opd, opd-plain) only, and attackers "
+                    "has none; add one, or leave teacher_server empty."
+                )
+            if (
+                self.teacher_server == "local"
+                or self.teacher_logprobs != "exact"
+                or self.teacher_server_reference
+            ):
+                raise ConfigError(
+                    "antidistill's attackers take teacher_server as the URL of a running pooling server, "
+                    "with teacher_logprobs exact and no teacher_server_reference (the sweep holds the "
+                    "teacher for its traces anyway)."
+                )
         unknown = [a for a in self.attackers if a not in ATTACKER_NAMES]
         if unknown or "sft" not in self.attackers:
             raise ConfigError(

@@ -53,6 +53,7 @@ from opdkit.jobs.antidistill import points as pt
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared, prepared, sweep_points
 from opdkit.notebook import verdicts
+from opdkit.opd import served
 from opdkit.opd.arguments import distill_stage
 from opdkit.run import spread, tracking
 from opdkit.run.cli import run_from_cli
@@ -103,7 +104,8 @@ def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stag
     trainer before the next, so nothing of the earlier stages is held here."""
     gpu = budget is not None
     return dataclasses.replace(
-        distill_stage(cfg, 1, budget),
+        # a served teacher saves nothing here: the sweep process holds the teacher for its traces
+        distill_stage(dataclasses.replace(cfg, teacher_server=""), 1, budget),
         proxy=memory.ModelShape.from_config(cfg.proxy_model),
         teacher_dtype="bfloat16" if cfg.bf16 and gpu else "float32",
         bf16=cfg.bf16 and gpu,
@@ -150,6 +152,10 @@ def process(prep: Prepared, run: RunDir, shares: list[list[str]]) -> None:
         cfg, prep.proxy_tokenizer, prep.student_tokenizer, sweep.grads_path(cfg, run), dev, run
     )
     held = pt.Held(steering, holdout, dev, run)
+    if cfg.teacher_server:  # the attackers' teacher states from the server, checked as 02 checks them
+        dtype = next(steering.teacher.parameters()).dtype
+        held.served = served.job_teacher(cfg, prep.teacher_tokenizer, dtype)[0]
+        print0(f"on-policy attackers: the teacher's states from {cfg.teacher_server}, its head here")
     if rank == 0 and not (run.path / pt.BASELINE_FILE).is_file():
         before = {**pt.baseline(prep, held), "grad_norms": steering.grad_norms()}
         atomic_write_text(run.path / pt.BASELINE_FILE, json.dumps(before, indent=2))

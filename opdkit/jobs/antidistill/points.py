@@ -68,6 +68,7 @@ class Held:
     holdout: list[dict]
     device: torch.device
     run: RunDir
+    served: torch.nn.Module | None = None  # teacher_server: the attackers' teacher states come from there
 
 
 def point_dir(run: RunDir, point: Point) -> Path:
@@ -250,12 +251,16 @@ def result_key(attacker: str, measure: str = "student_accuracy") -> str:
     return measure if attacker == "sft" else f"{attacker.replace('-', '_')}_{measure}"
 
 
-def scoring_teacher(attacker: str, point: Point, steering: Steering) -> ADSTeacher:
+def scoring_teacher(
+    attacker: str, point: Point, steering: Steering, served: torch.nn.Module | None = None
+) -> ADSTeacher:
     """The teacher as the attacker's trainer sees it: the ADS distribution at the point's λ and τ (opd), or
-    the plain one at τ (opd-plain)."""
+    the plain one at τ (opd-plain); with `served` (`teacher_server`), the teacher's part of it from the
+    server's states and its head (the proxies' Δ stays in process)."""
     lam = point.lam if attacker == "opd" else 0.0
     direction = steering.direction(point.gradient) if lam else None
-    return ADSTeacher(steering.teacher, direction, lam, temperature=point.temperature)
+    base = served if served is not None else steering.teacher
+    return ADSTeacher(base, direction, lam, temperature=point.temperature)
 
 
 def distill_on_policy(
@@ -265,7 +270,7 @@ def distill_on_policy(
     `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and
     NLL."""
     cfg, dev, t0 = prep.cfg, held.device, time.time()
-    teacher = scoring_teacher(attacker, point, held.steering).to(dev)
+    teacher = scoring_teacher(attacker, point, held.steering, held.served).to(dev)
     student = sft_student.fresh_student(cfg, dev, sft_student.sft_seed(cfg, seed))
     rows = [{"messages": m, "answer": a} for m, a in zip(prep.train_messages, prep.train_answers)]
     args = training_arguments(

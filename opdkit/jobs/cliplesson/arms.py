@@ -112,7 +112,11 @@ def arm_overrides(arm: Arm, cfg: ClipLessonConfig) -> dict:
     if cfg.arm_eval_size >= 0:  # -1 keeps the preset's
         over["eval_size"] = cfg.arm_eval_size
     if cfg.teacher_server:
-        over |= {"teacher_server": cfg.teacher_server, "teacher_server_dtype": cfg.teacher_server_dtype}
+        over |= {
+            "teacher_server": cfg.teacher_server,
+            "teacher_server_dtype": cfg.teacher_server_dtype,
+            "teacher_logprobs": cfg.teacher_logprobs,
+        }
     over["repeats"] = 1  # the lesson repeats its arms itself
     over["sample_every"] = 1  # the spike's completions must be there to look at
     over["report_to"] = cfg.report_to  # every arm's curves and samples, through its Trainer

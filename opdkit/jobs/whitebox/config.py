@@ -10,6 +10,7 @@ from opdkit.config import ConfigError, RepeatSettings, RunFields, setting
 from opdkit.data.prompts import PromptSettings
 from opdkit.models import CheckpointingSettings, PrecisionSettings, StudentSettings, TeacherSettings
 from opdkit.opd.arguments import OPDSettings, OPDTraining
+from opdkit.opd.mixture import TeacherSetSettings
 from opdkit.opd.served import ServedSettings
 from opdkit.tasks.evaluate import EvalSettings
 
@@ -21,6 +22,7 @@ class WhiteboxConfig(
     StudentSettings,
     TeacherSettings,
     ServedSettings,
+    TeacherSetSettings,
     PromptSettings,
     EvalSettings,
     PrecisionSettings,

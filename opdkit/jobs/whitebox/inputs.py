@@ -170,6 +170,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, tok)
     train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    check_teacher_set(cfg, tok, train)
     collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = prompts.format_first_prompt(train, collator, tok)
     engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
@@ -180,6 +181,36 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     return Prepared(
         cfg, mode, task, tok, train, msgs, split.eval_answers, dropped, first, longest, split.removed
     )
+
+
+def check_teacher_set(cfg: WhiteboxConfig, tok, train) -> None:
+    """`teachers`: each one's tokenizer is the student's, and routed rows (no `teacher_weights`) name one of
+    them in a `teacher_id` column; each failure one `ConfigError` line, before anything is written."""
+    specs = cfg.teacher_specs()
+    if not specs:
+        return
+    if cfg.teacher_logprobs != "exact":
+        raise ConfigError("teachers take exact divergences only: set teacher_logprobs exact.")
+    for t in specs:
+        try:
+            check_tokenizers(tok, load_tokenizer(t.model))
+        except Exception as e:  # noqa: BLE001 - one line naming the teacher
+            raise ConfigError(
+                f"teachers: {t.id}={t.model} does not share the student's tokenizer ({e})"
+            ) from None
+    if cfg.weights():
+        return
+    ids = {t.id for t in specs}
+    if "teacher_id" not in train.column_names:
+        raise ConfigError(
+            f"teachers {sorted(ids)} without teacher_weights route each prompt by its teacher_id column, and "
+            "this data has none: add that column, or set teacher_weights (every prompt scored by all)."
+        )
+    unknown = sorted(set(train["teacher_id"]) - ids)
+    if unknown:
+        raise ConfigError(
+            f"the data's teacher_id names {unknown[:5]}, which are not among the teachers {sorted(ids)}."
+        )
 
 
 def overlap_facts(cfg: WhiteboxConfig, prep: Prepared) -> dict:

@@ -25,7 +25,7 @@ from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
-from opdkit.jobs.whitebox.teacher import local_server, served_facts, served_teacher
+from opdkit.jobs.whitebox.teacher import local_server, served_facts, served_teacher, several_teachers
 from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
@@ -84,7 +84,10 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
         print0("parallelism fsdp with one process: nothing to shard, the student trains unsharded")
     student = load_model(cfg.student_model, torch.float32, args.device)
     teacher_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    if cfg.teacher_server:
+    if cfg.teachers:
+        teacher = several_teachers(cfg, prep, args.device, teacher_dtype)
+        held = f"{len(cfg.teacher_specs())} teachers ({num_params(teacher) / 1e6:.2f}M params here)"
+    elif cfg.teacher_server:
         teacher = served_teacher(cfg, prep, run, teacher_dtype)
         held = f"teacher served ({num_params(teacher) / 1e6:.2f}M head params here)"
     else:
@@ -101,7 +104,7 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
         data_collator=prompts.PromptCollator(prep.tokenizer, cfg.max_prompt_length, cfg.enable_thinking),
         processing_class=prep.tokenizer,
         teacher_model=teacher,
-        teacher_tokenizer=load_tokenizer(cfg.teacher_model),
+        teacher_tokenizer=None if cfg.teachers else load_tokenizer(cfg.teacher_model),
         run=run,
         callbacks=callbacks,
     )
@@ -141,7 +144,8 @@ def distil(
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
-    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server else acc(teacher)
+    # Several teachers: no one teacher's accuracy (measure each with its own run).
+    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server or cfg.teachers else acc(teacher)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
     print0(f"accuracy before: teacher {verdicts.pct(teacher_acc)}, student {verdicts.pct(before)}")
@@ -246,6 +250,8 @@ def run(
     arm); `child`: a run inside another (`lifecycle.run_child`). `teacher_server: local` runs it beside the
     teacher's server (`teacher.local_server`)."""
     cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
+    if cfg.teacher_server == served.LOCAL and not child:  # the server's own plan, beside the run's
+        print0(served.server_plan(cfg, memory.budget_gb(cfg.plan_gpu_memory_gb)))
     if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
         with local_server(cfg, overrides, prepared) as (overrides, prepared):
             return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)

@@ -16,7 +16,9 @@ import torch
 from opdkit.config import ConfigError
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared
-from opdkit.opd import served
+from opdkit.models import load_model
+from opdkit.opd import mixture, served, topk
+from opdkit.opd.head import load_head
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import under_external_launcher
@@ -27,8 +29,13 @@ SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served te
 def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
     """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
     the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
-    resume against another served model than the run's first is refused (`served.check_same_teacher`)."""
-    teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+    resume against another served model than the run's first is refused (`served.check_same_teacher`). With
+    `teacher_logprobs` topk:K, the generation server's top-K log-probabilities instead (`topk.TopKTeacher`:
+    no head, an approximate divergence, said so at the start and in every logged step)."""
+    if cfg.topk():  # teacher_logprobs topk:K: a generation server's top-K, no head here
+        teacher, report = topk.job_topk_teacher(cfg, prep.tokenizer)
+    else:
+        teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
     saved = run.path / SERVED_CHECK_FILE
     if cfg.resume and saved.exists():
         served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
@@ -36,6 +43,13 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
         atomic_write_text(saved, json.dumps(report.as_dict(), indent=1))
     gap = f"state gap {report.state_gap:.1e}" if report.state_gap == report.state_gap else "no state check"
     tokenizer = "tokenizer checked" if report.tokenizer_checked else "tokenizer not checked (server has none)"
+    if cfg.topk():
+        print0(
+            f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}) as top-{cfg.topk()} "
+            f"log-probabilities: {tokenizer}; the divergence is APPROXIMATE (teacher_logprobs "
+            f"{cfg.teacher_logprobs}: the rest of the vocabulary is one bin); this process holds none of it"
+        )
+        return teacher
     print0(
         f"teacher {cfg.teacher_model} served by {report.url} ({report.served_name}, "
         f"{cfg.teacher_server_dtype}): {tokenizer}, {gap}; this process holds its head only "
@@ -44,13 +58,44 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
     return teacher
 
 
+def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.dtype) -> torch.nn.Module:
+    """`teachers`: each loaded in process (in `dtype`, on `device`) or, with a server, its head alone and its
+    states from there (checked as `teacher_server`'s are); routed by the data's `teacher_id` column
+    (`mixture.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
+    trainer logs each one's divergence and refuses a resume with another set (its `teachers.json`)."""
+    found: dict[str, torch.nn.Module] = {}
+    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    for t in cfg.teacher_specs():
+        if t.server:
+            client = served.PoolingClient(t.server, dtype=cfg.teacher_server_dtype)
+            teacher = served.ServedTeacher(
+                client, load_head(t.model, dtype), served_dtype=cfg.teacher_server_dtype
+            )
+            teacher.check(tokenizer=prep.tokenizer, expect_name=t.model, min_model_len=longest)
+            where = f"served by {t.server}, its head here"
+        else:
+            teacher, where = load_model(t.model, dtype, device), "in this process"
+        found[t.id] = teacher
+        print0(f"teacher {t.id}: {t.model}, {where}")
+    weights = cfg.weights()
+    if weights:
+        print0("teachers weighted: loss = " + " + ".join(f"{w:g} D({k})" for k, w in weights.items()))
+        return mixture.WeightedTeachers(found, weights)
+    print0(f"teachers routed by the data's teacher_id column: {', '.join(found)}")
+    return mixture.RoutedTeacher(found)
+
+
 def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
-    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`)."""
+    """With `teacher_server`: the server and what its states cost this process (`served.TransferStats`);
+    with `teachers`, their ids and weights."""
+    if cfg.teachers:
+        return {"teachers": [t.id for t in cfg.teacher_specs()], "teacher_weights": cfg.weights() or None}
     if not cfg.teacher_server:
         return {}
     stats = teacher.stats
     return {
         "teacher_server": teacher.client.url,
+        "teacher_logprobs": cfg.teacher_logprobs + (" (approximate)" if cfg.topk() else ""),
         "teacher_transfer": {
             **dataclasses.asdict(stats),
             "bytes_per_token": round(stats.bytes_per_token(), 1),
