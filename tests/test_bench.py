@@ -124,7 +124,7 @@ def test_ads_collate_pads_left_and_labels_only_the_completion():
 
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
-        run.main(["--only", "P9"])
+        run.main(["--only", "P99"])  # no such figure
 
 
 def _hide(tmp_path: Path, *modules: str) -> str:
