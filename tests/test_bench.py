@@ -301,3 +301,121 @@ def test_p9_measures_the_topk_divergences_error_against_exact():
     samples["exact"][0] = {**found, "divergence": found["exact"]}
     (fig,) = registry._p9(samples, p, 1)
     assert fig.value == pytest.approx(1 - found["by_k"]["20"]["divergence_error"])
+
+
+def _direct_grad(model, rows, keep_R, per_trace: bool) -> dict[str, torch.Tensor]:
+    """The proxy's gradient, one unpadded forward per trace and plain autograd: the mean NLL of the kept
+    tokens over all of them (`per_trace` False) or the mean over traces of each trace's mean (True)."""
+    model.zero_grad(set_to_none=True)
+    nll = []
+    for r, keep in zip(rows, keep_R):
+        logp = torch.log_softmax(model(input_ids=torch.tensor([r["input_ids"]])).logits[0].float(), -1)
+        nll.append(torch.stack([-logp[i - 1, r["input_ids"][i]] for i in keep]) if keep else None)
+    kept = [x for x in nll if x is not None]
+    loss = sum(x.mean() for x in kept) / len(kept) if per_trace else torch.cat(kept).mean()
+    loss.backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _dot(a: dict, b: dict) -> float:
+    return sum(float((a[k].double() * b[k].double()).sum()) for k in a)
+
+
+def test_ads_anatomy_splits_the_gradient_as_a_direct_computation_does(tmp_path, capsys):
+    """bench.ads_anatomy on a hand-made savegrad folder (six tiny-world traces, one without an answer):
+    each kind's token share, loss share, share of the squared norm and cosine, and the saved gradient
+    without the uncertain tokens, against token kinds and gradients computed here directly (the teacher's
+    entropy from its own forward, the answer from the character after the last ';')."""
+    import random
+
+    import yaml
+
+    from bench import ads_anatomy
+    from opdkit.ads import gradfile
+    from opdkit.data import traces
+    from opdkit.models import load_model, load_tokenizer
+    from opdkit.tasks import tiny
+
+    tok = load_tokenizer("tiny:student")
+    proxy = load_model("tiny:student", torch.float32, "cpu")
+    teacher = load_model("tiny:teacher", torch.float32, "cpu").eval()
+    rng, records = random.Random(0), []
+    for p in tiny.problems(6, 1):
+        c = tiny.scratchpad(p, rng)
+        records.append(
+            {"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": c}]}
+        )
+    records[-1]["messages"][-1]["content"] = "1+2=3,4+5"  # cut before its answer: no answer tokens
+    records = [{**r, "answer": "", "correct": None, "truncated": False} for r in records]
+    rows = traces.with_labels(records, tok, False)
+
+    kinds_R = []  # per trace: {kind: [token positions]}, computed without the tool
+    for r in rows:
+        with torch.no_grad():
+            logp = torch.log_softmax(teacher(input_ids=torch.tensor([r["input_ids"]])).logits[0].float(), -1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        pos = [i for i, lab in enumerate(r["labels"]) if lab != -100]
+        text = r["messages"][-1]["content"]
+        first_answer = len(pos) if ";" not in text else text.rfind(";") + 1  # one token a character
+        kinds = {"confident": [], "uncertain": [], "answer": pos[first_answer:]}
+        for i in pos[:first_answer]:
+            kinds["uncertain" if float(entropy[i - 1]) > 0.3 else "confident"].append(i)
+        kinds_R.append(kinds)
+    n_all = sum(len(x) for k in kinds_R for x in k.values())
+    assert all(sum(len(k[kind]) for k in kinds_R) for kind in ("confident", "uncertain", "answer"))
+
+    run, other, out = tmp_path / "grads", tmp_path / "other", tmp_path / "out"
+    run.mkdir()
+    other.mkdir()
+    (run / "config.yaml").write_text(
+        yaml.safe_dump(
+            {"proxy_model": "tiny:student", "teacher_model": "tiny:teacher", "dataset_path": "tiny"}
+        )
+    )
+    traces.save_traces(run / traces.TRACES_DIR, rows)
+    every = [sorted(sum(k.values(), [])) for k in kinds_R]
+    saved = _direct_grad(proxy, rows, every, per_trace=True)
+    gradfile.save_grads(run, saved, gradfile.describe(saved, {}, tok, normalization="trace"))
+    answer = _direct_grad(proxy, rows, [k["answer"] for k in kinds_R], per_trace=True)
+    gradfile.save_grads(other, answer, gradfile.describe(answer, {}, tok, normalization="trace"))
+
+    ads_anatomy.main(["--grads", str(run), "--out", str(out), "--compare", str(other)])
+    report = json.loads(capsys.readouterr().out)
+
+    whole = _direct_grad(proxy, rows, every, per_trace=False)
+    norm2 = _dot(whole, whole)
+    assert report["cosine_token_vs_saved"] == pytest.approx(
+        _dot(whole, saved) / math.sqrt(norm2 * _dot(saved, saved)), abs=1e-5
+    )
+    assert report["cosine"][str(other)] == pytest.approx(
+        _dot(saved, answer) / math.sqrt(_dot(saved, saved) * _dot(answer, answer)), abs=1e-5
+    )
+    for kind in ("confident", "uncertain", "answer"):
+        part = _direct_grad(proxy, rows, [k[kind] for k in kinds_R], per_trace=False)
+        count = sum(len(k[kind]) for k in kinds_R)
+        with torch.no_grad():
+            nll = sum(
+                -float(
+                    torch.log_softmax(proxy(input_ids=torch.tensor([r["input_ids"]])).logits[0], -1)[
+                        i - 1, r["input_ids"][i]
+                    ]
+                )
+                for r, k in zip(rows, kinds_R)
+                for i in k[kind]
+            )
+        got = report["kinds"][kind]
+        assert got["tokens"] == pytest.approx(count / n_all)
+        assert got["loss"] == pytest.approx(nll / n_all, rel=1e-5)
+        assert got["norm_share"] == pytest.approx(count / n_all * _dot(part, whole) / norm2, abs=1e-5)
+        assert got["cosine"] == pytest.approx(
+            _dot(part, whole) / math.sqrt(_dot(part, part) * norm2), abs=1e-5
+        )
+    assert sum(v["norm_share"] for v in report["kinds"].values()) == pytest.approx(1.0, abs=1e-5)
+
+    keep = _direct_grad(proxy, rows, [sorted(k["confident"] + k["answer"]) for k in kinds_R], per_trace=True)
+    written = gradfile.load_grads(out, proxy, tok)
+    assert math.sqrt(
+        _dot({k: written[k] - keep[k] for k in keep}, {k: written[k] - keep[k] for k in keep})
+    ) < 1e-5 * math.sqrt(_dot(keep, keep))
+    assert gradfile.read_meta(out)["normalization"] == "trace"
+    assert len(traces.load_traces(out)) == len(rows) and (out / "config.yaml").is_file()

@@ -285,7 +285,7 @@ def _nll_line(summary: dict) -> list[str]:
     before = summary.get("student_holdout_loss_before")
     return [
         "- the students' NLL on the gradient's held-out traces (what ADS steers by), in nats per token: "
-        f"under ADS {ads}; under temperature sampling up to {temp:.3f}"
+        f"under {ads}; under temperature sampling up to {temp:.3f}"
         + (f"; before distillation {before:.3f}" if before is not None else "")
         + ". ADS moves the students where its gradient points; accuracy says whether that is what the "
         "evaluation rewards."
