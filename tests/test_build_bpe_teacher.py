@@ -22,9 +22,18 @@ def test_the_tokenizer_is_byte_level_deterministic_and_cuts_one_digit_a_token(bp
     assert (bpe.eos_token, bpe.pad_token) == (tiny_tokenizer.eos_token, tiny_tokenizer.pad_token)
     completion = "8+7=15,5+6+1=12,3+4+1=8;825"
     pieces = bpe.convert_ids_to_tokens(bpe(completion, add_special_tokens=False).input_ids)
+    assert pieces == list(
+        completion
+    )  # digits one a token, symbols apart: the task's text character by character
+    assert bpe.convert_ids_to_tokens(bpe("assistant\n", add_special_tokens=False).input_ids) == [
+        "assistant",
+        "Ċ",
+    ]
+    assert bpe.decode(bpe(completion + " é🤖").input_ids) == completion + " é🤖"  # any text encodes
+    symbols = build_bpe_tokenizer(pieces="symbol-digit")
+    pieces = symbols.convert_ids_to_tokens(symbols(completion, add_special_tokens=False).input_ids)
     assert pieces[:5] == ["8", "+7", "=1", "5", ",5"] and pieces[-3:] == [";8", "2", "5"]
     assert all(sum(c.isdigit() for c in p) == 1 for p in pieces)
-    assert bpe.decode(bpe(completion + " é🤖").input_ids) == completion + " é🤖"  # any text encodes
 
 
 def test_the_chat_template_marks_the_completion(bpe):
@@ -36,13 +45,20 @@ def test_the_chat_template_marks_the_completion(bpe):
     assert bpe.decode(marked) == "8+7=15;825<|im_end|>"
 
 
-def test_the_character_student_and_the_bpe_teacher_align(bpe, tiny_tokenizer):
-    text = "8+7=15,5+6+1=12,3+4+1=8;825"
-    chars, pieces = TokenBytes.of(tiny_tokenizer), TokenBytes.of(bpe)
-    s_ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
-    t = pieces.tokenize(bpe, chars.text(s_ids), bpe.eos_token_id)
+def _groups(student, teacher, text):
+    chars, pieces = TokenBytes.of(student), TokenBytes.of(teacher)
+    s_ids = student(text, add_special_tokens=False).input_ids
+    t = pieces.tokenize(teacher, chars.text(s_ids), teacher.eos_token_id)
     groups = align_ends(chars.ends(s_ids), t.byte_ends[:-1])
     assert [k for g, _ in groups for k in g] == list(range(len(text)))
+    return groups
+
+
+def test_the_character_student_and_the_bpe_teacher_align(bpe, tiny_tokenizer):
+    groups = _groups(tiny_tokenizer, bpe, "<|im_start|>assistant\n8+7=15;825")
+    assert [len(s) for s, g in groups if len(g) == 1 and len(s) > 1] == [9]  # "assistant": one BPE token
+    symbols = build_bpe_tokenizer(pieces="symbol-digit")
+    groups = _groups(tiny_tokenizer, symbols, "8+7=15,5+6+1=12,3+4+1=8;825")
     assert any(len(s) == 2 and len(g) == 1 for s, g in groups)  # "+7": two characters, one BPE token
 
 

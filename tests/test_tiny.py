@@ -66,7 +66,7 @@ def test_the_bpe_teacher_loads_and_reads_other_tokens_than_the_student():
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher-bpe"))
     assert model.config.model_type == "qwen3" and model.config.vocab_size == len(teacher)
     assert teacher.get_vocab() != student.get_vocab()
-    text = "8+7=15,5+6+1=12;825"
+    text = "<|im_start|>assistant\n8+7=15,5+6+1=12;825<|im_end|>"
     s_ids, t_ids = student.encode(text), teacher.encode(text)
     assert teacher.decode(t_ids) == text and len(t_ids) < len(s_ids)
     assert (teacher.eos_token, teacher.pad_token) == (student.eos_token, student.pad_token)

@@ -5,16 +5,27 @@ student, built with the tiny world's own recipe (`opdkit.build.tiny_world`).
     tok = build_bpe_tokenizer()          # deterministic: trained on a fixed stream of tiny-task conversations
 
 The tiny world's own tokenizer has one token per character; this one is byte-level BPE (GPT-2's byte
-alphabet, so any text encodes, as Qwen's and DeepSeek's do) with merges learned from the task's text. Digits
-are one a token, as Qwen's and Llama's tokenizers cut them (digits merged in pairs, "358" as "35" "8", break
-the column-by-column scratchpad: such a teacher stayed under 95 % after 1,800 steps); each digit carries the
-symbols before it, as GPT-2's words carry the space before them, so "=15," is "=1" "5" "," where the student
-reads "=" "1" "5" ",". With the same Qwen-style chat template and special tokens as the character tokenizer,
-a teacher trained on it reads the same conversations in other tokens, which is what distilling across
-tokenizers (`opdkit.opd.crosstok`) needs to be tried on a CPU. Same architecture, optimiser and data stream
-as the shipped teacher, stopping at `--stop-accuracy` held-out; only the tokenizer (and so the embedding's
-rows) differs. Writes the model, its tokenizer and `recipe.json` (held-out accuracy, build time) into one
-folder; `recipe.json` holds the accuracy history while it trains.
+alphabet, so any text encodes, as Qwen's and DeepSeek's do) with merges learned from the task's text and chat
+template, and digits one a token, as Qwen's and Llama's tokenizers cut them (digits merged in pairs, "358" as
+"35" "8", break the column-by-column scratchpad: such a teacher stayed under 95 % after 1,800 steps). Two
+ways to cut the rest (`--pieces`):
+
+- digits (the default, `tiny:teacher-bpe`): GPT-2's pieces with digits apart, so the task's text is one
+  character a token as for the student, in other token ids, while the chat template's words are merged
+  ("assistant" one token where the student reads nine);
+- symbol-digit: each digit carries the symbols before it, as GPT-2's words carry the space before them, so
+  "=15," is "=1" "5" "," where the student reads "=" "1" "5" ",": multi-token groups in every completion.
+  GOLD's losses cannot teach across these: the hybrid's JSD pairs tokens spelled alike, so it pushes down the
+  student's "5" after "," where the teacher's mass is on ",5", and ULD's sorted L1 matches probabilities
+  rank by rank, never which token (in a tiny run with either, the student fell from 20.6 % to 0 % by step
+  50).
+
+With the same Qwen-style chat template and special tokens as the character tokenizer, a teacher trained on
+it reads the same conversations in other tokens, which is what distilling across tokenizers
+(`opdkit.opd.crosstok`) needs to be tried on a CPU. Same architecture, optimiser and data stream as the
+shipped teacher, stopping at `--stop-accuracy` held-out; only the tokenizer (and so the embedding's rows)
+differs. Writes the model, its tokenizer and `recipe.json` (held-out accuracy, build time) into one folder;
+`recipe.json` holds the accuracy history while it trains.
 """
 
 from __future__ import annotations
@@ -48,15 +59,27 @@ def corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_bpe_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def build_bpe_tokenizer(vocab_size: int = VOCAB_SIZE, pieces: str = "digits") -> PreTrainedTokenizerFast:
+    """`pieces`: digits (each digit, each run of symbols and each word its own piece, GPT-2's rule with
+    digits one a token: the task's text is one character a token, the chat template's words merged) or
+    symbol-digit (each digit with the symbols before it: "=15," is "=1" "5" ",")."""
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            # one digit a piece, with the symbols before it: "=15," is "=1" "5" ","
-            pre_tokenizers.Split(Regex(DIGIT_PIECE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    if pieces == "digits":
+        core.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif pieces == "symbol-digit":
+        core.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(DIGIT_PIECE), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        raise ValueError(f"pieces={pieces!r}: digits or symbol-digit")
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -69,18 +92,24 @@ def build_bpe_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast
 
 
 def build_bpe_teacher(
-    out: str | Path, *, steps: int = 6000, stop_accuracy: float = 0.95, eval_every: int = 250, seed: int = 0
+    out: str | Path,
+    *,
+    steps: int = 6000,
+    stop_accuracy: float = 0.95,
+    eval_every: int = 250,
+    seed: int = 0,
+    pieces: str = "digits",
 ) -> dict:
     """Train and save the teacher into `out`; returns what `recipe.json` records."""
     out, t0 = Path(out), time.time()
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_bpe_tokenizer()
+    tokenizer = build_bpe_tokenizer(pieces=pieces)
     teacher = build.qwen3_model(build.TEACHER, tokenizer, seed)
 
     def record(history: list[dict], **more) -> dict:
         rec = {
             "task": "3-digit addition with a column scratchpad (opdkit.tasks.tiny)",
-            "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens (opdkit.build.bpe_teacher)",
+            "tokenizer": f"byte-level BPE, {len(tokenizer)} tokens, {pieces} pieces (build.bpe_teacher)",
             "seed": seed,
             "stop_accuracy": stop_accuracy,
             "teacher": {**asdict(build.TEACHER), "params": teacher.num_parameters(), "history": history},
@@ -117,9 +146,15 @@ def main() -> None:
     p.add_argument("--stop-accuracy", type=float, default=0.95, help="stop once held-out accuracy reaches it")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pieces", default="digits", choices=("digits", "symbol-digit"), help="pre-tokenizer")
     a = p.parse_args()
     rec = build_bpe_teacher(
-        a.out, steps=a.steps, stop_accuracy=a.stop_accuracy, eval_every=a.eval_every, seed=a.seed
+        a.out,
+        steps=a.steps,
+        stop_accuracy=a.stop_accuracy,
+        eval_every=a.eval_every,
+        seed=a.seed,
+        pieces=a.pieces,
     )
     print(json.dumps({k: v for k, v in rec.items() if k != "teacher"}, indent=2))
 

@@ -141,7 +141,11 @@ def distil(
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
-    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server else acc(teacher)
+    # A teacher with another tokenizer decodes with its own.
+    t_tok = trainer.crosstok.teacher_tokenizer if trainer.crosstok is not None else None
+    teacher_acc, teacher_forced = None, None
+    if not cfg.teacher_server:
+        teacher_acc, teacher_forced = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
     print0(f"accuracy before: teacher {verdicts.pct(teacher_acc)}, student {verdicts.pct(before)}")
