@@ -167,6 +167,7 @@ def test_resume_reuses_finished_arms_and_resumes_the_others(tmp_path, monkeypatc
     assert [o.get("resume") for o in started] == [True, None]
 
 
+@pytest.mark.slow
 def test_the_lesson_takes_a_teacher_with_another_tokenizer(tmp_path):
     """Arms from the tiny-crosstok presets: every arm distils through the cross-tokenizer loss."""
     over = {
