@@ -11,6 +11,7 @@ from opdkit.jobs.cliplesson import report as cliplesson_report
 from opdkit.jobs.cliplesson.arms import arm_overrides, lesson_summary
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.run.folders import RunDir
 
 
 def test_tiny_arms_follow_the_presets_and_change_one_thing_each():
@@ -164,3 +165,26 @@ def test_resume_reuses_finished_arms_and_resumes_the_others(tmp_path, monkeypatc
     cliplesson_job.run_arm(noclip, 42, cfg, lesson)
     cliplesson_job.run_arm(clip, 43, cfg, lesson)
     assert [o.get("resume") for o in started] == [True, None]
+
+
+@pytest.mark.slow
+def test_the_lesson_takes_a_teacher_with_another_tokenizer(tmp_path):
+    """Arms from the tiny-crosstok presets: every arm distils through the cross-tokenizer loss."""
+    over = {
+        "run_dir": str(tmp_path / "l"),
+        "clip_mode": "tiny-crosstok",
+        "noclip_mode": "tiny-crosstok-noclip",
+        "ablations": False,
+        "sgd_arms": False,
+        "arm_max_steps": 2,
+        "arm_eval_size": 8,
+    }
+    assert load_config(WhiteboxConfig, "tiny-crosstok").teacher_model == "tiny:teacher-bpe"
+    s = cliplesson.run("tiny", over).read_summary()
+    assert set(s["arms"]) == {"clip", "noclip"}
+    for arm in s["arms"].values():
+        (stats,) = arm["seeds"].values()
+        run = RunDir.attach(stats["run_dir"])
+        records = [r for r in run.read_jsonl() if "loss" in r]
+        assert len(records) == 2 and all(r["entropy"] is None for r in records)  # cross-tokenizer rows
+        assert run.read_summary()["teacher_accuracy"] >= 0.75  # the teacher decodes with its own tokenizer

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import InterruptAt, Interrupted
@@ -515,3 +516,27 @@ def test_forced_accuracy_when_asked(tmp_path):
     assert s["teacher_accuracy_forced"] > s["teacher_accuracy"]
     assert "teacher_accuracy_forced" not in run_tiny(tmp_path, "raw", **over).read_summary()
     whitebox_report.accuracy(run)
+
+
+@pytest.mark.slow
+def test_tiny_crosstok_runs_through_the_cross_tokenizer_loss(tmp_path, capsys):
+    """The preset's BPE teacher teaches the character student through GOLD's loss: the start says so, the
+    loss is finite and falls over a few steps."""
+    run = whitebox.run(
+        "tiny-crosstok",
+        {
+            "run_dir": str(tmp_path / "x"),
+            "max_steps": 12,
+            "per_device_train_batch_size": 32,
+            "eval_size": 0,
+            "eval_steps": 0,
+            "sample_every": 0,
+            "save_steps": 0,
+        },
+    )
+    assert "differs from the student's: cross-tokenizer loss (hybrid" in capsys.readouterr().out
+    steps = [r for r in run.read_jsonl() if "loss" in r]
+    loss = [r["loss"] for r in steps]
+    assert len(loss) == 12 and all(np.isfinite(loss)), loss
+    assert all(r["entropy"] is None for r in steps)  # the cross-tokenizer loss forms no full token rows
+    assert np.mean(loss[-4:]) < np.mean(loss[:4]), loss

@@ -33,7 +33,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def bpe():
-    return build_bpe_tokenizer()
+    return build_bpe_tokenizer(pieces="symbol-digit")  # groups of two characters to one token in every row
 
 
 def _student() -> torch.nn.Module:

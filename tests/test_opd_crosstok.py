@@ -192,9 +192,14 @@ def _cases(seed: int):
         yield kind, a, b
 
 
-@pytest.mark.parametrize("dense", [4, 10**9], ids=["dense-rows-sorted", "buckets-only"])
-def test_sorted_l1_equals_the_sort(monkeypatch, dense):
+@pytest.mark.parametrize(
+    "dense, sort_all",
+    [(4, 10**9), (10**9, 10**9), (4, 1)],
+    ids=["dense-rows-sorted", "buckets-only", "small-vocabularies-sorted"],
+)
+def test_sorted_l1_equals_the_sort(monkeypatch, dense, sort_all):
     monkeypatch.setattr(crosstok, "_DENSE", dense)
+    monkeypatch.setattr(crosstok, "_SORT_ALL", sort_all)
     for kind, a, b in _cases(0):
         a = a.clone().requires_grad_()
         got = sorted_l1(a, b)

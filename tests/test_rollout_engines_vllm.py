@@ -625,3 +625,12 @@ def test_sleep_mode_drops_the_engine_after_each_rollout_and_each_sync_wakes_it(m
         "sleep 2",
     ]
     assert r.completion_mask_BC.sum() == ids.shape[0] and engine.asleep
+
+
+def test_a_teacher_with_another_tokenizer_takes_vllm_rollouts(tmp_path):
+    """tiny-crosstok through vLLM: the engine samples the student, the BPE teacher scores through the
+    cross-tokenizer loss, and the engine's log-probabilities match the student's."""
+    run = whitebox.run("tiny-crosstok", {**VLLM, "max_steps": 2, "run_dir": str(tmp_path / "x")})
+    steps = [r for r in run.read_jsonl() if "loss" in r]
+    assert len(steps) == 2 and all(r["entropy"] is None for r in steps)  # cross-tokenizer rows
+    assert all(0 < r["loss"] < 100 and r["engine_logprob_gap"] < 1e-3 for r in steps), steps

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opdkit import tiny
 from opdkit.build import tiny_world as build
+from opdkit.models import load_tokenizer
 from opdkit.tasks import tiny as task
 
 
@@ -58,6 +59,19 @@ def test_shipped_models_are_small_qwen3_folders():
     for part in ("teacher", "student"):
         model = AutoModelForCausalLM.from_pretrained(tiny.resolve(f"tiny:{part}"))
         assert model.config.model_type == "qwen3"
+
+
+def test_the_bpe_teacher_loads_and_reads_other_tokens_than_the_student():
+    student, teacher = load_tokenizer("tiny:student"), load_tokenizer("tiny:teacher-bpe")
+    model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher-bpe"))
+    assert model.config.model_type == "qwen3" and model.config.vocab_size == len(teacher)
+    assert teacher.get_vocab() != student.get_vocab()
+    text = "<|im_start|>assistant\n8+7=15,5+6+1=12;825<|im_end|>"
+    s_ids, t_ids = student.encode(text), teacher.encode(text)
+    assert teacher.decode(t_ids) == text and len(t_ids) < len(s_ids)
+    assert (teacher.eos_token, teacher.pad_token) == (student.eos_token, student.pad_token)
+    recorded = json.loads((tiny.ASSETS / "teacher-bpe" / "recipe.json").read_text())
+    assert recorded["teacher_heldout_accuracy"] >= 0.95
 
 
 def test_unknown_tiny_part_is_a_clear_error():

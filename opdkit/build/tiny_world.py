@@ -96,11 +96,12 @@ class TaskRows(torch.utils.data.Dataset):
 
 
 class EvaluateAndStop(TrainerCallback):
-    """Every `every` steps: `evaluate()` recorded in `history` with the step's loss; training stops once
-    `stop_when(value)`."""
+    """Every `every` steps: `evaluate()` recorded in `history` with the step's loss (and the history so far
+    handed to `on_record`, if given); training stops once `stop_when(value)`."""
 
-    def __init__(self, trainer: CompletionSFTTrainer, evaluate, every: int, stop_when):
+    def __init__(self, trainer: CompletionSFTTrainer, evaluate, every: int, stop_when, on_record=None):
         self.trainer, self.evaluate, self.every, self.stop_when = trainer, evaluate, every, stop_when
+        self.on_record = on_record
         self.history: list[dict] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -110,6 +111,8 @@ class EvaluateAndStop(TrainerCallback):
         value = self.evaluate()
         model.train()
         self.history.append({"step": state.global_step, "loss": self.trainer.step_losses[-1], "eval": value})
+        if self.on_record is not None:
+            self.on_record(self.history)
         if self.stop_when(value):
             control.should_training_stop = True
         return control
@@ -127,11 +130,12 @@ def train_on_task(
     stop_when,
     eval_n: int = 500,
     desc: str = "sft",
+    on_record=None,
 ) -> list[dict]:
     """Completion-only SFT (`sft.trainer.CompletionSFTTrainer`) on fresh problems, `batch_size` a step: AdamW
     (betas 0.9, 0.98), 50 warmup steps then cosine, clipping at 1; every `eval_every` steps the held-out
-    accuracy (another stream than the evaluation pool) is recorded, and training stops once `stop_when` says
-    so. Returns that history."""
+    accuracy (another stream than the evaluation pool) is recorded (and the history so far handed to
+    `on_record`, if given), and training stops once `stop_when` says so. Returns that history."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -159,7 +163,11 @@ def train_on_task(
             model=model, args=args, train_dataset=rows, order=order, pad_token_id=tokenizer.pad_token_id
         )
         stopper = EvaluateAndStop(
-            trainer, lambda: heldout_accuracy(model, tokenizer, n=eval_n, seed=777), eval_every, stop_when
+            trainer,
+            lambda: heldout_accuracy(model, tokenizer, n=eval_n, seed=777),
+            eval_every,
+            stop_when,
+            on_record,
         )
         trainer.add_callback(stopper)
         trainer.train()

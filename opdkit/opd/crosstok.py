@@ -645,19 +645,21 @@ def _matched_jsd(p_s_RS: torch.Tensor, p_t_RS: torch.Tensor, beta: float) -> tor
 
 _SHIFT = 16  # float32 bits >> 16: exponent and 7 mantissa bits, buckets 0.8 % wide
 _DENSE = 4  # a row whose met buckets hold over 1/_DENSE of its values is sorted in full
+_SORT_ALL = 1  # more than _SORT_ALL buckets per value of a row pair: every row is sorted in full
 
 
 def sorted_l1(
     a_RV: torch.Tensor, b_RW: torch.Tensor | None, saved: dict | None = None, key: int = 0
 ) -> torch.Tensor:
     """Per row, sum_i |a_(i) - b_(i)| over both rows sorted in descending order, the shorter padded with
-    zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
-    difference at each value's rank), `b` taken as constant.
+        zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
+        difference at each value's rank), `b` taken as constant.
 
-    Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
-    (`_rank_signs`); exact, no full sort. With `saved`, the first call under `key` keeps a's signs compactly
-    (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
-    backward pass reads them back instead of ranking again (and needs no `b`)."""
+        Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
+        (`_rank_signs`); exact, no full sort (but for vocabularies smaller than the bucket range, where one
+    sort is cheaper). With `saved`, the first call under `key` keeps a's signs compactly
+        (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
+        backward pass reads them back instead of ranking again (and needs no `b`)."""
     if saved is not None and key in saved:
         signs_a, b_part_R = saved.pop(key)
         with torch.no_grad():
@@ -679,7 +681,7 @@ class _Signs:
 
     top: int
     low: int
-    uniform_RK: torch.Tensor
+    uniform_RK: torch.Tensor | None  # None: every row is a dense row
     rows: torch.Tensor
     cols: torch.Tensor
     exact: torch.Tensor
@@ -687,6 +689,8 @@ class _Signs:
     dense_RV: torch.Tensor
 
     def expand(self, values_RV: torch.Tensor) -> torch.Tensor:
+        if self.uniform_RK is None:  # every row sorted in full
+            return self.dense_RV.clone()
         keys = _float_keys(values_RV).clamp_min_(self.low).long().neg_().add_(self.top)
         sign_RV = self.uniform_RK.gather(1, keys)
         sign_RV[self.rows, self.cols] = self.exact
@@ -741,6 +745,12 @@ def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.T
         low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
         keys_a, keys_b = keys_a.clamp_min(low), keys_b.clamp_min(low)
     buckets = top - low + 1
+    if buckets > _SORT_ALL * (a_RV.shape[1] + b_RW.shape[1]):
+        # Small vocabularies (the tiny world's): more buckets than values, one sort of every row is cheaper.
+        sign_a, sign_b = _sorted_signs(a_RV, b_RW)
+        none = torch.zeros(0, dtype=torch.long, device=a_RV.device)
+        all_rows = torch.arange(a_RV.shape[0], device=a_RV.device)
+        return _Signs(top, low, None, none, none, none.to(torch.int8), all_rows, sign_a), sign_b
     a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
     del keys_a, keys_b
     bucket_K = torch.arange(buckets, device=a_RV.device)

@@ -28,15 +28,17 @@ def sharded_accuracies(
     limit: int | None = None,
     engine=None,
     forced: bool | None = None,
+    tokenizer=None,
 ) -> tuple[float | None, float | None]:
     """(raw, forced) greedy accuracy on the first `limit` evaluation problems, split across processes, every
     model decoded under the run's one autocast (`accuracy_precision`;
-    `tasks.evaluate.configured_accuracy`)."""
+    `tasks.evaluate.configured_accuracy`); `tokenizer`: the model's, when not the student's (a teacher with
+    another tokenizer)."""
     messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
     acc = configured_accuracy(
         prep.cfg,
         model,
-        prep.tokenizer,
+        tokenizer or prep.tokenizer,
         prep.task,
         messages,
         answers,

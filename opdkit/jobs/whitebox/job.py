@@ -144,8 +144,12 @@ def distil(
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
-    # Several teachers: no one teacher's accuracy (measure each with its own run).
-    teacher_acc, teacher_forced = (None, None) if cfg.teacher_server or cfg.teachers else acc(teacher)
+    # A teacher with another tokenizer decodes with its own; several teachers or a served one: no one
+    # teacher's accuracy here (measure each with its own run).
+    t_tok = trainer.crosstok.teacher_tokenizer if trainer.crosstok is not None else None
+    teacher_acc, teacher_forced = None, None
+    if not (cfg.teacher_server or cfg.teachers):
+        teacher_acc, teacher_forced = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
     print0(f"accuracy before: teacher {verdicts.pct(teacher_acc)}, student {verdicts.pct(before)}")
