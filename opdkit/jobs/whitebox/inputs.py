@@ -164,6 +164,12 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     tok = load_tokenizer(cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     if crossteacher.differ(tok, teacher_tok):  # the cross-tokenizer loss; refused here if it cannot align
+        if cfg.teacher_server:
+            raise ConfigError(
+                "teacher_server with a teacher whose tokenizer differs from the student's "
+                f"({cfg.teacher_model}): the served path sends the student's tokens, so the cross-tokenizer "
+                "loss needs the teacher in process here; leave teacher_server empty."
+            )
         crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
     else:
         check_tokenizers(tok, teacher_tok)
