@@ -299,23 +299,27 @@ def test_the_trainer_with_teacher_logprobs_topk_trains_on_the_topk_divergence(tm
     assert losses[0] == pytest.approx(total / tokens, rel=1e-4), (losses[0], total / tokens)
 
 
+# 02 tiny for one unclipped, near-greedy step: what the end-to-end comparisons run twice.
+ONE_STEP = dict(
+    max_steps=1,
+    eval_size=0,
+    sample_every=0,
+    save_steps=0,
+    max_grad_norm=0.0,
+    gen_temperature=0.001,
+    subset_size=16,
+    per_device_train_batch_size=8,
+    max_new_tokens=16,
+)
+
+
 def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):
     """02 tiny end to end (`teacher_server`: start checks, prepared steps, the head alone) against the same
     run with the teacher in process: the same first loss and gradient, fp32, relative 1e-5."""
     from opdkit.jobs import whitebox
     from opdkit.opd.callbacks import GradientDump
 
-    fixed = dict(
-        max_steps=1,
-        eval_size=0,
-        sample_every=0,
-        save_steps=0,
-        max_grad_norm=0.0,
-        gen_temperature=0.001,
-        subset_size=16,
-        per_device_train_batch_size=8,
-        max_new_tokens=16,
-    )
+    fixed = dict(ONE_STEP)
     far = {"teacher_server": pooling.url, "teacher_server_dtype": "float32"}
     runs = {
         name: whitebox.run(
@@ -343,19 +347,7 @@ def test_two_weighted_teachers_one_served_give_the_weighted_loss_and_the_in_proc
     from opdkit.jobs import whitebox
     from opdkit.opd.callbacks import GradientDump
 
-    fixed = dict(
-        max_steps=1,
-        eval_size=0,
-        sample_every=0,
-        save_steps=0,
-        max_grad_norm=0.0,
-        gen_temperature=0.001,
-        subset_size=16,
-        per_device_train_batch_size=8,
-        max_new_tokens=16,
-        teacher_weights="a=0.7,b=0.3",
-        teacher_server_dtype="float32",
-    )
+    fixed = {**ONE_STEP, "teacher_weights": "a=0.7,b=0.3", "teacher_server_dtype": "float32"}
     sets = {"local": "a=tiny:teacher,b=tiny:student"}
     sets["served"] = f"a=tiny:teacher@{pooling.url},b=tiny:student"
     runs = {
