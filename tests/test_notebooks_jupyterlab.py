@@ -253,8 +253,9 @@ def live_figure_while_training(shots: Path):
         cell.scroll_into_view_if_needed()
         page.screenshot(path=str(shots / "02_live_figure.png"), full_page=False)
         assert running, "the figure came only after training"
-        text = cell.locator(".jp-OutputArea").inner_text()
-        assert re.search(r"training .*%\|", text), text[:3000]  # the progress line, as text
+        # the progress line, as text: it may come a moment after the figure (its updates are throttled)
+        progress = lambda: re.search(r"training .*%\|", cell.locator(".jp-OutputArea").inner_text())  # noqa: E731
+        wait_until(page, progress, 60, "the training progress line")
         assert cell.locator(".widget-hprogress, .jupyter-widgets").count() == 0, "no widget"
 
     return watch
