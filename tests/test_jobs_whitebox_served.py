@@ -232,3 +232,31 @@ def test_a_local_servers_own_plan_counts_its_weights_and_kv_cache_per_gpu():
     assert "80 GB GPU x 2 (tensor parallel)" in line and "pooling" in line
     topk_cfg = {"teacher_server": "local", "teacher_logprobs": "topk:20"}
     assert "generation" in served.server_plan(load_config(whitebox.WhiteboxConfig, "tiny", topk_cfg), None)
+
+
+def test_a_served_teacher_with_another_tokenizer_takes_the_in_process_first_update(tmp_path):
+    """tiny:teacher-bpe served (the stub reads its own tokens): the run's first update is the in-process
+    cross-tokenizer run's, the start checks the server's tokenizer against the teacher's (not the
+    student's), and `teacher_server_reference` compares the teacher's own tokens' log-probabilities."""
+    bpe = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher-bpe")).eval()
+    cross = dict(SMALL, teacher_model="tiny:teacher-bpe", crosstok_hybrid=True, max_steps=2)
+    local = run_tiny(tmp_path, "local", [GradientDump(str(tmp_path / "local.pt"))], **cross)
+    with StubPoolingServer(bpe, "teacher-bpe", load_tokenizer("tiny:teacher-bpe")) as stub:
+        over = dict(cross, teacher_server=stub.url, teacher_server_dtype="float32")
+        over["teacher_server_reference"] = True
+        run = run_tiny(tmp_path, "served", [GradientDump(str(tmp_path / "served.pt"))], **over)
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    for name, w in want.items():
+        assert float((got[name] - w).norm() / w.norm()) < 1e-5, name
+    rows = [r for r in run.read_jsonl() if "loss" in r]
+    assert rows[0]["loss"] == pytest.approx(local.read_jsonl()[0]["loss"], rel=1e-5)
+    assert all(r["teacher_logprob_gap"] < 1e-5 for r in rows), rows
+    check = json.loads((run.path / whitebox.teacher.SERVED_CHECK_FILE).read_text())
+    assert check["tokenizer_checked"] and check["state_gap"] < 1e-5
+    # a server reading the student's tokens for this teacher, and top-K ids of another vocabulary: refused
+    with StubPoolingServer(bpe, "teacher-bpe", load_tokenizer("tiny:student")) as stub:
+        with pytest.raises(ConfigError, match="token ids would mean different things"):
+            run_tiny(tmp_path, "x", **dict(cross, teacher_server=stub.url))
+    with pytest.raises(ConfigError, match="needs a teacher with the student's tokenizer"):
+        run_tiny(tmp_path, "y", **dict(cross, teacher_server="http://127.0.0.1:9", teacher_logprobs="topk:5"))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

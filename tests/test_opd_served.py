@@ -254,7 +254,13 @@ def test_a_resume_against_another_served_model_is_refused(stub, tok):
 
 
 def _trainer(tmp_path, teacher_model, tok) -> DistillTrainer:
-    args = OPDArguments(
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
+    args = _args(tmp_path)
+    return DistillTrainer(model=student, args=args, processing_class=tok, teacher_model=teacher_model)
+
+
+def _args(tmp_path) -> OPDArguments:
+    return OPDArguments(
         output_dir=str(tmp_path),
         report_to=[],
         max_new_tokens=task.MAX_COMPLETION_TOKENS,
@@ -266,8 +272,6 @@ def _trainer(tmp_path, teacher_model, tok) -> DistillTrainer:
         max_steps=1,
         per_device_train_batch_size=4,
     )
-    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
-    return DistillTrainer(model=student, args=args, processing_class=tok, teacher_model=teacher_model)
 
 
 def _rollout(tok, n: int = 6) -> sampling.Rollout:
@@ -442,3 +446,58 @@ def test_a_wrong_head_is_stopped_by_the_teacher_logprob_gap_on_the_first_step(tm
         bad.train()
     assert bad.state.global_step == 0 and max(wrong.state_gaps) < 1e-5  # the state check passed
     assert all(torch.equal(p, before[n]) for n, p in bad.model.named_parameters())
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["per-micro-batch", "prepare_step"])
+def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_tokenizer_loss(
+    tmp_path, tok, prepared
+):
+    """tiny:teacher-bpe served by the stub: the rows sent are the teacher's own tokens (the student's prompt
+    and completion re-tokenized), and the cross-tokenizer loss and gradient are the in-process teacher's."""
+    bpe_tok = load_tokenizer("tiny:teacher-bpe")
+    bpe = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher-bpe")).eval()
+    r = _rollout(tok)
+
+    def run(teacher, folder: str) -> tuple[float, dict[str, torch.Tensor], dict]:
+        trainer = DistillTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")),
+            args=_args(tmp_path / folder),
+            processing_class=tok,
+            teacher_model=teacher,
+            teacher_tokenizer=bpe_tok,
+        )
+        assert trainer.crosstok is not None
+        batch = {
+            "input_ids": r.input_ids_BT,
+            "attention_mask": r.attention_mask_BT,
+            "completion_mask_BC": r.completion_mask_BC,
+            **trainer.crosstok.prepare(
+                r.input_ids_BT, r.attention_mask_BT, r.completion_mask_BC, trainer.stop_ids
+            ),
+        }
+        if prepared and teacher is not bpe:
+            teacher.prepare_step([batch])
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, batch
+
+    want_loss, want_grads, batch = run(bpe, "local")
+    with StubPoolingServer(bpe, tokenizer=bpe_tok) as stub:
+        st = served.ServedTeacher(
+            _client(stub.url), load_head("tiny:teacher-bpe"), served_dtype="float32", max_request_tokens=150
+        )
+        assert st.check(tokenizer=bpe_tok).tokenizer_checked
+        got_loss, got_grads, _ = run(st, "served")
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert_relatively_close(got_grads, want_grads, 1e-5)
+    sent = [row for p in stub.pooling_requests[1:] for row in p["input"]]  # after the check's probe
+    ids, attn = batch["teacher_input_ids"], batch["teacher_attention_mask"].bool()
+    assert sent == [ids[b][attn[b]].tolist() for b in range(ids.shape[0])]  # the teacher's tokens, unpadded
+    assert not st._cache
+
+
+def test_prepare_step_keeps_a_cross_tokenizer_rows_states_from_its_first_predicting_position():
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    pred = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]]).bool()
+    assert served._first_rows(pred, attn) == [1, 1, 0]

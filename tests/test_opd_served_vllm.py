@@ -13,6 +13,8 @@ started once for the module (and restarted once by the test that stops it), the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
@@ -37,10 +39,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 TEACHER = tiny.resolve("tiny:teacher")
 
 
-def _server(tmp_path_factory, runner: str, **kw) -> ServerProcess:
+def _server(tmp_path_factory, runner: str, model: str = TEACHER, **kw) -> ServerProcess:
     port = free_port()
     cmd = vllm_command(
-        TEACHER,
+        model,
         port,
         runner=runner,
         dtype="float32",
@@ -367,6 +369,37 @@ def test_two_weighted_teachers_one_served_give_the_weighted_loss_and_the_in_proc
         weighted = 0.7 * step["divergence/a"] + 0.3 * step["divergence/b"]
         assert step["loss"] == pytest.approx(weighted, rel=1e-5)
     assert steps["served"]["loss"] == pytest.approx(steps["local"]["loss"], rel=1e-5)
+
+
+def test_whitebox_with_a_served_teacher_of_another_tokenizer_takes_the_in_process_first_update(
+    tmp_path_factory, tmp_path
+):
+    """02 tiny-crosstok with tiny:teacher-bpe served by vLLM's pooling runner (it reads the teacher's own
+    tokens: the student's prompt and completion re-tokenized) against the teacher in process: the same
+    first loss and gradient, fp32, relative 1e-5; the start checks the server's tokenizer against the
+    teacher's."""
+    from opdkit.jobs import whitebox
+    from opdkit.opd.callbacks import GradientDump
+
+    with _server(tmp_path_factory, "pooling", tiny.resolve("tiny:teacher-bpe")) as server:
+        far = {"teacher_server": server.url, "teacher_server_dtype": "float32"}
+        runs = {
+            name: whitebox.run(
+                "tiny-crosstok",
+                {**ONE_STEP, **extra, "run_dir": str(tmp_path / name)},
+                callbacks=[GradientDump(str(tmp_path / f"{name}.pt"))],
+            )
+            for name, extra in (("local", {}), ("served", far))
+        }
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    got_P, want_P = torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want])
+    gap = float((got_P - want_P).norm() / want_P.norm())
+    print(f"tiny-crosstok first gradient, served against in-process teacher: relative difference {gap:.3g}")
+    assert gap < 1e-5
+    loss = [runs[n].read_jsonl()[0]["loss"] for n in ("local", "served")]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+    check = json.loads((runs["served"].path / whitebox.teacher.SERVED_CHECK_FILE).read_text())
+    assert check["tokenizer_checked"] and check["state_gap"] < 1e-5
 
 
 @pytest.mark.slow

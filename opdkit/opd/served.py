@@ -453,10 +453,17 @@ class ServedTeacher(torch.nn.Module):
     def prepare_step(self, batches: list[dict]) -> None:
         """Send every row of a step's micro-batches (`input_ids`, `attention_mask`, `completion_mask_BC`) now,
         in requests of at most `max_request_tokens` tokens, `in_flight` at a time; `states` then waits for
-        them. Only the positions the divergence reads are kept: from each row's last prompt token on."""
+        them. Only the positions the divergence reads are kept: from each row's last prompt token on. A
+        teacher with another tokenizer reads the micro-batch's `teacher_input_ids` instead (its own tokens,
+        `crossteacher.CrossTeacher.prepare`), kept from the first row `teacher_pred_BT` marks."""
         self._wait()
         rows, starts = [], []
         for b in batches:
+            if "teacher_input_ids" in b:
+                ids_BT, attn_BT = b["teacher_input_ids"], b["teacher_attention_mask"]
+                rows += _unpadded(ids_BT, attn_BT, None)[0]
+                starts += _first_rows(b["teacher_pred_BT"], attn_BT)
+                continue
             ids_BT, attn_BT = b["input_ids"], b["attention_mask"]
             prompt_len = ids_BT.shape[1] - b["completion_mask_BC"].shape[1]
             rows += _unpadded(ids_BT, attn_BT, None)[0]
@@ -636,8 +643,9 @@ def _check_tokenizer(client: ServerClient, model: str, tokenizer) -> bool:
     want = tokenizer(text, add_special_tokens=False)["input_ids"]
     if list(got) != list(want):
         raise ServedTeacherMismatch(
-            f"{client.url}'s tokenizer splits {text!r} into {got}, the student's into {want}: token "
-            "ids would mean different things; serve a teacher with the student's tokenizer."
+            f"{client.url}'s tokenizer splits {text!r} into {got}, the teacher's tokenizer here into {want} "
+            "(the student's, or the teacher's own where they differ): token ids would mean different things; "
+            "serve the teacher with that tokenizer."
         )
     return True
 
@@ -876,6 +884,15 @@ def _unpadded(ids_BT, attn_BT, pos_BT) -> tuple[list[list[int]], list[int]]:
         rows.append(ids_BT[b, first : first + n].tolist())
         firsts.append(first)
     return rows, firsts
+
+
+def _first_rows(pred_BT: torch.Tensor, attn_BT: torch.Tensor) -> list[int]:
+    """Each row's first position `pred_BT` marks, counted from the row's first real token (0 where it marks
+    none): what `prepare_step` keeps of a left-padded row's states."""
+    pred, attn = pred_BT.detach().cpu().bool(), attn_BT.detach().cpu().bool()
+    pad_B = attn.shape[1] - attn.sum(1)
+    first_B = torch.where(pred.any(1), pred.int().argmax(1), pad_B)
+    return (first_B - pad_B).clamp(min=0).tolist()
 
 
 def _requests(rows: list[list[int]], max_tokens: int, max_rows: int = MAX_REQUEST_ROWS) -> list[list[int]]:

@@ -431,9 +431,9 @@ class DistillTrainer(Trainer):
                 t_hidden_NH, t_head_VH = sharding.call_inside_forward(
                     self.teacher, self.teacher, self._teacher_part, t_pred_BT, **t_fwd
                 )
-            if self._check_teacher_now and self.crosstok is None:
+            if self._check_teacher_now:
                 self._check_teacher_now = False
-                self._check_teacher(t_hidden_NH, t_head_VH, fwd, pred_BT, ids_BT)
+                self._check_teacher(t_hidden_NH, t_head_VH, t_fwd, t_pred_BT)
         target_N = engine_logp_N = None
         if "engine_logprobs_BC" in inputs:
             # Selected here, where the selection above has already waited for the device, not after the
@@ -574,16 +574,17 @@ class DistillTrainer(Trainer):
         return t_hidden_NH, head_VH.detach().clone() if self.teacher_sharded else head_VH
 
     @torch.no_grad()
-    def _check_teacher(self, t_hidden_NH, t_head_VH, fwd: dict, pred_BT, ids_BT) -> None:
-        """`teacher_logprob_gap`: the mean |log p_served - log p_reference| of the sampled tokens, the served
-        states x this run's head against the teacher in this process (`ServedTeacher.reference`), over the
-        micro-batch summed across processes; past `served.FINGERPRINT_TOLERANCE` of the server's dtype the
-        run stops (`served.ServedTeacherMismatch`, one line) before the step's update."""
+    def _check_teacher(self, t_hidden_NH, t_head_VH, fwd: dict, pred_BT) -> None:
+        """`teacher_logprob_gap`: the mean |log p_served - log p_reference| of the completion tokens the
+        teacher reads (the student's, or with another tokenizer its own), the served states x this run's head
+        against the teacher in this process (`ServedTeacher.reference`), over the micro-batch summed across
+        processes; past `served.FINGERPRINT_TOLERANCE` of the server's dtype the run stops
+        (`served.ServedTeacherMismatch`, one line) before the step's update."""
         ref = self.teacher_reference
-        target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
+        target_N = fwd["input_ids"][:, 1:][pred_BT[:, :-1]]
         r_hidden_NH = ref.base_model(**fwd).last_hidden_state[pred_BT]
         r_head_VH = ref.get_output_embeddings().weight
-        V = self.vocab_size
+        V = self.teacher_vocab_size
         gaps = []
         for s in range(0, target_N.shape[0], self.args.loss_chunk_size):
             rows, tgt = (

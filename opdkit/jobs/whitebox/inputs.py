@@ -145,10 +145,16 @@ class Prepared:
     first_example: str
     eval_prompt_tokens: int = 0  # the longest evaluation prompt, chat-templated (sizes a vLLM engine)
     removed: dict[str, int] = field(default_factory=prompts.removed)  # rows passed over to keep sets apart
+    teacher_tokenizer: object = None  # the teacher's own where it differs from the student's (crosstok)
 
     @property
     def train_messages(self) -> list[list[dict]]:
         return list(self.train_dataset["messages"])
+
+    @property
+    def teacher_reads(self) -> object:
+        """The tokenizer whose ids the teacher reads (a served teacher's server is checked against it)."""
+        return self.teacher_tokenizer if self.teacher_tokenizer is not None else self.tokenizer
 
 
 def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
@@ -163,18 +169,19 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         split = with_system(split, cfg.system_prompt)
     tok = load_tokenizer(cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
-    if crossteacher.differ(tok, teacher_tok):  # the cross-tokenizer loss; refused here if it cannot align
-        if cfg.teacher_server:
+    cross = crossteacher.differ(tok, teacher_tok)
+    if cross:  # the cross-tokenizer loss; refused here if it cannot align
+        if cfg.teacher_server and cfg.topk():
             raise ConfigError(
-                "teacher_server with a teacher whose tokenizer differs from the student's "
-                f"({cfg.teacher_model}): the served path sends the student's tokens, so the cross-tokenizer "
-                "loss needs the teacher in process here; leave teacher_server empty."
+                f"teacher_logprobs {cfg.teacher_logprobs} needs a teacher with the student's tokenizer (the "
+                f"served top-K ids are its vocabulary) and {cfg.teacher_model} has another; use "
+                "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
             )
         crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
     else:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
-        served.check_job_server(cfg, tok)
+        served.check_job_server(cfg, teacher_tok if cross else tok)
     train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
     check_teacher_set(cfg, tok, train)
     collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
@@ -185,7 +192,18 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     msgs = split.eval_messages
     longest = max((len(prompts.prompt_ids(tok, m, cfg.enable_thinking)) for m in msgs), default=0)
     return Prepared(
-        cfg, mode, task, tok, train, msgs, split.eval_answers, dropped, first, longest, split.removed
+        cfg,
+        mode,
+        task,
+        tok,
+        train,
+        msgs,
+        split.eval_answers,
+        dropped,
+        first,
+        longest,
+        split.removed,
+        teacher_tok if cross else None,
     )
 
 

@@ -35,7 +35,7 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
     if cfg.topk():  # teacher_logprobs topk:K: a generation server's top-K, no head here
         teacher, report = topk.job_topk_teacher(cfg, prep.tokenizer)
     else:
-        teacher, report = served.job_teacher(cfg, prep.tokenizer, dtype)
+        teacher, report = served.job_teacher(cfg, prep.teacher_reads, dtype)
     saved = run.path / SERVED_CHECK_FILE
     if cfg.resume and saved.exists():
         served.check_same_teacher(json.loads(saved.read_text()), report, cfg.teacher_server_dtype)
@@ -132,7 +132,7 @@ def local_server(
             prepared = dataclasses.replace(
                 prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
             )
-            served.check_job_server(prepared.cfg, prepared.tokenizer)
+            served.check_job_server(prepared.cfg, prepared.teacher_reads)
         try:
             if train:
                 os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
