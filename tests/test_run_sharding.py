@@ -334,6 +334,21 @@ def test_fsdp_gradient_checkpointing_gives_the_same_first_update(tmp_path, one_p
     assert 0.0 <= summary["student_accuracy_after"] <= 1.0  # evaluated from the saved full model
 
 
+def test_fsdp_with_a_teacher_of_another_tokenizer_gives_the_one_process_loss_and_first_update(tmp_path):
+    """tiny-crosstok's teacher (byte-level BPE) sharded with the student over 2 gloo processes: the step's
+    loss is the mean over all its groups (counted across processes), so loss and first gradient are one
+    process's with the same global batch of 4 prompts."""
+    over = {**FIXED, "teacher_model": "tiny:teacher-bpe", "crosstok_hybrid": True}
+    dump = tmp_path / "one.pt"
+    one = run_tiny(tmp_path, "one", [GradientDump(str(dump))], per_device_train_batch_size=4, **over)
+    two = run_two_fsdp_processes(tmp_path, "two", {**over, "per_device_train_batch_size": 2})
+    assert all(p["teacher"]["all_dtensor"] for p in probes(two))  # the BPE teacher is sharded too
+    m_one, m_two = (json.loads((p / "metrics.jsonl").read_text().splitlines()[0]) for p in (one.path, two))
+    assert m_two["loss"] == pytest.approx(m_one["loss"], rel=1e-4)
+    assert m_two["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=1e-4)
+    assert_grads_close(torch.load(f"{two}.pt"), torch.load(dump), rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_fsdp_bf16_mixed_precision_stays_close_to_one_process_bf16(tmp_path):
     """bf16 under FSDP also rounds the parameters and the gradient reduction to bf16, so this is a
