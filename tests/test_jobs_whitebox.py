@@ -519,24 +519,17 @@ def test_forced_accuracy_when_asked(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_crosstok_runs_through_the_cross_tokenizer_loss(tmp_path, capsys):
-    """The preset's BPE teacher teaches the character student through GOLD's loss: the start says so, the
-    loss is finite and falls over a few steps."""
-    run = whitebox.run(
-        "tiny-crosstok",
-        {
-            "run_dir": str(tmp_path / "x"),
-            "max_steps": 12,
-            "per_device_train_batch_size": 32,
-            "eval_size": 0,
-            "eval_steps": 0,
-            "sample_every": 0,
-            "save_steps": 0,
-        },
-    )
+@pytest.mark.timeout(1800)
+def test_tiny_crosstok_lifts_the_student_through_the_cross_tokenizer_loss(tmp_path, capsys):
+    """`--mode tiny-crosstok` as the README runs it (300 steps, ~4 min here): the start says which path it
+    took, the loss is finite, no full token rows are formed, and the BPE teacher lifts the character
+    student from about a fifth of the held-out problems to most of them (measured 20.6 % -> 93.4 %)."""
+    run = whitebox.run("tiny-crosstok", {"run_dir": str(tmp_path / "x"), "sample_every": 0, "save_steps": 0})
     assert "differs from the student's: cross-tokenizer loss (hybrid" in capsys.readouterr().out
     steps = [r for r in run.read_jsonl() if "loss" in r]
     loss = [r["loss"] for r in steps]
-    assert len(loss) == 12 and all(np.isfinite(loss)), loss
+    assert all(np.isfinite(loss)), loss
     assert all(r["entropy"] is None for r in steps)  # the cross-tokenizer loss forms no full token rows
-    assert np.mean(loss[-4:]) < np.mean(loss[:4]), loss
+    s = run.read_summary()
+    print("tiny-crosstok:", s["student_accuracy_before"], "->", s["student_accuracy_after"])
+    assert s["student_accuracy_before"] < 0.3 and s["student_accuracy_after"] > 0.85, s
