@@ -371,6 +371,7 @@ def test_two_weighted_teachers_one_served_give_the_weighted_loss_and_the_in_proc
     assert steps["served"]["loss"] == pytest.approx(steps["local"]["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_whitebox_with_a_served_teacher_of_another_tokenizer_takes_the_in_process_first_update(
     tmp_path_factory, tmp_path
 ):
