@@ -234,7 +234,7 @@ def test_a_local_servers_own_plan_counts_its_weights_and_kv_cache_per_gpu():
     assert "generation" in served.server_plan(load_config(whitebox.WhiteboxConfig, "tiny", topk_cfg), None)
 
 
-def test_a_served_teacher_with_another_tokenizer_takes_the_in_process_first_update(tmp_path):
+def test_a_served_teacher_with_another_tokenizer_takes_the_in_process_first_update(tmp_path, capsys):
     """tiny:teacher-bpe served (the stub reads its own tokens): the run's first update is the in-process
     cross-tokenizer run's, the start checks the server's tokenizer against the teacher's (not the
     student's), and `teacher_server_reference` compares the teacher's own tokens' log-probabilities."""
@@ -245,6 +245,7 @@ def test_a_served_teacher_with_another_tokenizer_takes_the_in_process_first_upda
         over = dict(cross, teacher_server=stub.url, teacher_server_dtype="float32")
         over["teacher_server_reference"] = True
         run = run_tiny(tmp_path, "served", [GradientDump(str(tmp_path / "served.pt"))], **over)
+    assert "accuracy before: teacher served, not measured here" in capsys.readouterr().out
     got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
     for name, w in want.items():
         assert float((got[name] - w).norm() / w.norm()) < 1e-5, name

@@ -152,7 +152,10 @@ def distil(
         teacher_acc, teacher_forced = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
     if before is None:
         before, before_forced = acc(trainer.model, engine)
-    print0(f"accuracy before: teacher {verdicts.pct(teacher_acc)}, student {verdicts.pct(before)}")
+    teacher_text = verdicts.pct(teacher_acc)
+    if cfg.teacher_server or cfg.teachers:
+        teacher_text = "served, not measured here" if cfg.teacher_server else "not measured (several teachers)"
+    print0(f"accuracy before: teacher {teacher_text}, student {verdicts.pct(before)}")
     forced_before = (
         {"student_accuracy_before_forced": before_forced, "teacher_accuracy_forced": teacher_forced}
         if cfg.forced_accuracy
