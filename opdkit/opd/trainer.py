@@ -443,32 +443,15 @@ class DistillTrainer(Trainer):
             engine_logp_N = inputs["engine_logprobs_BC"][comp_BC.bool()]
         student = self.accelerator.unwrap_model(model)
 
+        # Every divergence takes these; the ones on one vocabulary also the temperature and its width.
+        common = dict(beta=self.args.beta, chunk_size=self.args.loss_chunk_size, target_ids_N=target_N)
+        one_vocab = dict(common, temperature=self.args.kl_temperature, vocab_size=self.vocab_size)
+
         def student_part(**fwd):
             if self.weighted is not None:
-                return student_weighted_divergence(
-                    student,
-                    fwd,
-                    pred_BT,
-                    t_parts,
-                    beta=self.args.beta,
-                    temperature=self.args.kl_temperature,
-                    vocab_size=self.vocab_size,
-                    chunk_size=self.args.loss_chunk_size,
-                    target_ids_N=target_N,
-                )
+                return student_weighted_divergence(student, fwd, pred_BT, t_parts, **one_vocab)
             if self.topk is not None:
-                return student_topk_divergence(
-                    student,
-                    fwd,
-                    pred_BT,
-                    t_ids_NK,
-                    t_logp_NK,
-                    beta=self.args.beta,
-                    temperature=self.args.kl_temperature,
-                    vocab_size=self.vocab_size,
-                    chunk_size=self.args.loss_chunk_size,
-                    target_ids_N=target_N,
-                )
+                return student_topk_divergence(student, fwd, pred_BT, t_ids_NK, t_logp_NK, **one_vocab)
             if self.crosstok is not None:
                 return crossteacher.student_cross_divergence(
                     student,
@@ -478,24 +461,11 @@ class DistillTrainer(Trainer):
                     t_head_VH,
                     inputs["crosstok_alignment"],
                     self.crosstok,
-                    beta=self.args.beta,
                     student_vocab_size=self.vocab_size,
                     teacher_vocab_size=self.teacher_vocab_size,
-                    chunk_size=self.args.loss_chunk_size,
-                    target_ids_N=target_N,
+                    **common,
                 )
-            return student_divergence(
-                student,
-                fwd,
-                pred_BT,
-                t_hidden_NH,
-                t_head_VH,
-                beta=self.args.beta,
-                temperature=self.args.kl_temperature,
-                vocab_size=self.vocab_size,
-                chunk_size=self.args.loss_chunk_size,
-                target_ids_N=target_N,
-            )
+            return student_divergence(student, fwd, pred_BT, t_hidden_NH, t_head_VH, **one_vocab)
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():

@@ -154,7 +154,7 @@ def distil(
         before, before_forced = acc(trainer.model, engine)
     teacher_text = verdicts.pct(teacher_acc)
     if cfg.teacher_server or cfg.teachers:
-        teacher_text = "served, not measured here" if cfg.teacher_server else "not measured (several teachers)"
+        teacher_text = "served, not measured here" if cfg.teacher_server else "several, not measured"
     print0(f"accuracy before: teacher {teacher_text}, student {verdicts.pct(before)}")
     forced_before = (
         {"student_accuracy_before_forced": before_forced, "teacher_accuracy_forced": teacher_forced}
