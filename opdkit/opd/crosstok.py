@@ -553,6 +553,28 @@ def _hybrid_plan(settings, match, beta, s_vocab, t_vocab, device) -> _Hybrid | N
     return _Hybrid(beta, *weights, s_ids, t_ids, s_un, t_un)
 
 
+class _Buffers:
+    """Vocabulary-wide buffers reused from chunk to chunk, by name: on a CPU a fresh one costs as much as a
+    pass over it (the allocator returns big blocks to the system, which pages them in again)."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self.store.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self.store[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+
+def _buffer(buffers: _Buffers | None, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    shape = tuple(like.shape)
+    if buffers is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    return buffers(name, shape, dtype, like.device)
+
+
 class _StudentLoss(torch.autograd.Function):
     """The loss of every group as one autograd node of the student's rows and head. The forward pass keeps,
     per chunk of groups, only what the backward pass cannot recompute cheaply (the sorted L1's signs,
@@ -604,24 +626,24 @@ class _Run:
         )
         if keep:
             self.log_c_s_G, self.lp_s_Q, self.lse_s_Q = log_c_s_G, lp_s_Q, lse_s_Q
-        width = min(self.chunk_size, al.num_groups)
-        s_buffer = torch.empty(width, s.vocab, dtype=s.dtype, device=s.hidden.device)
-        t_buffer = torch.empty(width, t.vocab, dtype=t.dtype, device=t.hidden.device)
+        buffers, device = _Buffers(), s.hidden.device
         parts = []
         for chunk in self.chunks():
-            m_s = s.logits(al.s_base_G[chunk], s_buffer[: len(al.s_base_G[chunk])])
+            rows_s, rows_t = al.s_base_G[chunk], al.t_base_G[chunk]
+            m_s = s.logits(rows_s, buffers("m_s", (len(rows_s), s.vocab), s.dtype, device))
             _merge_(m_s, log_c_s_G[chunk])
-            m_t = t.logits(al.t_base_G[chunk], t_buffer[: len(al.t_base_G[chunk])])
+            m_t = t.logits(rows_t, buffers("m_t", (len(rows_t), t.vocab), t.dtype, device))
             _merge_(m_t, log_c_t_G[chunk])
             if hybrid is None:
-                signs, part_s, part_t = _l1_signs(m_s, m_t)
+                signs, part_s, part_t = _l1_signs(m_s, m_t, buffers)
                 loss = part_s - part_t
                 parts.append((loss, loss[:0], loss[:0]))
                 if keep:
                     self.saved.append((signs, part_s))
                 continue
             matched = _matched_jsd(m_s[:, hybrid.s_ids_S], m_t[:, hybrid.t_ids_S], hybrid.beta)
-            signs, part_s, part_t = _l1_signs(m_s.mul_(hybrid.s_unmatched_V), m_t.mul_(hybrid.t_unmatched_W))
+            m_s.mul_(hybrid.s_unmatched_V), m_t.mul_(hybrid.t_unmatched_W)
+            signs, part_s, part_t = _l1_signs(m_s, m_t, buffers)
             unmatched = part_s - part_t
             parts.append(
                 (hybrid.matched_weight * matched + hybrid.unmatched_weight * unmatched, matched, unmatched)
@@ -639,17 +661,16 @@ class _Run:
         grad_head = torch.zeros_like(s.head) if want_head else None
         grad_G = grad_G.to(s.dtype)
         dc_G = torch.zeros_like(grad_G)
-        width = min(self.chunk_size, al.num_groups)
-        m_buffer = torch.empty(width, s.vocab, dtype=s.dtype, device=s.hidden.device)
-        g_buffer = torch.empty_like(m_buffer)
+        buffers, device = _Buffers(), s.hidden.device
         for chunk, saved in zip(self.chunks(), self.saved):
             rows, g_R, log_c_R = al.s_base_G[chunk], grad_G[chunk], self.log_c_s_G[chunk]
-            m = _merge_(s.logits(rows, m_buffer[: len(rows)]), log_c_R)
-            out = g_buffer[: len(rows)]
+            m = _merge_(s.logits(rows, buffers("m_s", (len(rows), s.vocab), s.dtype, device)), log_c_R)
+            out = buffers("sign_a", m.shape, m.dtype, device)
             if hybrid is None:
                 signs, part_R = saved
                 # m (s - A e^-c) g / T: the shift and the scale folded into the sign table.
-                grad_z = signs.expand(m, _share(part_R, log_c_R), g_R / s.temperature, out=out).mul_(m)
+                shift, scale = _share(part_R, log_c_R), g_R / s.temperature
+                grad_z = signs.expand(m, shift, scale, out=out, buffers=buffers).mul_(m)
                 dc_G[chunk] = g_R * part_R
             else:
                 signs, log_c_t_R = saved
@@ -660,7 +681,7 @@ class _Run:
                     jsd = _matched_jsd(m_S, m_t[:, hybrid.t_ids_S], hybrid.beta)
                     (grad_S,) = torch.autograd.grad((jsd * g_R).sum() * hybrid.matched_weight, m_S)
                 del m_t
-                signs.expand(torch.mul(m, hybrid.s_unmatched_V, out=out), out=out)
+                signs.expand(torch.mul(m, hybrid.s_unmatched_V, out=out), out=out, buffers=buffers)
                 grad_m = out.mul_(hybrid.s_unmatched_V).mul_(hybrid.unmatched_weight * g_R.unsqueeze(1))
                 grad_m.index_add_(1, hybrid.s_ids_S, grad_S)
                 part_R = grad_m.mul_(m).sum(1)  # grad_m is now G m
@@ -669,7 +690,7 @@ class _Run:
                     grad_z.div_(s.temperature)
                 dc_G[chunk] = part_R
             _put(s, rows, grad_z, grad_hidden, grad_head)
-        del m_buffer, g_buffer
+        del buffers
         # The scalar rows: d log p(token) / dz = (onehot(token) - softmax(z / T)) / T; GOLD's floor at EPS
         # passes no gradient below it.
         d_Q = dc_G[al.s_scalar_group_Q] * (self.lp_s_Q.exp() >= EPS)
@@ -791,6 +812,7 @@ class _Signs:
         shift_R: torch.Tensor | None = None,
         scale_R: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        buffers: _Buffers | None = None,
     ) -> torch.Tensor:
         """Each value's sign (in the values' dtype), or (sign - shift) x scale with a shift and a scale per
         row; into `out` if given (which may be `values_RV` itself)."""
@@ -806,7 +828,8 @@ class _Signs:
         if self.uniform_RK is None:  # every row sorted in full
             signs = fold(self.dense_RV, None)
             return signs if out is None else out.copy_(signs)
-        flat = _bucket_index(values_RV, self.top, self.low, self.buckets)
+        keys = _float_keys(values_RV, _buffer(buffers, "keys_a", values_RV, torch.int32)).clamp_min_(self.low)
+        flat = _flat_buckets(keys, self.top, self.buckets)
         out = torch.empty_like(values_RV) if out is None else out
         torch.index_select(fold(self.uniform_RK, None).view(-1), 0, flat.view(-1), out=out.view(-1))
         if len(self.rows):
@@ -816,14 +839,9 @@ class _Signs:
         return out
 
 
-def _float_keys(values: torch.Tensor) -> torch.Tensor:
+def _float_keys(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 bits >> _SHIFT of non-negative values: monotone in the value (float32 rounding is)."""
-    return values.float().view(torch.int32) >> _SHIFT
-
-
-def _bucket_index(values_RV: torch.Tensor, top: int, low: int, buckets: int) -> torch.Tensor:
-    """Each value's row x buckets + bucket (int32; bucket 0 holds the largest values)."""
-    return _flat_buckets(_float_keys(values_RV).clamp_min_(low), top, buckets)
+    return torch.bitwise_right_shift(values.float().view(torch.int32), _SHIFT, out=out)
 
 
 def _flat_buckets(keys32: torch.Tensor, top: int, buckets: int) -> torch.Tensor:
@@ -867,17 +885,21 @@ class _Ranked:
         found = torch.searchsorted(flat, rank + offset[rows])
         return (found - rows * k).clamp(max=k)
 
-    def lookup(self, table_RK: torch.Tensor) -> torch.Tensor:
-        """Each value's entry of a per (row, bucket) table, in the values' dtype."""
-        table = table_RK.to(self.values.dtype).view(-1)
-        return table.index_select(0, self.index.view(-1)).view_as(self.values)
+    def lookup(self, table_RK: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Each value's entry of a per (row, bucket) table, in `out` (the values' shape)."""
+        table = table_RK.to(out.dtype).view(-1)
+        return torch.index_select(table, 0, self.index.view(-1), out=out.view(-1)).view_as(out)
 
 
-def _l1_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Tensor, torch.Tensor]:
+def _l1_signs(
+    a_RV: torch.Tensor, b_RW: torch.Tensor, buffers: _Buffers | None = None
+) -> tuple[_Signs, torch.Tensor, torch.Tensor]:
     """sign(a_(i) - b_(i)) at each value's rank i for every value of a (compactly), and per row
     sum_v sign_v a_v and sum_u sign_u b_u (the sorted L1 is their difference)."""
-    keys_a, keys_b = _float_keys(a_RV), _float_keys(b_RW)
-    top, low = int(max(keys_a.max(), keys_b.max())), int(min(keys_a.min(), keys_b.min()))
+    keys_a = _float_keys(a_RV, _buffer(buffers, "keys_a", a_RV, torch.int32))
+    keys_b = _float_keys(b_RW, _buffer(buffers, "keys_b", b_RW, torch.int32))
+    (low_a, top_a), (low_b, top_b) = torch.aminmax(keys_a), torch.aminmax(keys_b)
+    top, low = int(max(top_a, top_b)), int(min(low_a, low_b))
     if low == 0:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
         low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
         keys_a, keys_b = keys_a.clamp_min_(low), keys_b.clamp_min_(low)
@@ -891,13 +913,15 @@ def _l1_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Ten
         return signs, (sign_a.to(a_RV.dtype) * a_RV).sum(-1), (sign_b.to(b_RW.dtype) * b_RW).sum(-1)
     a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
     del keys_a, keys_b
-    bucket_K = torch.arange(buckets, device=a_RV.device)
     uniform, met = [], []
     for mine, other, flip in ((a, b, 1), (b, a, -1)):
-        first_RK = mine.cum_RK - mine.count_RK + 1
-        lo_RK, hi_RK = other.bucket_of_rank(first_RK), other.bucket_of_rank(mine.cum_RK)
-        # The other side's values at this bucket's ranks all in lower buckets: this side's are larger.
-        sign_RK = torch.where(lo_RK > bucket_K, 1, torch.where(hi_RK < bucket_K, -1, 0)) * flip
+        # This bucket holds ranks (mine's cum - count, mine's cum]. The other side's values at those ranks
+        # all lie in lower buckets (this side's are larger) when the other's cum here is at most the first
+        # rank's predecessor, all in higher buckets when its cum before this bucket reaches the last rank
+        # (`bucket_of_rank` of both ends, without searching).
+        above = other.cum_RK <= mine.cum_RK - mine.count_RK
+        below = other.cum_RK - other.count_RK >= mine.cum_RK
+        sign_RK = torch.where(above, 1, torch.where(below, -1, 0)) * flip
         uniform.append(sign_RK.to(torch.int8))
         met.append((mine.count_RK > 0) & (sign_RK == 0))
     # Where the two count curves run together (distributions of one shape), most values sit in met buckets
@@ -908,8 +932,11 @@ def _l1_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Ten
     for u in uniform:  # no value of a dense row counts as met (their signs are set below)
         u[dense_rows] = 2
     # Each value's sign from its bucket's; 0 marks the values of met buckets, ranked exactly below.
-    sign_a, sign_b = a.lookup(uniform[0]), b.lookup(uniform[1])
-    sorted_a, sorted_b = _sort_met(a, sign_a == 0), _sort_met(b, sign_b == 0)
+    sign_a = a.lookup(uniform[0], _buffer(buffers, "sign_a", a_RV, a_RV.dtype))
+    sign_b = b.lookup(uniform[1], _buffer(buffers, "sign_b", b_RW, b_RW.dtype))
+    met_a = torch.eq(sign_a, 0, out=_buffer(buffers, "met_a", a_RV, torch.bool))
+    sorted_a = _sort_met(a, met_a)
+    sorted_b = _sort_met(b, torch.eq(sign_b, 0, out=_buffer(buffers, "met_b", b_RW, torch.bool)))
     exact_a = torch.zeros(0, dtype=torch.int8, device=a_RV.device)
     for other, mine_sorted, other_sorted, flip, sign in (
         (b, sorted_a, sorted_b, 1, sign_a),
