@@ -54,10 +54,11 @@ Pitfalls this module exists for:
   and the same subgradient; tests/test_opd_crosstok.py checks it against the sort with ties, zeros and
   values equal to 1e-4.
 - nothing is materialised over the whole batch's vocabulary: scalar tokens need only their own
-  probability, base rows are processed `chunk_size` groups at a time and recomputed in the backward
-  pass (`torch.utils.checkpoint`; the student's signs of the sorted L1 are kept compactly, per bucket,
-  for it), so memory is a few chunk x vocabulary buffers (GOLD keeps full B x T x V logits, ~10 GB per
-  model at 64 x 256 tokens and Qwen3's vocabulary in float32).
+  probability, base rows are processed `chunk_size` groups at a time, and the student's side is one
+  autograd node (`_StudentLoss`) whose backward pass recomputes each chunk's merged probabilities and
+  writes their gradient in closed form (the student's signs of the sorted L1 are kept compactly, per
+  bucket, for it), so memory is a few chunk x vocabulary buffers, reused from chunk to chunk (GOLD keeps
+  full B x T x V logits, ~10 GB per model at 64 x 256 tokens and Qwen3's vocabulary in float32).
 """
 
 from __future__ import annotations
@@ -721,9 +722,11 @@ def _put(side: _Side, rows, grad_z, grad_hidden, grad_head) -> None:
 
 
 def _share(part_R: torch.Tensor, log_c_R: torch.Tensor) -> torch.Tensor:
-    """part exp(-c), computed so that it never overflows (|part| <= exp(c))."""
-    share = (part_R.double().abs().log() - log_c_R.double()).exp() * part_R.sign()
-    return share.to(part_R.dtype)
+    """part exp(-c) in float64 (|part| <= exp(c)); through logarithms where exp(-c) alone would overflow."""
+    part, log_c = part_R.double(), log_c_R.double()
+    share = part * torch.exp(-log_c)
+    safe = (part.abs().log() - log_c).exp() * part.sign()
+    return torch.where(share.isfinite(), share, safe).to(part_R.dtype)
 
 
 def _scalar_factors(side: _Side, rows_Q, tokens_Q, groups_Q, num_groups: int, chunk_size: int):
@@ -746,17 +749,12 @@ def _scalar_factors(side: _Side, rows_Q, tokens_Q, groups_Q, num_groups: int, ch
 
 def _merge_(z_RV: torch.Tensor, log_c_R: torch.Tensor) -> torch.Tensor:
     """Turns tempered logits, in place, into merged probabilities softmax(z) exp(c); returns them. The same
-    calls give the same values bit for bit (the backward pass recomputes them and reads their buckets)."""
+    calls give the same values bit for bit (the backward pass recomputes them and reads their buckets).
+    exp(z - max) times exp(c) / sum in float64 keeps the dtype's relative precision however small exp(c) is
+    (exp(log_softmax + c) loses |log_softmax + c| ulps of it)."""
     top = z_RV.amax(1, keepdim=True)
     total = z_RV.sub_(top).exp_().sum(1, keepdim=True)
-    scale = (log_c_R.double().unsqueeze(1) - total.double().log()).exp()
-    small = (
-        scale < torch.finfo(z_RV.dtype).tiny * 2.0**32
-    )  # below the normal range: two steps, no precision lost
-    if bool(small.any()):
-        z_RV.mul_(torch.where(small, 2.0**-64, 1.0).to(z_RV.dtype))
-        scale = torch.where(small, scale * 2.0**64, scale)
-    return z_RV.mul_(scale.to(z_RV.dtype))
+    return z_RV.mul_((log_c_R.double().unsqueeze(1) - total.double().log()).exp().to(z_RV.dtype))
 
 
 def _matched_jsd(p_s_RS: torch.Tensor, p_t_RS: torch.Tensor, beta: float) -> torch.Tensor:
