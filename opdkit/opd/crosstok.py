@@ -619,15 +619,15 @@ class _Run:
     def forward(self, keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, matched part, unmatched part) of every group; `keep`: save what the backward pass reads."""
         s, t, al, hybrid = self.student, self.teacher, self.al, self.hybrid
+        buffers, device = _Buffers(), s.hidden.device
         log_c_s_G, lp_s_Q, lse_s_Q = _scalar_factors(
-            s, al.s_scalar_Q, al.s_scalar_token_Q, al.s_scalar_group_Q, al.num_groups, self.chunk_size
+            s, al.s_scalar_Q, al.s_scalar_token_Q, al.s_scalar_group_Q, self, buffers, "m_s"
         )
         log_c_t_G, *_ = _scalar_factors(
-            t, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, al.num_groups, self.chunk_size
+            t, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, self, buffers, "m_t"
         )
         if keep:
             self.log_c_s_G, self.lp_s_Q, self.lse_s_Q = log_c_s_G, lp_s_Q, lse_s_Q
-        buffers, device = _Buffers(), s.hidden.device
         parts = []
         for chunk in self.chunks():
             rows_s, rows_t = al.s_base_G[chunk], al.t_base_G[chunk]
@@ -691,14 +691,14 @@ class _Run:
                     grad_z.div_(s.temperature)
                 dc_G[chunk] = part_R
             _put(s, rows, grad_z, grad_hidden, grad_head)
-        del buffers
         # The scalar rows: d log p(token) / dz = (onehot(token) - softmax(z / T)) / T; GOLD's floor at EPS
         # passes no gradient below it.
         d_Q = dc_G[al.s_scalar_group_Q] * (self.lp_s_Q.exp() >= EPS)
         for start in range(0, len(al.s_scalar_Q), self.chunk_size):
             part = slice(start, start + self.chunk_size)
             rows, d_R = al.s_scalar_Q[part], d_Q[part]
-            p = s.logits(rows).sub_(self.lse_s_Q[part].unsqueeze(1)).exp_()
+            z = s.logits(rows, buffers("m_s", (len(rows), s.vocab), s.dtype, device))
+            p = z.sub_(self.lse_s_Q[part].unsqueeze(1)).exp_()
             grad_z = p.mul_(-d_R.unsqueeze(1))
             grad_z.scatter_add_(1, al.s_scalar_token_Q[part].unsqueeze(1), d_R.unsqueeze(1))
             if s.temperature != 1.0:
@@ -729,18 +729,19 @@ def _share(part_R: torch.Tensor, log_c_R: torch.Tensor) -> torch.Tensor:
     return torch.where(share.isfinite(), share, safe).to(part_R.dtype)
 
 
-def _scalar_factors(side: _Side, rows_Q, tokens_Q, groups_Q, num_groups: int, chunk_size: int):
+def _scalar_factors(side: _Side, rows_Q, tokens_Q, groups_Q, run: _Run, buffers: _Buffers, name: str):
     """Per group, the sum of log max(p(actual token), EPS) over its scalar rows (GOLD's clamped product); and
     each scalar row's log p(token) and log-normalizer (for the backward pass)."""
     lp, lse = [], []
-    for start in range(0, len(rows_Q), chunk_size):
-        part = slice(start, start + chunk_size)
-        z = side.logits(rows_Q[part])
+    for start in range(0, len(rows_Q), run.chunk_size):
+        part = slice(start, start + run.chunk_size)
+        rows = rows_Q[part]
+        z = side.logits(rows, buffers(name, (len(rows), side.vocab), side.dtype, side.hidden.device))
         z_token = z.gather(1, tokens_Q[part].unsqueeze(1)).squeeze(1)
         top = z.amax(1)
         lse.append(top + z.sub_(top.unsqueeze(1)).exp_().sum(1).log())
         lp.append(z_token - lse[-1])
-    log_c_G = torch.zeros(num_groups, dtype=side.dtype, device=side.hidden.device)
+    log_c_G = torch.zeros(run.al.num_groups, dtype=side.dtype, device=side.hidden.device)
     if not lp:
         return log_c_G, log_c_G[:0], log_c_G[:0]
     lp_Q, lse_Q = torch.cat(lp), torch.cat(lse)
@@ -795,7 +796,7 @@ class _Signs:
     met buckets and the rows sorted in full."""
 
     top: int
-    low: int
+    low: int  # keys below it (zeros) count as `low`
     buckets: int
     uniform_RK: torch.Tensor | None  # None: every row is a dense row
     rows: torch.Tensor
@@ -803,6 +804,7 @@ class _Signs:
     exact: torch.Tensor
     dense_rows: torch.Tensor
     dense_RV: torch.Tensor
+    zeros: bool = True  # False: no value's key is below `low` (no clamping)
 
     def expand(
         self,
@@ -826,7 +828,9 @@ class _Signs:
         if self.uniform_RK is None:  # every row sorted in full
             signs = fold(self.dense_RV, None)
             return signs if out is None else out.copy_(signs)
-        keys = _float_keys(values_RV, _buffer(buffers, "keys_a", values_RV, torch.int32)).clamp_min_(self.low)
+        keys = _float_keys(values_RV, _buffer(buffers, "keys_a", values_RV, torch.int32))
+        if self.zeros:
+            keys.clamp_min_(self.low)
         flat = _flat_buckets(keys, self.top, self.buckets)
         out = torch.empty_like(values_RV) if out is None else out
         torch.index_select(fold(self.uniform_RK, None).view(-1), 0, flat.view(-1), out=out.view(-1))
@@ -898,7 +902,8 @@ def _l1_signs(
     keys_b = _float_keys(b_RW, _buffer(buffers, "keys_b", b_RW, torch.int32))
     (low_a, top_a), (low_b, top_b) = torch.aminmax(keys_a), torch.aminmax(keys_b)
     top, low = int(max(top_a, top_b)), int(min(low_a, low_b))
-    if low == 0:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
+    zeros = low == 0
+    if zeros:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
         low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
         keys_a, keys_b = keys_a.clamp_min_(low), keys_b.clamp_min_(low)
     buckets = top - low + 1
@@ -907,7 +912,7 @@ def _l1_signs(
         sign_a, sign_b = _sorted_signs(a_RV, b_RW)
         none = torch.zeros(0, dtype=torch.long, device=a_RV.device)
         all_rows = torch.arange(a_RV.shape[0], device=a_RV.device)
-        signs = _Signs(top, low, buckets, None, none, none, none.to(torch.int8), all_rows, sign_a)
+        signs = _Signs(top, low, buckets, None, none, none, none.to(torch.int8), all_rows, sign_a, zeros)
         return signs, (sign_a.to(a_RV.dtype) * a_RV).sum(-1), (sign_b.to(b_RW.dtype) * b_RW).sum(-1)
     a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
     del keys_a, keys_b
@@ -959,7 +964,8 @@ def _l1_signs(
     dense_a, dense_b = _sorted_signs(a_RV[dense_rows], b_RW[dense_rows])
     sign_a[dense_rows], sign_b[dense_rows] = dense_a.to(sign_a.dtype), dense_b.to(sign_b.dtype)
     part_a, part_b = sign_a.mul_(a_RV).sum(-1), sign_b.mul_(b_RW).sum(-1)
-    signs = _Signs(top, low, buckets, uniform[0], sorted_a[0], sorted_a[1], exact_a, dense_rows, dense_a)
+    rows, cols = sorted_a[:2]
+    signs = _Signs(top, low, buckets, uniform[0], rows, cols, exact_a, dense_rows, dense_a, zeros)
     return signs, part_a, part_b
 
 
