@@ -676,12 +676,13 @@ class _Run:
             else:
                 signs, log_c_t_R = saved
                 with torch.no_grad():
-                    m_t = _merge_(t.logits(al.t_base_G[chunk]), log_c_t_R)
+                    rows_t = al.t_base_G[chunk]
+                    m_t = t.logits(rows_t, buffers("m_t", (len(rows_t), t.vocab), t.dtype, device))
+                    _merge_(m_t, log_c_t_R)
                 with torch.enable_grad():
                     m_S = m[:, hybrid.s_ids_S].requires_grad_()
                     jsd = _matched_jsd(m_S, m_t[:, hybrid.t_ids_S], hybrid.beta)
                     (grad_S,) = torch.autograd.grad((jsd * g_R).sum() * hybrid.matched_weight, m_S)
-                del m_t
                 signs.expand(torch.mul(m, hybrid.s_unmatched_V, out=out), out=out, buffers=buffers)
                 grad_m = out.mul_(hybrid.s_unmatched_V).mul_(hybrid.unmatched_weight * g_R.unsqueeze(1))
                 grad_m.index_add_(1, hybrid.s_ids_S, grad_S)
