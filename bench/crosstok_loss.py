@@ -80,19 +80,26 @@ def opdkit_loss(x: dict, p: dict, s_logits: torch.Tensor) -> torch.Tensor:
     cfg = settings(p)
     eos = dict(student_eos=x["q"].eos_token_id, teacher_eos=x["d"].eos_token_id)
     plan = align(x["students"], x["teachers"], cfg, **eos)
-    s_rows = [s_logits[b, _span(p["prompt"], len(s.ids), cfg)] for b, s in enumerate(x["students"])]
-    t_rows = [x["t_logits"][b, _span(p["prompt"], len(t.ids), cfg)] for b, t in enumerate(x["teachers"])]
-    out = cross_tokenizer_divergence(
-        torch.cat(s_rows), None, torch.cat(t_rows), None, plan, cfg, group_weights_G=plan.row_mean_weights()
-    )
+    # One index of the flattened logits per side (a select per row and a concatenation would copy the rows
+    # twice, and the select's backward writes a full B x T x V gradient per row).
+    s_rows = _rows(s_logits, x["students"], p["prompt"], cfg)
+    t_rows = _rows(x["t_logits"], x["teachers"], p["prompt"], cfg)
+    weights = plan.row_mean_weights()
+    out = cross_tokenizer_divergence(s_rows, None, t_rows, None, plan, cfg, group_weights_G=weights)
     return out.sum
 
 
-def _span(prompt: int, completion: int, cfg) -> slice:
+def _rows(logits_BTV: torch.Tensor, completions: list, prompt: int, cfg) -> torch.Tensor:
+    """The rows of every completion token, completions in batch order (`crosstok.prediction_positions`)."""
+    length = logits_BTV.shape[1]
+    index = [b * length + k for b, c in enumerate(completions) for k in _span(prompt, len(c.ids), cfg)]
+    return logits_BTV.flatten(0, 1)[torch.tensor(index)]
+
+
+def _span(prompt: int, completion: int, cfg) -> range:
     from opdkit.opd.crosstok import prediction_positions
 
-    positions = prediction_positions(prompt, completion, cfg)
-    return slice(positions.start, positions.stop)
+    return prediction_positions(prompt, completion, cfg)
 
 
 def trl_loss(x: dict, p: dict, s_logits: torch.Tensor, loss_fn) -> torch.Tensor:

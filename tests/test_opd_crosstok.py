@@ -516,3 +516,120 @@ def test_every_setting_is_declared_once():
     names = [f for f in CrossTokenizerSettings.__dataclass_fields__]
     assert all(n.startswith("crosstok_") for n in names)
     assert len(list(itertools.chain(names))) == len(set(names))
+
+
+# The closed-form backward (`_StudentLoss`) ---------------------------------------------------------------
+
+
+def _plan(batch, settings):
+    return align(
+        [r["s"] for r in batch.rows],
+        [r["t"] for r in batch.rows],
+        settings,
+        student_eos=batch.q.eos_token_id,
+        teacher_eos=batch.d.eos_token_id,
+    )
+
+
+def _direct(s_logits_NV, t_logits_MW, plan, settings) -> torch.Tensor:
+    """Each group's ULD loss by plain autograd: log-softmax at the temperature, the chain rule's scalar
+    factors floored at EPS, and a full sort."""
+    s_lp = torch.log_softmax(s_logits_NV / settings.crosstok_student_temperature, -1)
+    t_lp = torch.log_softmax(t_logits_MW / settings.crosstok_teacher_temperature, -1)
+    merged = []
+    for lp, base, rows, groups, tokens in (
+        (s_lp, plan.s_base_G, plan.s_scalar_Q, plan.s_scalar_group_Q, plan.s_scalar_token_Q),
+        (t_lp, plan.t_base_G, plan.t_scalar_Q, plan.t_scalar_group_Q, plan.t_scalar_token_Q),
+    ):
+        factor = lp[rows, tokens].exp().clamp_min(crosstok.EPS).log()
+        log_c = torch.zeros(plan.num_groups, dtype=lp.dtype).index_add(0, groups, factor)
+        merged.append((lp[base] + log_c.unsqueeze(1)).exp())
+    return _sorted_l1_reference(*merged)
+
+
+@pytest.mark.parametrize("temps", [(1.0, 1.0), (0.7, 1.3)])
+def test_uld_on_logit_rows_matches_plain_autograd(batch, temps):
+    """The bench's path (ULD on logits rows, no head) against autograd through a full sort, float64."""
+    settings = _settings("bayesian", False, "adaptive", True, temps)
+    plan = _plan(batch, settings)
+    s_hidden, t_hidden = _completion_rows(batch, plan, settings)
+    s_logits = (s_hidden @ batch.s_head.T).requires_grad_()
+    t_logits = t_hidden @ batch.t_head.T
+    weights = torch.rand(plan.num_groups, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = cross_tokenizer_divergence(s_logits, None, t_logits, None, plan, settings, group_weights_G=weights)
+    (grad,) = torch.autograd.grad(out.sum, s_logits)
+    ref_logits = s_logits.detach().clone().requires_grad_()
+    ref = _direct(ref_logits, t_logits, plan, settings)
+    (ref_grad,) = torch.autograd.grad((weights * ref).sum(), ref_logits)
+    torch.testing.assert_close(out.per_group_G, ref.detach(), rtol=1e-9, atol=1e-15)
+    # atol: entries m (s - A e^-c) where s and A e^-c nearly cancel carry rounding of the gradient's scale.
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-11 * ref_grad.abs().max().item())
+
+
+def _completion_rows(batch, plan, cfg):
+    rows = []
+    for side, hidden in (("s", batch.s_hidden), ("t", batch.t_hidden)):
+        rows.append(
+            torch.cat(
+                [
+                    hidden[b, list(prediction_positions(len(r[f"{side}_prompt"]), len(r[side].ids), cfg))]
+                    for b, r in enumerate(batch.rows)
+                ]
+            )
+        )
+    return rows
+
+
+def test_only_the_head_or_only_the_rows_get_gradient(batch):
+    settings = _settings("observed", False, "adaptive", True, (1.2, 1.0))
+    plan = _plan(batch, settings)
+    s_NH, t_MH = _completion_rows(batch, plan, settings)
+    both_h, both_w = s_NH.clone().requires_grad_(), batch.s_head.clone().requires_grad_()
+    args = (t_MH, batch.t_head, plan, settings)
+    cross_tokenizer_divergence(both_h, both_w, *args, chunk_size=4).sum.backward()
+    head = batch.s_head.clone().requires_grad_()
+    (grad_w,) = torch.autograd.grad(cross_tokenizer_divergence(s_NH, head, *args).sum, head)
+    rows = s_NH.clone().requires_grad_()
+    (grad_h,) = torch.autograd.grad(cross_tokenizer_divergence(rows, batch.s_head, *args).sum, rows)
+    torch.testing.assert_close(grad_w, both_w.grad)
+    torch.testing.assert_close(grad_h, both_h.grad)
+
+
+def test_no_groups_gives_a_zero_attached_to_the_graph():
+    plan = align([Tokens([5], [2])], [Tokens([7], [4])], CrossTokenizerSettings())  # ends never meet
+    assert plan.num_groups == 0
+    s = torch.randn(1, 300, requires_grad=True)
+    out = cross_tokenizer_divergence(s, None, torch.randn(1, 200), None, plan, CrossTokenizerSettings())
+    out.sum.backward()
+    assert out.sum.item() == 0.0 and out.per_group_G.shape == (0,) and not s.grad.any()
+
+
+def test_merged_probabilities_keep_their_precision_far_below_one():
+    """Groups whose scalar tokens multiply to e^-60 and e^-80 (near float32's smallest normal, e^-87) keep
+    float32's relative precision: softmax(z) exp(c) against float64 (exp(log_softmax + c) in float32 is
+    off by ~|log_softmax + c| ulps, 5e-6 here)."""
+    gen = torch.Generator().manual_seed(4)
+    z = 2 * torch.randn(3, 5000, generator=gen)
+    log_c = torch.tensor([0.0, -60.0, -80.0])
+    got = crosstok._merge_(z.clone(), log_c).double()
+    ref = (torch.log_softmax(z.double(), -1) + log_c.double().unsqueeze(1)).exp()
+    normal = ref > torch.finfo(torch.float32).tiny
+    assert normal[2].sum() > 100
+    torch.testing.assert_close(got[normal], ref[normal], rtol=2e-6, atol=0)
+
+
+def test_float32_agrees_with_float64(batch):
+    """Loss and gradient in float32 against the same in float64, ULD at the kit's default chunk size."""
+    settings = _settings("bayesian", False, "adaptive", True, (1.0, 1.0))
+    plan = _plan(batch, settings)
+    s_hidden, t_hidden = _completion_rows(batch, plan, settings)
+    s_logits, t_logits = s_hidden @ batch.s_head.T, t_hidden @ batch.t_head.T
+    results = []
+    for dtype in (torch.float32, torch.float64):
+        logits = s_logits.to(dtype).requires_grad_()
+        out = cross_tokenizer_divergence(logits, None, t_logits.to(dtype), None, plan, settings)
+        (grad,) = torch.autograd.grad(out.sum, logits)
+        results.append((out.per_group_G.double(), grad.double()))
+    (loss32, grad32), (loss64, grad64) = results
+    torch.testing.assert_close(loss32, loss64, rtol=1e-5, atol=1e-9)
+    assert (grad32 - grad64).norm() < 1e-5 * grad64.norm()

@@ -54,10 +54,11 @@ Pitfalls this module exists for:
   and the same subgradient; tests/test_opd_crosstok.py checks it against the sort with ties, zeros and
   values equal to 1e-4.
 - nothing is materialised over the whole batch's vocabulary: scalar tokens need only their own
-  probability, base rows are processed `chunk_size` groups at a time and recomputed in the backward
-  pass (`torch.utils.checkpoint`; the student's signs of the sorted L1 are kept compactly, per bucket,
-  for it), so memory is a few chunk x vocabulary buffers (GOLD keeps full B x T x V logits, ~10 GB per
-  model at 64 x 256 tokens and Qwen3's vocabulary in float32).
+  probability, base rows are processed `chunk_size` groups at a time, and the student's side is one
+  autograd node (`_StudentLoss`) whose backward pass recomputes each chunk's merged probabilities and
+  writes their gradient in closed form (the student's signs of the sorted L1 are kept compactly, per
+  bucket, for it), so memory is a few chunk x vocabulary buffers, reused from chunk to chunk (GOLD keeps
+  full B x T x V logits, ~10 GB per model at 64 x 256 tokens and Qwen3's vocabulary in float32).
 """
 
 from __future__ import annotations
@@ -65,12 +66,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from opdkit.config import ConfigError, check_ranges, setting
 
@@ -425,15 +425,26 @@ class _Side:
     temperature: float
     vocab: int
 
-    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities at this side's temperature from rows of its hidden states (or logits)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.promote_types((self.hidden if self.head is None else self.head).dtype, torch.float32)
+
+    def logits(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' logits at this side's temperature, R x vocab: a new tensor (or `out`, R x vocab), free to
+        be changed in place."""
         if self.head is None:
-            logits = hidden[:, : self.vocab]
+            source = self.hidden[:, : self.vocab]
+            if out is not None and source.dtype == out.dtype:
+                z = torch.index_select(source, 0, rows, out=out)
+            else:
+                z = source.index_select(0, rows).to(self.dtype)
         else:
-            with torch.autocast(hidden.device.type, enabled=False):
-                logits = F.linear(hidden.to(self.head.dtype), self.head[: self.vocab])
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        return F.log_softmax(logits.to(dtype) / self.temperature, dim=-1)
+            with torch.autocast(rows.device.type, enabled=False):
+                z = F.linear(self.hidden.index_select(0, rows).to(self.head.dtype), self.head[: self.vocab])
+            z = z.to(self.dtype)
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
+        return z
 
 
 def cross_tokenizer_divergence(
@@ -487,50 +498,19 @@ def cross_tokenizer_divergence(
         _width(teacher_hidden_MH, teacher_head_WH, teacher_vocab_size, "teacher"),
     )
     hybrid = _hybrid_plan(settings, match, beta, student.vocab, teacher.vocab, student_hidden_NH.device)
-    al = alignment.to(student_hidden_NH.device)
-    log_c_s_G = _log_scalars(student, al.s_scalar_Q, al.s_scalar_token_Q, al.s_scalar_group_Q, al, chunk_size)
-    with torch.no_grad():
-        log_c_t_G = _log_scalars(
-            teacher, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, al, chunk_size
-        )
+    run = _Run(student, teacher, alignment.to(student_hidden_NH.device), hybrid, chunk_size)
     wants_grad = torch.is_grad_enabled() and (
         student.hidden.requires_grad or (student.head is not None and student.head.requires_grad)
     )
-    parts = []
-    # One gather, then split: the backward of split is one concatenation (of indexing per chunk, a
-    # full-size gradient per chunk).
-    chunks = zip(
-        student.hidden[al.s_base_G].split(chunk_size),
-        log_c_s_G.split(chunk_size),
-        teacher.hidden[al.t_base_G].split(chunk_size),
-        log_c_t_G.split(chunk_size),
-    )
-    saved: dict = {}  # emptied again by the backward pass (or dropped with the graph)
-    for index, (s_rows, log_c_s, t_rows, log_c_t) in enumerate(chunks):
-        args = (
-            s_rows,
-            student.head,
-            log_c_s,
-            t_rows,
-            log_c_t,
-            student,
-            teacher,
-            hybrid,
-            saved if wants_grad else None,
-            index,
-        )
-        parts.append(
-            checkpoint(_group_chunk, *args, use_reentrant=False) if wants_grad else _group_chunk(*args)
-        )
-    dtype = torch.promote_types(student_hidden_NH.dtype, torch.float32)
-    loss_G = torch.cat([p[0] for p in parts]) if parts else student_hidden_NH.new_zeros(0, dtype=dtype)
+    if wants_grad:
+        loss_G, matched_G, unmatched_G = _StudentLoss.apply(student.hidden, student.head, run)
+    else:
+        with torch.no_grad():
+            loss_G, matched_G, unmatched_G = run.forward(keep=False)
     weights = torch.ones_like(loss_G) if group_weights_G is None else group_weights_G.to(loss_G)
-    # An empty batch still gives a sum attached to the student's graph (its gradient is zero).
-    total = (weights * loss_G).sum() + 0.0 * student_hidden_NH.sum()
-    out = CrossTokenizerOutput(sum=total, per_group_G=loss_G.detach())
-    if hybrid is not None and parts:
-        out.matched_G = torch.cat([p[1] for p in parts]).detach()
-        out.unmatched_G = torch.cat([p[2] for p in parts]).detach()
+    out = CrossTokenizerOutput(sum=(weights * loss_G).sum(), per_group_G=loss_G.detach())
+    if hybrid is not None and len(loss_G):
+        out.matched_G, out.unmatched_G = matched_G, unmatched_G
     return out
 
 
@@ -574,60 +554,209 @@ def _hybrid_plan(settings, match, beta, s_vocab, t_vocab, device) -> _Hybrid | N
     return _Hybrid(beta, *weights, s_ids, t_ids, s_un, t_un)
 
 
-def _log_scalars(side: _Side, rows_Q, tokens_Q, groups_Q, al: Alignment, chunk_size: int) -> torch.Tensor:
-    """Per group, the sum of log max(p(actual token), EPS) over its scalar rows (GOLD's clamped product)."""
-    wants_grad = torch.is_grad_enabled() and (
-        side.hidden.requires_grad or (side.head is not None and side.head.requires_grad)
-    )
-    parts = []
-    for hidden, tokens in zip(side.hidden[rows_Q].split(chunk_size), tokens_Q.split(chunk_size)):
-        args = (side, hidden, tokens)
-        parts.append(
-            checkpoint(_token_log_probs, *args, use_reentrant=False)
-            if wants_grad
-            else _token_log_probs(*args)
+class _Buffers:
+    """Vocabulary-wide buffers reused from chunk to chunk, by name: on a CPU a fresh one costs as much as a
+    pass over it (the allocator returns big blocks to the system, which pages them in again)."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self.store.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self.store[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
+
+
+def _buffer(buffers: _Buffers | None, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    shape = tuple(like.shape)
+    if buffers is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    return buffers(name, shape, dtype, like.device)
+
+
+class _StudentLoss(torch.autograd.Function):
+    """The loss of every group as one autograd node of the student's rows and head. The forward pass keeps,
+    per chunk of groups, only what the backward pass cannot recompute cheaply (the sorted L1's signs,
+    compactly); the backward pass recomputes each chunk's merged probabilities and writes their gradient in
+    closed form (`_Run.backward`), so no graph over vocabulary-wide tensors is recorded."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, run):
+        ctx.run = run
+        loss_G, matched_G, unmatched_G = run.forward(keep=True)
+        ctx.mark_non_differentiable(matched_G, unmatched_G)
+        return loss_G, matched_G, unmatched_G
+
+    @staticmethod
+    def backward(ctx, grad_G, _matched, _unmatched):
+        want_hidden, want_head = ctx.needs_input_grad[:2]
+        return (*ctx.run.backward(grad_G, want_hidden, want_head), None)
+
+
+@dataclass
+class _Run:
+    """One call of `cross_tokenizer_divergence`: its forward pass, group chunk by group chunk, and the
+    backward pass of the student's side.
+
+    Merged probabilities of a group: m_v = softmax(z / T)_v exp(c), c the log of the scalar tokens' factor.
+    For a group loss L with dL/dm_v = G_v (the sorted L1's sign s_v for ULD), with A = sum_v G_v m_v:
+        dL/dz_j = (G_j m_j - softmax(z / T)_j A) / T = m_j (G_j - A exp(-c)) / T,    dL/dc = A,
+    and c's gradient reaches the scalar rows through log p(token) = z_token / T - logsumexp(z / T)."""
+
+    student: _Side
+    teacher: _Side
+    al: Alignment
+    hybrid: _Hybrid | None
+    chunk_size: int
+    saved: list = field(default_factory=list)
+
+    def chunks(self) -> list[slice]:
+        step = self.chunk_size
+        return [slice(s, s + step) for s in range(0, self.al.num_groups, step)]
+
+    def forward(self, keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, matched part, unmatched part) of every group; `keep`: save what the backward pass reads."""
+        s, t, al, hybrid = self.student, self.teacher, self.al, self.hybrid
+        buffers, device = _Buffers(), s.hidden.device
+        log_c_s_G, lp_s_Q, lse_s_Q = _scalar_factors(
+            s, al.s_scalar_Q, al.s_scalar_token_Q, al.s_scalar_group_Q, self, buffers, "m_s"
         )
-    dtype = torch.promote_types(side.hidden.dtype, torch.float32)
-    log_c_G = torch.zeros(al.num_groups, dtype=dtype, device=side.hidden.device)
-    if parts:
-        log_p_Q = torch.cat(parts)
-        log_c_G = log_c_G.index_add(0, groups_Q, log_p_Q.exp().clamp_min(EPS).log())
-    return log_c_G
+        log_c_t_G, *_ = _scalar_factors(
+            t, al.t_scalar_Q, al.t_scalar_token_Q, al.t_scalar_group_Q, self, buffers, "m_t"
+        )
+        if keep:
+            self.log_c_s_G, self.lp_s_Q, self.lse_s_Q = log_c_s_G, lp_s_Q, lse_s_Q
+        parts = []
+        for chunk in self.chunks():
+            rows_s, rows_t = al.s_base_G[chunk], al.t_base_G[chunk]
+            m_s = s.logits(rows_s, buffers("m_s", (len(rows_s), s.vocab), s.dtype, device))
+            _merge_(m_s, log_c_s_G[chunk])
+            m_t = t.logits(rows_t, buffers("m_t", (len(rows_t), t.vocab), t.dtype, device))
+            _merge_(m_t, log_c_t_G[chunk])
+            if hybrid is None:
+                signs, part_s, part_t = _l1_signs(m_s, m_t, buffers)
+                loss = part_s - part_t
+                parts.append((loss, loss[:0], loss[:0]))
+                if keep:
+                    self.saved.append((signs, part_s))
+                continue
+            matched = _matched_jsd(m_s[:, hybrid.s_ids_S], m_t[:, hybrid.t_ids_S], hybrid.beta)
+            m_s.mul_(hybrid.s_unmatched_V), m_t.mul_(hybrid.t_unmatched_W)
+            signs, part_s, part_t = _l1_signs(m_s, m_t, buffers)
+            unmatched = part_s - part_t
+            parts.append(
+                (hybrid.matched_weight * matched + hybrid.unmatched_weight * unmatched, matched, unmatched)
+            )
+            if keep:
+                self.saved.append((signs, log_c_t_G[chunk]))
+        if not parts:
+            empty = torch.zeros(0, dtype=s.dtype, device=s.hidden.device)
+            return empty, empty.clone(), empty.clone()
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def backward(self, grad_G: torch.Tensor, want_hidden: bool, want_head: bool):
+        s, t, al, hybrid = self.student, self.teacher, self.al, self.hybrid
+        grad_hidden = torch.zeros_like(s.hidden) if want_hidden else None
+        grad_head = torch.zeros_like(s.head) if want_head else None
+        grad_G = grad_G.to(s.dtype)
+        dc_G = torch.zeros_like(grad_G)
+        buffers, device = _Buffers(), s.hidden.device
+        for chunk, saved in zip(self.chunks(), self.saved):
+            rows, g_R, log_c_R = al.s_base_G[chunk], grad_G[chunk], self.log_c_s_G[chunk]
+            m = _merge_(s.logits(rows, buffers("m_s", (len(rows), s.vocab), s.dtype, device)), log_c_R)
+            out = buffers("sign_a", m.shape, m.dtype, device)
+            if hybrid is None:
+                signs, part_R = saved
+                # m (s - A e^-c) g / T: the shift and the scale folded into the sign table.
+                shift, scale = _share(part_R, log_c_R), g_R / s.temperature
+                grad_z = signs.expand(m, shift, scale, out=out, buffers=buffers).mul_(m)
+                dc_G[chunk] = g_R * part_R
+            else:
+                signs, log_c_t_R = saved
+                with torch.no_grad():
+                    rows_t = al.t_base_G[chunk]
+                    m_t = t.logits(rows_t, buffers("m_t", (len(rows_t), t.vocab), t.dtype, device))
+                    _merge_(m_t, log_c_t_R)
+                with torch.enable_grad():
+                    m_S = m[:, hybrid.s_ids_S].requires_grad_()
+                    jsd = _matched_jsd(m_S, m_t[:, hybrid.t_ids_S], hybrid.beta)
+                    (grad_S,) = torch.autograd.grad((jsd * g_R).sum() * hybrid.matched_weight, m_S)
+                signs.expand(torch.mul(m, hybrid.s_unmatched_V, out=out), out=out, buffers=buffers)
+                grad_m = out.mul_(hybrid.s_unmatched_V).mul_(hybrid.unmatched_weight * g_R.unsqueeze(1))
+                grad_m.index_add_(1, hybrid.s_ids_S, grad_S)
+                part_R = grad_m.mul_(m).sum(1)  # grad_m is now G m
+                grad_z = grad_m.sub_(m.mul_(_share(part_R, log_c_R).unsqueeze(1)))
+                if s.temperature != 1.0:
+                    grad_z.div_(s.temperature)
+                dc_G[chunk] = part_R
+            _put(s, rows, grad_z, grad_hidden, grad_head)
+        # The scalar rows: d log p(token) / dz = (onehot(token) - softmax(z / T)) / T; GOLD's floor at EPS
+        # passes no gradient below it.
+        d_Q = dc_G[al.s_scalar_group_Q] * (self.lp_s_Q.exp() >= EPS)
+        for start in range(0, len(al.s_scalar_Q), self.chunk_size):
+            part = slice(start, start + self.chunk_size)
+            rows, d_R = al.s_scalar_Q[part], d_Q[part]
+            z = s.logits(rows, buffers("m_s", (len(rows), s.vocab), s.dtype, device))
+            p = z.sub_(self.lse_s_Q[part].unsqueeze(1)).exp_()
+            grad_z = p.mul_(-d_R.unsqueeze(1))
+            grad_z.scatter_add_(1, al.s_scalar_token_Q[part].unsqueeze(1), d_R.unsqueeze(1))
+            if s.temperature != 1.0:
+                grad_z.div_(s.temperature)
+            _put(s, rows, grad_z, grad_hidden, grad_head)
+        return grad_hidden, grad_head
 
 
-def _token_log_probs(side: _Side, hidden_QX: torch.Tensor, tokens_Q: torch.Tensor) -> torch.Tensor:
-    return side.log_probs(hidden_QX).gather(1, tokens_Q.unsqueeze(1)).squeeze(1)
+def _put(side: _Side, rows, grad_z, grad_hidden, grad_head) -> None:
+    """Adds the gradient of the rows' logits to the hidden states' and the head's."""
+    if side.head is None:
+        if grad_hidden is not None:
+            grad_hidden[:, : side.vocab].index_add_(0, rows, grad_z.to(grad_hidden.dtype))
+        return
+    with torch.autocast(grad_z.device.type, enabled=False):
+        grad_z = grad_z.to(side.head.dtype)
+        if grad_hidden is not None:
+            grad_hidden.index_add_(0, rows, (grad_z @ side.head[: side.vocab]).to(grad_hidden.dtype))
+        if grad_head is not None:
+            grad_head[: side.vocab].addmm_(grad_z.T, side.hidden.index_select(0, rows).to(side.head.dtype))
 
 
-def _group_chunk(
-    s_rows,
-    s_head,
-    log_c_s_R,
-    t_rows,
-    log_c_t_R,
-    student: _Side,
-    teacher: _Side,
-    hybrid,
-    saved: dict,
-    index: int,
-):
-    """(loss, matched part, unmatched part) of R groups from their base rows and scalar factors; `saved`
-    carries the signs of the sorted L1 from the forward pass to the checkpoint's recomputation."""
-    s_side = _Side(s_rows, s_head, student.temperature, student.vocab)  # the head as passed: in the graph
-    m_s_RV = (s_side.log_probs(s_rows) + log_c_s_R.unsqueeze(1)).exp()
-    if hybrid is None and saved is not None and 2 * index in saved:  # recomputing: the teacher's part is kept
-        loss_R = sorted_l1(m_s_RV, None, saved, 2 * index)
-        return loss_R, loss_R, loss_R
-    with torch.no_grad():
-        m_t_RW = (teacher.log_probs(t_rows) + log_c_t_R.unsqueeze(1)).exp()
-    if hybrid is None:
-        loss_R = sorted_l1(m_s_RV, m_t_RW, saved, 2 * index)
-        return loss_R, loss_R, loss_R
-    matched_R = _matched_jsd(m_s_RV[:, hybrid.s_ids_S], m_t_RW[:, hybrid.t_ids_S], hybrid.beta)
-    unmatched_R = sorted_l1(
-        m_s_RV * hybrid.s_unmatched_V, m_t_RW * hybrid.t_unmatched_W, saved, 2 * index + 1
-    )
-    return hybrid.matched_weight * matched_R + hybrid.unmatched_weight * unmatched_R, matched_R, unmatched_R
+def _share(part_R: torch.Tensor, log_c_R: torch.Tensor) -> torch.Tensor:
+    """part exp(-c) in float64 (|part| <= exp(c)); through logarithms where exp(-c) alone would overflow."""
+    part, log_c = part_R.double(), log_c_R.double()
+    share = part * torch.exp(-log_c)
+    safe = (part.abs().log() - log_c).exp() * part.sign()
+    return torch.where(share.isfinite(), share, safe).to(part_R.dtype)
+
+
+def _scalar_factors(side: _Side, rows_Q, tokens_Q, groups_Q, run: _Run, buffers: _Buffers, name: str):
+    """Per group, the sum of log max(p(actual token), EPS) over its scalar rows (GOLD's clamped product); and
+    each scalar row's log p(token) and log-normalizer (for the backward pass)."""
+    lp, lse = [], []
+    for start in range(0, len(rows_Q), run.chunk_size):
+        part = slice(start, start + run.chunk_size)
+        rows = rows_Q[part]
+        z = side.logits(rows, buffers(name, (len(rows), side.vocab), side.dtype, side.hidden.device))
+        z_token = z.gather(1, tokens_Q[part].unsqueeze(1)).squeeze(1)
+        top = z.amax(1)
+        lse.append(top + z.sub_(top.unsqueeze(1)).exp_().sum(1).log())
+        lp.append(z_token - lse[-1])
+    log_c_G = torch.zeros(run.al.num_groups, dtype=side.dtype, device=side.hidden.device)
+    if not lp:
+        return log_c_G, log_c_G[:0], log_c_G[:0]
+    lp_Q, lse_Q = torch.cat(lp), torch.cat(lse)
+    return log_c_G.index_add_(0, groups_Q, lp_Q.exp().clamp_min(EPS).log()), lp_Q, lse_Q
+
+
+def _merge_(z_RV: torch.Tensor, log_c_R: torch.Tensor) -> torch.Tensor:
+    """Turns tempered logits, in place, into merged probabilities softmax(z) exp(c); returns them. The same
+    calls give the same values bit for bit (the backward pass recomputes them and reads their buckets).
+    exp(z - max) times exp(c) / sum in float64 keeps the dtype's relative precision however small exp(c) is
+    (exp(log_softmax + c) loses |log_softmax + c| ulps of it)."""
+    top = z_RV.amax(1, keepdim=True)
+    total = z_RV.sub_(top).exp_().sum(1, keepdim=True)
+    return z_RV.mul_((log_c_R.double().unsqueeze(1) - total.double().log()).exp().to(z_RV.dtype))
 
 
 def _matched_jsd(p_s_RS: torch.Tensor, p_t_RS: torch.Tensor, beta: float) -> torch.Tensor:
@@ -648,77 +777,100 @@ _DENSE = 4  # a row whose met buckets hold over 1/_DENSE of its values is sorted
 _SORT_ALL = 1  # more than _SORT_ALL buckets per value of a row pair: every row is sorted in full
 
 
-def sorted_l1(
-    a_RV: torch.Tensor, b_RW: torch.Tensor | None, saved: dict | None = None, key: int = 0
-) -> torch.Tensor:
+def sorted_l1(a_RV: torch.Tensor, b_RW: torch.Tensor) -> torch.Tensor:
     """Per row, sum_i |a_(i) - b_(i)| over both rows sorted in descending order, the shorter padded with
-        zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
-        difference at each value's rank), `b` taken as constant.
+    zeros (ULD's loss), for non-negative values; differentiable in `a` like the sort (the sign of the
+    difference at each value's rank), `b` taken as constant.
 
-        Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
-        (`_rank_signs`); exact, no full sort (but for vocabularies smaller than the bucket range, where one
-    sort is cheaper). With `saved`, the first call under `key` keeps a's signs compactly
-        (their bucket table and the few exact ones) and b's part, so that a checkpoint's recomputation in the
-        backward pass reads them back instead of ranking again (and needs no `b`)."""
-    if saved is not None and key in saved:
-        signs_a, b_part_R = saved.pop(key)
-        with torch.no_grad():
-            sign_a_RV = signs_a.expand(a_RV.detach())
-        return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
+    Computed as sum_v sign_v a_v - sum_u sign_u b_u, with each value's sign read from bucket counts
+    (`_l1_signs`); exact, no full sort (but for vocabularies smaller than the bucket range, where one sort is
+    cheaper)."""
     with torch.no_grad():
-        signs_a, sign_b_RW = _rank_signs(a_RV.detach(), b_RW.detach())
-        b_part_R = (sign_b_RW.to(b_RW.dtype) * b_RW.detach()).sum(-1)
-        sign_a_RV = signs_a.expand(a_RV.detach())
-    if saved is not None:
-        saved[key] = (signs_a, b_part_R)
-    return (sign_a_RV.to(a_RV.dtype) * a_RV).sum(-1) - b_part_R
+        signs, _, part_b_R = _l1_signs(a_RV.detach(), b_RW.detach())
+        sign_a_RV = signs.expand(a_RV.detach())
+    return (sign_a_RV * a_RV).sum(-1) - part_b_R
 
 
 @dataclass
 class _Signs:
-    """One side's signs, compactly: per (row, bucket) where uniform, then the exact ones of met buckets and
-    the rows sorted in full."""
+    """One side's signs, compactly: per (row, bucket) where uniform (0 in met buckets), then the exact ones of
+    met buckets and the rows sorted in full."""
 
     top: int
-    low: int
+    low: int  # keys below it (zeros) count as `low`
+    buckets: int
     uniform_RK: torch.Tensor | None  # None: every row is a dense row
     rows: torch.Tensor
     cols: torch.Tensor
     exact: torch.Tensor
     dense_rows: torch.Tensor
     dense_RV: torch.Tensor
+    zeros: bool = True  # False: no value's key is below `low` (no clamping)
 
-    def expand(self, values_RV: torch.Tensor) -> torch.Tensor:
+    def expand(
+        self,
+        values_RV: torch.Tensor,
+        shift_R: torch.Tensor | None = None,
+        scale_R: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        buffers: _Buffers | None = None,
+    ) -> torch.Tensor:
+        """Each value's sign (in the values' dtype), or (sign - shift) x scale with a shift and a scale per
+        row; into `out` if given (which may be `values_RV` itself)."""
+
+        def fold(sign: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            sign = sign.to(values_RV.dtype)
+            for by, op in ((shift_R, torch.sub), (scale_R, torch.mul)):
+                if by is not None:
+                    by = by if rows is None else by[rows]
+                    sign = op(sign, by.view(-1, *[1] * (sign.dim() - 1)))
+            return sign
+
         if self.uniform_RK is None:  # every row sorted in full
-            return self.dense_RV.clone()
-        keys = _float_keys(values_RV).clamp_min_(self.low).long().neg_().add_(self.top)
-        sign_RV = self.uniform_RK.gather(1, keys)
-        sign_RV[self.rows, self.cols] = self.exact
-        sign_RV[self.dense_rows] = self.dense_RV
-        return sign_RV
+            signs = fold(self.dense_RV, None)
+            return signs if out is None else out.copy_(signs)
+        keys = _float_keys(values_RV, _buffer(buffers, "keys_a", values_RV, torch.int32))
+        if self.zeros:
+            keys.clamp_min_(self.low)
+        flat = _flat_buckets(keys, self.top, self.buckets)
+        out = torch.empty_like(values_RV) if out is None else out
+        torch.index_select(fold(self.uniform_RK, None).view(-1), 0, flat.view(-1), out=out.view(-1))
+        if len(self.rows):
+            out[self.rows, self.cols] = fold(self.exact, self.rows)
+        if len(self.dense_rows):
+            out[self.dense_rows] = fold(self.dense_RV, self.dense_rows)
+        return out
 
 
-def _float_keys(values: torch.Tensor) -> torch.Tensor:
+def _float_keys(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 bits >> _SHIFT of non-negative values: monotone in the value (float32 rounding is)."""
-    return values.float().view(torch.int32) >> _SHIFT
+    return torch.bitwise_right_shift(values.float().view(torch.int32), _SHIFT, out=out)
+
+
+def _flat_buckets(keys32: torch.Tensor, top: int, buckets: int) -> torch.Tensor:
+    """row x buckets + top - key, in place of the keys (int32: no conversion to int64 for bincount and
+    index_select)."""
+    rows = torch.arange(keys32.shape[0], dtype=torch.int32, device=keys32.device)
+    return torch.sub((rows * buckets + top).unsqueeze(1), keys32, out=keys32)
 
 
 @dataclass
 class _Ranked:
-    """One side of `_rank_signs`: values, their bucket (0 the largest values, K - 1 the smallest, over the
-    key range both sides span), per-row bucket counts, and cumulative counts from the top."""
+    """One side of `_l1_signs`: values, their flat bucket index (row x buckets + bucket; bucket 0 the largest
+    values, K - 1 the smallest, over the key range both sides span), per-row bucket counts, and cumulative
+    counts from the top."""
 
     values: torch.Tensor
-    keys: torch.Tensor
+    index: torch.Tensor
     count_RK: torch.Tensor
     cum_RK: torch.Tensor
 
     @classmethod
     def of(cls, values: torch.Tensor, keys32: torch.Tensor, top: int, buckets: int) -> _Ranked:
-        keys = keys32.long().neg_().add_(top)
-        count = torch.zeros(values.shape[0], buckets, dtype=torch.long, device=values.device)
-        count.scatter_add_(1, keys, torch.ones(1, 1, dtype=torch.long, device=values.device).expand_as(keys))
-        return cls(values, keys, count, count.cumsum(1))
+        """From the values' keys (`_float_keys`, none below the range's lowest), which become the index."""
+        index = _flat_buckets(keys32, top, buckets)
+        count = torch.bincount(index.view(-1), minlength=values.shape[0] * buckets).view(-1, buckets)
+        return cls(values, index, count, count.cumsum(1))
 
     @property
     def buckets(self) -> int:
@@ -736,68 +888,90 @@ class _Ranked:
         found = torch.searchsorted(flat, rank + offset[rows])
         return (found - rows * k).clamp(max=k)
 
+    def lookup(self, table_RK: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Each value's entry of a per (row, bucket) table, in `out` (the values' shape)."""
+        table = table_RK.to(out.dtype).view(-1)
+        return torch.index_select(table, 0, self.index.view(-1), out=out.view(-1)).view_as(out)
 
-def _rank_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[_Signs, torch.Tensor]:
-    """sign(a_(i) - b_(i)) at each value's rank i, for every value of a (compactly) and of b (int8)."""
-    keys_a, keys_b = _float_keys(a_RV), _float_keys(b_RW)
-    top, low = int(max(keys_a.max(), keys_b.max())), int(min(keys_a.min(), keys_b.min()))
-    if low == 0:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
+
+def _l1_signs(
+    a_RV: torch.Tensor, b_RW: torch.Tensor, buffers: _Buffers | None = None
+) -> tuple[_Signs, torch.Tensor, torch.Tensor]:
+    """sign(a_(i) - b_(i)) at each value's rank i for every value of a (compactly), and per row
+    sum_v sign_v a_v and sum_u sign_u b_u (the sorted L1 is their difference)."""
+    keys_a = _float_keys(a_RV, _buffer(buffers, "keys_a", a_RV, torch.int32))
+    keys_b = _float_keys(b_RW, _buffer(buffers, "keys_b", b_RW, torch.int32))
+    (low_a, top_a), (low_b, top_b) = torch.aminmax(keys_a), torch.aminmax(keys_b)
+    top, low = int(max(top_a, top_b)), int(min(low_a, low_b))
+    zeros = low == 0
+    if zeros:  # exact zeros (masked or underflowed): one bucket just below the smallest positive value
         low = min(int(torch.where(k > 0, k, top).min()) for k in (keys_a, keys_b)) - 1
-        keys_a, keys_b = keys_a.clamp_min(low), keys_b.clamp_min(low)
+        keys_a, keys_b = keys_a.clamp_min_(low), keys_b.clamp_min_(low)
     buckets = top - low + 1
     if buckets > _SORT_ALL * (a_RV.shape[1] + b_RW.shape[1]):
         # Small vocabularies (the tiny world's): more buckets than values, one sort of every row is cheaper.
         sign_a, sign_b = _sorted_signs(a_RV, b_RW)
         none = torch.zeros(0, dtype=torch.long, device=a_RV.device)
         all_rows = torch.arange(a_RV.shape[0], device=a_RV.device)
-        return _Signs(top, low, None, none, none, none.to(torch.int8), all_rows, sign_a), sign_b
+        signs = _Signs(top, low, buckets, None, none, none, none.to(torch.int8), all_rows, sign_a, zeros)
+        return signs, (sign_a.to(a_RV.dtype) * a_RV).sum(-1), (sign_b.to(b_RW.dtype) * b_RW).sum(-1)
     a, b = _Ranked.of(a_RV, keys_a, top, buckets), _Ranked.of(b_RW, keys_b, top, buckets)
     del keys_a, keys_b
-    bucket_K = torch.arange(buckets, device=a_RV.device)
     uniform, met = [], []
     for mine, other, flip in ((a, b, 1), (b, a, -1)):
-        first_RK = mine.cum_RK - mine.count_RK + 1
-        lo_RK, hi_RK = other.bucket_of_rank(first_RK), other.bucket_of_rank(mine.cum_RK)
-        # The other side's values at this bucket's ranks all in lower buckets: this side's are larger.
-        sign_RK = torch.where(lo_RK > bucket_K, 1, torch.where(hi_RK < bucket_K, -1, 0)) * flip
+        # This bucket holds ranks (mine's cum - count, mine's cum]. The other side's values at those ranks
+        # all lie in lower buckets (this side's are larger) when the other's cum here is at most the first
+        # rank's predecessor, all in higher buckets when its cum before this bucket reaches the last rank
+        # (`bucket_of_rank` of both ends, without searching).
+        above = other.cum_RK <= mine.cum_RK - mine.count_RK
+        below = other.cum_RK - other.count_RK >= mine.cum_RK
+        sign_RK = torch.where(above, 1, torch.where(below, -1, 0)) * flip
         uniform.append(sign_RK.to(torch.int8))
         met.append((mine.count_RK > 0) & (sign_RK == 0))
     # Where the two count curves run together (distributions of one shape), most values sit in met buckets
     # and one plain sort of those rows is cheaper than sorting them bucket by bucket.
     met_values_R = (met[0] * a.count_RK).sum(1) + (met[1] * b.count_RK).sum(1)
     dense_R = met_values_R * _DENSE > a_RV.shape[1] + b_RW.shape[1]
-    met = [m & ~dense_R.unsqueeze(1) for m in met]
-    sorted_a, sorted_b = _sort_met(a, met[0]), _sort_met(b, met[1])
+    dense_rows = dense_R.nonzero().squeeze(1)
+    for u in uniform:  # no value of a dense row counts as met (their signs are set below)
+        u[dense_rows] = 2
+    # Each value's sign from its bucket's; 0 marks the values of met buckets, ranked exactly below.
+    sign_a = a.lookup(uniform[0], _buffer(buffers, "sign_a", a_RV, a_RV.dtype))
+    sign_b = b.lookup(uniform[1], _buffer(buffers, "sign_b", b_RW, b_RW.dtype))
+    met_a = torch.eq(sign_a, 0, out=_buffer(buffers, "met_a", a_RV, torch.bool))
+    sorted_a = _sort_met(a, met_a)
+    sorted_b = _sort_met(b, torch.eq(sign_b, 0, out=_buffer(buffers, "met_b", b_RW, torch.bool)))
     exact_a = torch.zeros(0, dtype=torch.int8, device=a_RV.device)
-    sign_b = uniform[1].gather(1, b.keys)
-    for other, mine_sorted, other_sorted, flip in (
-        (b, sorted_a, sorted_b, 1),
-        (a, sorted_b, sorted_a, -1),
+    for other, mine_sorted, other_sorted, flip, sign in (
+        (b, sorted_a, sorted_b, 1, sign_a),
+        (a, sorted_b, sorted_a, -1, sign_b),
     ):
         rows, cols, vals, keys, rank = mine_sorted
-        exact = torch.zeros(0, dtype=torch.long, device=a_RV.device)
-        if len(rows):
-            theirs = other.bucket_of_rank(rank, rows)
-            exact = torch.where(theirs > keys, 1, -1) * flip
-            same = theirs == keys
-            if same.any():
-                # Both values of this rank in one bucket: that bucket is met on both sides, so sorted, and
-                # the other side's sorted values are in (row, rank) order.
-                o_rows, _, o_vals, _, o_rank = other_sorted
-                stride = max(a_RV.shape[1], b_RW.shape[1]) + 2
-                pos = torch.searchsorted(o_rows * stride + o_rank, rows[same] * stride + rank[same])
-                exact[same] = torch.sign(vals[same] - o_vals[pos]).long() * flip
+        if not len(rows):
+            continue
+        theirs = other.bucket_of_rank(rank, rows)
+        exact = torch.where(theirs > keys, 1, -1) * flip
+        same = theirs == keys
+        if same.any():
+            # Both values of this rank in one bucket: that bucket is met on both sides, so sorted, and the
+            # other side's sorted values are in (row, rank) order.
+            o_rows, _, o_vals, _, o_rank = other_sorted
+            stride = max(a_RV.shape[1], b_RW.shape[1]) + 2
+            pos = torch.searchsorted(o_rows * stride + o_rank, rows[same] * stride + rank[same])
+            exact[same] = torch.sign(vals[same] - o_vals[pos]).long() * flip
+        sign[rows, cols] = exact.to(sign.dtype)
         if flip == 1:
             exact_a = exact.to(torch.int8)
-        else:
-            sign_b[rows, cols] = exact.to(torch.int8)
-    dense_rows = dense_R.nonzero().squeeze(1)
-    dense_a, sign_b[dense_rows] = _sorted_signs(a_RV[dense_rows], b_RW[dense_rows])
-    return _Signs(top, low, uniform[0], sorted_a[0], sorted_a[1], exact_a, dense_rows, dense_a), sign_b
+    dense_a, dense_b = _sorted_signs(a_RV[dense_rows], b_RW[dense_rows])
+    sign_a[dense_rows], sign_b[dense_rows] = dense_a.to(sign_a.dtype), dense_b.to(sign_b.dtype)
+    part_a, part_b = sign_a.mul_(a_RV).sum(-1), sign_b.mul_(b_RW).sum(-1)
+    rows, cols = sorted_a[:2]
+    signs = _Signs(top, low, buckets, uniform[0], rows, cols, exact_a, dense_rows, dense_a, zeros)
+    return signs, part_a, part_b
 
 
 def _sorted_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_rank_signs` by sorting both rows in full."""
+    """`_l1_signs` by sorting both rows in full (int8 signs of every value)."""
     width = max(a_RV.shape[1], b_RW.shape[1])
     sa, ia = a_RV.sort(dim=1, descending=True)
     sb, ib = b_RW.sort(dim=1, descending=True)
@@ -809,11 +983,11 @@ def _sorted_signs(a_RV: torch.Tensor, b_RW: torch.Tensor) -> tuple[torch.Tensor,
     return sign_a, sign_b
 
 
-def _sort_met(side: _Ranked, met_RK: torch.Tensor):
-    """(rows, columns, values, keys, 1-based ranks) of the values in met buckets, ordered by row, bucket,
+def _sort_met(side: _Ranked, met_RV: torch.Tensor):
+    """(rows, columns, values, buckets, 1-based ranks) of the values where `met_RV`, ordered by row, bucket,
     then value descending (so ordered by (row, rank))."""
-    rows, cols = met_RK.gather(1, side.keys).nonzero(as_tuple=True)
-    vals, keys = side.values[rows, cols], side.keys[rows, cols]
+    rows, cols = met_RV.nonzero(as_tuple=True)
+    vals, keys = side.values[rows, cols], side.index[rows, cols].long() - rows * side.buckets
     order = torch.argsort(vals, descending=True, stable=True)
     segment = rows[order] * side.buckets + keys[order]
     order = order[torch.argsort(segment, stable=True)]
