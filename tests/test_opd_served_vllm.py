@@ -315,18 +315,17 @@ ONE_STEP = dict(
 )
 
 
-def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):
-    """02 tiny end to end (`teacher_server`: start checks, prepared steps, the head alone) against the same
-    run with the teacher in process: the same first loss and gradient, fp32, relative 1e-5."""
+def _local_and_served(tmp_path, mode: str, url: str) -> dict:
+    """02 `mode` for one step with the teacher in process and served at `url` (fp32): the same first loss, and
+    the same first gradient to relative 1e-5; returns both runs."""
     from opdkit.jobs import whitebox
     from opdkit.opd.callbacks import GradientDump
 
-    fixed = dict(ONE_STEP)
-    far = {"teacher_server": pooling.url, "teacher_server_dtype": "float32"}
+    far = {"teacher_server": url, "teacher_server_dtype": "float32"}
     runs = {
         name: whitebox.run(
-            "tiny",
-            {**fixed, **extra, "run_dir": str(tmp_path / name)},
+            mode,
+            {**ONE_STEP, **extra, "run_dir": str(tmp_path / name)},
             callbacks=[GradientDump(str(tmp_path / f"{name}.pt"))],
         )
         for name, extra in (("local", {}), ("served", far))
@@ -334,10 +333,17 @@ def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update
     got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
     got_P, want_P = torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want])
     gap = float((got_P - want_P).norm() / want_P.norm())
-    print(f"whitebox first gradient, served against in-process teacher: relative difference {gap:.3g}")
+    print(f"{mode} first gradient, served against in-process teacher: relative difference {gap:.3g}")
     assert gap < 1e-5
     loss = [runs[n].read_jsonl()[0]["loss"] for n in ("local", "served")]
     assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+    return runs
+
+
+def test_whitebox_with_teacher_server_takes_the_in_process_teachers_first_update(tmp_path, pooling):
+    """02 tiny end to end (`teacher_server`: start checks, prepared steps, the head alone) against the same
+    run with the teacher in process: the same first loss and gradient, fp32, relative 1e-5."""
+    runs = _local_and_served(tmp_path, "tiny", pooling.url)
     assert runs["served"].read_summary()["teacher_server"] == pooling.url
 
 
@@ -380,25 +386,9 @@ def test_whitebox_with_a_served_teacher_of_another_tokenizer_takes_the_in_proces
     first loss and gradient, fp32, relative 1e-5; the start checks the server's tokenizer against the
     teacher's."""
     from opdkit.jobs import whitebox
-    from opdkit.opd.callbacks import GradientDump
 
     with _server(tmp_path_factory, "pooling", tiny.resolve("tiny:teacher-bpe")) as server:
-        far = {"teacher_server": server.url, "teacher_server_dtype": "float32"}
-        runs = {
-            name: whitebox.run(
-                "tiny-crosstok",
-                {**ONE_STEP, **extra, "run_dir": str(tmp_path / name)},
-                callbacks=[GradientDump(str(tmp_path / f"{name}.pt"))],
-            )
-            for name, extra in (("local", {}), ("served", far))
-        }
-    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
-    got_P, want_P = torch.cat([got[n].flatten() for n in want]), torch.cat([want[n].flatten() for n in want])
-    gap = float((got_P - want_P).norm() / want_P.norm())
-    print(f"tiny-crosstok first gradient, served against in-process teacher: relative difference {gap:.3g}")
-    assert gap < 1e-5
-    loss = [runs[n].read_jsonl()[0]["loss"] for n in ("local", "served")]
-    assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+        runs = _local_and_served(tmp_path, "tiny-crosstok", server.url)
     check = json.loads((runs["served"].path / whitebox.teacher.SERVED_CHECK_FILE).read_text())
     assert check["tokenizer_checked"] and check["state_gap"] < 1e-5
 
