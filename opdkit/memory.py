@@ -625,7 +625,8 @@ def _training_rows(s: Stage) -> list[Row]:
 def _cross_tokenizer_chunk(s: Stage, m: ModelShape, n_pred: int) -> Row:
     """GOLD's loss, `loss_chunk_size` groups at a time (at most one per student token): each side's log-probs
     and merged probabilities in fp32 at its own vocabulary, and the sorted L1's keys and buckets; the
-    checkpointed chunk is rebuilt once in the backward pass."""
+    backward pass (`crosstok._StudentLoss`) rebuilds each chunk into the same buffers. Not counted: the head's
+    gradient it returns whole, which stands beside `.grad` while micro-batches accumulate."""
     chunk, both = min(s.loss_chunk_size, n_pred), m.vocab_size + s.teacher.vocab_size
     how = f"{_n(chunk)} groups x ({_n(m.vocab_size)} + {_n(s.teacher.vocab_size)} teacher) x 16 B"
     return Row("cross-tokenizer chunk", chunk * both * 16, how, "train")
