@@ -330,7 +330,7 @@ def memory_plan(a: argparse.Namespace, prompt_len: int, completion_len: int) -> 
         prompt_len=prompt_len,
         completion_len=completion_len,
         train_batch_size=params["batch"],
-        gen_batch_size=params["batch"],
+        sampled_rows=params["batch"],
         rollout_engine="hf",
     )
     p = memory.plan(stage)

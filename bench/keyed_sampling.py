@@ -99,9 +99,9 @@ def step(side: str) -> dict:
             "run_dir": f"{tmp}/r",
             "max_steps": 12,
             "eval_size": 0,
-            "eval_steps": 0,
+            "eval_every": 0,
             "sample_every": 0,
-            "save_steps": 0,
+            "checkpoint_every": 0,
         }
         run = whitebox.run("tiny", over)
         steps = [r for r in run.read_jsonl() if "tokens_per_s" in r]

@@ -134,7 +134,7 @@ def opd_step_s(side: str, p: dict) -> float | None:
                 "max_steps": p["opd_steps"],
                 "eval_size": 0,
                 "sample_every": 0,
-                "save_steps": 0,
+                "checkpoint_every": 0,
                 "vllm_gpu_memory_utilization": p["memory"],
             },
         )

@@ -36,6 +36,18 @@ class ConfigError(ValueError):
         return [f"{type(self).__name__}: {one_line(self)}"]
 
 
+class RunFailure(Exception):
+    """A failure while running that the kit knows (a teacher's server that died, a run out of memory after
+    all, an unreadable checkpoint, a rollout engine that died, ...): its message says what failed and what to
+    do, in one line. Shown as that line: `error: <message>` on the command line (exit status 1; `--debug`
+    shows the traceback, `run.cli`) and in a notebook; a run's folder keeps the traceback in error.txt
+    (`run.lifecycle`). Mixed into the kit's own exception classes, e.g. `TeacherServerError(RunFailure,
+    RuntimeError)`."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython shows this instead of the traceback
+        return [f"error: {one_line(self)}"]
+
+
 class MissingInput(ConfigError, FileNotFoundError):
     """A file or folder the settings name is not there (a FileNotFoundError too)."""
 
@@ -91,7 +103,7 @@ def name_list(name: str, value: Any) -> list[str]:
 @dataclass
 class RunFields:
     """Fields every job shares: where it writes and how it treats an existing run directory. A job's config
-    subclasses it and the settings groups it composes (each declared once, beside the code that reads it) and
+    subclasses it and the settings groups it composes (each declared once, in `opdkit.settings`) and
     names its job (`job`), which is also its presets' folder in `params/` and its runs' folder in `runs/`. A
     group that normalises its values (a comma-separated list into a list) defines `normalise(self)`, run here
     before the ranges are checked."""
@@ -181,14 +193,64 @@ def load_preset(cls: type[RunFields], mode: str, params_dir: Path = PARAMS_DIR, 
     return {**base, **data}
 
 
-def check_keys(cls: type[RunFields], keys: dict | set, where: str) -> None:
-    """Every key must name a field of `cls`; the error suggests the closest one."""
+# Settings renamed so that each name has one meaning: the old name, then its new name(s) with what each is
+# for. A preset, a notebook's parameters or `--set` with an old name is refused with the new one named.
+RENAMED: dict[str, tuple[tuple[str, str], ...]] = {
+    "eval_steps": (
+        ("eval_every", "accuracy every this many optimizer steps; not TrainingArguments' eval_steps"),
+    ),
+    "eval_steps_size": (("eval_every_size", "problems measured every eval_every"),),
+    "save_steps": (("checkpoint_every", "checkpoints while distilling; 0: the final one only"),),
+    "sft_save_steps": (("sft_checkpoint_every", "checkpoints of each SFT student; 0: none"),),
+    "max_new_tokens": (
+        ("rollout_max_new_tokens", "the student's rollouts"),
+        ("trace_max_new_tokens", "the teacher's traces"),
+    ),
+    "gen_temperature": (("rollout_temperature", "the student's rollouts"),),
+    "gen_top_p": (("rollout_top_p", "the student's rollouts"),),
+    "gen_batch_size": (("trace_batch_size", "the teacher's traces per generation batch"),),
+}
+
+
+def check_renamed(cls: type[RunFields], keys: dict | set, where: str = "") -> None:
+    """A key that is an old name of a setting (`RENAMED`) is refused, naming its new name(s) in `cls`."""
+    valid = set(field_names(cls))
+    for key in keys:
+        if key in RENAMED and key not in valid:
+            new = [f"{name} ({what})" for name, what in RENAMED[key] if name in valid] or [
+                name for name, _ in RENAMED[key]
+            ]
+            raise ConfigError(
+                f"parameter {key!r}{where and f' in {where}'} was renamed: use {' or '.join(new)}."
+            )
+
+
+def with_new_names(saved: dict) -> dict:
+    """A run's saved settings (its config.yaml, written before a rename) under today's names (`RENAMED`):
+    an old name's value goes to each of its new names, so a run made before a rename reads and resumes."""
+    out = {k: v for k, v in saved.items() if k not in RENAMED}
+    for old, renames in RENAMED.items():
+        if old in saved:
+            for new, _ in renames:
+                out.setdefault(new, saved[old])
+    return out
+
+
+def check_keys(cls: type[RunFields], keys: dict | set, where: str = "") -> None:
+    """Every key must name a field of `cls` (`where`: the preset they come from, if one); an old name is
+    refused naming the new one (`check_renamed`), another error suggests the closest names, and leaves the
+    full list to `--help`."""
+    check_renamed(cls, keys, where)
     valid = field_names(cls)
     for key in keys:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown parameter {key!r} in {where}.{hint} Valid: {', '.join(valid)}.")
+            close = difflib.get_close_matches(key, valid, n=3)
+            hint = (
+                f"did you mean {' or '.join(close)}?"
+                if close
+                else f"python -m opdkit.{cls.job} --help lists them."
+            )
+            raise ConfigError(f"unknown setting {key!r} for {cls.job}{where and f' in {where}'}; {hint}")
 
 
 def load_config(
@@ -201,7 +263,7 @@ def load_config(
     instance of `cls`."""
     values = load_preset(cls, mode, params_dir)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    check_keys(cls, overrides, "the parameters")
+    check_keys(cls, overrides)
     values.update(overrides)
     types = {f.name: f.type for f in fields(cls)}
     return cls(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
@@ -228,8 +290,14 @@ def to_dict(cfg: Any) -> dict:
 
 
 def help_text(cls: type[RunFields]) -> str:
-    """One line per field: name, default, help; what `papermill --help-notebook` cannot show in full."""
-    lines = []
+    """One line per field, name, default, help, under its settings group (the group's name and the first
+    sentence of its docstring); what `papermill --help-notebook` cannot show in full."""
+    lines, group = [], None
     for f in fields(cls):
-        lines.append(f"  {f.name:28s} {f.default!r:>16}  {f.metadata['help']}")
+        owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+        if owner is not group:
+            group = owner
+            about = " ".join((owner.__doc__ or "").split()).split(". ")[0].rstrip(".")
+            lines.append(f"{owner.__name__}: {about}" if about else owner.__name__)
+        lines.append(f"  {f.name:28s} {f.default!r:>16}  {f.metadata.get('help', '')}")
     return "\n".join(lines)

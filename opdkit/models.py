@@ -15,55 +15,13 @@ Pitfalls this module exists for:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from opdkit import tiny
-from opdkit.config import ConfigError, MissingInput, one_line, setting
-
-
-@dataclass
-class TeacherSettings:
-    teacher_model: str = setting(
-        "tiny:teacher",
-        "the teacher: a local Hugging Face folder, a hub name, or tiny:teacher; 02, 03 and 04's on-policy "
-        "attackers need it to share the student's tokenizer",
-    )
-
-
-@dataclass
-class StudentSettings:
-    student_model: str = setting(
-        "tiny:student", "the student distilled: a local Hugging Face folder, a hub name, or tiny:student"
-    )
-
-
-@dataclass
-class ProxySettings:
-    proxy_model: str = setting(
-        "tiny:student",
-        "the proxy student whose gradient steers ADS (shares the teacher's tokenizer): folder, hub name, or "
-        "tiny:student",
-    )
-
-
-@dataclass
-class PrecisionSettings:
-    bf16: bool = setting(
-        False,
-        "on a GPU: bf16 weights for the frozen models (teacher; never the proxies, always fp32) and bf16 "
-        "mixed precision for the trained students",
-    )
-
-
-@dataclass
-class CheckpointingSettings:
-    gradient_checkpointing: bool = setting(
-        False, "recompute the trained models' activations in backward to save memory"
-    )
+from opdkit.config import ConfigError, MissingInput, one_line
 
 
 class TokenizerMismatch(ConfigError):
@@ -103,6 +61,16 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def check_chat_template(tok: PreTrainedTokenizerBase, name: str) -> None:
+    """A tokenizer that renders the prompts as chats has a chat template; one without (a base model's) is bad
+    input, refused before anything is written rather than by transformers in the middle of the start."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(
+            f"the tokenizer of {name} has no chat template, and the prompts are rendered as chats with it; "
+            "use an instruct or chat model's tokenizer, or give its tokenizer_config.json a chat_template."
+        )
 
 
 # Below this size a model's matmuls are too small to gain from several CPU threads; on a shared or

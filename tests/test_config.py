@@ -48,12 +48,12 @@ def test_full_whitebox_preset_is_the_original_configuration():
         subset_size=1000,
         seed=42,
         max_prompt_length=1024,
-        max_new_tokens=1024,
+        rollout_max_new_tokens=1024,
         enable_thinking=False,
         beta=1.0,
         kl_temperature=1.0,
-        gen_temperature=1.0,
-        gen_top_p=1.0,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
         learning_rate=1e-6,
         per_device_train_batch_size=4,
         global_batch_size=64,  # the original's 4 per GPU x 4 GPUs x 4 accumulation
@@ -62,7 +62,7 @@ def test_full_whitebox_preset_is_the_original_configuration():
         max_grad_norm=1.0,
         bf16=True,
         logging_steps=1,
-        save_steps=100,
+        checkpoint_every=100,
         save_total_limit=2,
         report_to="none",
     )
@@ -81,7 +81,9 @@ def test_unknown_mode_lists_valid_modes():
 
 
 def test_unknown_key_names_offender_and_suggests():
-    with pytest.raises(ConfigError, match=r"'learning_rat'.*Did you mean 'learning_rate'"):
+    with pytest.raises(
+        ConfigError, match=r"^unknown setting 'learning_rat' for whitebox; did you mean learning_rate\?$"
+    ):
         load_config(WhiteboxConfig, "tiny", {"learning_rat": 1e-3})
 
 
@@ -113,8 +115,19 @@ def test_every_field_has_help():
 
 
 def test_notebook_parameters_reject_unknown_names():
-    with pytest.raises(ConfigError, match="bogus"):
+    """The command line's line (`check_keys`): the closest names, or where the full list is; `mode` is a
+    parameter of the notebook, not a setting."""
+    cell = "the notebook's parameters cell"
+    with pytest.raises(ConfigError) as err:
+        notebook_parameters(WhiteboxConfig, {"mode": "tiny", "max_steps": 5, "learning_rat": 0.1})
+    assert str(err.value) == (
+        f"unknown setting 'learning_rat' for whitebox in {cell}; did you mean learning_rate?"
+    )
+    with pytest.raises(ConfigError) as err:
         notebook_parameters(WhiteboxConfig, {"mode": "tiny", "bogus": 1})
+    assert str(err.value) == (
+        f"unknown setting 'bogus' for whitebox in {cell}; python -m opdkit.whitebox --help lists them."
+    )
     mode, over = notebook_parameters(WhiteboxConfig, {"mode": "full", "learning_rate": None, "In": []})
     assert mode == "full" and over == {"learning_rate": None}
 
@@ -206,7 +219,7 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.parametrize("module", ["savegrad", "whitebox", "cliplesson", "antidistill"])
 def test_cli_help_lists_every_field_with_default_and_help(module, capsys):
-    job = importlib.import_module(f"opdkit.jobs.{module}.job")
+    job = importlib.import_module(f"opdkit.jobs.{module}")
     with pytest.raises(SystemExit) as exit_:
         job.main(["--help"])
     assert exit_.value.code == 0
@@ -215,3 +228,38 @@ def test_cli_help_lists_every_field_with_default_and_help(module, capsys):
         line = next((ln for ln in out.splitlines() if ln.split()[:1] == [f.name]), None)
         assert line is not None, f"{f.name} missing from --help"
         assert repr(f.default) in line and f.metadata["help"][:30] in line, line
+
+
+def test_an_old_setting_name_is_refused_naming_the_new_one(tmp_path, capsys):
+    """A renamed setting (`config.RENAMED`) in a preset, in `--set` or in a notebook's parameters stops with
+    one line naming its new name(s), only those the job has."""
+    (tmp_path / "whitebox").mkdir()
+    (tmp_path / "whitebox" / "old.yaml").write_text("eval_steps: 5\n")
+    with pytest.raises(
+        ConfigError, match=r"'eval_steps' in preset .*old.yaml was renamed: use eval_every \("
+    ):
+        load_config(WhiteboxConfig, "old", params_dir=tmp_path)
+    from opdkit.jobs import whitebox
+
+    with pytest.raises(SystemExit) as stop:
+        whitebox.main(["--mode", "tiny", "--set", "max_new_tokens=8"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: parameter 'max_new_tokens' was renamed: use rollout_max_new_tokens")
+    assert "trace_max_new_tokens" not in err  # whitebox writes no traces
+    from opdkit.jobs.antidistill.config import AntidistillConfig
+
+    with pytest.raises(ConfigError, match=r"use rollout_max_new_tokens \(.*\) or trace_max_new_tokens \("):
+        load_config(AntidistillConfig, "tiny", {"max_new_tokens": 8})
+    with pytest.raises(
+        ConfigError, match=r"'gen_batch_size' in the notebook's parameters .* trace_batch_size"
+    ):
+        notebook_parameters(SaveGradConfig, {"mode": "tiny", "gen_batch_size": 8})
+
+
+def test_renamed_names_are_no_field_and_their_new_names_are():
+    """The table of renamed settings stays true: no job declares an old name again, and each new name is a
+    setting of some job."""
+    names = {f.name for cls in CONFIGS.values() for f in fields(cls)}
+    assert not names & set(config.RENAMED)
+    assert {new for renames in config.RENAMED.values() for new, _ in renames} <= names

@@ -45,7 +45,9 @@ def test_with_labels_follows_each_record(tiny_tokenizer):
 
 
 def test_savegrad_counts_truncated_traces_and_drops_their_end_of_turn(tmp_path, tiny_tokenizer):
-    run = savegrad.run("tiny", {"run_dir": str(tmp_path / "cut"), "subset_size": 4, "max_new_tokens": 6})
+    run = savegrad.run(
+        "tiny", {"run_dir": str(tmp_path / "cut"), "subset_size": 4, "trace_max_new_tokens": 6}
+    )
     rows = list(traces.load_traces(run))
     assert all(r["truncated"] for r in rows)
     for r in rows:

@@ -11,6 +11,7 @@ import json
 import pytest
 from conftest import SMALL_SWEEP
 
+from opdkit.data.traces import completion
 from opdkit.jobs import antidistill
 from opdkit.jobs.antidistill import points
 from opdkit.tasks import tiny as task
@@ -40,8 +41,8 @@ def _entries(summary: dict) -> list[dict]:
 def test_teacher_accuracy_is_checked_against_the_answer(small_run):
     traces = small_run.path / "points" / "temperature-lam0-tau1" / "seed42" / points.TRACES_FILE
     for rec in map(json.loads, traces.read_text().splitlines()):
-        a, b = map(int, rec["messages"][-1]["content"].split("+"))
-        assert rec["correct"] == (task.extract_answer(rec["completion"]) == str(a + b))
+        a, b = map(int, rec["messages"][-2]["content"].split("+"))
+        assert rec["correct"] == (task.extract_answer(completion(rec)) == str(a + b))
 
 
 def test_resume_reuses_a_points_complete_traces(small_run, grads_run, monkeypatch):

@@ -29,7 +29,8 @@ SHORT = {
     "sft_batch_size": 16,
     "max_steps": 3,  # the on-policy attackers' OPDTraining
     "per_device_train_batch_size": 8,
-    "max_new_tokens": 40,
+    "trace_max_new_tokens": 40,
+    "rollout_max_new_tokens": 40,
 }
 
 

@@ -57,7 +57,7 @@ def test_repeats_give_every_arm_its_seeds_and_are_declared_once():
     assert prep.seeds == [7, 8, 9]
     with pytest.raises(ConfigError, match="repeats=0 is below"):
         load_config(ClipLessonConfig, "tiny", {"repeats": 0})
-    with pytest.raises(ConfigError, match="unknown parameter 'seeds'"):
+    with pytest.raises(ConfigError, match="unknown setting 'seeds' for cliplesson"):
         load_config(ClipLessonConfig, "tiny", {"seeds": "1,2"})
 
 
@@ -115,7 +115,7 @@ def test_noclip_blows_up_and_clip_trains_smoothly_on_three_seeds(tmp_path):
 
 
 def test_existing_runs_can_be_the_arms(tmp_path):
-    base = {"max_steps": 2, "eval_size": 8, "sample_every": 1, "save_steps": 0}
+    base = {"max_steps": 2, "eval_size": 8, "sample_every": 1, "checkpoint_every": 0}
     c = whitebox.run("tiny", {**base, "run_dir": str(tmp_path / "c")})
     n = whitebox.run("tiny-noclip", {**base, "run_dir": str(tmp_path / "n")})
     lesson = cliplesson.run(
@@ -165,6 +165,37 @@ def test_resume_reuses_finished_arms_and_resumes_the_others(tmp_path, monkeypatc
     cliplesson_job.run_arm(noclip, 42, cfg, lesson)
     cliplesson_job.run_arm(clip, 43, cfg, lesson)
     assert [o.get("resume") for o in started] == [True, None]
+
+
+def test_the_arms_of_one_seed_prepare_their_inputs_once(tmp_path, monkeypatch):
+    """The arms of a seed share whitebox's prepared inputs (the prompts measured once), each run still with
+    its own settings and folder; another seed prepares its own (its shuffle differs)."""
+    from opdkit.jobs.whitebox.inputs import Prepared
+
+    prepared_for, ran = [], []
+
+    def prepare(mode, over):
+        prepared_for.append(over["seed"])
+        return Prepared(load_config(WhiteboxConfig, mode, over), mode, None, None, [], [], [], 0, "")
+
+    monkeypatch.setattr(whitebox, "prepare", prepare)
+    monkeypatch.setattr(whitebox, "run", lambda mode, over, prepared, **kw: ran.append(prepared))
+    cfg = load_config(ClipLessonConfig, "tiny")
+    arms = cliplesson_job.arms(cfg)
+    inputs, lesson = cliplesson_job.SharedInputs(), RunDir(tmp_path)
+    for arm in arms:
+        cliplesson_job.run_arm(arm, 42, cfg, lesson, inputs)
+    cliplesson_job.run_arm(arms[0], 43, cfg, lesson, inputs)
+    assert prepared_for == [42, 43]
+    own = [load_config(WhiteboxConfig, a.mode, {**arm_overrides(a, cfg), "seed": 42}) for a in arms]
+    assert [(p.cfg.learning_rate, p.cfg.max_grad_norm, p.cfg.optim) for p in ran[:-1]] == [
+        (c.learning_rate, c.max_grad_norm, c.optim) for c in own
+    ]
+    assert len({c.optim for c in own}) == 2 and len({c.learning_rate for c in own}) == 3
+    assert [p.cfg.run_dir for p in ran] == [
+        str(tmp_path / "arms" / f"{a.name}-seed{s}") for a, s in [(a, 42) for a in arms] + [(arms[0], 43)]
+    ]
+    assert len({id(p.train_dataset) for p in ran[:-1]}) == 1 and ran[-1].cfg.seed == 43
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ from opdkit.jobs.savegrad.config import SaveGradConfig
 def teacher_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher-tokens") / "run"
     return savegrad.run(
-        "tiny", {"run_dir": str(path), "subset_size": 6, "proxy_tokens": "teacher", "max_new_tokens": 24}
+        "tiny",
+        {"run_dir": str(path), "subset_size": 6, "proxy_tokens": "teacher", "trace_max_new_tokens": 24},
     )
 
 

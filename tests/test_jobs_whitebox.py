@@ -5,6 +5,7 @@ on stand-in models, and the cheap errors that must come before any heavy work.""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,11 +22,10 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import report as whitebox_report
 from opdkit.models import small_qwen3
-from opdkit.opd import microbatches
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import sampling
+from opdkit.rollout import microbatches, sampling
 from opdkit.run import checkpoints
 
 # Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
@@ -34,10 +34,10 @@ FIXED = dict(
     max_steps=1,
     eval_size=0,
     sample_every=0,
-    save_steps=0,
+    checkpoint_every=0,
     max_grad_norm=0.0,
     save_rollouts=True,
-    gen_temperature=0.001,
+    rollout_temperature=0.001,
     subset_size=64,
 )
 
@@ -56,15 +56,14 @@ def direct_gradient(run_path: Path, beta: float = 1.0) -> dict[str, torch.Tensor
     s_rows, t_rows = [], []
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
         for mb in torch.load(f):
-            ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
+            ids, attn, sampled_BT = mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()
             pos = sampling.position_ids_from_mask(attn)
-            P = ids.shape[1] - comp.shape[1]
             s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
             with torch.no_grad():
                 t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            sel = comp.bool()
-            s_rows.append(s_logits[:, P - 1 : -1][sel])
-            t_rows.append(t_logits[:, P - 1 : -1][sel])
+            sel = sampled_BT[:, 1:]  # the logits at t predict token t+1
+            s_rows.append(s_logits[:, :-1][sel])
+            t_rows.append(t_logits[:, :-1][sel])
     s, t = torch.cat(s_rows)[None], torch.cat(t_rows)[None]
     loss = GKDTrainer.generalized_jsd_loss(s, t, labels=torch.zeros(s.shape[:2], dtype=torch.long), beta=beta)
     loss.backward()
@@ -114,7 +113,7 @@ def test_grouping_rows_by_length_leaves_the_gradient_and_the_shown_samples_alone
     """The step's rows regrouped by completion length (`microbatches.length_order`) against the same samples
     in sampling order: the same gradient and the same samples.jsonl, with fewer padded columns."""
     common = dict(
-        gen_temperature=1.0,
+        rollout_temperature=1.0,
         per_device_train_batch_size=4,
         global_batch_size=16,
         sample_every=1,
@@ -149,8 +148,7 @@ def completions(run_path: Path) -> list[list[int]]:
     rows = []
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
         for mb in torch.load(f):
-            P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
-            rows += [ids[P:][m.bool()].tolist() for ids, m in zip(mb["input_ids"], mb["completion_mask_BC"])]
+            rows += [ids[m.bool()].tolist() for ids, m in zip(mb["input_ids"], mb["loss_mask_BT"])]
     return rows
 
 
@@ -159,9 +157,8 @@ def sampled(run_path: Path) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     rows = []
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
         for mb in torch.load(f):
-            P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
-            for ids, attn, comp in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]):
-                rows.append((tuple(ids[:P][attn[:P].bool()].tolist()), tuple(ids[P:][comp.bool()].tolist())))
+            for ids, attn, m in zip(mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()):
+                rows.append((tuple(ids[attn.bool() & ~m].tolist()), tuple(ids[m].tolist())))
     return rows
 
 
@@ -209,7 +206,7 @@ def test_one_and_two_gloo_processes_take_the_same_global_batch_and_first_update(
     """global_batch_size 8 in micro-batches of 2: 4 accumulated on one process, 2 on each of two. At
     temperature 1 every prompt draws the same completion in both (each row is keyed by its place in the
     step's global batch, not by its process), so the first update is the same."""
-    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8, "gen_temperature": 1.0}
+    common = {**FIXED, "per_device_train_batch_size": 2, "global_batch_size": 8, "rollout_temperature": 1.0}
     script = textwrap.dedent(f"""
         import torch; torch.set_num_threads(1)
         from opdkit.jobs import whitebox
@@ -246,7 +243,9 @@ def test_failing_rank_traceback_reaches_the_caller(tmp_path):
 def test_resume_ends_with_the_same_metrics_as_an_unbroken_run(tmp_path, monkeypatch, capsys):
     """Killed after step 3, and killed while writing checkpoint-4 (its weights half-written, no
     trainer_state.json): both resume from checkpoint-2 to the unbroken run's losses and weights."""
-    over = dict(max_steps=4, save_steps=2, max_grad_norm=1.0, gen_temperature=1.0, save_rollouts=False)
+    over = dict(
+        max_steps=4, checkpoint_every=2, max_grad_norm=1.0, rollout_temperature=1.0, save_rollouts=False
+    )
     unbroken = run_tiny(tmp_path, "unbroken", **over)
     with pytest.raises(Interrupted):
         run_tiny(tmp_path, "broken", [InterruptAt(3)], **over)
@@ -295,8 +294,8 @@ def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monk
             out.sum = out.sum * float("nan")
         return out
 
-    monkeypatch.setattr("opdkit.opd.trainer.chunked_divergence", poisoned)
-    run = run_tiny(tmp_path, "nan", max_steps=5, save_steps=1, max_grad_norm=1.0, save_rollouts=False)
+    monkeypatch.setattr("opdkit.opd.teachers.local.chunked_divergence", poisoned)
+    run = run_tiny(tmp_path, "nan", max_steps=5, checkpoint_every=1, max_grad_norm=1.0, save_rollouts=False)
     summary = run.read_summary()
     assert summary["first_nonfinite_step"] == 3
     assert summary["status"].startswith("stopped")
@@ -311,7 +310,7 @@ def test_non_finite_gradient_stops_cleanly_with_last_good_weights(tmp_path, monk
 
 
 def test_metrics_have_the_promised_fields(tmp_path):
-    run = run_tiny(tmp_path, "m", max_steps=2, sample_every=1, save_rollouts=False, gen_temperature=1.0)
+    run = run_tiny(tmp_path, "m", max_steps=2, sample_every=1, save_rollouts=False, rollout_temperature=1.0)
     rec = run.read_jsonl()[-1]
     for key in (
         "step",
@@ -333,7 +332,7 @@ def test_metrics_have_the_promised_fields(tmp_path):
 
 def test_eval_steps_log_accuracy_while_training_and_the_curves_draw_it(tmp_path):
     run = run_tiny(
-        tmp_path, "ev", max_steps=4, eval_steps=2, eval_steps_size=8, eval_size=16, save_rollouts=False
+        tmp_path, "ev", max_steps=4, eval_every=2, eval_every_size=8, eval_size=16, save_rollouts=False
     )
     evals = [r for r in run.read_jsonl() if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [2, 4]
@@ -390,12 +389,12 @@ def test_full_preset_code_path_on_standins(tmp_path, qwen3_standins, dapo_parque
         subset_size=8,
         eval_size=2,
         max_steps=2,
-        max_new_tokens=8,
+        rollout_max_new_tokens=8,
         max_prompt_length=300,
         bf16=False,
         per_device_train_batch_size=2,
         global_batch_size=4,
-        save_steps=0,
+        checkpoint_every=0,
         run_dir=str(tmp_path / "full"),
         loss_chunk_size=5,
         rollout_engine="hf",
@@ -457,10 +456,10 @@ def test_a_teacher_with_another_tokenizer_trains_the_student(tmp_path, capsys):
         teacher_model=str(tmp_path / "teacher"),
         subset_size=16,
         eval_size=4,
-        eval_steps=0,
+        eval_every=0,
         max_steps=2,
         per_device_train_batch_size=8,
-        save_steps=0,
+        checkpoint_every=0,
         sample_every=1,
         crosstok_hybrid=True,
     )
@@ -468,7 +467,7 @@ def test_a_teacher_with_another_tokenizer_trains_the_student(tmp_path, capsys):
     stage = whitebox.stage(prep.cfg, 1, None)
     assert stage.cross_tokenizer
     chunk = [r for r in memory.plan(stage).rows if r.component == "cross-tokenizer chunk"]
-    groups = min(prep.cfg.loss_chunk_size, 8 * prep.cfg.max_new_tokens)
+    groups = min(prep.cfg.loss_chunk_size, 8 * prep.cfg.rollout_max_new_tokens)
     assert chunk and chunk[0].bytes == groups * (stage.student.vocab_size + len(bpe)) * 16
     run = whitebox.run("tiny", over, prepared=prep)
     out = capsys.readouterr().out
@@ -478,6 +477,25 @@ def test_a_teacher_with_another_tokenizer_trains_the_student(tmp_path, capsys):
     assert len(steps) == 2 and all(r["loss"] > 0 and r["entropy"] is None for r in steps)
     summary = json.loads((run.path / "summary.json").read_text())
     assert summary["status"] == "done" and summary["steps"] == 2
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_the_run_folder(tmp_path):
+    """A teacher with another tokenizer renders the conversation with its own chat template; a base model's
+    tokenizer has none: one ConfigError line, before the run folder exists (so does a student's)."""
+    from opdkit.build.bpe_teacher import build_bpe_tokenizer
+
+    bpe = build_bpe_tokenizer()
+    teacher = small_qwen3(64, 1, len(bpe), 3, eos_token_id=bpe.eos_token_id, pad_token_id=bpe.pad_token_id)
+    teacher.save_pretrained(tmp_path / "teacher")
+    bpe.chat_template = None
+    bpe.save_pretrained(tmp_path / "teacher")
+    shutil.copytree(tiny.resolve("tiny:student"), tmp_path / "student")
+    (tmp_path / "student" / "chat_template.jinja").unlink()
+    for model, over in [("teacher", "teacher_model"), ("student", "student_model")]:
+        run_dir = tmp_path / f"run-{model}"
+        with pytest.raises(ConfigError, match=f"tokenizer of {tmp_path / model} has no chat template"):
+            whitebox.run("tiny", {"run_dir": str(run_dir), over: str(tmp_path / model), "subset_size": 16})
+        assert not run_dir.exists()
 
 
 def test_unknown_mode(tmp_path):
@@ -508,7 +526,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path):
 def test_forced_accuracy_when_asked(tmp_path):
     """forced_accuracy adds the accuracies with each final answer forced, beside the raw ones; completions cut
     before their answer (20 tokens) are mostly wrong raw, and forcing answers more of them right."""
-    over = dict(eval_size=16, eval_max_new_tokens=20, save_rollouts=False, gen_temperature=1.0)
+    over = dict(eval_size=16, eval_max_new_tokens=20, save_rollouts=False, rollout_temperature=1.0)
     run = run_tiny(tmp_path, "forced", forced_accuracy=True, **over)
     s = run.read_summary()
     for key in ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy"):
@@ -524,7 +542,9 @@ def test_tiny_crosstok_lifts_the_student_through_the_cross_tokenizer_loss(tmp_pa
     """`--mode tiny-crosstok` as the README runs it (300 steps, ~4 min here): the start says which path it
     took, the loss is finite, no full token rows are formed, and the BPE teacher lifts the character
     student from about a fifth of the held-out problems to most of them (measured 20.6 % -> 93.4 %)."""
-    run = whitebox.run("tiny-crosstok", {"run_dir": str(tmp_path / "x"), "sample_every": 0, "save_steps": 0})
+    run = whitebox.run(
+        "tiny-crosstok", {"run_dir": str(tmp_path / "x"), "sample_every": 0, "checkpoint_every": 0}
+    )
     assert "differs from the student's: cross-tokenizer loss (hybrid" in capsys.readouterr().out
     steps = [r for r in run.read_jsonl() if "loss" in r]
     loss = [r["loss"] for r in steps]

@@ -16,8 +16,8 @@ STILL = dict(
     subset_size=8,
     eval_size=24,
     per_device_train_batch_size=4,
-    max_new_tokens=12,
-    save_steps=0,
+    rollout_max_new_tokens=12,
+    checkpoint_every=0,
     sample_every=0,
 )
 

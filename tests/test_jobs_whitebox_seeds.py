@@ -78,7 +78,7 @@ def test_a_seeds_run_is_the_parents_settings_at_its_seed_run_once(tmp_path):
 
 @pytest.mark.slow
 def test_a_repeated_tiny_run_writes_one_run_per_seed_and_their_mean(tmp_path):
-    over = dict(max_steps=2, eval_size=16, sample_every=0, save_steps=0, subset_size=32, repeats=2)
+    over = dict(max_steps=2, eval_size=16, sample_every=0, checkpoint_every=0, subset_size=32, repeats=2)
     run = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "run")})
     out = run.read_summary()
     children = [RunDir.attach(tmp_path / "run" / "seeds" / f"seed{s}").read_summary() for s in (42, 43)]

@@ -7,6 +7,8 @@ tests/test_opd_served_vllm.py runs the same job against a real vLLM server."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ from opdkit.models import load_tokenizer
 from opdkit.opd import served
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.head import load_head
+from opdkit.opd.served import wiring
+from opdkit.run.lifecycle import RunFailed
 from opdkit.run.server import free_port
 
-SMALL = dict(per_device_train_batch_size=8, subset_size=16, max_new_tokens=16)
+SMALL = dict(per_device_train_batch_size=8, subset_size=16, rollout_max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +93,38 @@ def test_a_server_gone_mid_run_stops_it_with_one_error_and_the_run_resumes(tmp_p
     def quick(cfg, **kw):  # one retry, no backoff to speak of
         return served.PoolingClient(cfg.teacher_server, dtype="float32", retries=1, backoff_s=0.01)
 
-    monkeypatch.setattr(served, "job_client", quick)
-    over = served_over(stub, max_steps=2, save_steps=1, subset_size=32)
-    with pytest.raises(served.TeacherServerError, match=f"{stub.url} did not answer.*resume"):
+    monkeypatch.setattr(wiring, "job_client", quick)  # where check_job_server and job_teacher read it
+    over = served_over(stub, max_steps=2, checkpoint_every=1, subset_size=32)
+    with pytest.raises(RunFailed, match=f"{stub.url} did not answer.*resume.*traceback: .*error.txt") as e:
         run_tiny(tmp_path, "r", [StopServing(stub, 1)], **over)
     stub.fail_next = 0
+    assert isinstance(e.value.__cause__, served.TeacherServerError) and "\n" not in str(e.value)
+    assert "TeacherServerError" in (tmp_path / "r" / "error.txt").read_text()
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"].startswith("failed: TeacherServerError")
     assert (tmp_path / "r" / "checkpoints" / "checkpoint-1").is_dir()
     again = run_tiny(tmp_path, "r", **over, resume=True)
     assert again.read_summary()["steps"] == 2 and [r["step"] for r in again.read_jsonl()][-1] == 2
+
+
+def test_a_served_teacher_behind_a_key_gets_it_and_nothing_written_holds_it(
+    tmp_path, stub, monkeypatch, capfd
+):
+    """`OPDKIT_TEACHER_API_KEY` goes to the server on every request, and into no file of the run folder
+    (config.yaml, summary, logs, the tracker's files) nor its output."""
+    key = "sk-" + secrets.token_hex(16)
+    monkeypatch.setenv(served.API_KEY_ENV, key)
+    stub.api_key, stub.authorizations = key, []
+    try:
+        run = run_tiny(tmp_path, "r", **served_over(stub, max_steps=1, report_to="tensorboard"))
+    finally:
+        stub.api_key = ""
+    assert stub.authorizations and set(stub.authorizations) == {f"Bearer {key}"}
+    files = [p for p in run.path.rglob("*") if p.is_file()]
+    assert any("events.out.tfevents" in p.name for p in files)  # the tracker's own files are among them
+    assert [p for p in files if key.encode() in p.read_bytes()] == []
+    out = capfd.readouterr()
+    assert key not in out.out and key not in out.err
 
 
 def test_the_plan_of_a_served_run_holds_the_head_and_not_the_teacher():
@@ -112,7 +138,7 @@ def test_the_plan_of_a_served_run_holds_the_head_and_not_the_teacher():
     head = load_head("tiny:teacher", torch.float32).weight_VH
     assert rows["teacher head (served teacher)"] == head.numel() * 4
     # one micro-batch's states, padded, in the head's dtype (the step's wait in host memory)
-    length = cfg.max_prompt_length + cfg.max_new_tokens
+    length = cfg.max_prompt_length + cfg.rollout_max_new_tokens
     assert rows["served teacher states"] == cfg.per_device_train_batch_size * length * head.shape[1] * 4
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     assert local.row("teacher weights").bytes == sum(p.numel() for p in teacher.parameters()) * 4
@@ -138,7 +164,15 @@ def test_a_local_teacher_server_runs_for_the_run_and_stops_however_it_ends(
 ):
     fake = FakeServer(stub)
     asked = []
-    monkeypatch.setattr(served, "job_server", lambda cfg, log, gpus: asked.append(gpus) or fake)
+    keys = []
+
+    def job_server(cfg, log, gpus, api_key):  # the stub asks for the run's fresh key from now on
+        stub.api_key = api_key
+        keys.append(api_key)
+        return asked.append(gpus) or fake
+
+    monkeypatch.setattr(served, "job_server", job_server)
+    monkeypatch.delenv(served.API_KEY_ENV, raising=False)
     if fails:
         stub.fail_next = 10**6  # the server refuses from the start check on
     try:
@@ -149,8 +183,11 @@ def test_a_local_teacher_server_runs_for_the_run_and_stops_however_it_ends(
             run = run_tiny(tmp_path, "r", **served_over(stub, teacher_server="local"))
             assert run.read_summary()["teacher_server"] == stub.url
     finally:
-        stub.fail_next = 0
+        stub.fail_next, stub.api_key = 0, ""
     assert fake.events == ["start", "stop"] and asked == [None]  # no CUDA here: the server on the CPU
+    # a fresh key, given to the run's own client (every request carried it), and gone with the server
+    assert len(keys) == 1 and len(keys[0]) >= 32 and served.API_KEY_ENV not in os.environ
+    assert set(stub.authorizations[-3:]) == {f"Bearer {keys[0]}"}
 
 
 def test_teacher_gpus_split_the_visible_gpus():

@@ -3,7 +3,8 @@ tree, so that every rule is tested twice: on this repository (no violation) and 
 (the violation is found).
 
 Rooms, from the bottom up; a module imports its own room and rooms of a lower rank only (`ROOMS`):
-  0  opdkit.config, opdkit.tiny (the shipped tiny world), opdkit.params
+  0  opdkit.config and opdkit.settings (every settings group, torch-free), opdkit.tiny (the shipped tiny
+     world), opdkit.params
   1  opdkit.models, opdkit.memory (the memory plan)
   2  opdkit.run (the run lifecycle, run folders, files, checkpoints, launching, spreading work, sharding,
      tracking, cli)
@@ -37,8 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 JOBS = ("savegrad", "whitebox", "cliplesson", "antidistill")
 ENTRY_POINTS = {f"opdkit.{job}" for job in JOBS}
 ROOMS = {  # the longest matching prefix decides a module's room
-    "opdkit": 0,
-    "opdkit.config": 0,
+    "opdkit": 0,  # opdkit.config and opdkit.settings: one room, the configuration
     "opdkit.params": 0,
     "opdkit.tiny": 0,
     "opdkit.models": 1,
@@ -225,16 +225,16 @@ def unlisted_packages(root: Path = REPO) -> list[str]:
 
 
 def readme_layout(root: Path = REPO) -> list[str]:
-    """The README's layout block names every room of the package (each folder of opdkit/, each module at
-    its top) and names nothing that is not there."""
-    text = (root / "README.md").read_text()
+    """The layout block of docs/architecture.md (the README links to it) names every room of the package
+    (each folder of opdkit/, each module at its top) and names nothing that is not there."""
+    text = (root / "docs" / "architecture.md").read_text()
     block = text.split("## Layout", 1)[1].split("```", 2)[1]
     rooms = {p.name + "/" for p in (root / "opdkit").iterdir() if (p / "__init__.py").is_file()}
     rooms |= {p.name for p in (root / "opdkit").glob("*.py") if p.name != "__init__.py"}
-    bad = [f"the README's layout does not name opdkit/{r}" for r in sorted(rooms) if r not in block]
+    bad = [f"the architecture page's layout lacks opdkit/{r}" for r in sorted(rooms) if r not in block]
     named = {w.split("/")[0] for line in block.splitlines() for w in line.split()[:1] if w.endswith("/")}
     bad += [
-        f"the README's layout names {w}/, which is not in the repository"
+        f"the architecture page's layout names {w}/, which is not in the repository"
         for w in sorted(named)
         if not (root / w).is_dir() and not (root / "opdkit" / w).is_dir() and w != "jobs"
     ]
@@ -266,6 +266,67 @@ def mirrored_test_names(root: Path = REPO) -> list[str]:
     return bad
 
 
+def teacher_kind_classes(root: Path = REPO) -> set[str]:
+    """The teacher kinds' class names: every class of opdkit/opd/teachers/ but the interface's own module
+    (`base`: what the trainer holds), and every teacher module a kind wraps (a class of opdkit named
+    `...Teacher` or `...Teachers`: `ServedTeacher`, `TopKTeacher`, `RoutedTeacher`, `CrossTeacher`,
+    `ADSTeacher`, ...)."""
+    names = set()
+    for path in (root / "opdkit").rglob("*.py"):
+        kinds_room = path.parent == root / "opdkit" / "opd" / "teachers" and path.name != "base.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (
+                kinds_room or (node.name.endswith(("Teacher", "Teachers")) and node.name != "Teacher")
+            ):
+                names.add(node.name)
+    return names
+
+
+def teacher_kinds_in_trainer(root: Path = REPO) -> list[str]:
+    """`DistillTrainer` names no teacher kind: no kind's class name (`teacher_kind_classes`) appears in
+    opd/trainer.py, neither imported nor used (an isinstance, a type check, a docstring that says which
+    kind it branches on). It asks its `teachers.base.Teacher` instead, so a new kind is a new file in
+    opdkit/opd/teachers/ and its test, and the trainer does not change."""
+    path = root / "opdkit" / "opd" / "trainer.py"
+    words = set(re.findall(r"\b\w+\b", path.read_text()))
+    return [f"opd/trainer.py names the teacher kind {k}" for k in sorted(teacher_kind_classes(root) & words)]
+
+
+LOSS_PATH = ("opdkit/opd/trainer.py", "opdkit/opd/teachers", "opdkit/opd/crossteacher.py")
+
+
+def completion_without_the_mask(root: Path = REPO) -> list[str]:
+    """The loss reads the rollout record's per-token loss mask (`loss_mask_BT`), never "everything after the
+    prompt": in the loss path (`LOSS_PATH`: the trainer, the teacher kinds, the cross-tokenizer teacher's
+    rows) no code names the completion-shaped mask (`completion_mask_BC`, a key or an attribute) or a prompt
+    length (`prompt_len`), and none subtracts one tensor's width from another's (`ids.shape[1] -
+    comp.shape[1]`, how a prompt length is derived from a completion block). Each of these assumes one segment
+    after one prompt, which a multi-turn episode (tool outputs inside the row) breaks silently."""
+    bad = []
+    for rel in LOSS_PATH:
+        where = root / rel
+        for path in sorted(where.rglob("*.py") if where.is_dir() else [where]):
+            name = path.relative_to(root)
+            for node in ast.walk(ast.parse(path.read_text())):
+                words = []
+                if isinstance(node, ast.Name):
+                    words = [node.id]
+                elif isinstance(node, ast.Attribute):
+                    words = [node.attr]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    words = re.findall(r"\w+", node.value) if len(node.value) < 40 else []
+                for w in words:
+                    if w in ("completion_mask_BC", "prompt_len"):
+                        bad.append(f"{name}:{node.lineno} reads {w}, not the loss mask")
+                if (
+                    isinstance(node, ast.BinOp)
+                    and isinstance(node.op, ast.Sub)
+                    and all("shape" in ast.unparse(side) for side in (node.left, node.right))
+                ):
+                    bad.append(f"{name}:{node.lineno} derives a prompt length: {ast.unparse(node)}")
+    return bad
+
+
 RULES = [
     mirrored_test_names,
     private_imports,
@@ -275,6 +336,8 @@ RULES = [
     notebook_imports,
     unlisted_packages,
     readme_layout,
+    teacher_kinds_in_trainer,
+    completion_without_the_mask,
 ]
 
 
@@ -290,6 +353,7 @@ def broken_copy(tmp_path: Path, edits: dict[str, str]) -> Path:
     shutil.copytree(REPO / "notebooks", root / "notebooks")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     shutil.copy(REPO / "README.md", root / "README.md")
+    shutil.copytree(REPO / "docs", root / "docs", ignore=shutil.ignore_patterns("*.png"))
     shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     for rel, text in edits.items():
         path = root / rel
@@ -318,6 +382,20 @@ BREAKS = {  # rule -> (edits, a fragment of the violation it must report)
     "unlisted_packages": ({"opdkit/extra/__init__.py": ""}, "opdkit.extra"),
     "readme_layout": ({"opdkit/extra/__init__.py": ""}, "opdkit/extra/"),
     "mirrored_test_names": ({"tests/test_whatever.py": ""}, "test_whatever.py"),
+    "teacher_kinds_in_trainer": (
+        {"opdkit/opd/trainer.py": "\n\ndef _approximate(t):\n    return isinstance(t, topk.TopKTeacher)\n"},
+        "TopKTeacher",
+    ),
+    "completion_without_the_mask": (
+        {
+            "opdkit/opd/trainer.py": (
+                "\n\ndef _completion(inputs):\n"
+                "    P = inputs['input_ids'].shape[1] - inputs['completion_mask_BC'].shape[1]\n"
+                "    return inputs['input_ids'][:, P:]\n"
+            )
+        },
+        "completion_mask_BC",
+    ),
 }
 
 
@@ -453,6 +531,40 @@ def settings_declared_twice(root: Path = REPO) -> list[str]:
     ]
 
 
+def old_names_accepted(root: Path = REPO) -> list[str]:
+    """A setting's old name (`config.RENAMED`) is accepted nowhere: no settings group declares it again, no
+    preset sets it, and `config.check_keys`, the one door every preset, `--set` and notebook parameter goes
+    through, refuses it first (`check_renamed`)."""
+    tree = ast.parse((root / "opdkit" / "config.py").read_text())
+    old: set[str] = set()
+    refuses = False
+    for node in ast.walk(tree):
+        target = getattr(node, "target", None)
+        if isinstance(node, ast.AnnAssign) and getattr(target, "id", None) == "RENAMED":
+            old = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+        if isinstance(node, ast.FunctionDef) and node.name == "check_keys":
+            refuses = any(
+                isinstance(c, ast.Call) and getattr(c.func, "id", None) == "check_renamed"
+                for c in ast.walk(node)
+            )
+    bad = [] if refuses else ["config.check_keys does not call check_renamed: old names reach the settings"]
+    bad += [
+        f"{name} (renamed) is declared again in {', '.join(where)}"
+        for name, where in sorted(setting_declarations(root).items())
+        if name in old
+    ]
+    for preset in sorted((root / "params").rglob("*.yaml")) if (root / "params").is_dir() else []:
+        keys = set((yaml_load(preset.read_text()) or {}).keys())
+        bad += [f"{preset.relative_to(root)} sets {k} (renamed)" for k in sorted(keys & old)]
+    return bad
+
+
+def yaml_load(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
 NOTEBOOK_JOBS = {
     "01_save_grad": "savegrad",
     "02_whitebox": "whitebox",
@@ -575,6 +687,10 @@ UNTESTED = {
     "opdkit.ads.gradfile": "tests/test_ads_gradient.py: saved by a savegrad run, loaded, and every refusal "
     "(names, shapes, missing tensors, another tokenizer, a module prefix); tests/test_ads_direction.py: "
     "another model's",
+    "opdkit.memory.plans": "tests/test_memory.py: the reserve, the table, suggestions replanned, largest "
+    "batches, and plans against measured peaks; tests/test_memory_jobs.py: every job's full preset",
+    "opdkit.memory.shapes": "tests/test_memory.py: parameter counts against transformers and by hand, config "
+    "sources",
     "opdkit.notebook.demo": "`make demo` itself runs it (every notebook, headless)",
     "opdkit.notebook.figures": "drawn from real runs: tests/test_jobs_whitebox.py (the curves with held-out "
     "accuracy, the accuracy bars), tests/test_notebooks.py (02's three figures saved; slow)",
@@ -585,8 +701,22 @@ UNTESTED = {
     "opdkit.opd.arguments": "tests/test_jobs_whitebox.py (the global batch over any process count; every "
     "run's arguments, max_grad_norm 0 never clipping in the gradient checks), tests/test_ads_teacher.py and "
     "tests/test_models.py (OPDArguments built directly)",
+    "opdkit.opd.build": "tests/test_jobs_whitebox.py (every 02 run's trainer, 03's arms are 02 runs) and "
+    "tests/test_jobs_antidistill_points_attackers.py (04's on-policy attackers)",
     "opdkit.opd.callbacks": "tests/test_jobs_whitebox.py: GradientDump is the gradient checks' window into a "
-    "step, StepAccuracy logs eval_steps' accuracy",
+    "step, StepAccuracy logs eval_every's accuracy",
+    "opdkit.opd.served.checks": "tests/test_opd_served.py (the package's tests against a stub server: "
+    "state_gap on final-norm and other states, the start checks' refusals, the tokenizer, a resume against "
+    "another model), tests/test_opd_served_vllm.py (the start checks against a real server)",
+    "opdkit.opd.served.client": "tests/test_opd_served.py: decoding both encodings and refusing misshapen "
+    "answers, retries then one error naming the URL, timeouts, the key from the environment and a 401/403 "
+    "in one line",
+    "opdkit.opd.served.teacher": "tests/test_opd_served.py (the trainer with a served teacher computes the "
+    "in-process loss and gradient, prepared steps, rows with padding inside, another tokenizer), "
+    "tests/test_opd_teachers_served.py (as a teacher kind)",
+    "opdkit.opd.served.wiring": "tests/test_jobs_whitebox_served.py (a job's start check, a server gone "
+    "mid-run, teacher_server local started and stopped, teacher_gpus split, the local server's plan), "
+    "tests/test_opd_served.py (local_server's command)",
     "opdkit.opd.trainer": "tests/test_jobs_whitebox.py (a step's gradient against TRL's loss, batch shape "
     "and process count, resume, non-finite steps), tests/test_ads_teacher.py (a step with the ADS teacher), "
     "tests/test_models.py (rollouts end at the stop list)",
@@ -619,7 +749,7 @@ def untested_modules(root: Path = REPO) -> list[str]:
     return bad
 
 
-DOC_RULES = [settings_declared_twice, gpu_block_drift, cited_names, untested_modules]
+DOC_RULES = [settings_declared_twice, old_names_accepted, gpu_block_drift, cited_names, untested_modules]
 DOC_BREAKS = {
     "settings_declared_twice": (
         {
@@ -628,6 +758,14 @@ DOC_BREAKS = {
             )
         },
         "seed is declared in",
+    ),
+    "old_names_accepted": (
+        {
+            "opdkit/jobs/cliplesson/config.py": (
+                "\n\n@dataclass\nclass Old:\n    eval_steps: int = setting(0, 'x')\n"
+            )
+        },
+        "eval_steps (renamed) is declared again",
     ),
     "cited_names": ({"README.md": "\nSee `opdkit.tasks.nowhere` for more.\n"}, "opdkit.tasks.nowhere"),
     "untested_modules": ({"opdkit/tasks/lonely.py": '"""A module nobody tests."""\n'}, "opdkit.tasks.lonely"),
@@ -656,3 +794,112 @@ def test_the_doc_rule_finds_a_deliberate_violation(rule, tmp_path):
         root = broken_copy(tmp_path, edits)
     found = rule(root)
     assert any(expected in v for v in found), found
+
+
+def doc_pages(root: Path = REPO) -> list[Path]:
+    """The user's pages: the README and the reference pages in docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def doc_pages_cited_names(root: Path = REPO) -> list[str]:
+    """`cited_names` for the pages in docs/: every `opdkit.*` name they cite is a module, or a name defined in
+    one. A room that does not exist yet is cited as a path (`opdkit/rollout/source.py`), which names a
+    file, not an import."""
+    bad = set()
+    for path in doc_pages(root)[1:]:
+        for name in set(CITED.findall(path.read_text())):
+            if not resolves(name, root):
+                bad.add(f"{path.relative_to(root)} cites {name}, which does not exist")
+    return sorted(bad)
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def doc_links(root: Path = REPO) -> list[str]:
+    """Every relative link of the README and of docs/*.md (pages, figures) leads to a file that exists."""
+    bad = []
+    for path in doc_pages(root):
+        for target in LINK.findall(path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                bad.append(f"{path.relative_to(root)} links to {target}, which does not exist")
+    return bad
+
+
+COMMAND = re.compile(r"python -m opdkit\.(\w+)\b(.*)$|papermill notebooks/(\w+)\.ipynb\b(.*)$")
+
+
+def doc_commands(root: Path = REPO) -> list[str]:
+    """The commands the README and docs/*.md show (`python -m opdkit.<job> --mode M --set k=v`, `papermill
+    notebooks/<nb>.ipynb -p k v`, the GPU runs among them) name a preset of that job and fields of its
+    config: a renamed setting or mode breaks the page's command, and this rule, together."""
+    import dataclasses
+
+    configs, jobs = job_configs(), {stem: job for stem, job in NOTEBOOK_JOBS.items()}
+    bad = []
+    for path in doc_pages(root):
+        for line in path.read_text().splitlines():
+            m = COMMAND.search(line.split("#", 1)[0] if "papermill" in line else line)
+            if not m:
+                continue
+            job, rest = (m.group(1), m.group(2)) if m.group(1) else (jobs.get(m.group(3)), m.group(4))
+            if job not in configs:
+                continue
+            fields = {f.name for f in dataclasses.fields(configs[job])}
+            words = rest.split("#", 1)[0].replace("'", " ").split()
+            for flag, value in zip(words, words[1:]):
+                names = []
+                if flag == "--mode" or (flag == "-p" and value == "mode"):
+                    mode = value if flag == "--mode" else words[words.index(value) + 1]
+                    if not (root / "params" / job / f"{mode}.yaml").is_file():
+                        bad.append(f"{path.relative_to(root)}: {job} has no mode {mode} ({line.strip()})")
+                elif flag == "--set":
+                    names = [w.split("=")[0] for w in words[words.index(value) :] if "=" in w]
+                elif flag == "-p":
+                    names = [value]
+                bad += [
+                    f"{path.relative_to(root)}: {name} is not a setting of {job} ({line.strip()})"
+                    for name in names
+                    if name not in fields
+                ]
+    return sorted(set(bad))
+
+
+PAGE_RULES = [doc_pages_cited_names, doc_links, doc_commands]
+PAGE_BREAKS = {  # rule -> (edits, a fragment of the violation it must report)
+    "doc_pages_cited_names": ({"docs/memory.md": "\nSee `opdkit.memory.nowhere`.\n"}, "memory.nowhere"),
+    "doc_links": ({"docs/verdicts.md": "\nSee [the gone page](gone.md).\n"}, "gone.md"),
+    "doc_commands": (
+        {
+            "docs/full-runs.md": "\n    python -m opdkit.whitebox --mode full --set teacher_srv=http://x:8000\n"
+        },
+        "teacher_srv",
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", PAGE_RULES, ids=lambda r: r.__name__)
+def test_the_pages_keep_the_rule(rule):
+    assert rule() == []
+
+
+@pytest.mark.parametrize("rule", PAGE_RULES, ids=lambda r: r.__name__)
+def test_the_page_rule_finds_a_deliberate_violation(rule, tmp_path):
+    edits, expected = PAGE_BREAKS[rule.__name__]
+    root = broken_copy(tmp_path, edits)
+    shutil.copytree(REPO / "params", root / "params")
+    found = rule(root)
+    assert any(expected in v for v in found), found
+
+
+def test_an_old_name_let_through_is_found(tmp_path):
+    """`old_names_accepted`'s other two doors: check_keys without check_renamed, a preset with an old name."""
+    root = broken_copy(tmp_path, {})
+    config = root / "opdkit" / "config.py"
+    config.write_text(config.read_text().replace("    check_renamed(cls, keys, where)\n", "", 1))
+    shutil.copytree(REPO / "params", root / "params")
+    preset = root / "params" / "whitebox" / "tiny.yaml"
+    preset.write_text(preset.read_text() + "\nsave_steps: 3\n")
+    found = old_names_accepted(root)
+    assert any("does not call check_renamed" in v for v in found), found
+    assert any("sets save_steps (renamed)" in v for v in found), found

@@ -181,9 +181,7 @@ def test_config_sources(tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    tiny = AutoModelForCausalLM.from_pretrained(
-        memory.Path(__file__).parents[1] / "opdkit/tiny/assets/student"
-    )
+    tiny = AutoModelForCausalLM.from_pretrained(Path(__file__).parents[1] / "opdkit/tiny/assets/student")
     assert ModelShape.from_config("tiny:student").num_params == sum(p.numel() for p in tiny.parameters())
     assert ModelShape.from_config(tiny.config).num_params == sum(p.numel() for p in tiny.parameters())
 
@@ -338,10 +336,11 @@ def test_checkpointing_keeps_only_each_layers_input(autocast):
 def _opd_stage(size: str, **change) -> Stage:
     """02 full's shape on one process: a Qwen3 student (fp32, bf16 autocast) and the 8B teacher (bf16)."""
     base = Stage(
+        bf16=True,
         student=ModelShape.from_config(QWEN3[size]),
         teacher=ModelShape.from_config(QWEN3["Qwen3-8B"]),
         train_batch_size=4,
-        gen_batch_size=16,
+        sampled_rows=16,
         eval_batch_size=32,
         prompt_len=1024,
         completion_len=1024,
@@ -507,7 +506,7 @@ def test_ads_stage_by_hand(size):
         proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
         sampler="teacher",
         bf16=False,  # as `ads.sampler.sampling_stage`: no autocast, each model's cache in its own dtype
-        gen_batch_size=128,
+        sampled_rows=128,
         prompt_len=512,
         completion_len=1024,
     )
@@ -526,23 +525,6 @@ def test_ads_stage_by_hand(size):
     in_place = _rows(plan(dataclasses.replace(stage, device="cpu", cpu_bf16_head_copies=False)))
     assert "CPU bfloat16 head copies, teacher rollout" not in in_place
     assert on_cpu.keys() - in_place.keys() == {"CPU bfloat16 head copies, teacher rollout"}
-
-
-def test_cpu_bf16_head_copies_is_what_this_host_allocates():
-    """The plan's CPU head copies against what torch's profiler sees allocated by a bf16 linear of the last
-    position of a (rows, tokens, hidden) batch, as the kit's decoding loop computes its logits: a head per
-    row where oneDNN takes bf16 matmuls, only the logits where the BLAS bmm reads the expanded head."""
-    from torch.profiler import ProfilerActivity, profile
-
-    rows, hidden, vocab = 4, 64, 1000
-    head = torch.randn(vocab, hidden, dtype=torch.bfloat16)
-    last = torch.randn(rows, 3, hidden, dtype=torch.bfloat16)[:, -1:, :]
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.nn.functional.linear(last, head)
-    largest = max(e.cpu_memory_usage for e in prof.events())
-    assert (largest >= rows * vocab * hidden * 2) == memory.cpu_bf16_head_copies(), largest
-    if not memory.cpu_bf16_head_copies():
-        assert largest == rows * vocab * 2  # the logits alone
 
 
 @pytest.mark.parametrize(
@@ -569,7 +551,9 @@ def test_lora_student_plans_gradients_and_optimizer_state_of_the_adapters_only()
     # down 6144+2048
     adapters = 28 * 128 * (4096 + 3072 + 3072 + 4096 + 8192 + 8192 + 8192)
     assert shape.lora_params(128, ["all-linear"]) == adapters == 139_460_608
-    full = Stage(student=shape, train_batch_size=2, prompt_len=512, completion_len=1024, optimizer="adamw")
+    full = Stage(
+        bf16=True, student=shape, train_batch_size=2, prompt_len=512, completion_len=1024, optimizer="adamw"
+    )
     lora = dataclasses.replace(full, trainable_params=adapters)
     f, r = _rows(plan(full)), _rows(plan(lora))
     assert r["student weights"] == (HAND_PARAMS["Qwen3-1.7B"] + adapters) * 4
@@ -592,12 +576,13 @@ def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
     teacher, proxy = small_qwen3(128, 2, 101, seed=0), small_qwen3(64, 2, 101, seed=1)
     real = stacked_head([teacher, proxy, proxy]).weight
     stage = Stage(
+        bf16=True,
         student=ModelShape.from_config(proxy.config.to_dict()),
         teacher=ModelShape.from_config(teacher.config.to_dict()),
         proxy=ModelShape.from_config(proxy.config.to_dict()),
         teacher_dtype="bfloat16",
         train_batch_size=2,
-        gen_batch_size=2,
+        sampled_rows=2,
         prompt_len=8,
         completion_len=8,
     )
@@ -606,31 +591,6 @@ def test_ads_teacher_stacked_head_is_planned_at_its_real_size():
     )
     steering = dataclasses.replace(stage, student=None, train_batch_size=0, sampler="teacher")
     assert "ADS teacher stacked head" not in _rows(plan(steering)), "sampling with ADS stacks nothing"
-
-
-# ---------------------------------------------------------------- what a process holds, from its tensors
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_held_by_counts_the_tensors_a_process_holds(dtype):
-    """issue 28: each rank's record of what it holds, against the config's count by hand (SMALL, tied)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMALL)).to(dtype)
-    h, i, q, kv = 96, 200, 6 * 32, 2 * 32
-    layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * 32  # projections, 2 norms, q/k norms
-    hand = 1000 * h + 3 * layer + h  # the tied embedding, 3 layers, the final norm
-    held = memory.held_by(model)
-    size = 4 if dtype == torch.float32 else 2
-    assert held == {
-        "params": hand,
-        "bytes": hand * size,
-        "of_params": hand,
-        "dtypes": [memory.dtype_name(dtype)],
-        "devices": ["cpu"],
-    }
-    line = memory.held_line({"rank": 1, "world_size": 2, "models": {"student": held}})
-    assert line.startswith(f"rank 1 of 2 holds student {hand:,} of {hand:,} params (")
 
 
 # ---------------------------------------------------------------- plan, table, suggestions
@@ -647,7 +607,7 @@ def test_every_budgeted_plan_holds_a_reserve(budget, reserve):
     assert "reserve" not in _rows(plan(_opd_stage("Qwen3-0.6B")))
 
 
-def test_gen_batch_size_zero_leaves_the_reserve_whole():
+def test_sampled_rows_zero_leaves_the_reserve_whole():
     """issue 28: 04 full's ADS sampling on the whole of an "80 GB" H100 (85.5 GB) was planned at 73 rows and
     84.9 GB (0.6 GB spare); the largest batch now keeps the reserve free, and one row more would eat it."""
     stage = Stage(
@@ -656,15 +616,15 @@ def test_gen_batch_size_zero_leaves_the_reserve_whole():
         proxy_on_host=True,
         sampler="teacher",
         bf16=False,
-        gen_batch_size=1,
+        sampled_rows=1,
         prompt_len=512,
         completion_len=1024,
     )
     card = 85.5
     best = largest_batch(stage, card)
-    unreserved = plan(dataclasses.replace(stage, gen_batch_size=best))  # the same rows, no budget
+    unreserved = plan(dataclasses.replace(stage, sampled_rows=best))  # the same rows, no budget
     assert unreserved.total + memory.reserve_bytes(card * 1e9) <= card * 1e9
-    more = plan(dataclasses.replace(stage, gen_batch_size=best + 1))
+    more = plan(dataclasses.replace(stage, sampled_rows=best + 1))
     assert more.total + memory.reserve_bytes(card * 1e9) > card * 1e9
     assert more.total <= card * 1e9  # it would fit the bare card: the reserve is what stops it
     assert 0 < best < 73
@@ -686,11 +646,12 @@ def test_table_and_last_line():
 def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     """issue 20: 04 full's 128 rows of Qwen3-4B steered by two fp32 Qwen3-0.6B copies do not fit 80 GB."""
     stage = Stage(
+        bf16=True,
         teacher=ModelShape.from_config(QWEN3["Qwen3-4B"]),
         proxy=ModelShape.from_config(QWEN3["Qwen3-0.6B"]),
         proxy_on_host=True,
         sampler="teacher",
-        gen_batch_size=128,
+        sampled_rows=128,
         prompt_len=512,
         completion_len=1024,
     )
@@ -698,13 +659,13 @@ def test_04_full_does_not_fit_80gb_and_the_suggestion_is_replanned():
     assert not p.fits and p.total > 80e9
     best = largest_batch(stage, 80)
     assert 0 < best < 128
-    assert plan(dataclasses.replace(stage, gen_batch_size=best), 80).fits
-    assert not plan(dataclasses.replace(stage, gen_batch_size=best + 1), 80).fits
-    assert [x.settings for x in p.suggestions] == [{"gen_batch_size": best}]
-    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, gen_batch_size=best), 80).total
+    assert plan(dataclasses.replace(stage, sampled_rows=best), 80).fits
+    assert not plan(dataclasses.replace(stage, sampled_rows=best + 1), 80).fits
+    assert [x.settings for x in p.suggestions] == [{"trace_batch_size": best}]
+    assert p.suggestions[0].total_bytes == plan(dataclasses.replace(stage, sampled_rows=best), 80).total
     # The reserve (5 % of 80 GB) is planned, never used: the largest batch leaves it whole.
     assert p.row("reserve").bytes == 4e9 and p.suggestions[0].total_bytes <= 80e9
-    assert "would fit with: gen_batch_size=" in p.table()
+    assert "would fit with: trace_batch_size=" in p.table()
     assert largest_batch(dataclasses.replace(stage, prompt_len=10**6), 80) == 0
 
 
@@ -744,7 +705,7 @@ def test_stage_errors_say_what_to_change():
     with pytest.raises(ValueError, match="needs the trained model"):
         Stage(teacher=s, train_batch_size=2)
     with pytest.raises(ValueError, match="sampler='student' decodes, but that model is not in the stage"):
-        Stage(teacher=s, gen_batch_size=2)
+        Stage(teacher=s, sampled_rows=2)
     with pytest.raises(ValueError, match="dtype 'int8'"):
         Stage(student=s, student_dtype="int8")
     with pytest.raises(ValueError, match="pass budget_gb"):
@@ -925,7 +886,7 @@ def _run_trainer(spec: dict, peaks: _Peaks) -> None:
         save_strategy="no",
         max_steps=1,
         per_device_train_batch_size=spec["rows"],
-        max_new_tokens=spec["completion"],
+        rollout_max_new_tokens=spec["completion"],
         loss_chunk_size=spec["chunk"],
         disable_tqdm=True,
         remove_unused_columns=False,
@@ -981,11 +942,12 @@ def test_plan_matches_measured_peak_of_an_opd_step():
     spec = {"kind": "opd", "rows": 8, "prompt": 64, "completion": 64, "chunk": 128, "bf16": True}
     student, teacher = _standin_shapes()
     stage = Stage(
+        bf16=True,
         student=student,
         teacher=teacher,
         device="cpu",
         train_batch_size=8,
-        gen_batch_size=8,
+        sampled_rows=8,
         prompt_len=64,
         completion_len=64,
         loss_chunk_size=128,
@@ -1016,7 +978,7 @@ def test_plan_matches_measured_peak_of_ads_sampling(teacher_dtype, rows, complet
         sampler="teacher",
         device="cpu",
         bf16=False,
-        gen_batch_size=rows,
+        sampled_rows=rows,
         prompt_len=64,
         completion_len=completion,
     )
@@ -1032,7 +994,7 @@ def _deep_stage(rows: int, prompt: int, completion: int, chunk: int) -> Stage:
         bf16=False,
         device="cpu",
         train_batch_size=rows,
-        gen_batch_size=rows,
+        sampled_rows=rows,
         prompt_len=prompt,
         completion_len=completion,
         loss_chunk_size=chunk,
@@ -1079,7 +1041,7 @@ def test_plan_matches_the_measured_peak_of_ads_sampling_where_kv_caches_dominate
         sampler="teacher",
         device="cpu",
         bf16=False,
-        gen_batch_size=8,
+        sampled_rows=8,
         prompt_len=64,
         completion_len=192,
     )

@@ -1,6 +1,6 @@
 """Every job's memory plan (issue 20, items 2-5): `dry_run` prints it and writes nothing, a run that does not
 fit stops before any weight is loaded and names what to change, every full and ads-paper preset fits an
-80 GB GPU by its own plan, `gen_batch_size: 0` is the largest batch that fits, and the global batch is the
+80 GB GPU by its own plan, `trace_batch_size: 0` is the largest batch that fits, and the global batch is the
 same whatever the number of processes.
 
 The presets' models are hub names. Here they come from a Hugging Face cache written by the test
@@ -251,7 +251,7 @@ def test_a_run_that_does_not_fit_stops_before_any_weight_is_loaded(tmp_path, mon
     assert not (tmp_path / "r").exists()
 
 
-def test_gen_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypatch):
+def test_trace_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypatch):
     """04 full on 80 GB, by hand from the configs: the bf16 Qwen3-4B teacher and two fp32 Qwen3-0.6B
     copies always; per row of 512 + 1024 tokens their KV caches (2 x 36 x 8 x 128 x 2 B and
     2 x 2 x 28 x 8 x 128 x 4 B per token), the prefill's one layer of the teacher for 512 prompt tokens
@@ -265,7 +265,7 @@ def test_gen_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypat
         "proxy_model": folder(hub_cache, "Qwen/Qwen3-0.6B"),
         "student_model": folder(hub_cache, "Qwen/Qwen3-1.7B-Base"),
         "student_tokenizer": folder(hub_cache, "Qwen/Qwen3-1.7B"),
-        "gen_batch_size": 0,
+        "trace_batch_size": 0,
         "plan_gpu_memory_gb": 80,
         "dry_run": True,
     }
@@ -283,14 +283,14 @@ def test_gen_batch_size_zero_is_the_largest_batch_that_fits(hub_cache, monkeypat
     row = 1536 * (kv_teacher + 2 * kv_proxy) + prefill + 1536 * kv_teacher // 36 + 3 * 151936 * 4
     hand = max(n for n in range(1, 200) if always + n * row <= 80e9)
     assert hand == 63  # 68 before the reserve
-    assert prep.cfg.gen_batch_size == hand
+    assert prep.cfg.trace_batch_size == hand
     assert job_plan.plans["ADS sampling"].total == always + hand * row
 
 
 def test_the_run_folder_keeps_its_plan(tmp_path):
     from opdkit.jobs import savegrad
 
-    run = savegrad.run("tiny", {"run_dir": str(tmp_path / "r"), "subset_size": 8, "gen_batch_size": 8})
+    run = savegrad.run("tiny", {"run_dir": str(tmp_path / "r"), "subset_size": 8, "trace_batch_size": 8})
     saved = json.loads((run.path / "plan.json").read_text())
     assert saved["stage"] in saved["stages"] and saved["budget_bytes"] is None
     assert saved["total_bytes"] == max(s["total_bytes"] for s in saved["stages"].values())
@@ -305,13 +305,14 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     from opdkit.config import load_config
     from opdkit.jobs.antidistill.config import AntidistillConfig
     from opdkit.jobs.antidistill.job import baseline_stage, on_policy_stage
+    from opdkit.memory import shapes
     from opdkit.sft.student import sft_stage
 
     cfg = load_config(AntidistillConfig, "tiny", {"bf16": True, "attackers": ["sft", "opd"]})
-    s = json.loads(Path(memory._config_path("tiny:student")).read_text())
+    s = json.loads(Path(shapes._config_path("tiny:student")).read_text())
     per_layer = s["num_key_value_heads"] * (s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"])
     fp32, mixed = s["num_hidden_layers"] * per_layer * 8, s["num_hidden_layers"] * per_layer * (4 + 2)
-    evaluated = cfg.max_prompt_length + (cfg.eval_max_new_tokens or cfg.max_new_tokens)
+    evaluated = cfg.max_prompt_length + (cfg.eval_max_new_tokens or cfg.trace_max_new_tokens)
     baseline = baseline_stage(cfg, sampling_stage(cfg, 80.0))
     for stage in (sft_stage(cfg, 80.0), on_policy_stage(cfg, 80.0), baseline):
         p = memory.plan(stage, 80)
@@ -319,7 +320,7 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
         assert "(float32)" in p.row("KV cache, student evaluation").how
     rollout = memory.plan(on_policy_stage(cfg, 80.0), 80).row("KV cache, student rollout")
     rows = cfg.per_device_train_batch_size * cfg.accumulation_steps(1)
-    assert rollout.bytes == rows * (cfg.max_prompt_length + cfg.max_new_tokens) * mixed
+    assert rollout.bytes == rows * (cfg.max_prompt_length + cfg.rollout_max_new_tokens) * mixed
     assert "K float32, V bfloat16" in rollout.how
     # The baseline evaluation: the student (fp32, no optimizer) beside the steering already on the device.
     rows = {r.component for r in memory.plan(baseline, 80).rows}

@@ -76,7 +76,7 @@ def test_greedy_evaluation_stops_at_endoftext(standin):
 
 def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
     model, tok, _, hi = standin
-    args = OPDArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_new_tokens=8)
+    args = OPDArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", rollout_max_new_tokens=8)
     trainer = DistillTrainer(
         model=model,
         args=args,
@@ -87,10 +87,10 @@ def test_whitebox_rollout_stops_at_endoftext(standin, tmp_path):
     batch = prompts.PromptCollator(tok, 64)(
         [{"messages": [{"role": "user", "content": "Say hi"}], "answer": ""}]
     )
-    (out,) = trainer._rollout_step(trainer.engine(), [batch], step=0)
-    assert out["completion_mask_BC"].tolist() == [[1, 1]]
-    assert out["input_ids"][0, -2:].tolist() == [hi, 151643]
-    assert trainer.stats.truncated == 0 and trainer.stats.completion_tokens == 2
+    (out,) = trainer.rollouts.next_step(trainer.model, [batch], step=0)
+    assert out.loss_mask_BT[0, -2:].tolist() == [1, 1] and out.loss_mask_BT.sum() == 2
+    assert out.input_ids_BT[0, -2:].tolist() == [hi, 151643]
+    assert not out.truncated_B.any()
 
 
 def test_shared_vocab_check(tok, qwen3_tokenizer):

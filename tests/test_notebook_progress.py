@@ -9,8 +9,10 @@ import sys
 import textwrap
 
 import pytest
+from tqdm import std
 
 from opdkit.notebook import progress
+from opdkit.run.lifecycle import RunFailed
 
 
 class FakeHandle:
@@ -66,6 +68,36 @@ def test_only_the_last_finished_bars_stay_listed(displays):
     assert lines[-1].startswith(f"point {progress.KEEP + 2}:")
 
 
+class RecordingShell:
+    """IPython's `showtraceback`, as far as a known failure goes: the exception's `_render_traceback_`; it
+    records what was shown, with the bars still open and the progress display at that moment."""
+
+    def __init__(self, shown: list):
+        self.shown, self.calls = shown, []
+
+    def showtraceback(self, exc_tuple, tb_offset=None):
+        open_bars = [b.desc for b in std.tqdm._instances]
+        self.calls.append((exc_tuple[1]._render_traceback_(), open_bars, self.shown[-1]))
+
+
+def test_a_known_failure_closes_the_open_bars_then_shows_one_line(displays):
+    """What IPython calls for a `RunFailure` raised in a cell (`install` registers it): the open bar is closed
+    (its line stays where it stopped), then the failure is its one `error:` line, as on the command line."""
+    shown, _ = displays
+    shell = RecordingShell(shown)
+    bar = progress.CellBar(total=10, desc="training", mininterval=0)
+    bar.update(3)
+    try:
+        raise RunFailed("the teacher's server died\n: start it again; resume=true continues")
+    except RunFailed as exc:
+        progress.show_failure(shell, type(exc), exc, exc.__traceback__)
+    [(lines, open_bars, board)] = shell.calls
+    assert lines == ["error: the teacher's server died : start it again; resume=true continues"]
+    assert open_bars == [] and bar not in std.tqdm._instances
+    assert board.startswith("training:  30%") and board.count("\n") == 0
+    assert progress.BOARD.running == {}  # nothing left to redraw in a later cell
+
+
 def test_install_swaps_tqdm_auto_only_in_a_kernel_and_only_before_its_import():
     code = textwrap.dedent(
         """
@@ -89,7 +121,8 @@ def test_install_swaps_tqdm_auto_only_in_a_kernel_and_only_before_its_import():
 
 @pytest.mark.timeout(300)
 def test_a_kernel_run_cell_holds_one_text_display_and_no_widget(tmp_path):
-    """A real kernel (nbclient, as papermill): the kit's bars and transformers' through tqdm.auto."""
+    """A real kernel (nbclient, as papermill): the kit's bars and transformers' through tqdm.auto; a known
+    failure with a bar open is one line, the bar closed by then."""
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
@@ -102,8 +135,18 @@ def test_a_kernel_run_cell_holds_one_text_display_and_no_widget(tmp_path):
             "for _ in hf_tqdm(range(30), desc='transformers'): pass\n"
             "print('done')"
         ),
+        nbformat.v4.new_code_cell(
+            "from opdkit.run.lifecycle import RunFailed\n"
+            "bar = tqdm(total=10, desc='training')\nbar.update(3)\n"
+            "raise RunFailed('the teacher died; resume=true continues')"
+        ),
+        nbformat.v4.new_code_cell("print('open bars:', len(tqdm._instances))"),
     ]
-    NotebookClient(nb, kernel_name="python3", timeout=240).execute()
+    NotebookClient(nb, kernel_name="python3", timeout=240, allow_errors=True).execute()
+    failed = nb.cells[2].outputs
+    assert [o["output_type"] for o in failed] == ["display_data", "error"], failed
+    assert failed[1]["traceback"] == ["error: the teacher died; resume=true continues"]
+    assert nb.cells[3].outputs[0]["text"] == "open bars: 0\n"
     outputs = nb.cells[1].outputs
     displays = [o for o in outputs if o["output_type"] == "display_data"]
     assert len(displays) == 1 and set(displays[0]["data"]) == {"text/plain"}

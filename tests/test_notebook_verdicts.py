@@ -18,6 +18,14 @@ def test_t_quantile_matches_the_printed_table(df, t):
     assert v.t_quantile(df) == pytest.approx(t, abs=6e-4)
 
 
+def test_t_quantile_to_six_decimals():
+    """Table values to six decimals (R's qt(0.975, df)), tighter than T_TABLE's three."""
+    assert v.t_quantile(1) == pytest.approx(12.706205, abs=1e-6)
+    assert v.t_quantile(2) == pytest.approx(4.302653, abs=1e-6)
+    assert v.t_quantile(4) == pytest.approx(2.776445, abs=1e-6)
+    assert v.t_quantile(2, level=0.99) == pytest.approx(9.924843, abs=1e-6)
+
+
 def test_t_quantile_tends_to_the_normal_and_takes_other_levels():
     assert v.t_quantile(10_000) == pytest.approx(1.960, abs=1e-3)
     assert v.t_quantile(4, level=0.90) == pytest.approx(2.132, abs=6e-4)  # the table's 0.95 column

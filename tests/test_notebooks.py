@@ -67,7 +67,7 @@ def _cell_outputs(path: Path, needle: str) -> list[dict]:
 @pytest.mark.slow
 def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypatch):
     """OPDKIT_LIVE=1 stands for a kernel started by JupyterLab: one progress bar and one display of the
-    curves, updated in place, with the accuracy measured every eval_steps."""
+    curves, updated in place, with the accuracy measured every eval_every."""
     monkeypatch.setenv("OPDKIT_LIVE", "1")
     run_dir = tmp_path / "run"
     execute(
@@ -76,8 +76,8 @@ def test_whitebox_notebook_shows_a_live_figure_in_jupyterlab(tmp_path, monkeypat
         run_dir=str(run_dir),
         max_steps=4,
         eval_size=16,
-        eval_steps=2,
-        eval_steps_size=8,
+        eval_every=2,
+        eval_every_size=8,
         sample_every=2,
     )
     outputs = _cell_outputs(tmp_path / "executed-02_whitebox.ipynb", "whitebox.run(")
@@ -140,7 +140,7 @@ def test_dry_run_stops_the_notebook_at_the_run_cell_with_the_plan(tmp_path):
 @pytest.mark.parametrize(
     "parameters,message",
     [
-        ({"bogus": 1}, "unknown parameter(s) ['bogus'] for whitebox"),
+        ({"bogus": 1}, "unknown setting 'bogus' for whitebox in the notebook's parameters cell;"),
         ({"global_batch_size": 6, "per_device_train_batch_size": 4}, "global_batch_size=6 prompts"),
     ],
 )

@@ -59,7 +59,7 @@ SHOWN_OUTPUTS = 50  # JupyterLab's maxNumberOutputs: past it, "Show more outputs
 # Shortened runs, by job: (name, value) set in the parameters cell, replacing its line or appended.
 SHORT = {
     "savegrad": {"subset_size": 8},
-    "whitebox": {"max_steps": 20, "eval_size": 20, "eval_steps": 10, "eval_steps_size": 10},
+    "whitebox": {"max_steps": 20, "eval_size": 20, "eval_every": 10, "eval_every_size": 10},
     "cliplesson": {"arm_max_steps": 4, "ablations": False, "sgd_arms": False, "arm_eval_size": 10},
     "antidistill": {
         "lams": [0.0, 0.1],

@@ -19,8 +19,9 @@ from opdkit.data.prompts import PromptCollator
 from opdkit.models import load_tokenizer, small_qwen3
 from opdkit.opd import crossteacher
 from opdkit.opd.arguments import OPDArguments
-from opdkit.opd.trainer import DistillTrainer, student_divergence
-from opdkit.rollout import sampling
+from opdkit.opd.teachers.local import student_divergence
+from opdkit.opd.trainer import DistillTrainer
+from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
 
 COMPLETIONS = ["4+7=11,1+7+2=10,5+1+7=13;1301", "12+5=17;17", "99", "3+8=11,\n0+1=1;408"]
@@ -139,9 +140,9 @@ def test_trainer_loss_and_gradient_equal_trl_uld_loss(tmp_path, tok, bpe, hybrid
     trainer = _trainer(
         tmp_path, tok, bpe, teacher, crosstok_hybrid=hybrid, crosstok_merge=merge, loss_chunk_size=3
     )
-    assert trainer.crosstok is not None
+    assert trainer.teacher.tokenizer is bpe
     r = _rollout(tok)
-    inputs = trainer._sample_dict(r, list(range(4)), [None] * 4)
+    inputs = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     ours = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -165,10 +166,10 @@ def test_the_start_message_names_the_overlap(tmp_path, tok, bpe):
 def test_the_same_tokenizer_keeps_the_same_tokenizer_path(tmp_path, tok):
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher")).double().eval()
     trainer = _trainer(tmp_path, tok, load_tokenizer("tiny:teacher"), teacher)
-    assert trainer.crosstok is None
+    assert trainer.teacher.tokenizer is None
     r = _rollout(tok)
-    inputs = trainer._sample_dict(r, list(range(4)), [None] * 4)
-    assert not any(k.startswith(("teacher_", "crosstok_")) for k in inputs)
+    inputs = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
+    assert inputs["teacher_rows"] is None
     loss = trainer.compute_loss(trainer.model, inputs)
     # The same-tokenizer divergence called directly, as the trainer did before cross-tokenizer teachers.
     P = r.prompt_len
@@ -205,14 +206,14 @@ def test_micro_batches_add_up_to_the_whole_batch(tmp_path, tok, bpe):
     count (what `get_batch_samples` passes as num_items_in_batch), give the whole batch's loss and gradient"""
     trainer = _trainer(tmp_path, tok, bpe, _teacher(len(bpe)))
     r = _rollout(tok)
-    whole = trainer._sample_dict(r, list(range(4)), [None] * 4)
-    n = whole["crosstok_groups"]
+    whole = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
+    n = whole["teacher_rows"]["crosstok_groups"]
     trainer.compute_loss(trainer.model, whole, num_items_in_batch=n).backward()
     want = {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
     trainer.model.zero_grad()
     total = 0.0
     for rows in (torch.tensor([0, 2]), torch.tensor([1, 3])):
-        part = trainer._sample_dict(r.rows(rows), rows.tolist(), [None] * 2)
+        part = trainer.micro_batch(source.record_of(r.rows(rows), trainer.stop_ids))
         loss = trainer.compute_loss(trainer.model, part, num_items_in_batch=n)
         loss.backward()
         total += float(loss.detach())

@@ -189,7 +189,10 @@ def test_vocabulary_chunks_give_the_full_logits_values_and_gradients(
     vocab = 23
     for dtype, tol in (
         (torch.float64, dict(rtol=1e-12, atol=1e-12)),
-        (torch.float32, dict(rtol=1e-5, atol=1e-6)),
+        # float64 carries the claim; float32 only has to stay within its rounding, which the vocabulary
+        # tiles' other summation order moves by up to ~1e-5 relative depending on the CPU's kernels
+        # (1.5e-6 on a value of 0.14 on an AMD EPYC): 1e-4 and 1e-5 keep ten times that.
+        (torch.float32, dict(rtol=1e-4, atol=1e-5)),
     ):
         s_hidden_NH, s_w_VH, t_hidden_NH, t_w_VH = (
             t.detach().to(dtype).requires_grad_(t.requires_grad) for t in _heads(n_rows=9, vocab=vocab)

@@ -15,7 +15,7 @@ from opdkit.opd import mixture
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import per_token_divergence
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import sampling
+from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
 
 
@@ -61,15 +61,14 @@ def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, 
     r = rollout
     owners = ["big", "small", "small", "big", "small"]
     routed = mixture.RoutedTeacher(teachers)
-    batch = {"input_ids": r.input_ids_BT, "attention_mask": r.attention_mask_BT}
-    batch["completion_mask_BC"], batch["teacher_id"] = r.completion_mask_BC, owners
-    routed.prepare_step([batch])
     args = OPDArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
     )
     trainer = DistillTrainer(
         model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=routed
     )
+    batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids, teacher_ids=owners))
+    trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
     loss = trainer.compute_loss(trainer.model, batch)
     with torch.no_grad():
         s_NV = _completion_logits(_model("tiny:student"), r)
@@ -81,7 +80,7 @@ def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, 
     loss = float(loss.detach())
     # each teacher's metric: the divergence of its own rows' tokens only
     owner_N = [owners[int(b)] for b in row_N]
-    per = trainer.stats.per_teacher.tolist()
+    per = trainer.stats.teacher_sums.tolist()
     for j, tid in enumerate(["big", "small"]):
         mine = torch.tensor([o == tid for o in owner_N])
         assert per[j] == pytest.approx(float(own_N[mine].sum()), rel=1e-5) and per[2 + j] == int(mine.sum())
@@ -143,8 +142,7 @@ def test_the_trainer_with_weighted_teachers_takes_the_weighted_sum_and_logs_each
         output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
     )
     trainer = DistillTrainer(model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=mix)
-    batch = {"input_ids": r.input_ids_BT, "attention_mask": r.attention_mask_BT}
-    batch["completion_mask_BC"] = r.completion_mask_BC
+    batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
     loss = float(trainer.compute_loss(trainer.model, batch).detach())
     n = r.completion_mask_BC.sum()
     with torch.no_grad():
@@ -155,7 +153,7 @@ def test_the_trainer_with_weighted_teachers_takes_the_weighted_sum_and_logs_each
         }
     assert loss == pytest.approx(float((0.7 * d["a"] + 0.3 * d["b"]) / n), rel=1e-5)
     assert abs(d["a"] - d["b"]) > 1e-3 * d["a"]  # the two teachers differ
-    sums = trainer.stats.per_teacher.tolist()
+    sums = trainer.stats.teacher_sums.tolist()
     assert sums[:2] == pytest.approx([d["a"], d["b"]], rel=1e-5) and sums[2:] == [float(n)] * 2
     with pytest.raises(ValueError, match="one weight per teacher id"):
         mixture.WeightedTeachers(teachers, {"a": 1.0})
@@ -175,7 +173,7 @@ def _train(tmp_path, tok, teacher, steps: int, resume: str | None = None) -> Dis
         sample_every=0,
         max_steps=steps,
         per_device_train_batch_size=4,
-        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        rollout_max_new_tokens=task.MAX_COMPLETION_TOKENS,
         logging_steps=1,
         disable_tqdm=True,
         save_strategy="steps",

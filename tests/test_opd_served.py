@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,21 +23,26 @@ from opdkit.models import load_tokenizer
 from opdkit.opd import served
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.head import load_head
+from opdkit.opd.served import teacher as served_teacher
+from opdkit.opd.teachers.base import reads
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import sampling
+from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
 
 
 class StubPoolingServer:
     """A pooling server in a thread: POST /pooling answers each row's final hidden states from `model` (one
     unpadded forward per row) as base64 float32 or JSON floats, GET /v1/models names `name`, POST /tokenize
-    uses `tokenizer`. `fail_next` requests get `fail_status`; `delay_s` delays every /pooling answer."""
+    uses `tokenizer`. `fail_next` requests get `fail_status`; `delay_s` delays every /pooling answer. With
+    `api_key` every request but GET /health needs `Authorization: Bearer <api_key>` (401 without); the
+    Authorization headers received are kept in `authorizations`."""
 
     def __init__(self, model, name: str = "tiny-teacher", tokenizer=None, root: str | None = None):
         self.model, self.name, self.tokenizer, self.root = model, name, tokenizer, root or name
         self.fail_next, self.fail_status, self.delay_s = 0, 503, 0.0
         self.pooling_requests: list[dict] = []
         self.transform = None  # states -> states, to serve something else than the model's final states
+        self.api_key, self.authorizations = "", []
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,7 +57,16 @@ class StubPoolingServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def refused(self) -> bool:
+                stub.authorizations.append(self.headers.get("Authorization", ""))
+                if stub.api_key and stub.authorizations[-1] != f"Bearer {stub.api_key}":
+                    self._send(401, {"error": "Unauthorized"})
+                    return True
+                return False
+
             def do_GET(self):
+                if self.path != "/health" and self.refused():
+                    return
                 if self.path == "/health":
                     self._send(200, {})
                 elif self.path == "/v1/models":
@@ -61,6 +76,8 @@ class StubPoolingServer:
 
             def do_POST(self):
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.refused():
+                    return
                 if stub.fail_next:
                     stub.fail_next -= 1
                     self._send(stub.fail_status, {"error": {"message": "stub failure"}})
@@ -187,6 +204,15 @@ def test_a_failing_server_is_retried_then_one_error_names_the_url(stub):
         client.hidden_states([[1, 2, 3]])
 
 
+def test_the_api_key_in_the_environment_goes_with_every_request(stub, monkeypatch):
+    monkeypatch.delenv(served.API_KEY_ENV, raising=False)
+    _client(stub.url).models()
+    assert stub.authorizations[-1] == ""
+    monkeypatch.setenv(served.API_KEY_ENV, "sekrit")
+    _client(stub.url).models()
+    assert stub.authorizations[-1] == "Bearer sekrit"
+
+
 def test_a_slow_or_absent_server_times_out_into_the_same_error(stub):
     stub.delay_s = 1.0
     client = _client(stub.url, timeout_s=0.2, retries=1)
@@ -263,7 +289,7 @@ def _args(tmp_path) -> OPDArguments:
     return OPDArguments(
         output_dir=str(tmp_path),
         report_to=[],
-        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        rollout_max_new_tokens=task.MAX_COMPLETION_TOKENS,
         beta=1.0,
         use_cpu=True,
         sample_every=0,
@@ -304,14 +330,10 @@ def loss_and_grads(
     trainer: DistillTrainer, r: sampling.Rollout, prepare: bool = False
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss and gradient of one micro-batch through the trainer's `compute_loss`; `prepare`: the teacher
-    gets the rows first (`prepare_step`), as the trainer will once per step."""
-    batch = {
-        "input_ids": r.input_ids_BT,
-        "attention_mask": r.attention_mask_BT,
-        "completion_mask_BC": r.completion_mask_BC,
-    }
+    gets the rows first (`Teacher.prepare`), as the trainer does once per step."""
+    batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
     if prepare:
-        trainer.teacher.prepare_step([batch])
+        trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
@@ -347,14 +369,7 @@ def test_a_micro_batch_waits_only_for_the_requests_holding_its_rows(stub, tok):
     """A prepared step's requests go one at a time here (`in_flight` 1, a slow server): the first
     micro-batch's states come back while the later requests are still on their way."""
     r = _rollout(tok, 6)
-    rows = [
-        {
-            "input_ids": r.input_ids_BT[i : i + 2],
-            "attention_mask": r.attention_mask_BT[i : i + 2],
-            "completion_mask_BC": r.completion_mask_BC[i : i + 2],
-        }
-        for i in (0, 2, 4)
-    ]
+    rows = [reads(source.record_of(r.rows(torch.arange(i, i + 2)), [tok.eos_token_id])) for i in (0, 2, 4)]
     st = served.ServedTeacher(
         _client(stub.url), load_head("tiny:teacher"), "float32", max_request_tokens=1, in_flight=1
     )
@@ -384,6 +399,9 @@ def test_a_local_server_serves_the_teachers_states_on_its_gpus(tmp_path, monkeyp
     assert flags["--served-model-name"] == "Qwen/Qwen3-4B" and flags["--max-model-len"] == "8192"
     assert server.env["CUDA_VISIBLE_DEVICES"] == "6,7" and "--enforce-eager" not in server.command
     assert server.url.startswith("http://127.0.0.1:") and not server.running
+    assert "VLLM_API_KEY" not in server.env or server.env["VLLM_API_KEY"] == os.environ.get("VLLM_API_KEY")
+    keyed = served.local_server("Qwen/Qwen3-4B", tmp_path / "teacher.log", gpus=[6], api_key="k3y-x")
+    assert keyed.env["VLLM_API_KEY"] == "k3y-x" and "k3y-x" not in " ".join(keyed.command)  # its log shows it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         served.local_server("tiny:teacher", tmp_path / "t.log")
@@ -404,7 +422,7 @@ def _training(tmp_path, teacher_model, tok, steps: int) -> DistillTrainer:
     args = OPDArguments(
         output_dir=str(tmp_path),
         report_to=[],
-        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        rollout_max_new_tokens=task.MAX_COMPLETION_TOKENS,
         use_cpu=True,
         sample_every=0,
         save_strategy="no",
@@ -466,21 +484,15 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_toke
             teacher_model=teacher,
             teacher_tokenizer=bpe_tok,
         )
-        assert trainer.crosstok is not None
-        batch = {
-            "input_ids": r.input_ids_BT,
-            "attention_mask": r.attention_mask_BT,
-            "completion_mask_BC": r.completion_mask_BC,
-            **trainer.crosstok.prepare(
-                r.input_ids_BT, r.attention_mask_BT, r.completion_mask_BC, trainer.stop_ids
-            ),
-        }
+        assert trainer.teacher.tokenizer is bpe_tok
+        batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
         if prepared and teacher is not bpe:
-            teacher.prepare_step([batch])
+            trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
-        return float(loss.detach()), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, batch
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        return float(loss.detach()), grads, batch["teacher_rows"]
 
     want_loss, want_grads, batch = run(bpe, "local")
     with StubPoolingServer(bpe, tokenizer=bpe_tok) as stub:
@@ -501,4 +513,27 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_toke
 def test_prepare_step_keeps_a_cross_tokenizer_rows_states_from_its_first_predicting_position():
     attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
     pred = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]]).bool()
-    assert served._first_rows(pred, attn) == [1, 1, 0]
+    assert served_teacher._first_rows(pred, attn) == [1, 1, 0]
+
+
+def test_the_client_sends_the_key_from_the_environment_and_a_wrong_one_is_one_line(stub, monkeypatch):
+    """`OPDKIT_TEACHER_API_KEY`: `Authorization: Bearer <key>` on every request; a server that refuses the
+    key (401) is one `TeacherServerError` line naming the variable, without retries; https URLs are taken."""
+    stub.api_key = "sk-right"
+    try:
+        monkeypatch.delenv(served.API_KEY_ENV, raising=False)
+        with pytest.raises(
+            served.TeacherServerError, match=r"refused the request \(401.*OPDKIT_TEACHER_API_KEY"
+        ):
+            served.ServerClient(stub.url, retries=3, backoff_s=10.0).models()  # no backoff: no retry
+        monkeypatch.setenv(served.API_KEY_ENV, "sk-wrong")
+        with pytest.raises(served.TeacherServerError, match="which is not this one") as e:
+            served.ServerClient(stub.url, retries=0).models()
+        assert "sk-wrong" not in str(e.value) and "\n" not in str(e.value)
+        monkeypatch.setenv(served.API_KEY_ENV, "sk-right")
+        stub.authorizations.clear()
+        assert served.ServerClient(stub.url).models()[0]["id"] == stub.name
+        assert stub.authorizations == ["Bearer sk-right"]
+    finally:
+        stub.api_key = ""
+    assert served.ServerClient("https://teacher.example:8443/").url == "https://teacher.example:8443"

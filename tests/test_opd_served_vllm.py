@@ -126,7 +126,7 @@ def _trainer(tmp_path, teacher_model, tok, max_steps: int = 1, cls=DistillTraine
     args = OPDArguments(
         output_dir=str(tmp_path),
         report_to=[],
-        max_new_tokens=task.MAX_COMPLETION_TOKENS,
+        rollout_max_new_tokens=task.MAX_COMPLETION_TOKENS,
         beta=1.0,
         use_cpu=True,
         sample_every=0,
@@ -259,12 +259,11 @@ def test_topk_from_prompt_logprobs_is_the_teachers_and_its_error_against_exact_f
 class _FirstStepInputs(DistillTrainer):
     """Keeps the first step's micro-batches (what the loss was computed on, before any update)."""
 
-    seen: list[dict]
+    seen: list
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         if self.state.global_step == 0:
-            keys = ("input_ids", "attention_mask", "completion_mask_BC")
-            self.seen.append({k: inputs[k].detach().clone() for k in keys})
+            self.seen.append(inputs["record"])
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
@@ -285,18 +284,18 @@ def test_the_trainer_with_teacher_logprobs_topk_trains_on_the_topk_divergence(tm
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")).eval()
     total, tokens = 0.0, 0
     for mb in trainer.seen:
-        ids_BT, attn_BT, comp_BC = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
-        prompt_len = ids_BT.shape[1] - comp_BC.shape[1]
+        ids_BT, attn_BT, loss_BT = mb.input_ids_BT, mb.attention_mask_BT, mb.loss_mask_BT
         for b in range(ids_BT.shape[0]):
             first = int(attn_BT[b].nonzero()[0])
             row = ids_BT[b][attn_BT[b].bool()].tolist()
-            at = torch.tensor([prompt_len - 1 + j - first for j in comp_BC[b].nonzero().squeeze(1).tolist()])
+            # the unpadded state before each sampled token predicts it
+            at = torch.tensor([t - 1 - first for t in loss_BT[b].nonzero().squeeze(1).tolist()])
             with torch.no_grad():
                 s_NV = student(input_ids=torch.tensor([row])).logits[0, at]
             ((ids_TK, logp_TK),) = client.topk([row], k)
             total += float(topk.topk_divergence(s_NV, ids_TK[at], logp_TK[at], beta=1.0).sum())
             tokens += len(at)
-    assert tokens == sum(int(mb["completion_mask_BC"].sum()) for mb in trainer.seen) > 0
+    assert tokens == sum(int(mb.loss_mask_BT.sum()) for mb in trainer.seen) > 0
     # the server's log-probabilities of a row asked alone against within the step's batch: ~1e-6
     assert losses[0] == pytest.approx(total / tokens, rel=1e-4), (losses[0], total / tokens)
 
@@ -306,12 +305,12 @@ ONE_STEP = dict(
     max_steps=1,
     eval_size=0,
     sample_every=0,
-    save_steps=0,
+    checkpoint_every=0,
     max_grad_norm=0.0,
-    gen_temperature=0.001,
+    rollout_temperature=0.001,
     subset_size=16,
     per_device_train_batch_size=8,
-    max_new_tokens=16,
+    rollout_max_new_tokens=16,
 )
 
 
@@ -400,7 +399,9 @@ def test_whitebox_with_a_local_teacher_server_starts_and_stops_it(tmp_path):
     from opdkit.jobs import whitebox
     from opdkit.run.server import is_up
 
-    over = dict(max_steps=1, eval_size=0, sample_every=0, save_steps=0, subset_size=8, max_new_tokens=8)
+    over = dict(
+        max_steps=1, eval_size=0, sample_every=0, checkpoint_every=0, subset_size=8, rollout_max_new_tokens=8
+    )
     over |= {"teacher_server": "local", "teacher_server_dtype": "float32", "run_dir": str(tmp_path / "r")}
     url = whitebox.run("tiny", over).read_summary()["teacher_server"]
     assert url.startswith("http://127.0.0.1:") and not is_up(url)
@@ -411,7 +412,14 @@ def test_whitebox_with_teacher_logprobs_topk_runs_against_a_generation_server(tm
     run trains with a finite loss, and its steps and summary say the divergence is approximate."""
     from opdkit.jobs import whitebox
 
-    over = dict(max_steps=2, eval_size=0, sample_every=0, save_steps=0, subset_size=16, max_new_tokens=16)
+    over = dict(
+        max_steps=2,
+        eval_size=0,
+        sample_every=0,
+        checkpoint_every=0,
+        subset_size=16,
+        rollout_max_new_tokens=16,
+    )
     over |= {"teacher_server": generation.url, "teacher_logprobs": "topk:20", "run_dir": str(tmp_path / "r")}
     run = whitebox.run("tiny", over)
     steps = [r for r in run.read_jsonl() if "loss" in r]

@@ -28,7 +28,7 @@ def test_a_trained_distill_trainer_is_freed_without_a_garbage_collection(tmp_pat
         save_strategy="no",
         max_steps=1,
         per_device_train_batch_size=2,
-        max_new_tokens=4,
+        rollout_max_new_tokens=4,
         disable_tqdm=True,
         remove_unused_columns=False,
     )

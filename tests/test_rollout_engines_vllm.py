@@ -29,15 +29,16 @@ from opdkit.models import load_tokenizer  # noqa: E402
 from opdkit.opd.callbacks import GradientDump  # noqa: E402
 from opdkit.opd.loss import generalized_jsd
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
-from opdkit.rollout import engines, sampling
+from opdkit.rollout import engines, sampling, vllm_engine
 from opdkit.rollout import greedy as evaluate
+from opdkit.run.lifecycle import RunFailed
 from opdkit.tasks.evaluate import completion_budget
 
 pytestmark = pytest.mark.vllm
 
 MEMORY = 0.04  # on CPU a share of RAM; the tiny models need a few hundred MB
 VLLM = dict(
-    rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, save_steps=0
+    rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, checkpoint_every=0
 )
 
 
@@ -118,7 +119,7 @@ def test_a_sync_puts_the_students_weights_in_and_a_missed_tensor_trips_the_check
     for vLLM versions without it: greedy tokens equal the HF loop's on the synced weights and the gap is
     at rounding; a sync that leaves one tensor out samples from other weights, which `check_sync` stops."""
     if path == "reload_weights":
-        monkeypatch.setattr(engines, "_layerwise_reload", lambda: None)
+        monkeypatch.setattr(vllm_engine, "_layerwise_reload", lambda: None)
     engine = engines.make_engine(
         "vllm", model_path=tiny.resolve("tiny:student"), gpu_memory_utilization=MEMORY, max_model_len=128
     )
@@ -133,10 +134,10 @@ def test_a_sync_puts_the_students_weights_in_and_a_missed_tensor_trips_the_check
     assert gap / n < 1e-5
     engines.check_sync(gap, n, "float32", step=1)
 
-    real = engines.gathered_weights
+    real = vllm_engine.gathered_weights
     missed = "model.layers.0.mlp.down_proj.weight"
     monkeypatch.setattr(
-        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+        vllm_engine, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
     )
     engine.sync(perturbed(student, seed=2))
     gap, n = engines.logprob_gap(student, engine.sample(None, ids, mask, greedy(tok), seed=0))
@@ -147,14 +148,16 @@ def test_a_sync_puts_the_students_weights_in_and_a_missed_tensor_trips_the_check
 def test_a_run_whose_sync_misses_a_tensor_stops_before_training_on_its_samples(tmp_path, monkeypatch):
     """Step 1 samples from the weights the engine loaded from the student's folder (the broken sync changes
     nothing yet); step 2's engine misses the update of one tensor, and the run stops before step 2 trains."""
-    real = engines.gathered_weights
+    real = vllm_engine.gathered_weights
     missed = "model.embed_tokens.weight"
     monkeypatch.setattr(
-        engines, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
+        vllm_engine, "gathered_weights", lambda m, dtype: ((k, t) for k, t in real(m, dtype) if k != missed)
     )
     over = {**VLLM, "max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 1e-2}
-    with pytest.raises(engines.WeightSyncError, match=r"step 2: .* the weight sync is wrong"):
+    # The run stops with its one line (`lifecycle.RunFailed`), the engine's error behind it.
+    with pytest.raises(RunFailed, match=r"step 2: .* the weight sync is wrong") as stop:
         whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "r")})
+    assert isinstance(stop.value.__cause__, engines.WeightSyncError)
     rows = [json.loads(r) for r in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if r]
     assert [r["step"] for r in rows if "loss" in r] == [1]
 
@@ -225,7 +228,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
             **VLLM,
             "run_dir": str(tmp_path / "r"),
             "max_steps": 3,
-            "save_steps": 1,
+            "checkpoint_every": 1,
             "save_total_limit": 3,
             "per_device_train_batch_size": 16,
             "learning_rate": 3e-3,
@@ -233,7 +236,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
     )
     gaps = [r["engine_logprob_gap"] for r in run.read_jsonl()]
     assert len(gaps) == 3 and all(g < 1e-3 for g in gaps), gaps
-    engine = rec.trainers[0]._engine
+    engine = rec.trainers[0].engine()
     assert engine.syncs == 3
     before_step3 = AutoModelForCausalLM.from_pretrained(run.path / "checkpoints" / "checkpoint-2")
     got = engine.sample(None, prompts["prompts"], prompts["prompt_attention_mask"], greedy(tok), seed=0)
@@ -247,7 +250,7 @@ def test_after_k_steps_the_engine_holds_the_students_weights(tmp_path, monkeypat
 
 
 def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path, monkeypatch):
-    """With vLLM the student's greedy accuracy before, while (eval_steps) and after training is decoded by
+    """With vLLM the student's greedy accuracy before, while (eval_every) and after training is decoded by
     the trainer's engine, synced with the weights measured each time: its completions, and so the
     accuracies, equal the kit's loop on the same weights, read back from the run's folders."""
     rec, decoded = _Recorder(monkeypatch), []
@@ -263,18 +266,18 @@ def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path,
     over = {
         **VLLM,
         "max_steps": 3,
-        "save_steps": 1,
+        "checkpoint_every": 1,
         "save_total_limit": 3,
         "per_device_train_batch_size": 16,
         "learning_rate": 3e-3,
         "eval_size": 48,
-        "eval_steps": 2,
-        "eval_steps_size": 32,
+        "eval_every": 2,
+        "eval_every_size": 32,
     }
     run = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "r")})
     summary, rows = run.read_summary(), run.read_jsonl()
     assert summary["accuracy_precision"] == "student vLLM float32, teacher fp32"
-    assert rec.trainers[0]._engine.syncs == 1 + 3 + 1 + 1, "before, each step, at step 2, after"
+    assert rec.trainers[0].engine().syncs == 1 + 3 + 1 + 1, "before, each step, at step 2, after"
     prep = whitebox.prepare("tiny", over)
     folders = [tiny.resolve("tiny:student"), run.path / "checkpoints" / "checkpoint-2", run.path / "model"]
     limits = [None, 32, None]
@@ -301,17 +304,11 @@ def direct_gradient(run_path: Path) -> dict[str, torch.Tensor]:
     for mb in [
         mb for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")) for mb in torch.load(f)
     ]:
-        ids, attn, comp = mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]
-        pos, P = sampling.position_ids_from_mask(attn), ids.shape[1] - comp.shape[1]
-        s_rows.append(
-            student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][comp.bool()]
-        )
+        ids, attn = mb["input_ids"], mb["attention_mask"]
+        pos, sel = sampling.position_ids_from_mask(attn), mb["loss_mask_BT"].bool()[:, 1:]  # t predicts t+1
+        s_rows.append(student(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1][sel])
         with torch.no_grad():
-            t_rows.append(
-                teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1][
-                    comp.bool()
-                ]
-            )
+            t_rows.append(teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1][sel])
     generalized_jsd(torch.cat(s_rows), torch.cat(t_rows), beta=1.0).backward()
     return {n: p.grad for n, p in student.named_parameters()}
 
@@ -347,7 +344,13 @@ def test_the_gradient_given_the_sampled_tokens_does_not_depend_on_the_engine(tmp
 def test_a_resumed_run_syncs_before_its_first_rollout(tmp_path, monkeypatch):
     """The engine starts from the student's folder; without a sync the resumed steps would sample from the
     untrained student and their gap would be far above rounding."""
-    over = {**VLLM, "max_steps": 4, "save_steps": 2, "per_device_train_batch_size": 16, "learning_rate": 3e-3}
+    over = {
+        **VLLM,
+        "max_steps": 4,
+        "checkpoint_every": 2,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+    }
     unbroken = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "unbroken")})
     with pytest.raises(Interrupted):
         whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken")}, callbacks=[InterruptAt(3)])
@@ -355,7 +358,7 @@ def test_a_resumed_run_syncs_before_its_first_rollout(tmp_path, monkeypatch):
     resumed = whitebox.run("tiny", {**over, "run_dir": str(tmp_path / "broken"), "resume": True})
     a, b = unbroken.read_jsonl(), resumed.read_jsonl()
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert rec.trainers[0]._engine.syncs == 2
+    assert rec.trainers[0].engine().syncs == 2
     for ra, rb in zip(a, b):
         assert rb["engine_logprob_gap"] < 1e-3, rb
         for key in ("loss", "completion_length"):
@@ -375,7 +378,7 @@ def test_tiny_opd_through_vllm_lifts_the_student(tmp_path):
     )
     s = run.read_summary()
     assert s["student_accuracy_after"] - s["student_accuracy_before"] >= 0.40, s
-    steps = [r for r in run.read_jsonl() if "loss" in r]  # (eval_steps rows carry eval_accuracy alone)
+    steps = [r for r in run.read_jsonl() if "loss" in r]  # (eval_every rows carry eval_accuracy alone)
     assert steps and max(r["engine_logprob_gap"] for r in steps) < 1e-3
 
 
@@ -411,7 +414,7 @@ def test_two_gloo_processes_with_an_engine_each_neither_hang_nor_change_the_grad
         for mb in torch.load(f)
     ]
     assert len(rows) == 4
-    lengths = {int(mb["completion_mask_BC"].sum(1).max()) for mb in rows}
+    lengths = {int(mb["loss_mask_BT"].sum(1).max()) for mb in rows}
     assert len(lengths) > 1, "the ranks' micro-batches should end at different lengths"
     assert_grads_close(torch.load(tmp_path / "two.pt"), direct_gradient(tmp_path / "two"))
     records = [json.loads(r) for r in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines() if r]
@@ -429,7 +432,7 @@ def test_one_and_two_gloo_processes_with_engines_sample_the_same_and_make_the_sa
         "max_grad_norm": 0.0,
         "save_rollouts": True,
         "subset_size": 64,
-        "gen_temperature": 1.0,
+        "rollout_temperature": 1.0,
         "per_device_train_batch_size": 2,
         "global_batch_size": 8,
     }
@@ -452,11 +455,8 @@ def test_one_and_two_gloo_processes_with_engines_sample_the_same_and_make_the_sa
         rows = []
         for f in sorted((run / "rollouts").glob("step000001-rank*.pt")):
             for mb in torch.load(f):
-                P = mb["input_ids"].shape[1] - mb["completion_mask_BC"].shape[1]
-                for ids, attn, comp in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask_BC"]):
-                    rows.append(
-                        (tuple(ids[:P][attn[:P].bool()].tolist()), tuple(ids[P:][comp.bool()].tolist()))
-                    )
+                for ids, attn, m in zip(mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()):
+                    rows.append((tuple(ids[attn.bool() & ~m].tolist()), tuple(ids[m].tolist())))
         return sorted(rows)
 
     one, two = sampled(tmp_path / "one"), sampled(tmp_path / "two")
@@ -472,7 +472,7 @@ import psutil, torch
 import torch.distributed as dist
 torch.set_num_threads(1)
 from opdkit import tiny
-from opdkit.rollout import engines
+from opdkit.rollout import engines, vllm_engine
 from opdkit.jobs import whitebox
 
 def rss():
@@ -480,7 +480,7 @@ def rss():
 
 def run(name, over):
     whitebox.run("tiny", {**over, "run_dir": tempfile.mkdtemp() + "/" + name})
-    return {"rss": rss(), "default_group": dist.is_initialized(), "live": len(engines._PROCESS.live)}
+    return {"rss": rss(), "default_group": dist.is_initialized(), "live": len(vllm_engine._PROCESS.live)}
 
 if __name__ == "__main__":
     over = json.loads(sys.argv[1])
@@ -607,7 +607,7 @@ def test_sleep_mode_drops_the_engine_after_each_rollout_and_each_sync_wakes_it(m
     calls: list[str] = []
     engine = engines.VLLMEngine(model_path=tiny.resolve("tiny:student"), sleep=True)
     engine._llm = _SleepyLLM(calls)
-    monkeypatch.setattr(engines, "_on_cpu", lambda: False)
+    monkeypatch.setattr(vllm_engine, "_on_cpu", lambda: False)
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     n = len(list(model.named_parameters()))
     ids, mask = prompts["prompts"], prompts["prompt_attention_mask"]

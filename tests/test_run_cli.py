@@ -29,6 +29,8 @@ class ToyConfig(RunFields):
 @pytest.fixture(autouse=True)
 def _rank_zero(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
+    # The toy job has no presets in params/: its settings are the overrides (the jobs' own: test_settings.py).
+    monkeypatch.setattr("opdkit.run.cli.load_config", lambda cls, mode, overrides: cls(**overrides))
 
 
 def test_set_values_are_read_as_yaml():
@@ -110,7 +112,10 @@ def job_cli(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
 @pytest.mark.parametrize(
     "settings,message",
     [
-        (["bogus=1"], "error: unknown parameter 'bogus' in the parameters."),
+        (
+            ["bogus=1"],
+            "error: unknown setting 'bogus' for whitebox; python -m opdkit.whitebox --help lists them.",
+        ),
         (["beta=2"], "error: beta=2.0 is above its maximum 1.0"),
         (
             ["global_batch_size=6", "per_device_train_batch_size=4"],
@@ -135,7 +140,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, settings, message):
 def test_debug_shows_the_traceback(tmp_path):
     proc, _ = job_cli("--set", "bogus=1", "--debug", cwd=tmp_path)
     assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "ConfigError: unknown parameter 'bogus'" in proc.stderr
+    assert "Traceback" in proc.stderr and "ConfigError: unknown setting 'bogus'" in proc.stderr
 
 
 def test_only_bad_input_is_shortened(capsys):

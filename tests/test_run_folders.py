@@ -83,6 +83,37 @@ def test_resume_refuses_other_settings_and_takes_the_same_ones(tmp_path):
     assert again.path == first.path and again.read_jsonl() == [{"step": 1}]
 
 
+@dataclass
+class RenamedConfig(RunFields):
+    trace_batch_size: int = 64
+    rollout_max_new_tokens: int = 1024
+
+
+def test_a_run_saved_under_old_setting_names_reads_and_resumes_under_the_new_ones(tmp_path):
+    """A config.yaml written before a rename (`config.RENAMED`): read under today's names, an old name that
+    split going to each of its new names, and a resume with the same values is taken."""
+    first = RunDir.create(RenamedConfig(run_dir=str(tmp_path / "run")), job="toy", mode="tiny")
+    saved = yaml.safe_load((first.path / "config.yaml").read_text())
+    old = {k: v for k, v in saved.items() if k not in ("trace_batch_size", "rollout_max_new_tokens")}
+    old |= {"gen_batch_size": 8, "max_new_tokens": 40}
+    (first.path / "config.yaml").write_text(yaml.safe_dump(old))
+    config = first.read_config("toy")
+    assert "gen_batch_size" not in config and "max_new_tokens" not in config
+    assert (config["trace_batch_size"], config["rollout_max_new_tokens"], config["trace_max_new_tokens"]) == (
+        8,
+        40,
+        40,
+    )
+    again = RenamedConfig(run_dir=str(first.path), resume=True, trace_batch_size=8, rollout_max_new_tokens=40)
+    assert RunDir.create(again, job="toy", mode="tiny").path == first.path
+    with pytest.raises(ConfigError, match=r"differ from the run .*\['trace_batch_size'\]"):
+        RunDir.create(
+            RenamedConfig(run_dir=str(first.path), resume=True, rollout_max_new_tokens=40),
+            job="toy",
+            mode="tiny",
+        )
+
+
 def test_logs_are_cut_back_to_the_checkpoint_a_resumed_run_continues_from(tmp_path):
     run = RunDir(tmp_path)
     for step in (1, 2, 3, 4):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def test_forked_ranks_can_convert_weights_in_threads(tmp_path):
     """transformers loads weights by converting dtypes in a thread pool; in a process forked from one
@@ -70,3 +72,32 @@ def test_a_cpu_launch_says_it_runs_on_the_cpu(tmp_path):
     assert "launching 2 processes on the CPU (gloo)" in proc.stdout
     assert "CUDA" not in proc.stdout + proc.stderr
     assert proc.stdout.count("rank ran") == 2
+
+
+def test_a_rank_that_fails_in_a_known_way_says_one_line_and_keeps_its_traceback(tmp_path, monkeypatch, capfd):
+    """A launched rank's failure the kit knows (`RunFailure`) is one line on stderr, a bug its traceback; both
+    tracebacks are kept in errors/rank<N>.txt."""
+    from opdkit.config import RunFailure
+    from opdkit.run import launch
+
+    class ServerGone(RunFailure, RuntimeError):
+        pass
+
+    monkeypatch.setattr(launch, "_rebuild_thread_pool_after_fork", lambda: None)
+    monkeypatch.setenv("RANK", "1")
+    for exc, rank_line in [
+        (ServerGone("the teacher's server\nstopped"), "error: the teacher's server stopped"),
+        (ZeroDivisionError("a bug"), "Traceback (most recent call last):"),
+    ]:
+
+        def fail(exc=exc):
+            raise exc
+
+        with pytest.raises(type(exc)):
+            launch._Traced(fail, tmp_path / "errors")()
+        err = capfd.readouterr().err.splitlines()
+        assert err[:2] == ["[rank 1] failed:", rank_line]
+        assert (
+            (tmp_path / "errors" / "rank1.txt").read_text().startswith("Traceback (most recent call last):")
+        )
+        assert type(exc).__name__ in (tmp_path / "errors" / "rank1.txt").read_text()

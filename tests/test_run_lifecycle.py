@@ -1,9 +1,11 @@
 """opdkit.run.lifecycle on a toy job: the dry run, the plan's verdict before any folder, the run folder and
 its plan, the one in-process launch, the summary and the tracker, a failing process, a run with nothing left
-to run, the refusal of torchrun for a job that spreads itself, and `gen_batch_size: 0` fitted to the plan."""
+to run, the refusal of torchrun for a job that spreads itself, and `trace_batch_size: 0` fitted to the
+plan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,9 +31,9 @@ TEACHER = ModelShape.from_config("tiny:teacher")
 class ToyConfig(RunFields):
     job = "toy"  # a plain class attribute, as RunFields.job: not a field
 
-    gen_batch_size: int = 4
+    trace_batch_size: int = 4
     max_prompt_length: int = 8
-    max_new_tokens: int = 8
+    trace_max_new_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,12 @@ def toy_stages(prep: ToyPrep, budget: float | None) -> dict[str, Stage]:
     cfg = prep.cfg
     return {
         "decode": Stage(
+            bf16=True,
             teacher=TEACHER,
             sampler="teacher",
-            gen_batch_size=cfg.gen_batch_size,
+            sampled_rows=cfg.trace_batch_size,
             prompt_len=cfg.max_prompt_length,
-            completion_len=cfg.max_new_tokens,
+            completion_len=cfg.trace_max_new_tokens,
         )
     }
 
@@ -149,11 +152,11 @@ def test_plan_job_gives_vllm_its_share_of_the_visible_card(tmp_path, monkeypatch
     def stages(prep, budget):
         return {"decode": dataclasses.replace(toy_stages(prep, budget)["decode"], rollout_engine="vllm")}
 
-    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: 141.0)
+    monkeypatch.setattr(memory.device, "visible_gpu_memory_gb", lambda: 141.0)
     _, on_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
     assert on_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 141e9)
     assert on_card.plan.row("reserve").bytes == 4e9  # 5 % of the 80 GB budget
-    monkeypatch.setattr(memory, "visible_gpu_memory_gb", lambda: None)
+    monkeypatch.setattr(memory.device, "visible_gpu_memory_gb", lambda: None)
     _, no_card = lifecycle.plan_job(toy_job(Calls(), stages=stages), prep)
     assert no_card.plan.row("rollout engine (vllm)").bytes == int(0.3 * 80e9)
 
@@ -167,7 +170,8 @@ def test_a_run_writes_its_folder_runs_the_process_here_once_then_summarizes_and_
     run = lifecycle.run_job(toy_job(calls), prepared=prep, callbacks=["cb"])
     assert run.path == tmp_path / "run" and run.writer
     config = yaml.safe_load((run.path / "config.yaml").read_text())
-    assert (config["job"], config["mode"], config["seed"], config["gen_batch_size"]) == ("toy", "tiny", 7, 4)
+    assert (config["job"], config["mode"], config["seed"]) == ("toy", "tiny", 7)
+    assert config["trace_batch_size"] == 4
     expected = memory.plan_job(toy_stages(prep, 3.0), 3.0).to_dict()
     assert json.loads((run.path / memory.PLAN_FILE).read_text()) == json.loads(json.dumps(expected))
     [(pid, got, path, extra, kwargs)] = calls.named("process")
@@ -211,6 +215,57 @@ def test_a_failing_process_marks_the_summary_and_the_error_goes_on_up(tmp_path):
     assert calls.named("summarize") == [] and calls.named("track") == []
 
 
+def around_hook(calls: Calls):
+    """A job's `around` that records its entry and exit and hands the run a prepared run of its own (as a
+    server it started would: another seed stands for the server's URL)."""
+
+    @contextlib.contextmanager
+    def around(prep: ToyPrep):
+        calls.log.append(("enter", prep))
+        inside = dataclasses.replace(prep, cfg=dataclasses.replace(prep.cfg, seed=prep.cfg.seed + 100))
+        try:
+            yield inside
+        finally:
+            calls.log.append(("exit", inside))
+
+    return around
+
+
+def test_what_lives_around_a_run_is_entered_before_its_folder_and_left_after_its_summary(tmp_path):
+    calls = Calls()
+    prep = toy_prep(tmp_path, seed=7)
+    run = lifecycle.run_job(toy_job(calls, around=around_hook(calls)), prepared=prep)
+    assert [n for n, _ in calls.log] == ["enter", "process", "summarize", "track", "exit"]
+    [(_, inside, _, _, _)] = calls.named("process")
+    assert calls.named("enter") == [prep] and inside.cfg.seed == 107  # the run uses what `around` yielded
+    assert yaml.safe_load((run.path / "config.yaml").read_text())["seed"] == 107
+
+
+def test_what_lives_around_a_run_is_left_when_the_run_fails(tmp_path):
+    calls = Calls()
+
+    def process(prep, run, *extra, **kwargs):
+        calls.log.append(("process", prep))
+        raise RuntimeError("the run failed")
+
+    job = toy_job(calls, process=process, around=around_hook(calls))
+    with pytest.raises(RuntimeError, match="the run failed"):
+        lifecycle.run_job(job, prepared=toy_prep(tmp_path))
+    assert [n for n, _ in calls.log] == ["enter", "process", "exit"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"].startswith("failed")
+
+
+def test_nothing_is_entered_around_a_dry_run(tmp_path):
+    calls = Calls()
+    assert (
+        lifecycle.run_job(
+            toy_job(calls, around=around_hook(calls)), prepared=toy_prep(tmp_path, dry_run=True)
+        )
+        is None
+    )
+    assert calls.log == []
+
+
 @pytest.mark.parametrize("keeps_going", [False, True])
 def test_a_dead_rank_ends_the_run_unless_the_job_keeps_going(tmp_path, keeps_going):
     calls = Calls()
@@ -220,8 +275,11 @@ def test_a_dead_rank_ends_the_run_unless_the_job_keeps_going(tmp_path, keeps_goi
 
     job = toy_job(calls, process=process, keeps_going=keeps_going)
     if not keeps_going:
-        with pytest.raises(RankFailed):
+        with pytest.raises(
+            lifecycle.RunFailed, match=r"^1 rank\(s\) failed in 2-process run: out of memory;"
+        ) as e:
             lifecycle.run_job(job, prepared=toy_prep(tmp_path))
+        assert isinstance(e.value.__cause__, RankFailed)
         assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {
             "status": "failed: RankFailed: out of memory"
         }
@@ -259,7 +317,7 @@ def test_a_forked_process_prepares_its_own_copy_from_the_resolved_config(tmp_pat
     """What a process launched by `launch` runs when it was handed no prepared run."""
     calls = Calls()
     job = toy_job(calls)
-    cfg = toy_prep(tmp_path, gen_batch_size=9).cfg
+    cfg = toy_prep(tmp_path, trace_batch_size=9).cfg
     (tmp_path / "run").mkdir()
     lifecycle.run_process(job, dataclasses.asdict(cfg), "sanity", str(tmp_path / "run"), None, ("x",), {})
     [(made, mode)] = calls.named("prepare")
@@ -276,18 +334,20 @@ def toy_presets(tmp_path, monkeypatch) -> Path:
     """params/toy/tiny.yaml in a temporary folder, which `prepare_job` reads."""
     params = tmp_path / "params"
     (params / "toy").mkdir(parents=True)
-    (params / "toy" / "tiny.yaml").write_text("gen_batch_size: 6\nmax_new_tokens: 12\n")
+    (params / "toy" / "tiny.yaml").write_text("trace_batch_size: 6\ntrace_max_new_tokens: 12\n")
     monkeypatch.setattr(lifecycle, "load_config", functools.partial(load_config, params_dir=params))
     return params
 
 
 def test_prepare_job_reads_the_preset_and_the_overrides(tmp_path, toy_presets):
     calls = Calls()
-    prep = lifecycle.prepare_job(toy_job(calls), "tiny", {"max_new_tokens": 20, "seed": 3})
-    assert (prep.cfg.gen_batch_size, prep.cfg.max_new_tokens, prep.cfg.seed) == (6, 20, 3)
+    prep = lifecycle.prepare_job(toy_job(calls), "tiny", {"trace_max_new_tokens": 20, "seed": 3})
+    assert (prep.cfg.trace_batch_size, prep.cfg.trace_max_new_tokens, prep.cfg.seed) == (6, 20, 3)
     assert prep.mode == "tiny" and calls.named("prepare") == [(prep.cfg, "tiny")]
-    with pytest.raises(ConfigError, match="unknown parameter 'max_new_token'"):
-        lifecycle.prepare_job(toy_job(calls), "tiny", {"max_new_token": 20})
+    with pytest.raises(
+        ConfigError, match="unknown setting 'trace_max_new_token' for toy; did you mean trace_max_new_tokens"
+    ):
+        lifecycle.prepare_job(toy_job(calls), "tiny", {"trace_max_new_token": 20})
 
 
 def test_a_run_that_prepares_itself_shows_its_first_example(tmp_path, toy_presets, capsys):
@@ -298,7 +358,7 @@ def test_a_run_that_prepares_itself_shows_its_first_example(tmp_path, toy_preset
         {"run_dir": str(tmp_path / "run"), "num_processes": 1, "plan_gpu_memory_gb": 3.0},
     )
     assert "first example: 1+1" in capsys.readouterr().out
-    assert yaml.safe_load((run.path / "config.yaml").read_text())["gen_batch_size"] == 6
+    assert yaml.safe_load((run.path / "config.yaml").read_text())["trace_batch_size"] == 6
 
 
 # ---- the run folder under a launcher, and a failure's mark ---------------------------------------------
@@ -330,48 +390,129 @@ def test_mark_failed_keeps_what_was_written_and_says_why_in_one_line(tmp_path):
     assert run.read_summary() == summary
 
 
-# ---- gen_batch_size 0: the largest batch the plan allows -----------------------------------------------
+# ---- trace_batch_size 0: the largest batch the plan allows -----------------------------------------------
 
 
-def test_gen_batch_size_zero_needs_a_budget(tmp_path):
-    prep = toy_prep(tmp_path, gen_batch_size=0)
+def test_trace_batch_size_zero_needs_a_budget(tmp_path):
+    prep = toy_prep(tmp_path, trace_batch_size=0)
     with pytest.raises(ConfigError, match="needs the kit's loop"):
-        lifecycle.fit_gen_batch(prep, None, toy_stages(prep, None))
+        lifecycle.fit_trace_batch(prep, None, toy_stages(prep, None))
     vllm = {"decode": dataclasses.replace(toy_stages(prep, 1.0)["decode"], rollout_engine="vllm")}
     with pytest.raises(ConfigError, match="rollout_engine=hf"):
-        lifecycle.fit_gen_batch(prep, 1.0, vllm)
+        lifecycle.fit_trace_batch(prep, 1.0, vllm)
 
 
-def test_gen_batch_size_zero_becomes_the_largest_batch_that_fits(tmp_path):
-    prep = toy_prep(tmp_path, gen_batch_size=0)
+def test_trace_batch_size_zero_becomes_the_largest_batch_that_fits(tmp_path):
+    prep = toy_prep(tmp_path, trace_batch_size=0)
     budget = 2.05  # 0.05 GB beside the 2 GB reserve
     stages = toy_stages(prep, budget)
     longer = {**stages, "long": dataclasses.replace(stages["decode"], completion_len=64)}
-    fitted = lifecycle.fit_gen_batch(prep, budget, longer)
+    fitted = lifecycle.fit_trace_batch(prep, budget, longer)
     largest = min(memory.largest_batch(s, budget) for s in longer.values())
-    assert fitted.cfg.gen_batch_size == largest
+    assert fitted.cfg.trace_batch_size == largest
     assert 1 < largest < memory.largest_batch(stages["decode"], budget)  # the longer stage decides
-    assert prep.cfg.gen_batch_size == 0  # the caller's prepared run is left alone
-    assert not memory.plan(dataclasses.replace(longer["long"], gen_batch_size=largest + 1), budget).fits
+    assert prep.cfg.trace_batch_size == 0  # the caller's prepared run is left alone
+    assert not memory.plan(dataclasses.replace(longer["long"], sampled_rows=largest + 1), budget).fits
     with pytest.raises(ConfigError, match="not even one sequence"):
-        lifecycle.fit_gen_batch(prep, 1e-4, stages)
+        lifecycle.fit_trace_batch(prep, 1e-4, stages)
 
 
 def test_a_batch_size_that_was_given_is_left_alone(tmp_path):
-    prep = toy_prep(tmp_path, gen_batch_size=3)
-    assert lifecycle.fit_gen_batch(prep, None, toy_stages(prep, None)) is prep
+    prep = toy_prep(tmp_path, trace_batch_size=3)
+    assert lifecycle.fit_trace_batch(prep, None, toy_stages(prep, None)) is prep
 
 
 def test_a_run_plans_and_runs_with_what_fit_decided(tmp_path):
     calls = Calls()
 
     def fit(prep, budget):
-        return lifecycle.fit_gen_batch(prep, budget, toy_stages(prep, budget))
+        return lifecycle.fit_trace_batch(prep, budget, toy_stages(prep, budget))
 
-    run = lifecycle.run_job(toy_job(calls, fit=fit), prepared=toy_prep(tmp_path, gen_batch_size=0))
-    largest = memory.largest_batch(toy_stages(toy_prep(tmp_path, gen_batch_size=0), 3.0)["decode"], 3.0)
+    run = lifecycle.run_job(toy_job(calls, fit=fit), prepared=toy_prep(tmp_path, trace_batch_size=0))
+    largest = memory.largest_batch(toy_stages(toy_prep(tmp_path, trace_batch_size=0), 3.0)["decode"], 3.0)
     [(_, prep, _, _, _)] = calls.named("process")
-    assert prep.cfg.gen_batch_size == largest > 0
-    assert yaml.safe_load((run.path / "config.yaml").read_text())["gen_batch_size"] == largest
+    assert prep.cfg.trace_batch_size == largest > 0
+    assert yaml.safe_load((run.path / "config.yaml").read_text())["trace_batch_size"] == largest
     plan = json.loads((run.path / memory.PLAN_FILE).read_text())
     assert plan == json.loads(memory.plan_job(toy_stages(prep, 3.0), 3.0).to_json())
+
+
+# ---- a failure the kit knows: one line, the traceback in the run folder ---------------------------------
+
+
+def known_failures() -> list[BaseException]:
+    import torch
+    from safetensors import SafetensorError
+
+    from opdkit.opd.served import TeacherServerError
+    from opdkit.rollout.engines import WeightSyncError
+    from opdkit.run.checkpoints import CheckpointUnreadable
+
+    return [
+        TeacherServerError(
+            "the teacher's server at http://node7:8000 stopped answering\n(connection refused)"
+        ),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        CheckpointUnreadable("resume: cannot read runs/x/checkpoints/checkpoint-4 (Input/output error)"),
+        SafetensorError("Error while deserializing header: incomplete metadata, file not fully covered"),
+        ValueError("Cannot use chat template functions because tokenizer.chat_template is not set"),
+        WeightSyncError("step 3: the vLLM engine's log-probabilities differ from the student's"),
+    ]
+
+
+@pytest.mark.parametrize("error", known_failures(), ids=lambda e: type(e).__name__)
+def test_a_known_failure_is_one_line_and_its_traceback_is_kept(tmp_path, monkeypatch, capsys, error):
+    """On the command line: one `error:` line on stderr naming the traceback's file, exit status 1; the file
+    holds the whole traceback; in a notebook the same line (`_render_traceback_`)."""
+    from opdkit.run.cli import run_from_cli
+
+    def process(prep, run, *extra, **kwargs):
+        raise error
+
+    job = toy_job(Calls(), process=process)
+    monkeypatch.setattr("opdkit.run.cli.load_config", lambda cls, mode, overrides: cls(**overrides))
+    with pytest.raises(SystemExit) as stop:
+        run_from_cli(
+            ToyConfig, "", lambda m, o: lifecycle.run_job(job, prepared=toy_prep(tmp_path)), print, []
+        )
+    err = capsys.readouterr().err
+    traceback_file = tmp_path / "run" / lifecycle.ERROR_FILE
+    assert stop.value.code == 1 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert err.rstrip().endswith(f"(traceback: {traceback_file})")
+    text = traceback_file.read_text()
+    assert text.startswith("Traceback (most recent call last):") and type(error).__name__ in text
+    assert "in process" in text  # the frame that raised
+    with pytest.raises(lifecycle.RunFailed) as caught:
+        lifecycle.run_job(job, prepared=toy_prep(tmp_path, overwrite=True))
+    assert caught.value._render_traceback_() == [err.rstrip()]
+
+
+def test_an_unknown_failure_keeps_its_traceback_and_is_written_too(tmp_path):
+    def process(prep, run, *extra, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    with pytest.raises(ZeroDivisionError):
+        lifecycle.run_job(toy_job(Calls(), process=process), prepared=toy_prep(tmp_path))
+    assert "ZeroDivisionError: a bug" in (tmp_path / "run" / lifecycle.ERROR_FILE).read_text()
+
+
+def test_open_progress_bars_are_closed_before_the_error_line(tmp_path, monkeypatch, capsys):
+    from tqdm import tqdm
+
+    from opdkit.opd.served import TeacherServerError
+    from opdkit.run.cli import run_from_cli
+
+    def process(prep, run, *extra, **kwargs):
+        bar = tqdm(total=10, desc="training")
+        bar.update(3)
+        raise TeacherServerError("the teacher's server died")
+
+    job = toy_job(Calls(), process=process)
+    monkeypatch.setattr("opdkit.run.cli.load_config", lambda cls, mode, overrides: cls(**overrides))
+    with pytest.raises(SystemExit):
+        run_from_cli(
+            ToyConfig, "", lambda m, o: lifecycle.run_job(job, prepared=toy_prep(tmp_path)), print, []
+        )
+    lines = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()
+    assert lines[-1].startswith("error: the teacher's server died") and "training" in lines[-2]
+    assert not tqdm._instances

@@ -14,6 +14,7 @@ from transformers import TrainerCallback, get_cosine_schedule_with_warmup
 
 from opdkit import tasks
 from opdkit.config import ConfigError, load_config
+from opdkit.data import traces
 from opdkit.data.labels import IGNORE, make_batches, shifted_labels, token_losses
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.models import load_tokenizer
@@ -30,7 +31,7 @@ def tok():
 
 def _records(n: int = 20, seed: int = 5) -> list[dict]:
     return [
-        {"messages": [{"role": "user", "content": p.prompt}], "completion": task.scratchpad(p)}
+        traces.trace([{"role": "user", "content": p.prompt}], task.scratchpad(p))
         for p in task.problems(n, seed)
     ]
 
@@ -170,7 +171,7 @@ class _KilledWhileSaving(sft.CompletionSFTTrainer):
 def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monkeypatch):
     """Stopped after step 2, and killed while writing checkpoint-4 beside a complete checkpoint-2: both
     continue from checkpoint-2 to the losses and weights of an unbroken run."""
-    cfg = _cfg(sft_save_steps=2, student_lora_r=4)
+    cfg = _cfg(sft_checkpoint_every=2, student_lora_r=4)
     rows = students.sft_rows(_records(), tok, cfg)
     whole = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "whole"
@@ -195,7 +196,7 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
     assert (cut / "checkpoint-2" / "trainer_state.json").is_file()
     assert not (cut / "checkpoint-4" / "trainer_state.json").exists()
     monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
-    resumed_cfg = _cfg(sft_save_steps=2, student_lora_r=4, resume=True)
+    resumed_cfg = _cfg(sft_checkpoint_every=2, student_lora_r=4, resume=True)
     for name in ("stopped", "cut"):
         second = students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), rows, resumed_cfg, tok, 2, tmp_path / name
@@ -210,14 +211,14 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
 
 def test_a_student_checkpoint_trained_on_other_traces_is_refused(tok, tmp_path):
     """Each checkpoint records the hash of the rows it trained on; resuming it on other rows is refused."""
-    cfg = _cfg(sft_save_steps=2, sft_max_steps=2)
+    cfg = _cfg(sft_checkpoint_every=2, sft_max_steps=2)
     rows = students.sft_rows(_records(), tok, cfg)
     students.distill(students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path)
     checkpoint = tmp_path / "sft" / "checkpoint-2"
     assert (checkpoint / sft.TRAINED_ON_FILE).read_text().strip() == sft.rows_sha256(rows)
     assert sft.trained_on_problem(checkpoint, rows) is None
     other = students.sft_rows(_records(seed=6), tok, cfg)
-    resumed = _cfg(sft_save_steps=2, sft_max_steps=2, resume=True)
+    resumed = _cfg(sft_checkpoint_every=2, sft_max_steps=2, resume=True)
     with pytest.raises(ConfigError, match="traces changed since it was saved.*Delete .*sft"):
         students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), other, resumed, tok, 2, tmp_path
@@ -254,8 +255,8 @@ def test_students_learn_no_invented_end(tiny_tokenizer):
     cfg = load_config(AntidistillConfig, "tiny")
     prompt = [{"role": "user", "content": "What is 2+3+4?"}]
     recs = [
-        {"messages": prompt, "completion": "3+2=5", "truncated": True},
-        {"messages": prompt, "completion": "3+2=5;5", "truncated": False},
+        traces.trace(prompt, "3+2=5", truncated=True),
+        traces.trace(prompt, "3+2=5;5", truncated=False),
     ]
     cut, whole = (
         tiny_tokenizer.decode([t for t in r["labels"] if t != IGNORE])

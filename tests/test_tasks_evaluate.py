@@ -108,8 +108,8 @@ def test_a_config_sets_the_budget_the_batch_forcing_and_precision(monkeypatch):
     )
     cfg = load_config(WhiteboxConfig, "tiny", {"eval_batch_size": 5, "forced_accuracy": True, "bf16": True})
     assert (
-        evaluate.completion_budget(cfg) == cfg.max_new_tokens == 40
-    )  # eval_max_new_tokens 0: max_new_tokens
+        evaluate.completion_budget(cfg) == cfg.rollout_max_new_tokens == 40
+    )  # eval_max_new_tokens 0: rollout_max_new_tokens
     args = ("model", "tok", TASK, ["m"], ["a"])
     assert evaluate.configured_accuracy(cfg, *args, world=2, rank=1) == Accuracy(0.5, None, 2)
     evaluate.configured_accuracy(

@@ -54,8 +54,7 @@ import torch
 from transformers import DynamicCache
 
 from opdkit.rollout import sampling
-
-METHODS = ("fd", "jvp")
+from opdkit.settings import ADS_METHODS
 
 
 class Direction(Protocol):
@@ -240,4 +239,4 @@ def make_direction(
         return FiniteDifference(proxy, grads, eps)
     if method == "jvp":
         return JVP(proxy, grads)
-    raise ValueError(f"method={method!r} is not one of {list(METHODS)}.")
+    raise ValueError(f"method={method!r} is not one of {list(ADS_METHODS)}.")

@@ -243,7 +243,7 @@ def _gumbel(n: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def sampling_stage(cfg: Any, budget: float | None, gradients: int = 1) -> memory.Stage:
-    """What one process holds while the teacher samples `gen_batch_size` traces steered by the proxy's
+    """What one process holds while the teacher samples `trace_batch_size` traces steered by the proxy's
     perturbed copies, for the memory plan: the teacher (bf16 on a GPU when `bf16`), the proxy with its
     `gradients` (in host memory on a GPU) and, for fd, its two perturbed fp32 copies, each with its KV
     cache."""
@@ -256,9 +256,9 @@ def sampling_stage(cfg: Any, budget: float | None, gradients: int = 1) -> memory
         bf16=False,
         device="cuda" if gpu else "cpu",
         sampler="teacher",
-        gen_batch_size=cfg.gen_batch_size,
+        sampled_rows=cfg.trace_batch_size,
         prompt_len=cfg.max_prompt_length,
-        completion_len=cfg.max_new_tokens,
+        completion_len=cfg.trace_max_new_tokens,
         ads_copies=2 if cfg.ads_method == "fd" else 0,
         proxy_gradients=gradients,
         proxy_on_host=gpu,

@@ -27,7 +27,7 @@ class Steering:
     teacher: torch.nn.Module
     proxy: torch.nn.Module
     grads: dict[str, dict[str, torch.Tensor]]  # kind ("completion", "answer") -> {parameter name: gradient}
-    method: str  # "fd" or "jvp" (`ads.direction.METHODS`)
+    method: str  # "fd" or "jvp" (`settings.ADS_METHODS`)
     eps: float
     device: torch.device
     directions: dict[str, Direction] = field(default_factory=dict)

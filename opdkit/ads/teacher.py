@@ -17,10 +17,12 @@ raw: the temperature (and, when sampling, top-k and top-p) is applied by whoever
 which divides the student's logits too; a teacher that serves the log-probabilities of the distribution it
 samples from at τ is `temperature=τ`: (z_teacher + λ·Δ) / τ, the ADS term first, as in sampling.
 
-How it plugs into `DistillTrainer`, which never asks a teacher for logits: it takes the teacher's final hidden
-states (`base_model(...).last_hidden_state`) and its head weight (`get_output_embeddings().weight`) and
-forms the logits a chunk of rows at a time (`chunked_divergence`). Logits linear in a hidden state stay
-linear when models are added, so the wrapper presents the three models as one:
+How it plugs into `DistillTrainer`, which never asks a teacher for logits: to the trainer it is a teacher
+in process (the kind `opd.teachers.local.LocalTeacher`, which takes any module that presents these two):
+its final hidden states (`base_model(...).last_hidden_state`) and its head weight
+(`get_output_embeddings().weight`), from which the divergence forms the logits a chunk of rows at a time
+(`chunked_divergence`). Logits linear in a hidden state stay linear when models are added, so the wrapper
+presents the three models as one:
 
     hidden = [h_teacher, c·h_plus, −c·h_minus] / τ,   head = [W_teacher | W_plus | W_minus],   c = λ / 2ε,
 

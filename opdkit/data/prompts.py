@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from opdkit.config import ConfigError, MissingInput, setting
+from opdkit.config import ConfigError, MissingInput
 from opdkit.rollout import sampling
 
 if TYPE_CHECKING:
@@ -56,25 +56,6 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 Reference = Callable[[dict, "str | None"], str]  # (row, its assistant turn or None) -> reference answer
 OVERLAP_KINDS = ("train_in_eval", "eval_in_train", "train_in_excluded", "eval_repeats")
-
-
-@dataclass
-class PromptSettings:
-    """Which prompts a job reads and how they are rendered."""
-
-    dataset_path: str = setting(
-        "tiny",
-        "prompts: tiny (the tiny world's task), a parquet/jsonl/json/arrow file, a saved datasets folder, or "
-        "a "
-        "hub name",
-    )
-    dataset_split: str = setting("train", "split to read from a datasets folder or hub dataset")
-    subset_size: int = setting(
-        1000, "prompts used, the first of the dataset's shuffle by seed; -1 means all", min=-1
-    )
-    max_prompt_length: int = setting(1024, "longer prompts are dropped (and counted)", min=1)
-    enable_thinking: bool = setting(False, "passed to the chat templates (Qwen3 thinking mode)")
-    system_prompt: str = setting("", "system message put before every prompt; empty for none")
 
 
 def removed(**counts: int) -> dict[str, int]:

@@ -1,6 +1,10 @@
 """Traces: conversations a teacher wrote, tokenized for the model that learns from them, and the folder
-that keeps exactly what a gradient or a student was computed on.
+that keeps exactly what a gradient or a student was computed on. One record layout for every job (01's
+traces/, 04's traces.jsonl): `messages`, the prompt then the teacher's assistant turn, beside what is known
+of it (`answer`, `correct`, `truncated`).
 
+    rec = trace(prompt_messages, text, answer="7", correct=True, truncated=False)
+    completion(rec)                            # the teacher's text: the last turn's content
     rows = with_labels(records, tokenizer)     # + input_ids, labels (-100 outside the completion)
     save_traces(run.path / TRACES_DIR, rows); ds = load_traces(run.path)
     print(format_trace(tokenizer, row["input_ids"], row["labels"]))   # the completion in ⟦ ⟧
@@ -20,6 +24,16 @@ from opdkit.run.files import atomic_path
 
 TRACES_DIR = "traces"
 COLUMNS = ("messages", "input_ids", "labels", "answer", "correct", "truncated")
+
+
+def trace(prompt: list[dict], text: str, **facts) -> dict:
+    """A trace record: the prompt's messages then the teacher's `text` as the assistant turn, then `facts`."""
+    return {"messages": [*prompt, {"role": "assistant", "content": text}], **facts}
+
+
+def completion(record: dict) -> str:
+    """The teacher's text of a trace record (its last turn)."""
+    return record["messages"][-1]["content"]
 
 
 def with_labels(records: list[dict], tok: PreTrainedTokenizerBase, enable_thinking: bool) -> list[dict]:

@@ -10,7 +10,7 @@ edited value takes effect. The parameters cell is the most recently executed cel
 at top level; papermill's injected cell (first line `# Parameters`) counts when it ran after it.
 
 papermill only warns about an unknown `-p name value` and runs on; here any such name stops the run
-with an error that lists the valid ones.
+with the command line's one line (`config.check_keys`): the closest names, if any.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import types
 
-from opdkit.config import DEFAULT_MODE, NOTEBOOK_ONLY, ConfigError, RunFields, available_modes, field_names
+from opdkit.config import DEFAULT_MODE, NOTEBOOK_ONLY, RunFields, check_keys
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 INJECTED_HEADER = "# Parameters"  # papermill's first line of the cell it injects
@@ -41,13 +41,8 @@ def notebook_parameters(cls: type[RunFields], namespace: dict) -> tuple[str, dic
             and not isinstance(v, types.ModuleType)
             and not callable(v)
         }
-    valid = set(field_names(cls)) | NOTEBOOK_ONLY
-    unknown = sorted(set(values) - valid)
-    if unknown:
-        raise ConfigError(
-            f"unknown parameter(s) {unknown} for {cls.job}; valid: {', '.join(sorted(valid))} "
-            f"(modes: {', '.join(available_modes(cls))})."
-        )
+    settings = {k: v for k, v in values.items() if k not in NOTEBOOK_ONLY}
+    check_keys(cls, settings, "the notebook's parameters cell")
     mode = values.pop("mode", None) or DEFAULT_MODE
     return mode, values
 

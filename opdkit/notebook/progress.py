@@ -11,6 +11,10 @@ bar whose line lives in the cell's one progress display (`Board`), redrawn at mo
 and when a bar finishes; the last `KEEP` finished bars stay listed. Bars made before `install` (a package
 imported earlier in the kernel) stay widgets.
 
+A failure the kit knows (`ConfigError`, `RunFailure`) is shown as its one line (its `_render_traceback_`), as
+on the command line: `install` has IPython close the open bars first (`show_failure`), so that no bar is left
+running above the line, nor drawn into a later cell when it is closed at last.
+
 Pitfalls: tqdm picks its notebook bar when `tqdm.auto` is first imported (transformers imports it), so
 `install` must run first; tqdm's monitor thread would redraw from another thread, whose display could land in
 another cell, so `CellBar` has none.
@@ -23,6 +27,9 @@ import time
 import warnings
 
 from tqdm import std
+
+from opdkit.config import ConfigError, RunFailure
+from opdkit.run.cli import close_progress_bars
 
 KEEP = 8  # finished bars listed under the running ones
 
@@ -116,10 +123,24 @@ def cell_trange(*args, **kwargs) -> CellBar:
     return CellBar(range(*args), **kwargs)
 
 
+def show_failure(shell, etype: type, value: BaseException, tb, tb_offset: int | None = None) -> None:
+    """IPython's handler of the kit's known failures (`shell.set_custom_exc`): the open bars closed, then the
+    failure shown as IPython shows any error, which for these is their one line."""
+    close_progress_bars()
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+
+
 def install() -> bool:
-    """In a Jupyter kernel, make tqdm.auto's bar `CellBar`, before anything imports tqdm.auto. True when
-    tqdm.auto's bar is `CellBar` (now or from an earlier call); False elsewhere, or when tqdm.auto was
-    imported first (too late: its users hold the widget bar)."""
+    """In a Jupyter kernel, make tqdm.auto's bar `CellBar`, before anything imports tqdm.auto, and a known
+    failure close the open bars before its line (`show_failure`). True when tqdm.auto's bar is `CellBar` (now
+    or from an earlier call); False elsewhere, or when tqdm.auto was imported first (too late: its users hold
+    the widget bar)."""
+    if in_jupyter_kernel():
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            shell.set_custom_exc((ConfigError, RunFailure), show_failure)
     if "tqdm.auto" in sys.modules:
         return issubclass(sys.modules["tqdm.auto"].tqdm, CellBar)
     if not in_jupyter_kernel():

@@ -54,57 +54,15 @@ class Interval:
         return self.n < 2 or self.low <= value <= self.high
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _beta_inc(a: float, b: float, x: float) -> float:
-    """I_x(a, b), the regularized incomplete beta function."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1.0 - x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with `df` degrees of freedom."""
-    tail = 0.5 * _beta_inc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
-
-
 @functools.lru_cache(maxsize=256)
 def t_quantile(df: float, level: float = LEVEL) -> float:
     """The two-sided `level` quantile of Student's t: mean ± this × s/√n covers the true mean with
     probability `level` (12.71 for 1 degree of freedom, 4.30 for 2, 1.96 in the limit)."""
     if df <= 0:
         raise ValueError(f"df={df}: Student's t needs at least one degree of freedom (two seeds).")
-    p, lo, hi = 1.0 - (1.0 - level) / 2.0, 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2.0
-    for _ in range(200):  # bisection to machine precision
-        mid = (lo + hi) / 2.0
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2.0
+    from scipy import stats  # here, not at import: scipy.stats takes seconds, and one seed never asks
+
+    return float(stats.t.ppf(1.0 - (1.0 - level) / 2.0, df))
 
 
 def interval(values: Iterable[float | None], level: float = LEVEL) -> Interval | None:

@@ -1,9 +1,10 @@
-"""On-policy distillation's settings, declared once: `OPDSettings` (the divergence, the student's rollouts,
-what is logged) and `OPDTraining` (optimizer, schedule, batches, clipping, parallelism, checkpoints:
-TrainingArguments' own names), composed into 02's `WhiteboxConfig` and 04's (its on-policy attackers);
-`OPDArguments`, `TrainingArguments` plus `OPDSettings`, which `DistillTrainer` reads from `self.args`.
+"""On-policy distillation's settings, declared once (in `opdkit.settings`, torch-free): `OPDSettings` (the
+divergence, the student's rollouts, what is logged) and `OPDTraining` (optimizer, schedule, batches, clipping,
+parallelism, checkpoints: TrainingArguments' own names where they mean the same), composed into 02's
+`WhiteboxConfig` and 04's (its on-policy attackers); `OPDArguments`, `TrainingArguments` plus `OPDSettings`,
+which `DistillTrainer` reads from `self.args`.
 
-    args = OPDArguments(output_dir="runs/x", beta=1.0, max_new_tokens=1024, rollout_engine="vllm")
+    args = OPDArguments(output_dir="runs/x", beta=1.0, rollout_max_new_tokens=1024, rollout_engine="vllm")
     args = training_arguments(cfg, "runs/x/checkpoints", run_name="whitebox/x")    # from a job's config
 """
 
@@ -17,100 +18,13 @@ import torch
 from transformers import TrainingArguments
 
 from opdkit import memory
-from opdkit.config import ConfigError, check_ranges, setting
+from opdkit.config import check_ranges, setting
 from opdkit.models import checkpointing_argument, load_tokenizer
 from opdkit.opd import crossteacher
-from opdkit.opd.crosstok import CrossTokenizerSettings
-from opdkit.rollout.engines import EngineSettings
 from opdkit.run import sharding, tracking
 from opdkit.run.launch import launched_world_size
-
-
-@dataclass
-class OPDSettings(EngineSettings, CrossTokenizerSettings):
-    """The distillation's own settings: the divergence, the student's sampling, what is logged; with a
-    teacher whose tokenizer differs from the student's, the cross-tokenizer loss's (`crosstok_*`)."""
-
-    beta: float = setting(
-        1.0, "generalized JSD weight: 0 forward KL, 1 reverse KL(student||teacher)", min=0.0, max=1.0
-    )
-    kl_temperature: float = setting(1.0, "temperature both distributions are compared at", min=1e-3)
-    gen_temperature: float = setting(1.0, "sampling temperature of the student's rollouts", min=1e-3)
-    gen_top_p: float = setting(
-        1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
-    )
-    loss_chunk_size: int = setting(1024, "completion tokens per chunk of the divergence", min=1)
-    sample_every: int = setting(
-        10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0
-    )
-    samples_per_log: int = setting(4, "completions written each time", min=1)
-    save_rollouts: bool = setting(
-        False, "keep every step's prompts and completions in rollouts/ (token ids, per process)"
-    )
-    vllm_sleep: bool = setting(
-        False,
-        "rollout_engine vllm: free the engine's GPU memory (weights and KV cache, vLLM sleep level 2) "
-        "between rollouts, for the training's forward and backward; the next weight sync brings it back. "
-        "CUDA only",
-    )
-
-
-@dataclass
-class OPDTraining:
-    """How on-policy distillation trains, under TrainingArguments' own names (`training_arguments` maps
-    them)."""
-
-    learning_rate: float = setting(1e-6, "peak learning rate (AdamW)", min=0.0)
-    lr_scheduler_type: str = setting("constant", "transformers scheduler name: constant, linear, cosine, ...")
-    warmup_ratio: float = setting(0.0, "fraction of steps spent warming up", min=0.0, max=0.999)
-    optim: str = setting(
-        "adamw_torch_fused",
-        "optimizer, a transformers `optim` name: adamw_torch_fused (TrainingArguments default, the "
-        "original), sgd, ...",
-    )
-    optim_args: str = setting("", "extra optimizer arguments, e.g. momentum=0.9 for sgd")
-    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
-    adam_beta2: float = setting(0.999, "AdamW beta2", min=0.0, max=1.0)
-    per_device_train_batch_size: int = setting(4, "prompts per process per micro-batch", min=1)
-    global_batch_size: int = setting(
-        0,
-        "prompts per optimizer step over all processes, whatever their number; the micro-batches each "
-        "process accumulates are derived: global_batch_size / (per_device_train_batch_size x processes). "
-        "0 means one micro-batch per process",
-        min=0,
-    )
-    num_train_epochs: float = setting(1.0, "passes over the prompts (ignored when max_steps > 0)", min=0.0)
-    max_steps: int = setting(-1, "optimizer steps; -1 means num_train_epochs", min=-1)
-    max_grad_norm: float = setting(
-        1.0, "clip the global gradient norm to this; 0 turns clipping off", min=0.0
-    )
-    parallelism: str = setting(
-        "ddp",
-        "how several processes hold the models: ddp replicates them; fsdp shards the student with FSDP2 "
-        "(accelerate) and the frozen teacher too (weights only), for models too big to replicate; one "
-        "process ignores it",
-        choices=("ddp", "fsdp"),
-    )
-    logging_steps: int = setting(1, "log metrics every this many optimizer steps", min=1)
-    save_steps: int = setting(100, "checkpoint every this many steps; 0 only at the end", min=0)
-    save_total_limit: int = setting(2, "checkpoints kept", min=1)
-
-    def accumulation_steps(self, processes: int) -> int:
-        """Micro-batches each process accumulates per optimizer step, so that a step takes
-        `global_batch_size` prompts over `processes` processes."""
-        per_device, total = self.per_device_train_batch_size, self.global_batch_size
-        if not total:
-            return 1
-        if total % (per_device * processes):
-            fits = [n for n in range(1, per_device + 1) if total % (n * processes) == 0]
-            hint = f" or per_device_train_batch_size={max(fits)}," if fits else ""
-            raise ConfigError(
-                f"global_batch_size={total} prompts per optimizer step do not split into micro-batches of "
-                f"per_device_train_batch_size={per_device} on {processes} process(es), "
-                f"{per_device * processes} prompts a round; set global_batch_size to a multiple of "
-                f"{per_device * processes},{hint} or change the number of processes (num_processes)."
-            )
-        return total // (per_device * processes)
+from opdkit.settings import OPDSettings, parse_teachers, parse_weights
+from opdkit.tasks.evaluate import completion_budget
 
 
 @dataclass
@@ -142,9 +56,10 @@ _OWN = {f.name for f in fields(OPDSettings)} | {"vllm_max_model_len"}
 
 def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any) -> OPDArguments:
     """A job's `OPDSettings` and `OPDTraining` as the trainer's arguments: every field the config shares with
-    `OPDArguments` by name, the few a job's settings translate (max_grad_norm 0 means never clip, save_steps 0
-    only at the end, global_batch_size's accumulation), the kit's fixed choices (a NaN loss is logged as it
-    is, accuracy is measured by the job, one data loader process), then `explicit`."""
+    `OPDArguments` by name, the few a job's settings translate (max_grad_norm 0 means never clip,
+    checkpoint_every as save_steps, 0 only at the end, global_batch_size's accumulation), the kit's fixed
+    choices (a NaN loss is logged as it is, accuracy is measured by the job, one data loader process), then
+    `explicit`."""
     world = launched_world_size()
     return OPDArguments.from_config(
         cfg,
@@ -159,9 +74,8 @@ def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any
             "data_seed": cfg.seed,
             "logging_first_step": True,
             "logging_nan_inf_filter": False,  # a NaN loss must show, not be replaced by the running mean
-            "eval_steps": None,  # the job measures accuracy (StepAccuracy), not through Trainer.evaluate
             "save_strategy": "steps",
-            "save_steps": cfg.save_steps if cfg.save_steps > 0 else 10**9,
+            "save_steps": cfg.checkpoint_every if cfg.checkpoint_every > 0 else 10**9,
             "project": tracking.PROJECT,  # trackio's project; wandb takes WANDB_PROJECT
             "run_name": run_name,
             "ddp_find_unused_parameters": False,
@@ -178,14 +92,20 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
     """What one `DistillTrainer` process holds, for the memory plan, from a config with `OPDSettings`,
     `OPDTraining`, the models', precision and evaluation settings: the fp32 student (bf16 autocast), its
     optimizer, the teacher (sharded under fsdp with several processes), every prompt of an optimizer step
-    sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher;
-    with a `teacher_server`, the teacher's head and received states only, and the student's evaluation.
+    sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher
+    and of the student (the student's in the engine with vLLM); with a `teacher_server`, the teacher's head
+    and received states only, and the student's evaluation; with `teachers`, every one of them, and the
+    student's evaluation. A teacher with another tokenizer reads its own token count (`token_ratio`).
     Planned for a GPU when there is a budget."""
     dtype = "bfloat16" if cfg.bf16 else "float32"
     served = bool(getattr(cfg, "teacher_server", ""))  # 04's attackers have no served teacher
+    specs = parse_teachers(getattr(cfg, "teachers", ""))  # 04's attackers have no set either
+    shape = memory.ModelShape.from_config
+    unevaluated = served or bool(specs)  # a served teacher or a set: no teacher evaluated here
+    ratio = None if specs else teacher_token_ratio(cfg)  # a set shares the student's tokenizer
     return memory.Stage(
-        student=memory.ModelShape.from_config(cfg.student_model),
-        teacher=memory.ModelShape.from_config(cfg.teacher_model),
+        student=shape(cfg.student_model),
+        teacher=shape(specs[0].model if specs else cfg.teacher_model),
         student_dtype="float32",
         teacher_dtype=dtype,
         bf16=cfg.bf16,
@@ -196,22 +116,34 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         shard_teacher=True,  # DistillTrainer shards the teacher too under fsdp with several processes
         gradient_checkpointing=cfg.gradient_checkpointing,
         prompt_len=cfg.max_prompt_length,
-        completion_len=cfg.max_new_tokens,
+        completion_len=cfg.rollout_max_new_tokens,
         train_batch_size=cfg.per_device_train_batch_size,
         loss_chunk_size=cfg.loss_chunk_size,
-        gen_batch_size=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
-        eval_model="student" if served else "teacher",
+        sampled_rows=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),
+        eval_model="student" if unevaluated else "teacher",
+        eval_student=not unevaluated and cfg.rollout_engine == "hf",
         eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
-        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        eval_completion_len=completion_budget(cfg),
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_sleep=cfg.vllm_sleep,
         engine_dtype=dtype,
         sync_streamed=True,  # VLLMEngine.sync hands the weights over one tensor at a time
-        teacher_served=served,
+        teacher_served=served or bool(specs and specs[0].server),
         served_dtype=getattr(cfg, "teacher_server_dtype", "bfloat16"),
-        cross_tokenizer=cross_tokenizer(cfg),
+        cross_tokenizer=ratio is not None,
+        teacher_token_ratio=ratio or 1.0,
+        other_teachers=tuple(memory.OtherTeacher(shape(t.model), bool(t.server)) for t in specs[1:]),
+        teachers_routed=bool(specs) and not parse_weights(getattr(cfg, "teacher_weights", "")),
     )
+
+
+def teacher_token_ratio(cfg: Any) -> float | None:
+    """With a teacher of another tokenizer, its tokens per student token (`memory.token_ratio`, at least 1);
+    None when the teacher reads the student's tokens."""
+    if not cross_tokenizer(cfg):
+        return None
+    return memory.token_ratio(load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model))
 
 
 def cross_tokenizer(cfg: Any) -> bool:

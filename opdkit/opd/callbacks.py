@@ -61,7 +61,7 @@ def add_step_accuracy(trainer, measure: Callable, every: int) -> None:
     every rank generates for its own share of prompts, and sharded layers, whose every forward is a
     collective, would wait on ranks that have stopped."""
     if trainer.is_fsdp_enabled:
-        print0("eval_steps is skipped under parallelism fsdp; the accuracy after training is still measured")
+        print0("eval_every is skipped under parallelism fsdp; the accuracy after training is still measured")
         return
     trainer.add_callback(
         StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log)

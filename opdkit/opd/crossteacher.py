@@ -2,7 +2,7 @@
 of the loss as GOLD's cross-tokenizer divergence (`opdkit.opd.crosstok`).
 
     cross = CrossTeacher.of(student_tok, teacher_tok, args)     # None when both tokenizers are one vocabulary
-    extra = cross.prepare(ids_BT, attn_BT, comp_BC, stop_ids)    # per micro-batch, at rollout time
+    extra = cross.prepare(ids_BT, attn_BT, loss_mask_BT, stop_ids)   # per micro-batch, at rollout time
     parts = student_cross_divergence(student, fwd, pred_BT, t_hidden_MH, t_head_WH,
                                      extra["crosstok_alignment"], cross, beta=..., chunk_size=...)
 
@@ -126,19 +126,22 @@ class CrossTeacher:
         return ids
 
     def prepare(
-        self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, comp_BC: torch.Tensor, stop_ids: list[int]
+        self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, loss_mask_BT: torch.Tensor, stop_ids: list[int]
     ) -> dict:
-        """A micro-batch's teacher inputs and alignment (host work, O(tokens)), as entries of the sample:
-        `teacher_input_ids`, `teacher_attention_mask`, `teacher_pred_BT` (the rows of the teacher's completion
-        tokens), `crosstok_alignment` and `crosstok_groups` (a 0-d tensor, for the step's count)."""
-        ids, attn, comp = ids_BT.cpu(), attn_BT.cpu().bool(), comp_BC.cpu().bool()
-        prompt_len = ids.shape[1] - comp.shape[1]
+        """A micro-batch's teacher inputs and alignment (host work, O(tokens)): `teacher_input_ids`,
+        `teacher_attention_mask`, `teacher_pred_BT` (the rows of the teacher's completion tokens),
+        `crosstok_alignment` and `crosstok_groups` (a 0-d tensor, for the step's count). Each row's completion
+        is its loss tokens (`loss_mask_BT`: one segment, as a single-turn rollout has), its prompt the
+        attended tokens before the first of them."""
+        ids, attn, loss = ids_BT.cpu(), attn_BT.cpu().bool(), loss_mask_BT.cpu().bool()
         eos = self.student_tokenizer.eos_token_id
         skip = self.settings.crosstok_skip_student_eos
         students, teachers, sequences, spans = [], [], [], []
         for b in range(ids.shape[0]):
-            prompt = ids[b, :prompt_len][attn[b, :prompt_len]].tolist()
-            completion = ids[b, prompt_len:][comp[b]].tolist()
+            where = loss[b].nonzero()
+            first = int(where[0]) if where.numel() else ids.shape[1]
+            prompt = ids[b, :first][attn[b, :first]].tolist()
+            completion = ids[b][loss[b]].tolist()
             stopped = bool(completion) and completion[-1] in stop_ids
             text = self._text(completion[:-1] if stopped else completion)
             s_ids = list(completion)

@@ -26,113 +26,12 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from opdkit.config import ConfigError, setting
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.opd.served import probe_logprobs
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """One teacher of `teachers`: its id, the model (its head and tokenizer, or the whole teacher), and the
-    URL of a pooling server serving its states ("" when it runs in the training process)."""
-
-    id: str
-    model: str
-    server: str = ""
-
-
-@dataclass
-class TeacherSetSettings:
-    """Several teachers (02): each row scored by the teacher its `teacher_id` column names, or every row by
-    all of them (`teacher_weights`)."""
-
-    teachers: str = setting(
-        "",
-        "several teachers instead of teacher_model: id=model, comma-separated (a YAML list of {id, model, "
-        "server} too); id=model@http://host:port takes that teacher's states from a vLLM pooling server "
-        "serving model (its head is read from model). Rows are scored by the teacher their teacher_id "
-        "column names, or by all with teacher_weights; each teacher's divergence is logged as "
-        "divergence/<id>; a resume with another set is refused. Empty: the one teacher_model",
-    )
-    teacher_weights: str = setting(
-        "",
-        "with teachers: id=weight, comma-separated: every row scored by every teacher, the loss "
-        "sum_k w_k D(student, teacher_k) (not the divergence to a mixed teacher); empty: routed by the "
-        "data's teacher_id column",
-    )
-
-    def normalise(self) -> None:
-        """Run by the config that composes this group: both settings parse, the weights name the teachers."""
-        specs, weights = self.teacher_specs(), self.weights()
-        if weights and not specs:
-            raise ConfigError("teacher_weights is set without teachers: name the teachers (id=model,...).")
-        if weights and set(weights) != {t.id for t in specs}:
-            raise ConfigError(
-                f"teacher_weights names {sorted(weights)} but teachers are {sorted(t.id for t in specs)}; "
-                "give one weight per teacher id."
-            )
-        if specs and getattr(self, "teacher_server", ""):
-            raise ConfigError(
-                "teachers and teacher_server are both set: give each served teacher its server inside "
-                "teachers (id=model@http://host:port), and leave teacher_server empty."
-            )
-
-    def teacher_specs(self) -> list[TeacherSpec]:
-        return parse_teachers(self.teachers)
-
-    def weights(self) -> dict[str, float]:
-        return parse_weights(self.teacher_weights)
-
-
-def parse_teachers(value: Any) -> list[TeacherSpec]:
-    """`teachers` as specs: "id=model[@url],..." or a list of {id, model, server} (YAML, papermill)."""
-    if not value:
-        return []
-    items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
-    specs = []
-    for item in items:
-        if isinstance(item, dict) and item.get("id") and item.get("model"):
-            specs.append(TeacherSpec(str(item["id"]), str(item["model"]), str(item.get("server") or "")))
-            continue
-        tid, eq, rest = str(item).strip().partition("=")
-        model, at, server = rest.partition("@")
-        if not (eq and tid.strip() and model.strip()) or (
-            at and not server.startswith(("http://", "https://"))
-        ):
-            raise ConfigError(
-                f"teachers: {item!r} is not id=model or id=model@http://host:port (e.g. "
-                "math=Qwen/Qwen3-4B,code=Qwen/Qwen3-4B@http://node7:8000)."
-            )
-        specs.append(TeacherSpec(tid.strip(), model.strip(), server.strip()))
-    ids = [t.id for t in specs]
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"teachers: the ids {ids} repeat; give each teacher its own id.")
-    return specs
-
-
-def parse_weights(value: Any) -> dict[str, float]:
-    """`teacher_weights` as {id: w}: "id=w,..." or a mapping; each w >= 0, not all 0."""
-    if not value:
-        return {}
-    pairs = (
-        value.items() if isinstance(value, dict) else [v.partition("=")[::2] for v in str(value).split(",")]
-    )
-    try:
-        weights = {str(k).strip(): float(w) for k, w in pairs}
-    except ValueError:
-        raise ConfigError(
-            f"teacher_weights={value!r}: give id=weight pairs, e.g. math=0.7,code=0.3"
-        ) from None
-    if any(not w >= 0 for w in weights.values()) or not sum(weights.values()) > 0:
-        raise ConfigError(f"teacher_weights={value!r}: each weight >= 0, and not all 0")
-    return weights
 
 
 class TeacherSetMismatch(ValueError):
@@ -281,9 +180,7 @@ def teacher_set(teacher: torch.nn.Module) -> dict[str, torch.nn.Module] | None:
 
 def _rows(batch: dict, rows: list[int]) -> dict:
     sel = torch.tensor(rows, dtype=torch.long)
-    return {
-        k: batch[k][sel.to(batch[k].device)] for k in ("input_ids", "attention_mask", "completion_mask_BC")
-    }
+    return {k: batch[k][sel.to(batch[k].device)] for k in ("input_ids", "attention_mask", "pred_BT")}
 
 
 def weighted_divergence(

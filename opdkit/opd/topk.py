@@ -321,7 +321,9 @@ def job_topk_teacher(cfg, tokenizer) -> tuple[TopKTeacher, ServedCheck]:
     k = cfg.topk()
     pooling = job_client(cfg)  # the URL checked, the timeouts and retries of a served teacher
     client = PromptLogprobsClient(pooling.url, timeout_s=pooling.timeout_s, retries=pooling.retries)
-    found = check_server(client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.max_new_tokens)
+    found = check_server(
+        client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.rollout_max_new_tokens
+    )
     probe = tokenizer(probe_text(tokenizer), add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
     try:
         ((ids_TK, logp_TK),) = client.topk([probe], k)

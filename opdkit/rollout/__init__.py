@@ -1,3 +1,5 @@
 """Sampling completions: `sampling` (the kit's KV-cached loop, masks and padding), `engines` (what samples a
-whole step's prompts: that loop, or vLLM colocated in the process), `evaluate` (greedy accuracy, raw and
+whole step's prompts: that loop, or vLLM colocated in the process), `source` (what the trainer asks for a
+step's rollouts: records with a per-token loss mask), `microbatches` (a step's prompts joined for one engine
+call, cut back into micro-batches by length), `evaluate` (greedy accuracy, raw and
 with the final answer forced)."""

@@ -305,3 +305,46 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> 
     """Completion text without special tokens (the final EOS is dropped)."""
     rows = [ids[m.bool()] for ids, m in zip(rollout.completion_ids_BC, rollout.completion_mask_BC)]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+@dataclass
+class SamplingSettings:
+    """Everything that shapes the sampled distribution; nothing else may leak in. Temperature 0 is
+    greedy decoding in both engines."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos_token_ids: list[int]
+    pad_token_id: int
+
+
+def assemble(
+    prompt_ids_BP,
+    prompt_mask_BP,
+    tokens: list[list[int]],
+    logps: list[list[float]] | None,
+    s: SamplingSettings,
+) -> Rollout:
+    """A `Rollout` from per-row completions (as an engine returns them): right-padded, masked after the
+    first EOS exactly as `sampling.sample` masks."""
+    width = max(1, max(len(t) for t in tokens))
+    comp_BC = torch.full((len(tokens), width), s.pad_token_id, dtype=torch.long)
+    logp_BC = torch.zeros((len(tokens), width), dtype=torch.float32)
+    for i, t in enumerate(tokens):
+        comp_BC[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        if logps is not None:
+            logp_BC[i, : len(t)] = torch.tensor(logps[i], dtype=torch.float32)
+    comp_BC, logp_BC = comp_BC.to(prompt_ids_BP.device), logp_BC.to(prompt_ids_BP.device)
+    mask_BC = completion_mask(comp_BC, s.eos_token_ids)
+    # Rows shorter than the widest end in padding, which must not be read as tokens.
+    lengths_B = torch.tensor([len(t) for t in tokens], device=comp_BC.device)
+    mask_BC = mask_BC * (torch.arange(width, device=comp_BC.device)[None] < lengths_B[:, None]).long()
+    comp_BC = torch.where(mask_BC.bool(), comp_BC, s.pad_token_id)
+    return Rollout(
+        input_ids_BT=torch.cat([prompt_ids_BP, comp_BC], dim=1),
+        attention_mask_BT=torch.cat([prompt_mask_BP, mask_BC], dim=1),
+        completion_mask_BC=mask_BC,
+        prompt_len=prompt_ids_BP.shape[1],
+        logprobs_BC=logp_BC * mask_BC if logps is not None else None,
+    )

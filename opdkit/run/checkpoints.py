@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opdkit.config import RunFailure
 from opdkit.run.folders import print0, rank
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -45,7 +46,7 @@ MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-class CheckpointUnreadable(OSError):
+class CheckpointUnreadable(RunFailure, OSError):
     """A checkpoint could not be read (an OSError): nothing is known about it, so nothing was removed."""
 
 

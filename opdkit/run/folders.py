@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from opdkit.config import ConfigError, MissingInput, to_dict
+from opdkit.config import ConfigError, MissingInput, to_dict, with_new_names
 from opdkit.run.files import atomic_write_text, json_safe, read_jsonl
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -121,7 +121,7 @@ class RunDir:
         cfg.run_dir = str(run.path)
         config = {"job": job, "mode": mode, **to_dict(cfg)}
         if cfg.resume and (run.path / "config.yaml").exists():
-            old = yaml.safe_load((run.path / "config.yaml").read_text())
+            old = with_new_names(yaml.safe_load((run.path / "config.yaml").read_text()))
             changed = {k for k in config if k not in ("resume", "overwrite") and old.get(k) != config[k]}
             if changed:
                 raise ConfigError(
@@ -158,11 +158,12 @@ class RunDir:
         return read_jsonl(self.path / name)
 
     def read_config(self, job: str | None = None) -> dict:
-        """The resolved config.yaml of this run (with `job` and `mode`); `job` checks whose run it is."""
+        """The resolved config.yaml of this run (with `job` and `mode`), under today's setting names
+        (`config.with_new_names`); `job` checks whose run it is."""
         path = self.path / "config.yaml"
         if not path.is_file():
             raise MissingInput(f"no config.yaml in {self.path}; expected a run directory opdkit wrote.")
-        config = yaml.safe_load(path.read_text())
+        config = with_new_names(yaml.safe_load(path.read_text()))
         if job is not None and config.get("job") != job:
             raise ConfigError(f"{self.path} is a {config.get('job')!r} run, not a {job} run.")
         return config

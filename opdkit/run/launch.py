@@ -1,7 +1,6 @@
 """Run a job function in 1 or N processes, from a notebook or a script.
 
-    launch(train_fn, (cfg_dict, run_path), num_processes=2)
-    run = start_run(process_fn, cfg, job="whitebox", mode="tiny", prepared=prep)   # a job's run()
+    launch(train_fn, (cfg_dict, run_path), num_processes=2)      # a job's runs go through run.lifecycle
 
 N > 1 goes through accelerate's `notebook_launcher` (fork; gloo on CPU, NCCL on GPUs). Nothing may
 touch CUDA or create an Accelerator in the parent before it forks. The launch says what it runs on
@@ -22,10 +21,8 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from opdkit.run.folders import RunDir
+from opdkit.config import ConfigError, RunFailure, one_line
 
 
 def default_num_processes(requested: int) -> int:
@@ -72,7 +69,9 @@ class _Traced:
             text = traceback.format_exc()
             self.error_dir.mkdir(parents=True, exist_ok=True)
             (self.error_dir / f"rank{rank}.txt").write_text(text)
-            print(f"[rank {rank}] failed:\n{text}", file=sys.__stderr__, flush=True)
+            exc = sys.exc_info()[1]
+            shown = f"error: {one_line(exc)}" if isinstance(exc, (RunFailure, ConfigError)) else text
+            print(f"[rank {rank}] failed:\n{shown}", file=sys.__stderr__, flush=True)  # a known one: one line
             raise
 
 
@@ -150,43 +149,6 @@ def _without_accelerate_launch_line():
         yield
     finally:
         del launchers.print
-
-
-def start_run(
-    fn: Callable, cfg, job: str, mode: str, prepared=None, *extra, files: dict[str, str] | None = None
-) -> RunDir:
-    """A job's processes: create the run directory (on rank 0 only under torchrun / accelerate launch,
-    where every process must be told the same `run_dir`) with `files` (name: text) in it, then call
-    `fn(cfg_dict, mode, run_path, prepared, *extra)` in `cfg.num_processes` processes (0: every GPU).
-    In-process runs reuse `prepared`; forked processes prepare their own (cheap) copy."""
-    import dataclasses
-
-    from opdkit.config import ConfigError
-    from opdkit.run.files import atomic_write_text
-    from opdkit.run.folders import RunDir
-
-    if under_external_launcher():
-        if not cfg.run_dir:
-            raise ConfigError(
-                "under torchrun / accelerate launch every process must write to one folder: "
-                "pass --set run_dir=PATH."
-            )
-        run = (
-            RunDir.create(cfg, job=job, mode=mode)
-            if int(os.environ["RANK"]) == 0
-            else RunDir.attach(cfg.run_dir)
-        )
-    else:
-        run = RunDir.create(cfg, job=job, mode=mode)
-    if run.writer:
-        for name, text in (files or {}).items():
-            atomic_write_text(run.path / name, text)
-    n = default_num_processes(cfg.num_processes)
-    local = n <= 1 or under_external_launcher()
-    launch(
-        fn, (dataclasses.asdict(cfg), mode, str(run.path), prepared if local else None, *extra), n, run.path
-    )
-    return run
 
 
 def _free_port() -> int:

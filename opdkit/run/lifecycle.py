@@ -7,13 +7,14 @@ same way for all of them.
 
 `run_job`, in order: the config (`mode`'s preset and `overrides`, checked), `prepare` (everything that can
 fail cheaply: data, tokenizers, model configs; nothing written), the memory plan (`fit` first sets what the
-plan decides, e.g. `gen_batch_size: 0`), shown; under `dry_run` it stops there (`PlanOnly` in a notebook
-kernel, None elsewhere), and a plan that does not fit stops before any weight is loaded; then the run folder
-(config.yaml, plan.json; each process writes env.json; on rank 0 only under torchrun, where every process must
-be told the same `run_dir`), the processes (`num_processes`, 0: one per visible GPU; under torchrun each
-process is already one of them), each running `process`; the summary (`summarize`, written by rank 0) and the
-tracker (`track`). A run that fails says so in its summary (`status: failed: ...`) before the error goes on
-up.
+plan decides, e.g. `trace_batch_size: 0`), shown; under `dry_run` it stops there (`PlanOnly` in a notebook
+kernel, None elsewhere), and a plan that does not fit stops before any weight is loaded; then what lives
+around the run (`around`, e.g. whitebox's local teacher server) is entered, and left however the run ends;
+inside it the run folder (config.yaml, plan.json; each process writes env.json; on rank 0 only under
+torchrun, where every process must be told the same `run_dir`), the processes (`num_processes`, 0: one per
+visible GPU; under torchrun each process is already one of them), each running `process`; the summary
+(`summarize`, written by rank 0) and the tracker (`track`). A run that fails says so in its summary
+(`status: failed: ...`) before the error goes on up.
 
 Pitfalls this module exists for:
 - nothing may touch CUDA in the parent before `launch` forks its processes, so everything here before the
@@ -26,14 +27,17 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opdkit import memory
-from opdkit.config import ConfigError, RunFields, load_config
+from opdkit.config import ConfigError, RunFailure, RunFields, load_config, one_line
 from opdkit.run import tracking
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0, rank
@@ -77,10 +81,13 @@ class Job:
     - `process(prep, run, *extra, **kwargs)`: what every process runs;
     - `summarize(prep, run, failure)`: the summary (None: the processes wrote it); `failure` is a dead rank's
       report when `keeps_going`;
-    - `fit(prep, budget)`: the prepared run with the settings the plan decides (`fit_gen_batch`);
+    - `fit(prep, budget)`: the prepared run with the settings the plan decides (`fit_trace_batch`);
     - `processes(prep, run)`: (how many processes, extra arguments of `process`); default: `num_processes`;
       0: nothing left to run (a resumed run that had finished);
-    - `track(prep, run, summary)`: the summary to the `report_to` tracker.
+    - `track(prep, run, summary)`: the summary to the `report_to` tracker;
+    - `around(prep)`: a context manager for what lives around the run (a server it starts), entered after the
+      plan (never under `dry_run`) and left however the run ends; it yields the prepared run the run uses
+      (e.g. pointed at the server it started).
     """
 
     name: str
@@ -92,6 +99,7 @@ class Job:
     fit: Callable[[Any, float | None], Any] | None = None
     processes: Callable[[Any, RunDir], tuple[int, tuple]] | None = None
     track: Callable[[Any, RunDir, dict], None] | None = None
+    around: Callable[[Any], AbstractContextManager[Any]] | None = None
     own_processes: bool = False  # spreads its work over processes itself: refuses torchrun
     keeps_going: bool = False  # a process that dies ends the launch, and the summary is still gathered
 
@@ -114,26 +122,26 @@ def plan_job(job: Job, prep: Any) -> tuple[Any, memory.JobPlan | None]:
     return prep, memory.plan_job(stages, budget, memory.card_gb()) if stages else None
 
 
-def fit_gen_batch(prep: Any, budget: float | None, stages: dict[str, memory.Stage]) -> Any:
-    """`gen_batch_size: 0` made the largest batch with which every one of `stages` fits `budget` (the prepared
-    run returned with it set); any other value as it is."""
+def fit_trace_batch(prep: Any, budget: float | None, stages: dict[str, memory.Stage]) -> Any:
+    """`trace_batch_size: 0` made the largest batch with which every one of `stages` fits `budget` (the
+    prepared run returned with it set); any other value as it is."""
     cfg = prep.cfg
-    if cfg.gen_batch_size != 0:
+    if cfg.trace_batch_size != 0:
         return prep
     if budget is None or any(s.rollout_engine == "vllm" for s in stages.values()):
         raise ConfigError(
-            "gen_batch_size=0 means the largest batch that fits the memory plan, which needs the kit's loop "
-            "(rollout_engine=hf) and a budget: a GPU, or plan_gpu_memory_gb; or give a batch size."
+            "trace_batch_size=0 means the largest batch that fits the memory plan, which needs the kit's "
+            "loop (rollout_engine=hf) and a budget: a GPU, or plan_gpu_memory_gb; or give a batch size."
         )
     largest = min(memory.largest_batch(stage, budget) for stage in stages.values())
     if not largest:
         raise ConfigError(
-            f"not even one sequence of {cfg.max_prompt_length} + {cfg.max_new_tokens} tokens fits "
+            f"not even one sequence of {cfg.max_prompt_length} + {cfg.trace_max_new_tokens} tokens fits "
             f"{budget:.1f} "
-            "GB beside the models; shorten max_new_tokens or use a larger GPU."
+            "GB beside the models; shorten trace_max_new_tokens or use a larger GPU."
         )
-    print0(f"gen_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
-    return dataclasses.replace(prep, cfg=dataclasses.replace(cfg, gen_batch_size=largest))
+    print0(f"trace_batch_size 0: {largest}, the largest batch that fits the plan's {budget:.1f} GB")
+    return dataclasses.replace(prep, cfg=dataclasses.replace(cfg, trace_batch_size=largest))
 
 
 def run_job(
@@ -166,6 +174,13 @@ def run_job(
             f"{job.name} spreads its work over processes itself: start it as one process with "
             "num_processes=N (0: every visible GPU), not under torchrun or accelerate launch."
         )
+    with job.around(prep) if job.around else contextlib.nullcontext(prep) as prep:
+        return run_prepared(job, prep, plan, kwargs)
+
+
+def run_prepared(job: Job, prep: Any, plan: memory.JobPlan | None, kwargs: dict) -> RunDir:
+    """The run of a planned `prep`: its folder, its processes, its summary and the tracker."""
+    cfg = prep.cfg
     run = create_run(cfg, job.name, prep.mode)
     if run.writer and plan is not None:
         atomic_write_text(run.path / memory.PLAN_FILE, plan.to_json())
@@ -178,12 +193,16 @@ def run_job(
             launch(run_process, args, n, run.path)
     except RankFailed as exc:
         if not job.keeps_going:
-            mark_failed(run, exc)
-            raise
+            known = failed(run, exc)
+            if known is None:
+                raise
+            raise known from exc
         failure = str(exc)
     except BaseException as exc:
-        mark_failed(run, exc)
-        raise
+        known = failed(run, exc)
+        if known is None:
+            raise
+        raise known from exc
     summary = job.summarize(prep, run, failure) if job.summarize else None
     if summary is not None:
         run.write_summary(summary)
@@ -238,10 +257,57 @@ def create_run(cfg: RunFields, job: str, mode: str) -> RunDir:
     return RunDir.create(cfg, job=job, mode=mode) if rank() == 0 else RunDir.attach(cfg.run_dir)
 
 
+ERROR_FILE = "error.txt"  # a failed run's traceback
+
+
+class RunFailed(RunFailure, RuntimeError):
+    """A run that failed in a way the kit knows (`failure_line`): one line, naming the file that keeps the
+    traceback."""
+
+
+def failed(run: RunDir, exc: BaseException) -> RunFailed | None:
+    """`mark_failed`, then what to raise instead of `exc`: a failure the kit knows as `RunFailed`; None to
+    raise `exc` itself (a bug keeps its traceback; a child run's `RunFailed` already names its file)."""
+    mark_failed(run, exc)
+    line = None if isinstance(exc, RunFailed) else failure_line(exc)
+    return RunFailed(f"{line} (traceback: {run.path / ERROR_FILE})") if line else None
+
+
+def failure_line(exc: BaseException) -> str | None:
+    """What failed and what to do, in one line, for a failure the kit knows; None for any other."""
+    text, name = one_line(exc), type(exc).__name__
+    if isinstance(exc, RunFailure):
+        return text
+    if isinstance(exc, RankFailed):  # its message holds each dead rank's traceback
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return f"{lines[0].rstrip(':')}: {lines[-1]}; each rank's traceback is in the run's errors/"
+    if name == "OutOfMemoryError" or isinstance(exc, MemoryError):  # torch's (CUDA), or the host's
+        return (
+            f"the run ran out of memory ({text[:200]}), though its memory plan fit: lower "
+            "per_device_train_batch_size, trace_batch_size, eval_batch_size, rollout_max_new_tokens or "
+            "trace_max_new_tokens, or plan with less (plan_gpu_memory_gb); resume=true continues from the "
+            "last checkpoint."
+        )
+    if name in ("SafetensorError", "UnpicklingError") or "PytorchStreamReader" in text:
+        return (
+            f"a weights or checkpoint file cannot be read ({text[:200]}): it is corrupt or cut short; "
+            "replace it, or with resume move the newest checkpoint-N out of the run's checkpoints/ to resume "
+            "from the one before."
+        )
+    if isinstance(exc, ValueError) and "chat template" in text:
+        return (
+            f"a tokenizer has no chat template ({text[:200]}): use a model whose tokenizer has one (an "
+            "instruct or chat model), or give its tokenizer_config.json a chat_template."
+        )
+    return None
+
+
 def mark_failed(run: RunDir, exc: BaseException) -> None:
-    """Say in the summary that the run failed and why (what it had written before is kept)."""
+    """Say in the summary that the run failed and why, and keep its traceback in error.txt (what it had
+    written before is kept)."""
     if not run.writer:
         return
+    atomic_write_text(run.path / ERROR_FILE, "".join(traceback.format_exception(exc)))
     summary = run.read_summary() if (run.path / "summary.json").is_file() else {}
     last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
     run.write_summary({**summary, "status": f"failed: {type(exc).__name__}: {last}"[:500]})

@@ -34,11 +34,13 @@ import urllib.request
 import weakref
 from pathlib import Path
 
+from opdkit.config import RunFailure
+
 # What makes vLLM's pooling runner return every token's final hidden state as it is.
 HIDDEN_STATES_POOLER = {"task": "token_embed", "tok_pooling_type": "ALL", "use_activation": False}
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(RunFailure, RuntimeError):
     """The server did not come up; the message holds the end of its log."""
 
 

@@ -14,7 +14,6 @@ measured. Its settings are `SFTSettings`, composed into a job's config (04's, wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,77 +21,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
 
 from opdkit import memory, tiny
-from opdkit.config import ConfigError, name_list, setting
-from opdkit.data import labels
+from opdkit.config import ConfigError
+from opdkit.data import labels, traces
 from opdkit.models import enable_activation_checkpointing
 from opdkit.run import checkpoints
 from opdkit.sft.trainer import CompletionSFTTrainer, batch_order, trained_on_problem
+from opdkit.tasks.evaluate import completion_budget
 
 SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
 STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenizer
-
-
-@dataclass
-class SFTSettings:
-    """How a student is distilled on traces by completion-only SFT, and what of it is kept."""
-
-    student_init: str = setting(
-        "pretrained",
-        "pretrained: the student's weights; scratch: its architecture, freshly initialised by seed",
-        choices=("pretrained", "scratch"),
-    )
-    sft_seed: int = setting(
-        -1,
-        "seed of the students' SFT order (and scratch initialisation); -1 means seed. The ADS "
-        "reference distils with seed 69",
-        min=-1,
-    )
-    sft_max_steps: int = setting(200, "optimizer steps of every student's SFT; -1 means sft_epochs", min=-1)
-    sft_epochs: float = setting(3.0, "passes over the traces when sft_max_steps is -1", min=0.0)
-    sft_batch_size: int = setting(64, "traces per optimizer step", min=1)
-    sft_micro_batch_size: int = setting(
-        0, "traces per forward pass (gradient accumulation); 0 means sft_batch_size", min=0
-    )
-    sft_learning_rate: float = setting(
-        3e-3, "peak learning rate of the students' SFT (AdamW, warmup then cosine)", min=0.0
-    )
-    sft_weight_decay: float = setting(0.0, "AdamW weight decay of the students' SFT", min=0.0)
-    sft_warmup_ratio: float = setting(0.05, "fraction of SFT steps spent warming up", min=0.0, max=0.999)
-    sft_max_length: int = setting(
-        0, "traces longer than this many student tokens are cut; 0 means no cap", min=0
-    )
-    student_lora_r: int = setting(
-        0,
-        "LoRA rank of the distilled students (peft: pip install 'opdkit[lora]'); 0 fine-tunes every weight",
-        min=0,
-    )
-    student_lora_alpha: float = setting(
-        0.0, "LoRA alpha (the adapter's scale is alpha / r); 0 means student_lora_r", min=0.0
-    )
-    student_lora_dropout: float = setting(0.0, "dropout on the LoRA adapters' inputs", min=0.0, max=1.0)
-    student_lora_target_modules: list = setting(
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        "modules of the student that get a LoRA adapter (names, or [all-linear])",
-    )
-    student_save: str = setting(
-        "adapter",
-        "what of each distilled student is kept in its folder's student/: adapter (the LoRA adapter; without "
-        "LoRA the whole model), merged (the model with the adapter merged in), none",
-        choices=("adapter", "merged", "none"),
-    )
-    sft_save_steps: int = setting(
-        0, "checkpoint each student every this many SFT steps (resume continues from it); 0 never", min=0
-    )
-
-    def normalise(self) -> None:
-        """Run by the config that composes this group (`RunFields.__post_init__`)."""
-        self.student_lora_target_modules = name_list(
-            "student_lora_target_modules", self.student_lora_target_modules
-        )
-
-    def sft_micro_batch(self) -> int:
-        """Traces per forward pass."""
-        return min(self.sft_micro_batch_size or self.sft_batch_size, self.sft_batch_size)
 
 
 def fresh_student(cfg: Any, dev: torch.device, seed: int) -> torch.nn.Module:
@@ -116,15 +53,13 @@ def sft_seed(cfg: Any, seed: int) -> int:
 
 
 def sft_rows(records: list[dict], tok: PreTrainedTokenizerBase, cfg: Any) -> list[dict]:
-    """Each trace ({messages, completion, truncated}) in the student's own chat template: input_ids, labels
-    (-100 outside the completion); a truncated trace without the end-of-turn tokens the template would append;
-    cut at `sft_max_length` tokens; traces left with no completion token are dropped."""
+    """Each trace (`data.traces`'s records) in the student's own chat template (`traces.with_labels`):
+    input_ids, labels (-100 outside the completion); a truncated trace without the end-of-turn tokens the
+    template would append; cut at `sft_max_length` tokens; traces left with no completion token are
+    dropped."""
     rows = []
-    for rec in records:
-        conversation = [*rec["messages"], {"role": "assistant", "content": rec["completion"]}]
-        ids, labs = labels.completion_labels(
-            tok, conversation, cfg.enable_thinking, bool(rec.get("truncated"))
-        )
+    for rec in traces.with_labels(records, tok, cfg.enable_thinking):
+        ids, labs = rec["input_ids"], rec["labels"]
         if cfg.sft_max_length:
             ids, labs = ids[: cfg.sft_max_length], labs[: cfg.sft_max_length]
         if any(t != labels.IGNORE for t in labs):
@@ -143,7 +78,7 @@ def training_arguments(
 ) -> TrainingArguments:
     """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear
     warmup steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a
-    log record every step; checkpoints (every `sft_save_steps`) and tracker logs under `folder`/sft/."""
+    log record every step; checkpoints (every `sft_checkpoint_every`) and tracker logs under `folder`/sft/."""
     micro = cfg.sft_micro_batch()
     args = TrainingArguments(
         output_dir=str(folder / SFT_DIR),
@@ -160,8 +95,8 @@ def training_arguments(
         data_seed=seed,
         logging_steps=1,
         logging_nan_inf_filter=False,
-        save_strategy="steps" if cfg.sft_save_steps else "no",
-        save_steps=cfg.sft_save_steps or steps,
+        save_strategy="steps" if cfg.sft_checkpoint_every else "no",
+        save_steps=cfg.sft_checkpoint_every or steps,
         save_total_limit=1,
         report_to=cfg.report_to,
         run_name=name or None,
@@ -287,9 +222,9 @@ def sft_stage(cfg: Any, budget: float | None) -> memory.Stage:
     pass, AdamW; a LoRA student's gradients and optimizer state are its adapters') and then evaluated greedily
     (`eval_batch_size`), for the memory plan."""
     gpu = budget is not None
-    completion = cfg.max_new_tokens
+    completion = cfg.trace_max_new_tokens
     if cfg.sft_max_length:
-        completion = max(1, min(cfg.max_new_tokens, cfg.sft_max_length - cfg.max_prompt_length))
+        completion = max(1, min(cfg.trace_max_new_tokens, cfg.sft_max_length - cfg.max_prompt_length))
     student = memory.ModelShape.from_config(cfg.student_model)
     return memory.Stage(
         student=student,
@@ -305,5 +240,5 @@ def sft_stage(cfg: Any, budget: float | None) -> memory.Stage:
         eval_model="student",
         eval_bf16=False,  # 04 evaluates its students in fp32 (`jobs.antidistill.points.student_accuracies`)
         eval_batch_size=cfg.eval_batch_size,
-        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        eval_completion_len=completion_budget(cfg),
     )

@@ -78,5 +78,6 @@ class Task:
         raise NotImplementedError
 
     def error_kinds(self, records: Sequence[dict]) -> dict[str, float] | None:
-        """Kinds of wrong answers among `records` ({completion, correct}); None where the task cannot tell."""
+        """Kinds of wrong answers among trace `records` (`data.traces`: messages, correct); None where the
+        task cannot tell."""
         return None

@@ -23,31 +23,9 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from opdkit.config import setting
 from opdkit.rollout import engines, greedy
 from opdkit.run import sharding
 from opdkit.tasks.base import Messages, Task
-
-
-@dataclass
-class EvalSettings:
-    """How a job measures greedy accuracy on held-out problems (`accuracy`)."""
-
-    eval_size: int = setting(
-        500,
-        "held-out problems each accuracy is measured on; 0 skips evaluation (02), -1 means all of the "
-        "evaluation set (04)",
-        min=-1,
-    )
-    eval_max_new_tokens: int = setting(0, "completion budget when evaluating; 0 means max_new_tokens", min=0)
-    eval_batch_size: int = setting(
-        64, "prompts per greedy evaluation batch per process (KV cache memory)", min=1
-    )
-    forced_accuracy: bool = setting(
-        False,
-        "also measure accuracy with each final answer forced, as the ADS reference reports beside raw "
-        "accuracy: the task's answer cue appended to each completion, a few greedy tokens more",
-    )
 
 
 @dataclass
@@ -136,8 +114,11 @@ def accuracy(
 
 
 def completion_budget(cfg) -> int:
-    """A config's evaluation completion budget: `eval_max_new_tokens`, or `max_new_tokens` when 0."""
-    return cfg.eval_max_new_tokens or cfg.max_new_tokens
+    """A config's evaluation completion budget: `eval_max_new_tokens`, or when 0 the budget of what its
+    students learned from: the teacher's traces where the job writes them (04: `trace_max_new_tokens`), else
+    the student's rollouts (02: `rollout_max_new_tokens`)."""
+    learned = cfg.trace_max_new_tokens if hasattr(cfg, "trace_max_new_tokens") else cfg.rollout_max_new_tokens
+    return cfg.eval_max_new_tokens or learned
 
 
 def configured_accuracy(
@@ -152,7 +133,7 @@ def configured_accuracy(
     bf16: bool | None = None,
     **kwargs,
 ) -> Accuracy:
-    """`accuracy` with a config's evaluation settings (`EvalSettings`, beside `max_new_tokens`,
+    """`accuracy` with a config's evaluation settings (`EvalSettings`, beside `completion_budget`'s,
     `enable_thinking` and `bf16`): its completion budget and batch size; forced when `forced_accuracy` (or
     `forced`), under bf16 autocast when `bf16` (or `bf16`, when given). `kwargs`: engine, world, rank,
     progress."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opdkit.config import ConfigError
+from opdkit.data import traces
 from opdkit.tasks.base import Messages, Task
 
 if TYPE_CHECKING:
@@ -278,5 +279,6 @@ class TinyTask(Task):
         if not checked:
             return None
         wrong = [r for r in checked if not r["correct"]]
-        slips = sum(extract_answer(r["completion"]) == implied_answer(r["completion"]) for r in wrong)
+        texts = [traces.completion(r) for r in wrong]
+        slips = sum(extract_answer(t) == implied_answer(t) for t in texts)
         return {"slip": slips / len(checked), "contradiction": (len(wrong) - slips) / len(checked)}

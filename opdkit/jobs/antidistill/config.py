@@ -1,5 +1,5 @@
-"""antidistill's settings: `AntidistillConfig`, composed from the settings groups (each declared once, beside
-the code that reads it: the students' `SFTSettings`, the on-policy attackers' `OPDSettings` and `OPDTraining`,
+"""antidistill's settings: `AntidistillConfig`, composed from the settings groups (each declared once, in
+`opdkit.settings`: the students' `SFTSettings`, the on-policy attackers' `OPDSettings` and `OPDTraining`,
 ...) and the sweep's own."""
 
 from __future__ import annotations
@@ -7,21 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from opdkit.ads import direction
 from opdkit.config import ConfigError, RepeatSettings, RunFields, float_list, name_list, setting
-from opdkit.data.prompts import PromptSettings
-from opdkit.models import (
+from opdkit.settings import (
+    ADS_METHODS,
     CheckpointingSettings,
+    EvalSettings,
+    OPDSettings,
+    OPDTraining,
     PrecisionSettings,
+    PromptSettings,
     ProxySettings,
+    ServedSettings,
+    SFTSettings,
     StudentSettings,
     TeacherSettings,
+    TraceSettings,
 )
-from opdkit.opd.arguments import OPDSettings, OPDTraining
-from opdkit.opd.served import ServedSettings
-from opdkit.rollout.engines import TraceSettings
-from opdkit.sft.student import SFTSettings
-from opdkit.tasks.evaluate import EvalSettings
 
 ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in points.py
 
@@ -97,7 +98,7 @@ class AntidistillConfig(
         "fd",
         "fd: finite difference with two KV-cached proxies; jvp: exact torch.func.jvp, no cache "
         "(small models)",
-        choices=direction.METHODS,
+        choices=ADS_METHODS,
     )
     attackers: list = setting(
         ("sft",),
@@ -112,8 +113,8 @@ class AntidistillConfig(
             setattr(self, name, float_list(name, getattr(self, name)))
         if self.eval_size == 0:
             raise ConfigError(
-                "eval_size=0 leaves every distilled student unmeasured, and the trade-off is their accuracy; "
-                "give a positive number of evaluation problems, or -1 for all of eval_dataset_path."
+                "eval_size=0 (none) leaves every distilled student unmeasured, and the trade-off is their "
+                "accuracy; give a positive number of evaluation problems, or -1 for all of eval_dataset_path."
             )
         if not (self.lams or self.answer_lams or self.temperatures):
             raise ConfigError(
@@ -130,17 +131,19 @@ class AntidistillConfig(
                 f"{negative[0][0]} holds {negative[0][1]}; temperatures are >= 0 (0 is greedy)."
             )
         self.attackers = name_list("attackers", self.attackers)
+        if self.teacher_server == "local":
+            raise ConfigError(
+                "teacher_server local starts a server around one distillation run (02), and antidistill's "
+                "attackers are many short runs inside one sweep process; give the URL of a running pooling "
+                "server instead."
+            )
         if self.teacher_server:  # read by the on-policy attackers' trainers only
             if not [a for a in self.attackers if a != "sft"]:
                 raise ConfigError(
                     "teacher_server is read by the on-policy attackers (opd, opd-plain) only, and attackers "
                     "has none; add one, or leave teacher_server empty."
                 )
-            if (
-                self.teacher_server == "local"
-                or self.teacher_logprobs != "exact"
-                or self.teacher_server_reference
-            ):
+            if self.teacher_logprobs != "exact" or self.teacher_server_reference:
                 raise ConfigError(
                     "antidistill's attackers take teacher_server as the URL of a running pooling server, "
                     "with teacher_logprobs exact and no teacher_server_reference (the sweep holds the "

@@ -56,12 +56,12 @@ from opdkit.notebook import verdicts
 from opdkit.opd import served
 from opdkit.opd.arguments import distill_stage
 from opdkit.run import spread, tracking
-from opdkit.run.cli import run_from_cli
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import default_num_processes
-from opdkit.run.lifecycle import Job, fit_gen_batch, prepare_job, run_job
+from opdkit.run.lifecycle import Job, fit_trace_batch, prepare_job, run_job
 from opdkit.sft.student import sft_stage
+from opdkit.tasks.evaluate import completion_budget
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
@@ -89,11 +89,11 @@ def baseline_stage(cfg: AntidistillConfig, sampling: memory.Stage) -> memory.Sta
         student=memory.ModelShape.from_config(cfg.student_model),
         student_dtype="float32",
         optimizer="none",
-        gen_batch_size=0,
+        sampled_rows=0,
         eval_model="student",
         eval_bf16=False,
         eval_batch_size=cfg.eval_batch_size,
-        eval_completion_len=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        eval_completion_len=completion_budget(cfg),
     )
 
 
@@ -119,8 +119,9 @@ def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stag
 
 
 def fit(prep: Prepared, budget: float | None) -> Prepared:
-    """`gen_batch_size` 0: the largest batch of traces that fits the ADS sampling stage (`fit_gen_batch`)."""
-    return fit_gen_batch(prep, budget, {"ADS sampling": stages(prep, budget)["ADS sampling"]})
+    """`trace_batch_size` 0: the largest batch of traces that fits the ADS sampling stage
+    (`fit_trace_batch`)."""
+    return fit_trace_batch(prep, budget, {"ADS sampling": stages(prep, budget)["ADS sampling"]})
 
 
 def processes(prep: Prepared, run: RunDir) -> tuple[int, tuple]:
@@ -236,19 +237,3 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
     """The sweep (`lifecycle.run_job`): its folder, or None after a dry run."""
     return run_job(JOB, mode, overrides, prepared)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from opdkit.jobs.antidistill import report
-
-    run_from_cli(
-        AntidistillConfig,
-        "Antidistillation sampling trade-off (opdkit antidistill).",
-        run,
-        report.figures,
-        argv,
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -36,12 +36,13 @@ from transformers import PrinterCallback
 from opdkit.ads.sampler import sample_traces
 from opdkit.ads.steering import Steering
 from opdkit.ads.teacher import ADSTeacher
-from opdkit.data import prompts
+from opdkit.config import repeat_seeds
+from opdkit.data import traces
 from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.notebook.verdicts import pct
 from opdkit.opd.arguments import training_arguments
-from opdkit.opd.trainer import DistillTrainer
+from opdkit.opd.build import distill_trainer
 from opdkit.rollout import engines
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
@@ -105,33 +106,27 @@ def write_traces(prep: Prepared, held: Held, point: Point, seed: int) -> list[di
         seed=seed,  # the same noise at every point of a repeat: the sweeps differ only by λ and τ
         top_p=cfg.trace_top_p,
         top_k=cfg.trace_top_k,
-        max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.gen_batch_size,
+        max_new_tokens=cfg.trace_max_new_tokens,
+        batch_size=cfg.trace_batch_size,
         enable_thinking=cfg.enable_thinking,
         desc=f"traces {point.name}",
     )
     return [
-        {
-            "messages": m,
-            "completion": text,
-            "answer": a,
-            "correct": prep.task.check(text, a) if a else None,
-            "truncated": truncated,
-        }
+        traces.trace(m, text, answer=a, correct=prep.task.check(text, a) if a else None, truncated=truncated)
         for m, a, (text, truncated) in zip(prep.train_messages, prep.train_answers, texts)
     ]
 
 
 def saved_traces(path: Path, prep: Prepared) -> list[dict] | None:
-    """A point's traces written by an earlier run, when they are complete: one record with a completion
-    per training prompt, in order. None (with the reason said) when they must be written again."""
+    """A point's traces written by an earlier run, when they are complete: one record (`data.traces`'s
+    layout) per training prompt, in order. None (with the reason said) when they must be written again."""
     if not path.is_file():
         return None
     records = read_jsonl(path)  # written atomically: the whole file or none
     problem = None
     if len(records) != len(prep.train_messages):
         problem = f"{len(records)} traces for {len(prep.train_messages)} training prompts"
-    elif any(r.get("messages") != m or "completion" not in r for r, m in zip(records, prep.train_messages)):
+    elif any(r.get("messages", [])[:-1] != m for r, m in zip(records, prep.train_messages)):
         problem = "their prompts are not this run's training prompts"
     if problem:
         print0(f"resume: writing the traces again, {path} does not fit ({problem})")
@@ -215,9 +210,9 @@ def _mean_errors(values: list[dict | None]) -> dict[str, float] | None:
 
 
 def run_point(point: Point, prep: Prepared, held: Held) -> dict:
-    """The point's `repeats` runs (seeds seed, seed+1, ...) and their mean accuracies: one summary entry."""
-    cfg = prep.cfg
-    runs = [run_once(point, cfg.seed + k, prep, held) for k in range(cfg.repeats)]
+    """The point's `repeats` runs (`config.repeat_seeds`, as 02's and 03's repeats) and their mean accuracies:
+    one summary entry."""
+    runs = [run_once(point, seed, prep, held) for seed in repeat_seeds(prep.cfg)]
     return {
         **asdict(point),
         "name": point.name,
@@ -286,16 +281,9 @@ def distill_on_policy(
         report_to=[],
         disable_tqdm=True,
     )
-    trainer = DistillTrainer(
-        model=student,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        data_collator=prompts.PromptCollator(
-            prep.student_tokenizer, cfg.max_prompt_length, cfg.enable_thinking
-        ),
-        processing_class=prep.student_tokenizer,
-        teacher_model=teacher,
-        teacher_tokenizer=prep.teacher_tokenizer,
+    dataset = Dataset.from_list(rows)
+    trainer = distill_trainer(
+        cfg, args, student, teacher, prep.student_tokenizer, dataset, teacher_tokenizer=prep.teacher_tokenizer
     )
     trainer.remove_callback(PrinterCallback)  # its log lines are metrics.jsonl's records
     trainer.train()

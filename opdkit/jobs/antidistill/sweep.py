@@ -378,9 +378,7 @@ def holdout_rows(grads_dir: Path, tok: PreTrainedTokenizerBase, cfg: Antidistill
         return []
     held = traces.load_traces(grads_dir)
     held = held.select(range(min(len(held), HOLDOUT_LOSS_TRACES)))
-    return sft_rows(
-        [{"messages": m[:-1], "completion": m[-1]["content"]} for m in held["messages"]], tok, cfg
-    )
+    return sft_rows([{"messages": m} for m in held["messages"]], tok, cfg)
 
 
 def prepared(cfg: AntidistillConfig, mode: str) -> Prepared:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from opdkit.config import RepeatSettings, RunFields, setting
-from opdkit.opd.served import ServedSettings
+from opdkit.settings import ServedSettings
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""savegrad's settings: `SaveGradConfig`, composed from the settings groups (each declared once, beside the
-code that reads it) and savegrad's own."""
+"""savegrad's settings: `SaveGradConfig`, composed from the settings groups (each declared once, in
+`opdkit.settings`) and savegrad's own."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from opdkit.config import RunFields, setting
-from opdkit.data.prompts import PromptSettings
-from opdkit.models import PrecisionSettings, ProxySettings, TeacherSettings
-from opdkit.rollout.engines import EngineSettings, TraceSettings
+from opdkit.settings import (
+    EngineSettings,
+    PrecisionSettings,
+    PromptSettings,
+    ProxySettings,
+    TeacherSettings,
+    TraceSettings,
+)
 
 
 @dataclass

@@ -200,7 +200,7 @@ def generate_batch(
     max_length, each prompt + completion fits in it."""
     cfg, tok = sampler.cfg, sampler.tok
     prompts_BP, mask_BP = sampling.left_pad(prompt_ids, tok.pad_token_id, device)
-    budget = cfg.max_new_tokens
+    budget = cfg.trace_max_new_tokens
     if cfg.max_length:
         budget = min(budget, cfg.max_length - min(len(x) for x in prompt_ids))
     r = sampler.sample(prompts_BP, mask_BP, budget, seed)
@@ -227,8 +227,8 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
     torch.manual_seed(cfg.seed + rank)
     local: list[tuple[int, str, bool, list[int]]] = []
     try:
-        for s in tqdm(range(0, len(mine), cfg.gen_batch_size), desc="teacher traces", disable=rank != 0):
-            batch = mine[s : s + cfg.gen_batch_size]
+        for s in tqdm(range(0, len(mine), cfg.trace_batch_size), desc="teacher traces", disable=rank != 0):
+            batch = mine[s : s + cfg.trace_batch_size]
             seed = engines.rollout_seed(cfg.seed, s, rank)  # the vLLM engine's per-request seeds
             done = generate_batch(sampler, [ids[i] for i in batch], device, seed)
             local += [(i, *d) for i, d in zip(batch, done)]
@@ -236,13 +236,14 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
         sampler.close()  # before the gradient pass, and also when sampling failed
     check, answers = prep.task.check, prep.train_answers
     return [
-        {
-            "messages": [*messages[i], {"role": "assistant", "content": text}],
-            "answer": answers[i],
-            "correct": check(text, answers[i]) if answers[i] else None,
-            "truncated": truncated,
-            "teacher_ids": (ids[i], completion),
-        }
+        traces.trace(
+            messages[i],
+            text,
+            answer=answers[i],
+            correct=check(text, answers[i]) if answers[i] else None,
+            truncated=truncated,
+            teacher_ids=(ids[i], completion),
+        )
         for i, text, truncated, completion in sorted(_gather(local, world))
     ]
 

@@ -35,9 +35,8 @@ from opdkit.jobs.savegrad.holdout import Prepared, prepared, traces_for
 from opdkit.models import load_model
 from opdkit.rollout import engines
 from opdkit.run import tracking
-from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
-from opdkit.run.lifecycle import Job, fit_gen_batch, prepare_job, run_job
+from opdkit.run.lifecycle import Job, fit_trace_batch, prepare_job, run_job
 from opdkit.tasks.evaluate import fraction_correct
 
 
@@ -46,7 +45,7 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
     writing traces (`rollout.engines.trace_stage`), then the fp32 proxy's gradient pass
     (`ads.gradient.gradient_stage`). Without traces_path both; with it the gradient pass only."""
     cfg = prep.cfg
-    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    longest = cfg.max_prompt_length + cfg.trace_max_new_tokens
     trace = (min(longest, cfg.max_length) if cfg.max_length else longest) - cfg.max_prompt_length
     out = {} if cfg.traces_path else {"teacher traces": engines.trace_stage(cfg, trace, budget)}
     gpu = budget is not None
@@ -57,10 +56,10 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
 
 
 def fit(prep: Prepared, budget: float | None) -> Prepared:
-    """`gen_batch_size` 0: the largest batch of traces that fits (`lifecycle.fit_gen_batch`)."""
+    """`trace_batch_size` 0: the largest batch of traces that fits (`lifecycle.fit_trace_batch`)."""
     if prep.cfg.traces_path:
         return prep
-    return fit_gen_batch(prep, budget, {"teacher traces": stages(prep, budget)["teacher traces"]})
+    return fit_trace_batch(prep, budget, {"teacher traces": stages(prep, budget)["teacher traces"]})
 
 
 def teacher_accuracy(records: list[dict]) -> float | None:
@@ -192,19 +191,3 @@ def prepare(mode: str = "tiny", overrides: dict | None = None) -> Prepared:
 def run(mode: str = "tiny", overrides: dict | None = None, prepared: Prepared | None = None) -> RunDir | None:
     """The run (`lifecycle.run_job`): its folder, or None after a dry run."""
     return run_job(JOB, mode, overrides, prepared)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from opdkit.jobs.savegrad import report
-
-    run_from_cli(
-        SaveGradConfig,
-        "Proxy-student gradient for antidistillation (opdkit savegrad).",
-        run,
-        report.figures,
-        argv,
-    )
-
-
-if __name__ == "__main__":
-    main()

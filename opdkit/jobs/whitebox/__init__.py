@@ -2,9 +2,25 @@
 `inputs.py`, its accuracy in `accuracy.py`, a served teacher in `teacher.py`, repeats in `seeds.py`),
 `report.py` shows the run."""
 
+from __future__ import annotations
+
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.jobs.whitebox.job import JOB, main, memory_plan, prepare, processes, run, stage
 from opdkit.notebook.parameters import notebook_parameters
+from opdkit.run.cli import job_main, lazy_attributes
+
+# What the package offers from its modules, imported when first used: reading and checking the settings
+# (`main` before the run, `parameters`) imports neither torch nor transformers.
+LAZY = {
+    "JOB": "job",
+    "memory_plan": "job",
+    "prepare": "job",
+    "processes": "job",
+    "run": "job",
+    "stage": "job",
+}
+
+
+__getattr__ = lazy_attributes(__name__, LAZY)
 
 
 def parameters(namespace: dict) -> tuple[str, dict]:
@@ -12,9 +28,11 @@ def parameters(namespace: dict) -> tuple[str, dict]:
     return notebook_parameters(WhiteboxConfig, namespace)
 
 
+main = job_main(WhiteboxConfig, "White-box on-policy distillation (opdkit whitebox).", __name__)
+
+
 __all__ = [
     "JOB",
-    "WhiteboxConfig",
     "main",
     "memory_plan",
     "parameters",
@@ -22,4 +40,5 @@ __all__ = [
     "processes",
     "run",
     "stage",
+    "WhiteboxConfig",
 ]

@@ -1,5 +1,5 @@
 """whitebox's settings: `WhiteboxConfig`, the original's DistillConfig fields, composed from the settings
-groups (each declared once, beside the code that reads it) and whitebox's own few."""
+groups (each declared once, in `opdkit.settings`) and whitebox's own few."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from opdkit.config import ConfigError, RepeatSettings, RunFields, setting
-from opdkit.data.prompts import PromptSettings
-from opdkit.models import CheckpointingSettings, PrecisionSettings, StudentSettings, TeacherSettings
-from opdkit.opd.arguments import OPDSettings, OPDTraining
-from opdkit.opd.mixture import TeacherSetSettings
-from opdkit.opd.served import ServedSettings
-from opdkit.tasks.evaluate import EvalSettings
+from opdkit.settings import (
+    CheckpointingSettings,
+    EvalSettings,
+    OPDSettings,
+    OPDTraining,
+    PrecisionSettings,
+    PromptSettings,
+    ServedSettings,
+    StudentSettings,
+    TeacherSetSettings,
+    TeacherSettings,
+)
 
 
 @dataclass
@@ -41,18 +47,18 @@ class WhiteboxConfig(
         "a savegrad run whose holdout prompts are left out of training (subset_size -1 would take them); "
         "empty: not checked, which the summary says",
     )
-    eval_steps: int = setting(
+    eval_every: int = setting(
         0, "also measure greedy accuracy every this many optimizer steps while training; 0 never", min=0
     )
-    eval_steps_size: int = setting(
-        100, "held-out problems measured every eval_steps: the first of the eval_size set", min=1
+    eval_every_size: int = setting(
+        100, "held-out problems measured every eval_every: the first of the eval_size set", min=1
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.eval_size < 0:
             raise ConfigError(
-                f"eval_size={self.eval_size}: whitebox evaluates on held-out problems cut from its data; "
-                "give "
-                "their number, or 0 to skip evaluation."
+                f"eval_size={self.eval_size} (all of the evaluation set): whitebox cuts its held-out "
+                "problems from its training data, which has no evaluation set of its own; give their number, "
+                "or 0 for none."
             )

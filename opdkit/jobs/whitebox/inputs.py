@@ -25,7 +25,7 @@ from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.models import check_tokenizers, load_tokenizer
+from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
 from opdkit.opd import crossteacher, served
 from opdkit.rollout import engines
 from opdkit.run.launch import run_processes
@@ -168,6 +168,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     if cfg.system_prompt:
         split = with_system(split, cfg.system_prompt)
     tok = load_tokenizer(cfg.student_model)
+    check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
@@ -178,6 +179,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
                 "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
             )
         crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
+        check_chat_template(teacher_tok, cfg.teacher_model)  # the teacher reads its own chat
     else:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer

@@ -20,21 +20,20 @@ import torch
 
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds
-from opdkit.data import prompts
 from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
-from opdkit.jobs.whitebox.teacher import local_server, served_facts, served_teacher, several_teachers
+from opdkit.jobs.whitebox.teacher import around_run, served_facts, served_teacher, several_teachers
 from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import live, verdicts
 from opdkit.opd import arguments as opd_arguments
 from opdkit.opd import served
 from opdkit.opd.arguments import OPDArguments, distill_stage
+from opdkit.opd.build import distill_trainer
 from opdkit.opd.callbacks import add_step_accuracy
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.run import checkpoints, sharding, tracking
-from opdkit.run.cli import run_from_cli
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
@@ -63,7 +62,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
         str(run_path / "checkpoints"),
         run_name=f"{JOB.name}/{run_path.name}",
         vllm_max_model_len=max(
-            cfg.max_prompt_length + cfg.max_new_tokens,
+            cfg.max_prompt_length + cfg.rollout_max_new_tokens,
             eval_prompt_tokens + completion_budget(cfg) if eval_prompt_tokens else 0,
         ),
     )
@@ -97,19 +96,21 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
         teacher = load_model(cfg.teacher_model, teacher_dtype, teacher_device)
         held = f"teacher {num_params(teacher) / 1e6:.2f}M"
     print0(f"student {num_params(student) / 1e6:.2f}M params, {held}, {world} process(es) on {args.device}")
-    trainer = DistillTrainer(
-        model=student,
-        args=args,
-        train_dataset=prep.train_dataset,
-        data_collator=prompts.PromptCollator(prep.tokenizer, cfg.max_prompt_length, cfg.enable_thinking),
-        processing_class=prep.tokenizer,
-        teacher_model=teacher,
-        teacher_tokenizer=None if cfg.teachers else load_tokenizer(cfg.teacher_model),
+    t_tok = None if cfg.teachers else load_tokenizer(cfg.teacher_model)
+    trainer = distill_trainer(
+        cfg,
+        args,
+        student,
+        teacher,
+        prep.tokenizer,
+        prep.train_dataset,
+        teacher_tokenizer=t_tok,
         run=run,
         callbacks=callbacks,
     )
-    if trainer.crosstok is not None:
-        print0(trainer.crosstok.describe(resolve(cfg.teacher_model)))
+    described = trainer.teacher.describe(resolve(cfg.teacher_model))
+    if described:
+        print0(described)
     try:
         distil(prep, run, trainer, teacher, world, rank, t0, title)
     finally:
@@ -146,7 +147,7 @@ def distil(
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
     # A teacher with another tokenizer decodes with its own; several teachers or a served one: no one
     # teacher's accuracy here (measure each with its own run).
-    t_tok = trainer.crosstok.teacher_tokenizer if trainer.crosstok is not None else None
+    t_tok = trainer.teacher.tokenizer
     teacher_acc, teacher_forced = None, None
     if not (cfg.teacher_server or cfg.teachers):
         teacher_acc, teacher_forced = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
@@ -170,9 +171,9 @@ def distil(
         title=title or f"{JOB.name} · {prep.mode}",
         reference={"teacher_accuracy": teacher_acc, "student_accuracy_before": before},
     )
-    if cfg.eval_steps and prep.eval_messages:
-        measure = lambda m: sharded_accuracies(m, prep, world, rank, cfg.eval_steps_size, engine, False)[0]  # noqa: E731
-        add_step_accuracy(trainer, measure, cfg.eval_steps)
+    if cfg.eval_every and prep.eval_messages:
+        measure = lambda m: sharded_accuracies(m, prep, world, rank, cfg.eval_every_size, engine, False)[0]  # noqa: E731
+        add_step_accuracy(trainer, measure, cfg.eval_every)
     if cfg.resume:
         run.truncate_logs(checkpoints.checkpoint_step(last) if last else 0)
     trainer.train(resume_from_checkpoint=str(last) if last else None)
@@ -230,6 +231,7 @@ JOB = Job(
     process=process,
     summarize=summarize,
     processes=own_processes,
+    around=around_run,
 )
 
 
@@ -255,23 +257,8 @@ def run(
     """The run (`lifecycle.run_job`): its folder, or None after a dry run. `callbacks` (transformers
     `TrainerCallback`s) are handed to the trainer in every process; `title` names the live figure (03: the
     arm); `child`: a run inside another (`lifecycle.run_child`). `teacher_server: local` runs it beside the
-    teacher's server (`teacher.local_server`)."""
+    teacher's server (`teacher.around_run`)."""
     cfg = prepared.cfg if prepared is not None else load_config(WhiteboxConfig, mode, overrides)
     if cfg.teacher_server == served.LOCAL and not child:  # the server's own plan, beside the run's
         print0(served.server_plan(cfg, memory.budget_gb(cfg.plan_gpu_memory_gb)))
-    if cfg.teacher_server == served.LOCAL and not cfg.dry_run:
-        with local_server(cfg, overrides, prepared) as (overrides, prepared):
-            return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
     return run_job(JOB, mode, overrides, prepared, child=child, callbacks=callbacks, title=title)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from opdkit.jobs.whitebox import report
-
-    run_from_cli(
-        WhiteboxConfig, "White-box on-policy distillation (opdkit whitebox).", run, report.figures, argv
-    )
-
-
-if __name__ == "__main__":
-    main()

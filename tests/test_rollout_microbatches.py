@@ -1,6 +1,6 @@
-"""opdkit.opd.microbatches, the trainer's batch plumbing: one engine call for the step's micro-batches, cut
-back into micro-batches that look as if each had been sampled alone, and grouped by completion length with the
-same rows and less padding; each row's place in the step's global batch, against accelerate's sharding."""
+"""opdkit.rollout.microbatches, the rollout source's plumbing: one engine call for the step's micro-batches,
+cut back into micro-batches that look as if each had been sampled alone, and grouped by completion length with
+the same rows and less padding; each row's place in the step's global batch, against accelerate's sharding."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from transformers import AutoModelForCausalLM
 from opdkit import tiny
 from opdkit.data import prompts
 from opdkit.models import load_tokenizer
-from opdkit.opd import microbatches
-from opdkit.rollout import sampling
+from opdkit.rollout import microbatches, sampling
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""The trainer's batch plumbing: a step's prompt micro-batches joined for one engine call, each row's place in
-the step's global batch (what its sampling is keyed by), and the sampled step cut back into micro-batches
-grouped by completion length.
+"""A step's rollout plumbing (`source.EngineRollouts`): the step's prompt micro-batches joined for one engine
+call, each row's place in the step's global batch (what its sampling is keyed by), and the sampled step cut
+back into micro-batches grouped by completion length.
 
     ids_BP, mask_BP = concat_prompts(batches, pad_token_id)       # one left-padded batch for the engine
     places = global_places(sizes, rank, world, batch_size)       # each row's place among all processes' rows

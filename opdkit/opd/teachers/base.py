@@ -1,0 +1,189 @@
+"""The calls every teacher kind answers, so that `DistillTrainer` names none of them.
+
+    teacher = teachers.of(teacher_model, student_tokenizer, teacher_tokenizer, args)  # picks the kind
+    teacher.start(student, tokenizer, args)        # its checks at start (vocabularies, settings)
+    teacher.place(device, shard)                   # what this process holds, on the device (sharded)
+    rows = teacher.rows(record)                    # per micro-batch, when the step's rollouts arrive
+    teacher.prepare([(record, rows), ...], step)   # once per step: e.g. a served teacher's requests
+    n = teacher.loss_count(record, rows)           # what the step's summed loss is divided by (its share)
+    part = teacher.score(record, rows, fwd, pred_BT)                       # the teacher side (no gradient)
+    parts = teacher.student_divergence(student, fwd, pred_BT, part, loss)  # the student side, in its forward
+    out, sums = teacher.output(parts, record, part)  # a `DivergenceOutput`, and the kind's step sums
+
+A micro-batch reaches a teacher as a `source.RolloutRecord` (token rows and the loss mask), plus what the
+teacher made of it itself (`rows`: a teacher with another tokenizer re-tokenizes and aligns it there).
+`pred_BT` marks the positions whose state predicts a loss token (the loss mask shifted by one); `fwd` is the
+student's forward arguments over the record's rows. What `score` returns is the kind's own business: final
+hidden states and a head, top-K ids and log-probabilities, another tokenizer's states and an alignment; its
+`student_divergence` is the one function that reads it. Besides: `exact` (False: an approximate divergence,
+labelled in the metrics), `fingerprint` (what a run saves and compares at a resume), `plan_rows` (what the
+teacher holds in this process per scored token), `metrics` (its own columns of metrics.jsonl).
+
+Adding a kind is one file in this package (a `Teacher` subclass) and its test; `teachers.of` picks it (a
+line in its `KINDS` where the kind wraps a module class of its own).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from opdkit.models import TokenizerMismatch
+from opdkit.opd.loss import DivergenceOutput
+from opdkit.rollout.source import RolloutRecord
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What every divergence is given: generalized JSD's `beta`, the temperature both distributions are
+    compared at, the compared vocabulary (the student tokenizer's size), the rows per chunk, and the
+    sampled token each predicting position was followed by (the engine gap's, None without it)."""
+
+    beta: float
+    temperature: float
+    vocab_size: int
+    chunk_size: int
+    target_ids_N: torch.Tensor | None = None
+
+    def one_vocabulary(self) -> dict:
+        """`loss.chunked_divergence`'s keywords."""
+        return dict(
+            beta=self.beta,
+            chunk_size=self.chunk_size,
+            target_ids_N=self.target_ids_N,
+            temperature=self.temperature,
+            vocab_size=self.vocab_size,
+        )
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """What a teacher holds in the training process: `fixed_bytes` whatever the batch (a head), and
+    `bytes_per_token` for each token it scores in a micro-batch (hidden states, top-K entries)."""
+
+    name: str
+    fixed_bytes: int
+    bytes_per_token: int
+
+
+# One micro-batch as a teacher's `prepare` sees it: the record and what `rows` made of it.
+Prepared = tuple[RolloutRecord, Any]
+
+
+class Teacher(ABC):
+    """One kind of teacher. `module`: what this process holds of it (placed on the device by `place`,
+    recorded in held/); `tokenizer`: its own tokenizer where it reads other tokens than the student's."""
+
+    exact: bool = True  # False: the loss is an approximation of the divergence, labelled as such
+    gives_entropy: bool = True  # False: its divergence never forms the student's full rows (no entropy)
+    module: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase | None = None
+    # Why the kind cannot read another tokenizer's rows (None: it can, through `cross.CrossTokenizerTeacher`).
+    another_tokenizer_refusal: str | None = None
+
+    def start(self, student: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, args) -> None:  # noqa: B027
+        """Checks before training that need the student, the tokenizer the teacher's rows are in, or the run's
+        settings (`OPDArguments`); each failure one line. Most kinds check nothing more."""
+
+    def place(self, device, shard: bool) -> None:
+        """Put what this process holds on `device`; `shard`: a sharded run (FSDP over several processes)
+        whose frozen teacher may be sharded like the student, where the kind holds layers."""
+        self.module.to(device)
+
+    def rows(self, record: RolloutRecord) -> Any:
+        """What the teacher makes of a micro-batch when the step's rollouts arrive (host work; None:
+        nothing)."""
+        return None
+
+    def saved(self, rows: Any) -> dict[str, torch.Tensor]:
+        """The tensors of `rows` that save_rollouts keeps beside the record (none: nothing of its own)."""
+        return {}
+
+    def prepare(self, batches: list[Prepared], step: int) -> None:
+        """Once per step (`step` counted from 1), before its micro-batches: the rows it reads (`reads`) handed
+        to `prepare_rows`."""
+        self.prepare_rows([reads(record) for record, _ in batches], step)
+
+    def prepare_rows(self, rows: list[dict], step: int) -> None:  # noqa: B027 - in process: nothing to wait for
+        """The step's rows as the teacher reads them (`reads`' dicts), before its micro-batches: e.g. a served
+        teacher sends them to its server now."""
+
+    def loss_count(self, record: RolloutRecord, rows: Any) -> torch.Tensor:
+        """What the step's summed loss is divided by, this micro-batch's share: its loss tokens."""
+        return record.loss_mask_BT.sum()
+
+    @abstractmethod
+    def score(self, record: RolloutRecord, rows: Any, fwd: dict, pred_BT: torch.Tensor) -> Any:
+        """The divergence's teacher side for a micro-batch, without gradients."""
+
+    @abstractmethod
+    def student_divergence(
+        self, student: PreTrainedModel, fwd: dict, pred_BT: torch.Tensor, part: Any, loss: LossSettings
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The student's side, run as the student's forward (`sharding.call_inside_forward`): its backbone
+        over `fwd`, its states where `pred_BT` marks, the divergence against `part`. A tuple of tensors
+        (summed divergence, per-token divergence, student entropy, student log-probability of each target
+        token or None, then anything the kind's `output` reads), not a dataclass, so that the wrapper finds
+        the output it hooks the backward pass on."""
+
+    def output(
+        self, parts: tuple, record: RolloutRecord, part: Any
+    ) -> tuple[DivergenceOutput, torch.Tensor | None]:
+        """The micro-batch's `DivergenceOutput`, and its share of the kind's step sums (`new_sums`) if
+        any."""
+        return DivergenceOutput(*parts[:4]), None
+
+    def new_sums(self, device) -> torch.Tensor | None:
+        """The kind's own per-step sums, zero, summed over micro-batches and processes (None: none)."""
+        return None
+
+    def metrics(self, sums: list[float] | None) -> dict:
+        """The kind's own columns of a step's metrics.jsonl record, from its summed `new_sums`."""
+        return {}
+
+    def fingerprint(self, probe_ids: list[int]) -> dict | None:
+        """What a run saves beside its checkpoints and compares at a resume (None: nothing here; a single
+        served teacher's job checks its server itself)."""
+        return None
+
+    def check_same(self, saved: dict, now: dict) -> None:  # noqa: B027 - without a fingerprint: never called
+        """Refuse a resume whose `fingerprint` differs from the saved one (one line)."""
+
+    @abstractmethod
+    def plan_rows(self) -> list[PlanRow]:
+        """What the teacher holds in this process (`PlanRow`s)."""
+
+    def describe(self, name: str) -> str | None:
+        """One line for the run's log about the teacher `name`, where the kind has something to say."""
+        return None
+
+
+def reads(record: RolloutRecord) -> dict:
+    """A micro-batch's rows as a teacher module's `prepare_step` takes them: `input_ids`, `attention_mask`,
+    `pred_BT` (the positions whose states the divergence reads) and each row's `teacher_id` (None: none)."""
+    return {
+        "input_ids": record.input_ids_BT,
+        "attention_mask": record.attention_mask_BT,
+        "pred_BT": record.predicting_BT(),
+        "teacher_id": record.teacher_ids,
+    }
+
+
+def check_rows(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A model's head covers its tokenizer (models may pad their vocabulary beyond it)."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise TokenizerMismatch(
+            f"the {name} has {rows} output rows but the tokenizer has {len(tokenizer)} tokens; "
+            "the model and tokenizer do not belong together."
+        )
+
+
+def head_rows(name: str, module: torch.nn.Module) -> list[PlanRow]:
+    """A teacher that gives final hidden states and its head: the head once, each scored token's state."""
+    w = module.get_output_embeddings().weight
+    return [PlanRow(f"{name} head", w.numel() * w.element_size(), w.shape[1] * w.element_size())]
