@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model, tiny_rollout
+from test_opd_topk import _LogitsClient
 
 from opdkit.models import load_tokenizer
 from opdkit.opd import mixture, topk
@@ -70,21 +71,6 @@ def answers_every_call(kind: Teacher, tok, tmp_path, teacher_ids=None) -> dict:
     assert described is None or isinstance(described, str)
     assert isinstance(kind.exact, bool) and isinstance(kind.module, torch.nn.Module)
     return {"out": out, "n": n, "metrics": metrics, "fingerprint": fingerprint, "sums": sums}
-
-
-class _LogitsClient:
-    """What `topk.PromptLogprobsClient.topk` returns, from a model's logits (no server)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def topk(self, rows, k):
-        out = []
-        for row in rows:
-            with torch.no_grad():
-                logits_TV = self.model(input_ids=torch.tensor([row])).logits[0, :-1]
-            out.append(topk.teacher_topk(logits_TV, k, torch.tensor(row[1:])))
-        return out
 
 
 def test_of_picks_each_teacher_modules_kind(tmp_path):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_rollout_engines import hf_greedy, micro_batches
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
-from opdkit.data import prompts
 from opdkit.models import load_tokenizer
 from opdkit.rollout import microbatches, sampling
 
@@ -18,29 +18,6 @@ from opdkit.rollout import microbatches, sampling
 @pytest.fixture(scope="module")
 def student_tok():
     return AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), load_tokenizer("tiny:student")
-
-
-def micro_batches(tok, sizes=(3, 1, 2)):
-    collate = prompts.PromptCollator(tok, 64)
-    problems = ["7+5", "358+467", "12+1", "999+999", "1+1", "40+2"]
-    out, i = [], 0
-    for n in sizes:
-        out.append(collate([{"messages": [{"role": "user", "content": p}]} for p in problems[i : i + n]]))
-        i += n
-    return out
-
-
-def hf_greedy(model, tok, ids, mask, max_new_tokens=12) -> sampling.Rollout:
-    """The kit's loop, greedy, called directly (not through an engine)."""
-    return sampling.sample(
-        model,
-        ids,
-        mask,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-    )
 
 
 def test_concat_prompts_left_pads_every_micro_batch_to_the_widest(student_tok):
