@@ -66,3 +66,12 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
     assert "plain sampling drew" in html
     fig = report.token_changes_figure([same, moved])
     assert fig.axes
+
+
+def test_explain_says_which_gradient_variant_ads_steers_by():
+    summary = {"points": [], "grad_tokens": "confident", "grad_entropy": 0.3}
+    assert "without the teacher's hesitations (grad_tokens confident" in report.explain(summary)
+    assert "above 0.3 nats left out" in report.explain(summary)
+    answer = report.explain({"points": [], "grad_tokens": "answer"})
+    assert "final answer's tokens (grad_tokens answer)" in answer
+    assert "grad_tokens" not in report.explain({"points": [], "grad_tokens": "all"})

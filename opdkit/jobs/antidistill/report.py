@@ -222,6 +222,20 @@ def _crossing_lines(summary: dict) -> list[str]:
     return out
 
 
+def _gradient_line(summary: dict) -> list[str]:
+    """Which of the proxy's gradients the ADS line steers by, when not the whole completion's."""
+    tokens = summary.get("grad_tokens", "all")
+    if tokens == "confident":
+        return [
+            "- ADS steers by the proxy's gradient without the teacher's hesitations (grad_tokens confident: "
+            f"completion tokens outside the answer with teacher entropy above {summary['grad_entropy']:g} "
+            "nats left out)."
+        ]
+    if tokens == "answer":
+        return ["- ADS steers by the proxy's gradient on the final answer's tokens (grad_tokens answer)."]
+    return []
+
+
 def explain(summary: dict) -> str:
     """What this run concludes, in sentences computed from summary.json: the headline finding with its
     verdict, the ADS paper's crossing per line, each ADS point against temperature sampling, the traces'
@@ -229,6 +243,7 @@ def explain(summary: dict) -> str:
     f = findings_of(summary)
     n = f.get("seeds", 0)
     lines = [f"**Finding.** {headline(summary)}"]
+    lines += _gradient_line(summary)
     for p in summary.get("failed_points", []):
         last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
         lines.append(
