@@ -17,6 +17,7 @@ from opdkit.config import ConfigError
 from opdkit.data import traces
 from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import savegrad
+from opdkit.jobs.savegrad import report as savegrad_report
 from opdkit.models import load_model
 from opdkit.tasks import tiny as tiny_task
 
@@ -178,6 +179,10 @@ def test_a_variant_is_the_mean_gradient_on_its_kept_tokens(tmp_path, supplied, t
     assert meta["grad_tokens"] == grad_tokens
     assert meta["num_traces"] == sum(1 for k in keeps if k)
     assert meta["completion_tokens"] == sum(map(len, keeps))
+    total = sum(sum(lab != IGNORE for lab in r["labels"]) for r in records)
+    table = savegrad_report.summary_table_html(run.read_summary())
+    kept = sum(map(len, keeps))
+    assert f"{grad_tokens}: {kept} of {total} completion tokens, in {meta['num_traces']} traces" in table
     if grad_tokens == "confident":
         assert meta["grad_entropy"] == 0.3
         assert sum(meta["token_kinds"].values()) == sum(
