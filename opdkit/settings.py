@@ -66,6 +66,30 @@ class CheckpointingSettings:
     )
 
 
+# The gradient variants (opdkit/ads/tokenkinds.py reads them; savegrad computes the variant, 04 passes it on).
+GRAD_TOKENS = ("all", "confident", "answer")
+
+
+@dataclass
+class GradientTokenSettings:
+    """Which completion tokens the proxy's saved gradient is taken on (01; 04 passes them to the savegrad run
+    it starts, and checks a given grads_run against them)."""
+
+    grad_tokens: str = setting(
+        "all",
+        "the completion tokens the proxy's gradient is taken on: all; confident, every token but those where "
+        "the teacher hesitates (entropy above grad_entropy, answer tokens always kept); answer, the final "
+        "answer's tokens only",
+        choices=GRAD_TOKENS,
+    )
+    grad_entropy: float = setting(
+        0.3,
+        "grad_tokens confident: nats of teacher entropy above which a completion token outside the answer is "
+        "left out",
+        min=0.0,
+    )
+
+
 # Sampling: the rollout engines (opdkit/rollout/engines.py), the teacher's traces.
 ENGINES = ("hf", "vllm")
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from opdkit import models, tasks, tiny
+from opdkit import models, tiny
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
@@ -573,35 +573,6 @@ def test_norms_by_layer():
     }
 
 
-def test_answer_labels_keep_exactly_the_answer(tok):
-    text = "8+7=15,5+6+1=12,3+4+1=8;825"
-    messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
-    ids, labels = completion_labels(tok, messages)
-    kept = gradient.answer_labels(tok, ids, labels, tasks.for_dataset("tiny").answer_start(text))
-    assert tok.decode([t for t in kept if t != IGNORE]) == "825" + tok.eos_token
-    assert tasks.for_dataset("tiny").answer_start("no answer here") is None
-    assert tasks.for_dataset("x.parquet").answer_start("so \\boxed{12}.") == 3
-
-
-def test_answer_rows_keep_the_traces_with_an_answer(tok):
-    """A trace without a final answer is left out; no trace with one gives no rows (the caller says what to
-    do)."""
-    held = []
-    for text in ("8+7=15,5+6+1=12,3+4+1=8;825", "8+7=15,5+6"):
-        messages = [{"role": "user", "content": "358+467"}, {"role": "assistant", "content": text}]
-        ids, labels = completion_labels(tok, messages)
-        held.append({"messages": messages, "input_ids": ids, "labels": labels})
-    start = tasks.for_dataset("tiny").answer_start
-    [row] = gradient.answer_rows(held, tok, start)
-    assert row == {
-        "input_ids": held[0]["input_ids"],
-        "labels": gradient.answer_labels(
-            tok, held[0]["input_ids"], held[0]["labels"], start(held[0]["messages"][-1]["content"])
-        ),
-    }
-    assert gradient.answer_rows(held[1:], tok, start) == []
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_notebook_runs(tmp_path, monkeypatch):
@@ -649,7 +620,7 @@ def test_head_cross_entropy_matches_autograd_in_every_chunk(monkeypatch):
 
 def test_heads_that_are_not_plain_use_full_logits(rows, monkeypatch):
     model = _proxy()
-    assert gradient._plain_head(model)
-    monkeypatch.setattr(gradient, "_plain_head", lambda m: False)
+    assert gradient.plain_head(model)
+    monkeypatch.setattr(gradient, "plain_head", lambda m: False)
     named, _ = gradient.mean_completion_grad(model, rows, "token", 4, pad_token_id=0)
     assert _rel_err(named, _reference(_proxy(), rows, "token")) <= TOL

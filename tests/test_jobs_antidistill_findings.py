@@ -133,3 +133,46 @@ def test_one_seed_gives_no_verdict_stronger_than_noise():
         line.get("vs_temperature", {"word": "within noise at 1 seed"})["word"] == "within noise at 1 seed"
         for line in out["matched"]["lines"]
     )
+
+
+def _crossing_points(ads: tuple[tuple[float, float], ...]) -> list[dict]:
+    """The temperature sweep, an ADS line at τ 1 through `ads` ((teacher, student) per λ 0.05, 0.1) and the
+    answer line that never falls to 60 %."""
+    pts = [point("temperature", 0.0, tau, *ts) for tau, ts in TEMPERATURE.items()]
+    pts += [point("ads", lam, 1.0, *ts) for lam, ts in zip((0.05, 0.1), ads)]
+    pts.append(point("ads-answer", 0.03, 1.0, 0.80, 0.675))
+    return pts
+
+
+def test_the_paired_crossing_verdict_against_a_hand_computation():
+    """Undistilled level 60 %. Temperature falls to it between (85 %, 70 %+n) and (75 %, 55 %+n): at
+    85 - 10·(10+n)/15, i.e. 79.0, 78.333, 77.533 % for the seeds' n = -1, 0, +1.2 points. ADS, between (88 %,
+    75 %+n) and (78 %, 45 %+n): at 88 - 10·(15+n)/30, i.e. 83.333, 83.0, 82.6 %. Paired differences 4.3333,
+    4.6667, 5.0667 points: mean 4.68889, s 0.367171, half-width t(0.975, 2) 4.302653 × s / √3 = 0.912107."""
+    gaps = {
+        g["label"]: g
+        for g in f.findings(
+            {"points": _crossing_points(((0.88, 0.75), (0.78, 0.45))), "student_accuracy_before": 0.60}
+        )["crossing_gaps"]
+    }
+    ads = gaps["ADS (τ=1)"]
+    assert ads["word"] == "holds" and ads["n"] == 3 and ads["missing"] == []
+    assert ads["claim"] == "ADS (τ=1)'s crossing lies above temperature's"
+    assert ads["mean"] == pytest.approx(0.0468889, abs=1e-6)
+    assert ads["ci"] == pytest.approx([0.0468889 - 0.00912107, 0.0468889 + 0.00912107], abs=1e-6)
+    answer = gaps["ADS, answer-token gradient (τ=1)"]  # never falls to 60 %: no verdict, and why
+    assert answer["word"] == "not measured" and answer["mean"] is None
+    assert answer["missing"] == [{"label": "ADS, answer-token gradient (τ=1)", "reached": 0, "seeds": 3}]
+
+
+def test_a_crossing_below_temperature_s_is_reversed_and_a_line_short_of_a_seed_is_named():
+    """ADS between (80 %, 70 %+n) and (70 %, 50 %+n): at 80 - 10·(10+n)/20 = 75.5, 75.0, 74.4 %, below
+    temperature's 79.0, 78.333, 77.533 % in every seed: the claim does not hold."""
+    pts = _crossing_points(((0.80, 0.70), (0.70, 0.50)))
+    [ads, _] = f.findings({"points": pts, "student_accuracy_before": 0.60})["crossing_gaps"]
+    assert ads["word"] == "does not hold"
+    assert ads["mean"] == pytest.approx((-0.035 - 0.0333333 - 0.0313333) / 3, abs=1e-6)
+    pts[2]["runs"][0]["student_accuracy"] = 0.65  # temperature's last point, seed 42: stays above 60 %
+    [ads, _] = f.findings({"points": pts, "student_accuracy_before": 0.60})["crossing_gaps"]
+    assert ads["word"] == "not measured"
+    assert ads["missing"] == [{"label": "temperature", "reached": 2, "seeds": 3}]

@@ -66,3 +66,36 @@ def test_token_lens_marks_exactly_the_tokens_ads_moved(small_run):
     assert "plain sampling drew" in html
     fig = report.token_changes_figure([same, moved])
     assert fig.axes
+
+
+def test_explain_says_which_gradient_variant_ads_steers_by():
+    summary = {"points": [], "grad_tokens": "confident", "grad_entropy": 0.3}
+    assert "without the teacher's hesitations (grad_tokens confident" in report.explain(summary)
+    assert "above 0.3 nats left out" in report.explain(summary)
+    answer = report.explain({"points": [], "grad_tokens": "answer"})
+    assert "final answer's tokens (grad_tokens answer)" in answer
+    assert "grad_tokens" not in report.explain({"points": [], "grad_tokens": "all"})
+
+
+def test_explain_gives_the_paired_crossing_verdict_or_says_which_line_did_not_cross():
+    """Temperature crosses 20 % between (50 %, 30 %+n) and (30 %, 10 %+n): at 50 - (10+n) = 41, 40, 39 % for
+    the seeds' n = -1, 0, +1 point; ADS between (70 %, 40 %+n) and (50 %, n): at 70 - 20·(20+n)/40 = 60.5,
+    60, 59.5 %. Paired: 19.5, 20, 20.5 points, s 0.5, half-width 4.302653 × 0.5 / √3 = 1.24 points. The
+    answer line never gets there."""
+    pts = [
+        _point("t1", "temperature", 0.0, 1.0, 0.9, [0.79, 0.80, 0.81]),
+        _point("t2", "temperature", 0.0, 1.5, 0.5, [0.29, 0.30, 0.31]),
+        _point("t3", "temperature", 0.0, 2.0, 0.3, [0.09, 0.10, 0.11]),
+        _point("a1", "ads", 0.1, 1.0, 0.7, [0.39, 0.40, 0.41]),
+        _point("a2", "ads", 0.2, 1.0, 0.5, [-0.01, 0.0, 0.01]),
+        _point("b1", "ads-answer", 0.1, 1.0, 0.7, [0.49, 0.50, 0.51]),
+    ]
+    text = report.explain({"points": pts, "student_accuracy_before": 0.2, "repeats": 3})
+    assert (
+        "ADS (τ=1)'s crossing lies above temperature's: **holds** (+20.0 points [+18.8, +21.2], 3 seeds)."
+        in text
+    )
+    assert (
+        "ADS, answer-token gradient (τ=1)'s crossing lies above temperature's: not computed, it needs both "
+        "lines to cross in every seed (ADS, answer-token gradient (τ=1) crossed in 0 of 3 seeds)"
+    ) in text

@@ -162,6 +162,8 @@ def test_a_gradient_computed_here_reads_this_run_s_prompts(dapo_parquet, tmp_pat
         "seed": 7,
         "max_prompt_length": 10**5,
         "system_prompt": "Be brief.",
+        "grad_tokens": "confident",
+        "grad_entropy": 0.5,
     }
     preset = load_config(SaveGradConfig, "full")
     assert preset.dataset_path != str(dapo_parquet) and preset.seed != 7
@@ -189,7 +191,22 @@ def test_a_gradient_computed_here_reads_this_run_s_prompts(dapo_parquet, tmp_pat
     assert (cfg.dataset_path, cfg.dataset_split, cfg.seed) == (str(dapo_parquet), "train", 7)
     assert (cfg.max_prompt_length, cfg.system_prompt, cfg.enable_thinking) == (10**5, "Be brief.", False)
     assert (cfg.holdout_fraction, cfg.subset_size) == (preset.holdout_fraction, preset.subset_size)
+    assert (cfg.grad_tokens, cfg.grad_entropy) == ("confident", 0.5)  # the variant 04's parameters cell picks
     assert savegrad.holdout_messages(cfg) == holdout
+
+
+def test_a_given_gradient_must_be_the_variant_asked_for(grads_run, tmp_path):
+    """grads_run holds the whole completion gradient (grad_tokens all): asking for another variant stops in
+    one line; a file from before the setting existed counts as all; a confident one must match the entropy."""
+    with pytest.raises(ConfigError, match="holds the gradient of grad_tokens all, but this run asks"):
+        antidistill.prepare("tiny", {"grads_run": str(grads_run), "grad_tokens": "confident"})
+    cfg = load_config(AntidistillConfig, "tiny", {"grads_run": "x", "grad_tokens": "confident"})
+    sweep.check_variant(cfg, {"grad_tokens": "confident", "grad_entropy": 0.3})
+    with pytest.raises(ConfigError, match="grad_entropy 0.5, but this run asks for grad_tokens confident"):
+        sweep.check_variant(cfg, {"grad_tokens": "confident", "grad_entropy": 0.5})
+    sweep.check_variant(dataclasses.replace(cfg, grad_tokens="all"), {})  # no grad_tokens: all
+    with pytest.raises(ConfigError, match="grad_tokens='most' is not one of"):
+        antidistill.prepare("tiny", {"grad_tokens": "most"})
 
 
 def test_a_gradient_preset_for_the_tiny_stream_cannot_hold_out_part_of_a_file(dapo_parquet):

@@ -1,12 +1,11 @@
-"""The proxy student's mean completion-only gradient (savegrad's), and the same on the answer tokens only.
+"""The proxy student's mean completion-only gradient (savegrad's), over the completion tokens the rows label.
 
     named, stats = mean_completion_grad(proxy, rows, "trace", batch_size=8, pad_token_id=0)  # every process
-    rows = answer_rows(traces, tokenizer, task.answer_start)   # the loss kept on each trace's final answer
     save_grads(run.path, named, meta)                                      # grads.safetensors + grads.json
     g = load_grads(run.path, proxy, tokenizer)                             # names, shapes, tokenizer checked
 
-`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion;
-`answer_rows` keeps the final answer's tokens only, for the answer-token gradient). The
+`rows` are traces as `{"input_ids": [...], "labels": [...]}` (labels -100 outside the completion, or
+outside the kinds of completion token kept: `ads.tokenkinds`, for the gradient variants). The
 saved gradient is, for `normalization="trace"`, the mean over traces of the gradient of each trace's
 mean token loss (what the ADS `save_grad.py` computes at batch size 1) and, for `"token"`, the gradient
 of the loss summed over every completion token divided by their number. Each trace's loss is scaled by
@@ -106,7 +105,7 @@ def weighted_completion_loss(
     at a time, and the head's gradient is formed in the same pass (`_HeadCrossEntropy`): no B x T x V
     logits exist. Models whose head is not a plain bias-free linear map go through full logits.
     """
-    if not _plain_head(model):
+    if not plain_head(model):
         loss_sum_B, _ = token_losses(model, batch)
         return loss_sum_B.detach(), (loss_sum_B * weights_B.to(loss_sum_B.dtype)).sum()
     no_logits = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
@@ -131,7 +130,7 @@ def weighted_completion_loss(
     return loss_sum_B, loss
 
 
-def _plain_head(model: torch.nn.Module) -> bool:
+def plain_head(model: torch.nn.Module) -> bool:
     """True when logits are exactly final_hidden @ head.weight.T (no bias, scale or soft-capping)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cfg = getattr(model, "config", None)
@@ -333,36 +332,6 @@ def norms_by_layer(norms: dict[str, float]) -> dict[str, float]:
         group = m.group(1) if m else re.sub(r"\.(weight|bias)$", "", name)
         sq[group] = sq.get(group, 0.0) + norm**2
     return {k: v**0.5 for k, v in sq.items()}
-
-
-def answer_labels(tok: Any, input_ids: list[int], labels: list[int], start: int) -> list[int]:
-    """`labels` with everything before the answer (character `start` of the completion) set to -100: the first
-    completion token whose decoded prefix reaches past `start`, found by bisection, and all after it."""
-    pos = [i for i, t in enumerate(labels) if t != IGNORE]
-    lo, hi = 0, len(pos) - 1
-    while lo < hi:  # smallest j with len(decode(completion[: j + 1])) > start
-        mid = (lo + hi) // 2
-        if len(tok.decode(input_ids[pos[0] : pos[mid] + 1], skip_special_tokens=True)) > start:
-            hi = mid
-        else:
-            lo = mid + 1
-    return [t if i >= pos[lo] else IGNORE for i, t in enumerate(labels)]
-
-
-def answer_rows(held: Sequence[dict], tok: Any, answer_start: Any) -> list[dict]:
-    """Traces ({messages, input_ids, labels}) with the loss on their answer tokens only (`answer_start(text)`:
-    where a completion's final answer begins, a task's); traces without an answer are left out."""
-    rows = []
-    for t in held:
-        start = answer_start(t["messages"][-1]["content"])
-        if start is not None and any(x != IGNORE for x in t["labels"]):
-            rows.append(
-                {
-                    "input_ids": t["input_ids"],
-                    "labels": answer_labels(tok, t["input_ids"], t["labels"], start),
-                }
-            )
-    return rows
 
 
 def gradient_stage(

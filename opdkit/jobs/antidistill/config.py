@@ -12,6 +12,7 @@ from opdkit.settings import (
     ADS_METHODS,
     CheckpointingSettings,
     EvalSettings,
+    GradientTokenSettings,
     OPDSettings,
     OPDTraining,
     PrecisionSettings,
@@ -43,6 +44,7 @@ class AntidistillConfig(
     OPDSettings,
     OPDTraining,
     ServedSettings,
+    GradientTokenSettings,
 ):
     """Antidistillation sampling and its trade-off (antidistill): a λ sweep of ADS beside a temperature
     sweep; at every point the teacher writes traces and a fresh student is distilled on them by SFT

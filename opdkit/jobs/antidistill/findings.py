@@ -4,7 +4,7 @@ the ADS paper's crossing, and each on-policy attacker against its control; every
 95 % interval over seeds (`notebook.verdicts`).
 
     summary["points"] = [with_intervals(p) for p in summary["points"]]
-    summary["findings"] = findings(summary)           # matched, gaps, crossings, attackers, headline
+    summary["findings"] = findings(summary)   # matched, gaps, crossings, crossing_gaps, attackers
 
 Paired by seed: the points of one repeat share their seed (the same sampling noise, SFT order and student),
 so each comparison is made seed by seed (an ADS point against the temperature curve of the same seed, an
@@ -15,6 +15,11 @@ attacker against its control of the same seed) and the interval is that of the p
 - **gaps**: each ADS point's student minus the temperature curve's at the point's own teacher accuracy.
 - **crossings** (the ADS paper's measure): the teacher accuracy at which a line's distilled student falls to
   the undistilled student's accuracy, interpolated, seed by seed; None where the sweep never gets there.
+- **crossing_gaps**: per ADS line, its crossing minus temperature's, seed by seed, judged on that paired
+  interval: "ADS's crossing lies above temperature's" (a higher crossing: the students reach the undistilled
+  level with the teacher still more accurate) holds, is within noise, or does not hold (reversed). Computed
+  only where both lines cross in every seed; otherwise `missing` names the line that did not, and in how
+  many seeds.
 - **attackers**: per ADS point, the ADS-scored on-policy student minus the plain-scored control (one control
   per τ and seed, shared by every λ of that τ: said so); "damaged" when the student ends below where it
   started by its whole interval.
@@ -158,6 +163,34 @@ def crossings(points: list[dict], before: float | None, key: str = RAW) -> list[
     return out
 
 
+def crossing_gaps(crossed: list[dict]) -> list[dict]:
+    """Per ADS line of `crossed` (`crossings`): its crossing minus the temperature line's, paired seed by
+    seed, and the verdict that it lies above temperature's; where either line did not cross in every seed
+    (or no temperature line was run), no verdict (`word` "not measured") and `missing` lists {label,
+    reached, seeds} of the lines that fell short."""
+    by_label = {c["label"]: c for c in crossed}
+    temperature = by_label.get("temperature")
+    out = []
+    for c in crossed:
+        if c["label"] == "temperature":
+            continue
+        claim = f"{c['label']}'s crossing lies above temperature's"
+        short = [
+            {"label": x["label"], "reached": x["reached"], "seeds": x["seeds"]}
+            for x in (c, temperature)
+            if x is not None and x["reached"] < x["seeds"]
+        ]
+        if temperature is None:
+            short.append({"label": "temperature", "reached": 0, "seeds": c["seeds"]})
+        if short:
+            none = {"word": "not measured", "mean": None, "ci": None, "n": 0}
+            out.append({"label": c["label"], "claim": claim, **none, "missing": short})
+            continue
+        diffs = [a - b for a, b in zip(c["by_seed"], temperature["by_seed"])]
+        out.append({"label": c["label"], **verdicts.verdict(claim, diffs, above=True), "missing": []})
+    return out
+
+
 def attackers(points: list[dict], before: float | None) -> list[dict]:
     """Per ADS point with on-policy attackers: the ADS-scored student (opd) minus its plain-scored control
     (opd-plain), seed by seed, judged on the interval; whether it ends below its start (`damaged`)."""
@@ -193,10 +226,12 @@ def attackers(points: list[dict], before: float | None) -> list[dict]:
 def findings(summary: dict) -> dict:
     """Everything the run concludes (the module's docstring), from its points and its baseline."""
     points, before = summary.get("points", []), summary.get("student_accuracy_before")
+    crossed = crossings(points, before)
     return {
         "seeds": len(seeds_of(points)),
         "matched": matched(points),
         "gaps": point_gaps(points),
-        "crossings": crossings(points, before),
+        "crossings": crossed,
+        "crossing_gaps": crossing_gaps(crossed),
         "attackers": attackers(points, before),
     }

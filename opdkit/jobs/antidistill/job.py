@@ -176,6 +176,8 @@ def summarize(prep: Prepared, run: RunDir, failure: str | None) -> dict:
         "interval": verdicts.INTERVAL_NAME,
         "findings": findings.findings(gathered),
         "grads_run": str(sweep.grads_path(cfg, run)),
+        "grad_tokens": cfg.grad_tokens,
+        "grad_entropy": cfg.grad_entropy if cfg.grad_tokens == "confident" else None,
         "eps": cfg.eps,
         "ads_method": cfg.ads_method,
         "top_p": cfg.trace_top_p,

@@ -222,6 +222,38 @@ def _crossing_lines(summary: dict) -> list[str]:
     return out
 
 
+def _gradient_line(summary: dict) -> list[str]:
+    """Which of the proxy's gradients the ADS line steers by, when not the whole completion's."""
+    tokens = summary.get("grad_tokens", "all")
+    if tokens == "confident":
+        return [
+            "- ADS steers by the proxy's gradient without the teacher's hesitations (grad_tokens confident: "
+            f"completion tokens outside the answer with teacher entropy above {summary['grad_entropy']:g} "
+            "nats left out)."
+        ]
+    if tokens == "answer":
+        return ["- ADS steers by the proxy's gradient on the final answer's tokens (grad_tokens answer)."]
+    return []
+
+
+def _crossing_gap_lines(summary: dict) -> list[str]:
+    """Each ADS line's crossing against temperature's, paired by seed, or which line did not cross."""
+    out = []
+    for g in findings_of(summary).get("crossing_gaps", []):
+        if g["missing"]:
+            short = "; ".join(
+                f"{m['label']} crossed in {m['reached']} of {m['seeds']} seeds" for m in g["missing"]
+            )
+            out.append(
+                f"- {g['claim']}: not computed, it needs both lines to cross in every seed ({short}); "
+                "a sweep reaching lower teacher accuracies (larger λ, τ) would give it."
+            )
+            continue
+        reversed_ = " (reversed: temperature's crossing lies above)" if g["word"] == verdicts.FAILS else ""
+        out.append(f"- {verdicts.sentence(g).removesuffix('.')}{reversed_}.")
+    return out
+
+
 def explain(summary: dict) -> str:
     """What this run concludes, in sentences computed from summary.json: the headline finding with its
     verdict, the ADS paper's crossing per line, each ADS point against temperature sampling, the traces'
@@ -229,6 +261,7 @@ def explain(summary: dict) -> str:
     f = findings_of(summary)
     n = f.get("seeds", 0)
     lines = [f"**Finding.** {headline(summary)}"]
+    lines += _gradient_line(summary)
     for p in summary.get("failed_points", []):
         last = p["error"].strip().splitlines()[-1] if p["error"].strip() else "?"
         lines.append(
@@ -245,6 +278,7 @@ def explain(summary: dict) -> str:
         f"undistilled student's {pct(summary.get('student_accuracy_before'))} (raw):"
     )
     lines += ["  " + c for c in _crossing_lines(summary)]
+    lines += ["  " + c for c in _crossing_gap_lines(summary)]
     for g in f.get("gaps", []):
         if g["mean"] is None:
             where = g["claim"].split(" leaves")[0]

@@ -26,8 +26,9 @@ from transformers import PreTrainedTokenizerBase
 
 from opdkit import tasks
 from opdkit.ads import gradfile
-from opdkit.ads.gradient import answer_rows, mean_completion_grad
+from opdkit.ads.gradient import mean_completion_grad
 from opdkit.ads.steering import Steering
+from opdkit.ads.tokenkinds import answer_rows
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
 from opdkit.jobs import savegrad
@@ -167,10 +168,13 @@ HOLDOUT_FIELDS = (
 
 def grads_overrides(cfg: AntidistillConfig, run_dir: str = "") -> dict:
     """savegrad's overrides when this run computes its own gradient (grads_run empty): this run's teacher and
-    proxy, and its prompts (`HOLDOUT_FIELDS`), over `grads_mode`'s preset."""
+    proxy, its prompts (`HOLDOUT_FIELDS`) and the gradient variant (`grad_tokens`, `grad_entropy`), over
+    `grads_mode`'s preset."""
     return {
         "teacher_model": cfg.teacher_model,
         "proxy_model": cfg.proxy_model,
+        "grad_tokens": cfg.grad_tokens,
+        "grad_entropy": cfg.grad_entropy,
         **{name: getattr(cfg, name) for name in HOLDOUT_FIELDS},
         **({"run_dir": run_dir} if run_dir else {}),
     }
@@ -224,7 +228,8 @@ def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) 
     """A given grads_run must hold a gradient of this proxy (names, shapes, tokenizer), checked without
     weights."""
     if cfg.grads_run:
-        gradfile.check_grads(cfg.grads_run, model_skeleton(cfg.proxy_model), proxy_tok)
+        meta = gradfile.check_grads(cfg.grads_run, model_skeleton(cfg.proxy_model), proxy_tok)
+        check_variant(cfg, meta)
         needs_traces = any(lam != 0 for lam in cfg.answer_lams)
         if needs_traces and not (Path(cfg.grads_run) / traces.TRACES_DIR).is_dir():
             raise ConfigError(
@@ -235,6 +240,22 @@ def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) 
         # An unknown preset, or one that cannot take this run's prompts, fails here, not after the run dir
         # exists.
         grads_config(cfg)
+
+
+def check_variant(cfg: AntidistillConfig, meta: dict) -> None:
+    """A given grads_run must hold the gradient variant this run asks for (`grad_tokens`, and `grad_entropy`
+    for confident); a file that does not say is the whole completion gradient (all)."""
+    saved = meta.get("grad_tokens", "all")
+    entropy = meta.get("grad_entropy")
+    if saved != cfg.grad_tokens or (saved == "confident" and entropy != cfg.grad_entropy):
+        held = f"grad_tokens {saved}" + (f", grad_entropy {entropy:g}" if saved == "confident" else "")
+        asked = f"grad_tokens {cfg.grad_tokens}" + (
+            f", grad_entropy {cfg.grad_entropy:g}" if cfg.grad_tokens == "confident" else ""
+        )
+        raise ConfigError(
+            f"grads_run {cfg.grads_run} holds the gradient of {held}, but this run asks for {asked}; set "
+            "them to the run's, or leave grads_run empty to compute the variant asked for here."
+        )
 
 
 def load_run_config(run: RunDir | str | Path) -> tuple[AntidistillConfig, str]:

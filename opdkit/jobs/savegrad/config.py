@@ -9,6 +9,7 @@ from typing import ClassVar
 from opdkit.config import RunFields, setting
 from opdkit.settings import (
     EngineSettings,
+    GradientTokenSettings,
     PrecisionSettings,
     PromptSettings,
     ProxySettings,
@@ -26,9 +27,11 @@ class SaveGradConfig(
     PrecisionSettings,
     EngineSettings,
     TraceSettings,
+    GradientTokenSettings,
 ):
     """Proxy-student gradient for antidistillation sampling (notebook 01): the teacher writes traces for the
-    holdout prompts (`rollout_engine`), the proxy's mean completion gradient on them is saved."""
+    holdout prompts (`rollout_engine`), the proxy's mean completion gradient on them (on the completion tokens
+    `grad_tokens` keeps) is saved."""
 
     job: ClassVar[str] = "savegrad"
 

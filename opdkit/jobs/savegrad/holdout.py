@@ -244,7 +244,7 @@ def teacher_traces(cfg: SaveGradConfig, prep, rank: int, world: int, device: tor
             truncated=truncated,
             teacher_ids=(ids[i], completion),
         )
-        for i, text, truncated, completion in sorted(_gather(local, world))
+        for i, text, truncated, completion in sorted(gather(local, world))
     ]
 
 
@@ -260,7 +260,8 @@ def teacher_tokens(record: dict) -> dict:
     }
 
 
-def _gather(local: list, world: int) -> list:
+def gather(local: list, world: int) -> list:
+    """Every process's `local` items, in rank order, in every process."""
     if world == 1:
         return local
     parts: list[list] = [[] for _ in range(world)]
@@ -336,14 +337,17 @@ def prepared(cfg: SaveGradConfig, mode: str) -> Prepared:
     if cfg.traces_path:
         traces = supplied_traces(cfg)
         proxy_tok = load_tokenizer(cfg.proxy_model)
+        if cfg.grad_tokens == "confident":  # the teacher scores the proxy's token ids
+            check_shared_vocab(load_tokenizer(cfg.teacher_model), proxy_tok)
         ids, labels = completion_labels(proxy_tok, traces[0]["messages"], cfg.enable_thinking)
         return Prepared(
             cfg, mode, task, proxy_tok, None, [], [], traces, 0, format_trace(proxy_tok, ids, labels)
         )
     holdout = holdout_prompts(cfg)
     proxy_tok, teacher_tok = load_tokenizer(cfg.proxy_model), load_tokenizer(cfg.teacher_model)
-    if cfg.proxy_tokens == "teacher":
-        check_shared_vocab(teacher_tok, proxy_tok)  # the proxy reads the teacher's token ids
+    if cfg.proxy_tokens == "teacher" or cfg.grad_tokens == "confident":
+        # the proxy reads the teacher's token ids, or the teacher scores the proxy's (the token kinds)
+        check_shared_vocab(teacher_tok, proxy_tok)
     holdout, dropped = prompts.filter_long_prompts(
         holdout, teacher_tok, cfg.max_prompt_length, cfg.enable_thinking
     )

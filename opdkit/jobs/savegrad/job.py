@@ -27,11 +27,11 @@ import time
 import torch
 
 from opdkit import memory, tiny
-from opdkit.ads import gradfile, gradient
-from opdkit.config import to_dict
+from opdkit.ads import gradfile, gradient, tokenkinds
+from opdkit.config import ConfigError, to_dict
 from opdkit.data.traces import TRACES_DIR, truncated_count
 from opdkit.jobs.savegrad.config import SaveGradConfig
-from opdkit.jobs.savegrad.holdout import Prepared, prepared, traces_for
+from opdkit.jobs.savegrad.holdout import Prepared, gather, prepared, traces_for
 from opdkit.models import load_model
 from opdkit.rollout import engines
 from opdkit.run import tracking
@@ -67,9 +67,11 @@ def teacher_accuracy(records: list[dict]) -> float | None:
     return fraction_correct(r.get("correct") for r in records)
 
 
-def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int) -> dict:
-    """grads.json: which proxy, teacher and traces, how the gradient was normalised, and the pass's
-    numbers."""
+def grad_meta(
+    cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, world: int, kinds: dict | None = None
+) -> dict:
+    """grads.json: which proxy, teacher and traces, which completion tokens (`grad_tokens`, and the kinds'
+    token counts when they were told apart), how the gradient was normalised, and the pass's numbers."""
     return gradfile.describe(
         named,
         {k: stats[k] for k in ("num_traces", "truncated_traces", "completion_tokens", "loss", "grad_norm")},
@@ -79,10 +81,45 @@ def grad_meta(cfg: SaveGradConfig, prep: Prepared, named: dict, stats: dict, wor
         teacher_model=None if cfg.traces_path else cfg.teacher_model,
         traces=cfg.traces_path or TRACES_DIR,
         normalization=cfg.normalization,
+        grad_tokens=cfg.grad_tokens,
+        **({"grad_entropy": cfg.grad_entropy} if cfg.grad_tokens == "confident" else {}),
+        **({"token_kinds": kinds} if kinds else {}),
         proxy_tokens=cfg.proxy_tokens,
         world_size=world,
         batch_size=cfg.batch_size,
     )
+
+
+def gradient_rows(
+    cfg: SaveGradConfig, prep: Prepared, records: list[dict], rank: int, world: int, device: torch.device
+) -> tuple[list[dict], dict]:
+    """The rows the gradient is taken on, and the kinds' token counts ({} when the kinds were not told apart):
+    grad_tokens all, the traces themselves (the gradient as it always was); answer, each trace's answer
+    tokens; confident, every completion token but the uncertain ones (the teacher's entropies over this
+    process's share of the traces, gathered in every process). One line when no trace keeps a token."""
+    if cfg.grad_tokens == "all":
+        return records, {}
+    tok, answer_start = prep.proxy_tokenizer, prep.task.answer_start
+    if cfg.grad_tokens == "answer":
+        rows, counts = tokenkinds.answer_rows(records, tok, answer_start), {}
+    else:
+        mine = gradient.shard_by_length([len(r["input_ids"]) for r in records], rank, world)
+        teacher = load_model(cfg.teacher_model, torch.bfloat16 if cfg.bf16 else torch.float32, device).eval()
+        pad = tok.pad_token_id
+        local = tokenkinds.teacher_entropies(teacher, [records[i] for i in mine], cfg.batch_size, pad)
+        del teacher
+        engines.free_memory()
+        entropies = [h for _, h in sorted(gather(list(zip(mine, local)), world))]
+        kinds = tokenkinds.token_kinds(records, entropies, tok, answer_start, cfg.grad_entropy)
+        rows = tokenkinds.keep_kinds(records, kinds, tokenkinds.GRAD_TOKENS[cfg.grad_tokens])
+        counts = tokenkinds.kind_counts(kinds)
+    if not rows:
+        raise ConfigError(
+            f"grad_tokens={cfg.grad_tokens} keeps no completion token of the {len(records)} traces (no "
+            "final answer, or every token uncertain); nothing was saved. Use grad_tokens all, or raise "
+            "grad_entropy."
+        )
+    return rows, counts
 
 
 def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seconds: float) -> dict:
@@ -98,6 +135,9 @@ def summarize(records: list[dict], stats: dict, prep: Prepared, world: int, seco
         "truncated_fraction": sum(truncated) / len(truncated) if truncated else None,
         "prompts_dropped": prep.dropped,
         "normalization": prep.cfg.normalization,
+        "grad_tokens": prep.cfg.grad_tokens,
+        "gradient_traces": stats["num_traces"],
+        "gradient_tokens": stats["completion_tokens"],
         "proxy_loss": stats["loss"],
         "grad_norm": stats["grad_norm"],
         "world_size": world,
@@ -115,21 +155,21 @@ def _share_cpu(world: int, device: torch.device) -> None:
 def proxy_gradient(
     cfg: SaveGradConfig,
     prep: Prepared,
-    records: list[dict],
+    rows: list[dict],
     run: RunDir,
     rank: int,
     world: int,
     device: torch.device,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """The fp32 proxy's mean gradient over all traces; a non-finite one marks the run failed, then raises."""
+    """The fp32 proxy's mean gradient over all `rows`; a non-finite one marks the run failed, then raises."""
     proxy = load_model(cfg.proxy_model, torch.float32, device)
     pad = prep.proxy_tokenizer.pad_token_id
     try:
         return gradient.mean_completion_grad(
-            proxy, records, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0
+            proxy, rows, cfg.normalization, cfg.batch_size, pad, rank, world, rank == 0
         )
     except gradient.NonFiniteGradient as exc:
-        run.write_summary({"status": f"failed: {exc}", "num_traces": len(records)})
+        run.write_summary({"status": f"failed: {exc}", "num_traces": len(rows)})
         raise
 
 
@@ -147,15 +187,17 @@ def process(prep: Prepared, run: RunDir) -> None:
         f"{len(records)} traces; teacher accuracy {teacher_accuracy(records)}; "
         f"{world} process(es) on {device}"
     )
-    named, stats = proxy_gradient(cfg, prep, records, run, rank, world, device)
+    rows, kinds = gradient_rows(cfg, prep, records, rank, world, device)
+    named, stats = proxy_gradient(cfg, prep, rows, run, rank, world, device)
     stats = {**stats, "truncated_traces": truncated_count(records)}
     if rank == 0:
-        gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world))
+        gradfile.save_grads(run.path, named, grad_meta(cfg, prep, named, stats, world, kinds))
     summary = summarize(records, stats, prep, world, time.time() - t0)
     run.write_summary(summary)
     track(cfg, run, summary, records)
     print0(
-        f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens; "
+        f"gradient norm {stats['grad_norm']:.4g} over {stats['completion_tokens']} completion tokens "
+        f"(grad_tokens {cfg.grad_tokens}); "
         f"{run.path}"
     )
     state.wait_for_everyone()

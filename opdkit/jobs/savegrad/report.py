@@ -26,11 +26,23 @@ def summary_table_html(summary: dict) -> str:
             f"proxy loss ({summary.get('normalization')} mean), nats/token",
             f"{summary.get('proxy_loss', float('nan')):.4f}",
         ),
+        ("gradient taken on", _taken_on(summary)),
         ("gradient norm", f"{summary.get('grad_norm', float('nan')):.4g}"),
         ("status", str(summary.get("status"))),
     ]
     body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
+
+
+def _taken_on(summary: dict) -> str:
+    """Which completion tokens the gradient is taken on (`grad_tokens`) and how many of them."""
+    tokens = summary.get("grad_tokens", "all")
+    if tokens == "all" or summary.get("gradient_tokens") is None:
+        return f"{tokens}: every completion token"
+    return (
+        f"{tokens}: {summary['gradient_tokens']} of {summary.get('completion_tokens')} completion tokens, "
+        f"in {summary.get('gradient_traces')} traces"
+    )
 
 
 def show_traces(run: RunDir, n: int = 4) -> str:
