@@ -221,6 +221,22 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
     rollout_top_p: float = setting(
         1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
     )
+    rollout_ahead: int = setting(
+        0,
+        "steps the rollouts are sampled ahead of training, in a producer process of their own (the kit's "
+        "loop, sent the student's weights after every optimizer step); 0 samples each step's rollouts in "
+        "the step (synchronous)",
+        min=0,
+    )
+    async_correction: str = setting(
+        "none",
+        "rollout_ahead >= 1: none trains on the stale rollouts as they are; truncated weights each token's "
+        "divergence by min(pi_student / pi_sampler, async_ratio_cap), the sampler's log-probs its own",
+        choices=("none", "truncated"),
+    )
+    async_ratio_cap: float = setting(
+        2.0, "async_correction truncated: the largest importance weight a token gets", min=1.0
+    )
     loss_chunk_size: int = setting(1024, "completion tokens per chunk of the divergence", min=1)
     sample_every: int = setting(
         10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0
