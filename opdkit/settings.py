@@ -252,6 +252,20 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         "CUDA only",
     )
 
+    def normalise(self) -> None:
+        """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
+        correction need of the settings alone, before anything is loaded."""
+        if self.rollout_ahead and self.rollout_engine != "hf":
+            raise ConfigError(
+                f"rollout_ahead={self.rollout_ahead} samples with the kit's loop in a producer process; a "
+                "vLLM producer is not built yet: use rollout_engine hf, or rollout_ahead 0."
+            )
+        if self.async_correction != "none" and not self.rollout_ahead:
+            raise ConfigError(
+                f"async_correction={self.async_correction} corrects rollouts sampled ahead by older weights, "
+                "and rollout_ahead is 0: set rollout_ahead >= 1, or async_correction none."
+            )
+
 
 @dataclass
 class OPDTraining:

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from opdkit.config import ConfigError
 from opdkit.data.prompts import PromptCollator
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import load_tokenizer
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.trainer import DistillTrainer
@@ -239,6 +240,11 @@ def test_the_corrected_gradient_is_the_capped_ratios_times_each_tokens_divergenc
 
 
 def test_the_settings_that_cannot_hold_are_one_line_errors(tmp_path):
+    """Refused by the job's config, before anything loads, and by the trainer built directly."""
+    with pytest.raises(ConfigError, match="rollout_ahead is 0"):
+        WhiteboxConfig(async_correction="truncated")
+    with pytest.raises(ConfigError, match="vLLM producer is not built yet"):
+        WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm")
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
         _trainer(tmp_path, async_correction="truncated")
     with pytest.raises(ConfigError, match="vLLM producer is not built yet"):

@@ -55,6 +55,7 @@ from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 from opdkit.run import sharding
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir
+from opdkit.settings import OPDSettings
 
 SYNC_CHECK_STEPS = 2
 TEACHER_SET_FILE = "teachers.json"  # a teacher's fingerprint (a set: each one's), compared at a resume
@@ -201,20 +202,11 @@ class DistillTrainer(Trainer):
         """What sampling ahead (`rollout_ahead`) and its correction (`async_correction`) need; each failure
         one line."""
         a = self.args
-        if a.rollout_ahead and a.rollout_engine != "hf":
-            raise ConfigError(
-                f"rollout_ahead={a.rollout_ahead} samples with the kit's loop in a producer process; a vLLM "
-                "producer is not built yet: use rollout_engine hf, or rollout_ahead 0."
-            )
+        OPDSettings.normalise(a)
         if a.rollout_ahead and a.world_size > 1:
             raise ConfigError(
                 f"rollout_ahead={a.rollout_ahead} runs one producer beside one training process; this run "
                 f"has {a.world_size}: train in one process, or use rollout_ahead 0."
-            )
-        if a.async_correction != "none" and not a.rollout_ahead:
-            raise ConfigError(
-                f"async_correction={a.async_correction} corrects rollouts sampled ahead by older weights, "
-                "and rollout_ahead is 0: set rollout_ahead >= 1, or async_correction none."
             )
         if a.async_correction != "none" and not self.teacher.importance_weighted:
             raise ConfigError(
