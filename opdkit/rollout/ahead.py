@@ -18,9 +18,9 @@ How it stays exact and bounded:
   start), whatever the timing: the same versions, hence the same rollouts, in every run.
 - **Bound.** The trainer plans at most s steps beyond the one it trains, and the producer samples only what
   was planned: it never runs more than s steps ahead.
-- **Behaviour log-probs.** The loop reports none, so the producer scores each record with one forward of the
-  weights that sampled it (`sampler_logprobs`: log-softmax at temperature 1 of the sampled tokens, as vLLM's);
-  the trainer's importance ratio reads them (`async_correction`), and `policy_version` says which weights.
+- **Behaviour log-probs.** The producer's loop keeps each sampled token's log-probability as it decodes
+  (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the whole head, as vLLM
+  reports): the trainer's importance ratio reads them (`async_correction`), `policy_version` which weights.
 - **Failure.** A producer that raises sends its error; one that dies is noticed while the trainer waits;
   either stops the run with one line (`RolloutProducerDied`).
 
@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from opdkit.config import RunFailure, one_line
-from opdkit.rollout import engines, sampling
+from opdkit.rollout import engines
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 
 POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive
@@ -90,23 +90,6 @@ class PromptLookahead:
         return out
 
 
-@torch.no_grad()
-def sampler_logprobs(model: torch.nn.Module, r: RolloutRecord) -> torch.Tensor:
-    """The log-probability at temperature 1 (over the whole head) of each loss token under `model`, 0
-    elsewhere: what an engine reports of the tokens it sampled (`RolloutRecord.sampling_logprobs_BT`)."""
-    pos_BT = sampling.position_ids_from_mask(r.attention_mask_BT)
-    logits_BTV = model(
-        input_ids=r.input_ids_BT, attention_mask=r.attention_mask_BT, position_ids=pos_BT, use_cache=False
-    ).logits
-    lp_BT = torch.zeros(r.input_ids_BT.shape, dtype=torch.float32, device=r.input_ids_BT.device)
-    lp_BT[:, 1:] = (
-        torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1)
-        .gather(-1, r.input_ids_BT[:, 1:, None])
-        .squeeze(-1)
-    )
-    return lp_BT * r.loss_mask_BT
-
-
 def _on(x, device):
     """A prompt batch's or a record's tensors on `device` (lists and the rest unchanged)."""
     if isinstance(x, torch.Tensor):
@@ -129,7 +112,8 @@ def _produce(inbox, outbox, config, settings, seed, rank, world, batch_size, dev
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
         model.requires_grad_(False)
-        loop = EngineRollouts(lambda: engines.make_engine("hf"), settings, seed, rank, world, batch_size)
+        make = lambda: engines.make_engine("hf", logprobs=True)  # noqa: E731
+        loop = EngineRollouts(make, settings, seed, rank, world, batch_size)
         version = None
         while True:
             msg = inbox.get()
@@ -142,12 +126,7 @@ def _produce(inbox, outbox, config, settings, seed, rank, world, batch_size, dev
             _, step, batches = msg
             started = time.time()
             records = loop.next_step(model, _on(batches, device), step)
-            records = [
-                dataclasses.replace(
-                    r, sampling_logprobs_BT=sampler_logprobs(model, r), policy_version=version
-                )
-                for r in records
-            ]
+            records = [dataclasses.replace(r, policy_version=version) for r in records]
             outbox.put(("records", step, version, _on(records, "cpu"), started, time.time()))
     except BaseException as e:  # noqa: BLE001 (sent to the trainer, which stops the run with it)
         outbox.put(("error", f"{type(e).__name__}: {one_line(e)}"))
