@@ -111,7 +111,7 @@ def slowed_run(tmp_path_factory):
     below: a producer process takes seconds to start (it imports torch and transformers)."""
     trainer = _trainer(
         tmp_path_factory.mktemp("slowed"),
-        [_Slow(0.8)],
+        [_Slow(0.4)],
         max_steps=STEPS,
         learning_rate=0.0,
         rollout_ahead=1,
