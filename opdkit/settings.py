@@ -245,6 +245,22 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
     rollout_top_p: float = setting(
         1.0, "nucleus of the student's rollouts; 1.0 samples the full distribution", min=1e-3, max=1.0
     )
+    rollout_ahead: int = setting(
+        0,
+        "steps the rollouts are sampled ahead of training, in a producer process of their own (the kit's "
+        "loop, sent the student's weights after every optimizer step); 0 samples each step's rollouts in "
+        "the step (synchronous)",
+        min=0,
+    )
+    async_correction: str = setting(
+        "none",
+        "rollout_ahead >= 1: none trains on the stale rollouts as they are; truncated weights each token's "
+        "divergence by min(pi_student / pi_sampler, async_ratio_cap), the sampler's log-probs its own",
+        choices=("none", "truncated"),
+    )
+    async_ratio_cap: float = setting(
+        2.0, "async_correction truncated: the largest importance weight a token gets", min=1.0
+    )
     loss_chunk_size: int = setting(1024, "completion tokens per chunk of the divergence", min=1)
     sample_every: int = setting(
         10, "write a few sampled completions to samples.jsonl every this many steps; 0 never", min=0
@@ -259,6 +275,20 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         "between rollouts, for the training's forward and backward; the next weight sync brings it back. "
         "CUDA only",
     )
+
+    def normalise(self) -> None:
+        """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
+        correction need of the settings alone, before anything is loaded."""
+        if self.rollout_ahead and self.rollout_engine != "hf":
+            raise ConfigError(
+                f"rollout_ahead={self.rollout_ahead} samples with the kit's loop in a producer process; a "
+                "vLLM producer is not built yet: use rollout_engine hf, or rollout_ahead 0."
+            )
+        if self.async_correction != "none" and not self.rollout_ahead:
+            raise ConfigError(
+                f"async_correction={self.async_correction} corrects rollouts sampled ahead by older weights, "
+                "and rollout_ahead is 0: set rollout_ahead >= 1, or async_correction none."
+            )
 
 
 @dataclass

@@ -263,3 +263,29 @@ def test_greedy_decoding_ignores_row_seeds(student_and_tok):
     plain = sampling.sample(model, ids_BP, mask_BP, **kw)
     keyed = sampling.sample(model, ids_BP, mask_BP, row_seeds_B=[1, 2], **kw)
     assert torch.equal(plain.input_ids_BT, keyed.input_ids_BT)
+
+
+def test_the_loops_own_logprobs_are_the_raw_log_softmax_of_a_full_forward(student_and_tok):
+    """`keep_logprobs`: each sampled token's log-probability at temperature 1 over the whole head, before
+    temperature and top-p shape the draw, as vLLM reports it; computed here by one full forward over the
+    finished rows. Keeping them changes no token."""
+    model, tok = student_and_tok
+    ids, mask = _mixed_prompts(tok)
+    settings = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_new_tokens=20)
+    seeds = list(range(100, 106))
+    kept = sampling.sample(
+        model, ids, mask, temperature=0.7, top_p=0.9, row_seeds_B=seeds, keep_logprobs=True, **settings
+    )
+    plain = sampling.sample(model, ids, mask, temperature=0.7, top_p=0.9, row_seeds_B=seeds, **settings)
+    assert torch.equal(kept.input_ids_BT, plain.input_ids_BT) and plain.logprobs_BC is None
+    with torch.no_grad():
+        logits_BTV = model(
+            input_ids=kept.input_ids_BT,
+            attention_mask=kept.attention_mask_BT,
+            position_ids=kept.position_ids_BT,
+        ).logits.double()
+    P, C = kept.prompt_len, kept.completion_mask_BC.shape[1]
+    logp_BCV = torch.log_softmax(logits_BTV[:, P - 1 : P - 1 + C], dim=-1)
+    want_BC = logp_BCV.gather(-1, kept.completion_ids_BC[:, :, None])[:, :, 0] * kept.completion_mask_BC
+    assert kept.completion_mask_BC.sum() > 20
+    torch.testing.assert_close(kept.logprobs_BC.double(), want_BC, rtol=0, atol=1e-4)

@@ -115,6 +115,8 @@ def chunked_divergence(
     chunk_size: int = 1024,
     vocab_chunk_size: int = VOCAB_CHUNK,
     target_ids_N: torch.Tensor | None = None,
+    behaviour_logprobs_N: torch.Tensor | None = None,
+    ratio_cap: float = math.inf,
 ) -> DivergenceOutput:
     """Summed per-token divergence from final (post-norm) hidden states and bias-free lm_head weights.
 
@@ -123,7 +125,11 @@ def chunked_divergence(
     tiles, instead of several N x V tensors. The price is running both heads' matmuls again in the backward
     pass (and once more in the forward pass for 0 < beta < 1). Gradient reaches the student's hidden states
     and head weight; the teacher's inputs are detached. With `target_ids_N` (the token each row predicts)
-    the output also carries the student's log-probability of it.
+    the output also carries the student's log-probability of it. With `behaviour_logprobs_N` too (the
+    sampler's log-probability of each target token, for rollouts sampled by older weights) each row's
+    divergence enters the sum weighted by the truncated importance ratio
+    w = min(exp(log p_student(target) - behaviour), `ratio_cap`), detached: the gradient is
+    sum_t w_t grad D_t, the divergence itself still the current student's against the teacher.
     """
     _check_hparams(beta, temperature)
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
@@ -151,6 +157,11 @@ def chunked_divergence(
             f"target_ids_N {tuple(target_ids_N.shape)} must hold one token id per hidden row, ({n_rows},); "
             "pass the token each completion position predicts"
         )
+    if behaviour_logprobs_N is not None and (target_ids_N is None or behaviour_logprobs_N.shape != (n_rows,)):
+        raise ValueError(
+            f"behaviour_logprobs_N {tuple(behaviour_logprobs_N.shape)} must hold one log-probability per "
+            f"hidden row, ({n_rows},), with target_ids_N the tokens they are of"
+        )
     div_N, entropy_N, token_logprob_N = _ChunkedDivergence.apply(
         student_hidden_NH,
         student_head_weight_VH,
@@ -161,12 +172,22 @@ def chunked_divergence(
     )
     # An empty batch still gives a sum attached to the student's graph (its gradient is zero): under
     # DDP/FSDP every rank must run backward through the same parameters.
+    summed = div_N.sum()
+    if behaviour_logprobs_N is not None:
+        log_ratio_N = token_logprob_N - behaviour_logprobs_N.to(token_logprob_N)
+        summed = (importance_weights(log_ratio_N, ratio_cap) * div_N).sum()
     return DivergenceOutput(
-        sum=div_N.sum(),
+        sum=summed,
         per_token_N=div_N.detach(),
         student_entropy_N=entropy_N,
         student_token_logprob_N=None if target_ids_N is None else token_logprob_N,
     )
+
+
+def importance_weights(log_ratio_N: torch.Tensor, cap: float) -> torch.Tensor:
+    """The truncated importance weights min(exp(log_ratio), cap), detached (a weight, never a path for the
+    gradient)."""
+    return log_ratio_N.detach().exp().clamp(max=cap)
 
 
 @dataclass(frozen=True)

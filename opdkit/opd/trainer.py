@@ -44,15 +44,18 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from opdkit import memory
+from opdkit.config import ConfigError
 from opdkit.models import eos_ids, load_model
 from opdkit.opd import served, teachers
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.teachers.base import LossSettings, Teacher, check_rows
 from opdkit.rollout import engines, sampling
+from opdkit.rollout.ahead import AheadRollouts, PromptLookahead
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 from opdkit.run import sharding
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir
+from opdkit.settings import OPDSettings
 
 SYNC_CHECK_STEPS = 2
 TEACHER_SET_FILE = "teachers.json"  # a teacher's fingerprint (a set: each one's), compared at a resume
@@ -74,6 +77,21 @@ class StepStats:
     gap_tokens: Number = 0.0
     teacher_sums: torch.Tensor | None = None  # the teacher kind's own (`Teacher.new_sums`)
     started: float = field(default_factory=time.time)
+    # Rollouts sampled ahead (one process): the step's staleness, and its importance ratios' sum, count,
+    # capped count and maximum over the loss tokens.
+    staleness: int | None = None
+    ratios: torch.Tensor | None = None
+
+    def add_ratios(self, log_ratio_N: torch.Tensor, cap: float) -> None:
+        ratio_N = log_ratio_N.detach().double().exp()
+        now = torch.stack(
+            [ratio_N.sum(), ratio_N.new_tensor(float(ratio_N.numel())), (ratio_N > cap).sum().double()]
+        )
+        top = ratio_N.max() if ratio_N.numel() else ratio_N.new_zeros(())
+        if self.ratios is None:
+            self.ratios = torch.cat([now, top[None]])
+        else:
+            self.ratios = torch.cat([self.ratios[:3] + now, torch.maximum(self.ratios[3], top)[None]])
 
     def as_tensor(self, device) -> torch.Tensor:
         vals = [
@@ -129,7 +147,9 @@ class DistillTrainer(Trainer):
         self.last_grad_norm: float | None = None  # None: no step measured yet
         self.first_nonfinite_step: int | None = None
         self._step_samples: list[dict] = []  # tensors until a logging step writes them
+        self._check_async()
         self.rollouts = rollouts or self._engine_rollouts()
+        self._lookahead = PromptLookahead(self.rollouts.ahead)
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
         self.add_callback(_NonFiniteStop(self))
@@ -147,14 +167,23 @@ class DistillTrainer(Trainer):
         """The step's prompt micro-batches, sampled (`rollouts.next_step`), each with what the teacher makes
         of it (`Teacher.rows`), the teacher prepared for the step, and the step's loss count across processes
         (N: loss tokens, or what the teacher's divergence is a mean over)."""
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         step = self.state.global_step
+        if self.rollouts.ahead:  # the coming steps' prompts peeked, in the order the steps would take them
+            batches, coming = self._lookahead.take(epoch_iterator, num_batches, step)
+            for later, prompts in coming:
+                self.rollouts.plan(later, prompts)
+        else:
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         self.rollouts.open()  # an engine built (vLLM: tens of seconds) before the step's clock starts
         self.stats = StepStats(teacher_sums=self.teacher.new_sums(device))
         student = self.accelerator.unwrap_model(self.model)
         records = self.rollouts.next_step(student, batches, step) if batches else []
+        versions = [r.policy_version for r in records if r.policy_version is not None]
+        if versions:
+            self.stats.staleness = step - min(versions)
+        # The sync check compares an engine with the current weights: rollouts sampled ahead were not.
         self._check_sync_now = self._sync_checks_left > 0 and any(
-            r.sampling_logprobs_BT is not None for r in records
+            r.sampling_logprobs_BT is not None and r.policy_version is None for r in records
         )
         self._sync_checks_left -= self._check_sync_now
         samples = [self._micro_batch(r) for r in records]
@@ -169,10 +198,27 @@ class DistillTrainer(Trainer):
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
         return samples, n_global.clamp(min=1.0)
 
-    def _engine_rollouts(self) -> EngineRollouts:
-        """The default source: `rollout_engine`, synced with the student once per optimizer step. Its engine
-        factory holds no reference to the trainer (a cycle would keep a finished trainer's models alive until
-        a garbage collection)."""
+    def _check_async(self) -> None:
+        """What sampling ahead (`rollout_ahead`) and its correction (`async_correction`) need; each failure
+        one line."""
+        a = self.args
+        OPDSettings.normalise(a)
+        if a.rollout_ahead and a.world_size > 1:
+            raise ConfigError(
+                f"rollout_ahead={a.rollout_ahead} runs one producer beside one training process; this run "
+                f"has {a.world_size}: train in one process, or use rollout_ahead 0."
+            )
+        if a.async_correction != "none" and not self.teacher.importance_weighted:
+            raise ConfigError(
+                f"async_correction={a.async_correction} weights the exact divergence per token; the "
+                f"{self.teacher.name}'s divergence takes no weights: use async_correction none."
+            )
+
+    def _engine_rollouts(self) -> RolloutSource:
+        """The default source: `rollout_engine`, synced with the student once per optimizer step, or with
+        `rollout_ahead` >= 1 a producer process sampling that many steps ahead (`ahead.AheadRollouts`). Its
+        engine factory holds no reference to the trainer (a cycle would keep a finished trainer's models
+        alive until a garbage collection)."""
         a, tok = self.args, self.processing_class
         settings = engines.SamplingSettings(
             max_new_tokens=a.rollout_max_new_tokens,
@@ -181,6 +227,18 @@ class DistillTrainer(Trainer):
             eos_token_ids=self.stop_ids,
             pad_token_id=tok.pad_token_id,
         )
+        if a.rollout_ahead:
+            config = self.accelerator.unwrap_model(self.model).config
+            return AheadRollouts(
+                config,
+                settings,
+                a.seed,
+                a.process_index,
+                a.world_size,
+                a.train_batch_size,
+                a.rollout_ahead,
+                a.device,
+            )
         if a.rollout_engine == "hf":
             # Only a sharded student's forward is a collective that ranks must enter together.
             synced = self.is_fsdp_enabled and a.world_size > 1
@@ -252,12 +310,16 @@ class DistillTrainer(Trainer):
             target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
             engine_logp_N = record.sampling_logprobs_BT[record.loss_mask_BT.bool()]
         student = self.accelerator.unwrap_model(model)
+        stale = record.policy_version is not None and engine_logp_N is not None
+        correct = stale and self.args.async_correction == "truncated"
         loss_settings = LossSettings(
             beta=self.args.beta,
             temperature=self.args.kl_temperature,
             vocab_size=self.vocab_size,
             chunk_size=self.args.loss_chunk_size,
             target_ids_N=target_N,
+            behaviour_logprobs_N=engine_logp_N if correct else None,
+            ratio_cap=self.args.async_ratio_cap,
         )
 
         def student_part(**fwd):
@@ -282,6 +344,9 @@ class DistillTrainer(Trainer):
             if self._check_sync_now:
                 self._check_sync_now = False
                 self._check_sync(gap_N)
+            if stale:
+                log_ratio_N = token_logp_N - engine_logp_N.to(token_logp_N)
+                self.stats.add_ratios(log_ratio_N, self.args.async_ratio_cap)
         if sums is not None:
             acc = self.stats.teacher_sums
             self.stats.teacher_sums = sums if acc is None else acc + sums.to(acc)
@@ -421,12 +486,28 @@ class DistillTrainer(Trainer):
         # The kind's own: each teacher's divergence of a set, a served teacher's gap to its reference, the
         # label of an approximate divergence beside the loss.
         record.update(self.teacher.metrics(teacher_sums))
+        if self.rollouts.ahead:
+            record.update(self._async_metrics())
         if self.run and self.args.process_index == 0:
             self.run.log(record)
             for s in self._sample_records():
                 self.run.log(s, "samples.jsonl")
         self._step_samples = []
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
+
+    def _async_metrics(self) -> dict:
+        """Rollouts sampled ahead: the step's staleness (trainer step - the sampling weights' version) and its
+        importance ratios pi_student / pi_sampler over the loss tokens: mean, maximum, share above the cap
+        (capped where `async_correction` is truncated)."""
+        ratio_sum, tokens, capped, top = (
+            self.stats.ratios.tolist() if self.stats.ratios is not None else [0] * 4
+        )
+        return {
+            "async/staleness": self.stats.staleness,
+            "async/ratio_mean": ratio_sum / tokens if tokens else None,
+            "async/ratio_max": top if tokens else None,
+            "async/capped_share": capped / tokens if tokens else None,
+        }
 
 
 class _HeldRecord(TrainerCallback):

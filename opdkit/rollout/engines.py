@@ -124,12 +124,13 @@ def make_engine(name: str, **kwargs) -> HFEngine | VLLMEngine:
 
 class HFEngine:
     """The kit's own loop on the live student: nothing to sync. `synced` keeps every rank stepping until
-    all are done, needed only where the student's forward is a collective (FSDP)."""
+    all are done, needed only where the student's forward is a collective (FSDP); `logprobs` reports each
+    sampled token's raw log-probability, as vLLM does (`sampling.sample(keep_logprobs=True)`)."""
 
     name = "hf"
 
-    def __init__(self, synced: bool = False):
-        self.synced = synced
+    def __init__(self, synced: bool = False, logprobs: bool = False):
+        self.synced, self.logprobs = synced, logprobs
         self.syncs = 0
 
     def sync(self, model: torch.nn.Module) -> None:
@@ -158,6 +159,7 @@ class HFEngine:
             do_sample=s.temperature > 0,  # temperature 0 is greedy, as in vLLM
             synced_gpus=self.synced,
             row_seeds_B=list(seed) if per_row else None,
+            keep_logprobs=self.logprobs,
         )
 
 

@@ -147,6 +147,7 @@ def sample(
     synced_gpus: bool = False,
     logits_processor: list | None = None,
     row_seeds_B: torch.Tensor | list[int] | None = None,
+    keep_logprobs: bool = False,
 ) -> Rollout:
     """Sample completions token by token with the model's KV cache (also under gradient checkpointing).
 
@@ -161,11 +162,14 @@ def sample(
     Randomness: torch's global generator (seed it first) draws the whole batch at once; with `row_seeds_B`
     (one int64 seed per row) every row draws from its own stream (`keyed_draw`) and the global generator is
     left alone, so a row samples the same tokens whatever else is in its batch.
+
+    `keep_logprobs`: also the log-probability of each sampled token under the raw logits (temperature 1,
+    the whole head, before any processor), as vLLM reports it, in `Rollout.logprobs_BC`.
     """
     was_training = model.training
     model.eval()
     try:
-        out = _decode(
+        out, logprobs_BC = _decode(
             model,
             prompt_ids_BP,
             prompt_mask_BP,
@@ -176,6 +180,7 @@ def sample(
             do_sample,
             synced_gpus,
             None if row_seeds_B is None else torch.as_tensor(row_seeds_B, dtype=torch.int64),
+            keep_logprobs,
         )
     finally:
         model.train(was_training)
@@ -188,13 +193,25 @@ def sample(
         attention_mask_BT=torch.cat([prompt_mask_BP, comp_mask], dim=1),
         completion_mask_BC=comp_mask,
         prompt_len=prompt_len,
+        logprobs_BC=None if logprobs_BC is None else logprobs_BC * comp_mask,
     )
 
 
 def _decode(
-    model, ids_BP, mask_BP, eos_token_id, pad_token_id, max_new_tokens, processors, do_sample, synced, seeds_B
+    model,
+    ids_BP,
+    mask_BP,
+    eos_token_id,
+    pad_token_id,
+    max_new_tokens,
+    processors,
+    do_sample,
+    synced,
+    seeds_B,
+    keep_logprobs=False,
 ):
-    """Prompt + up to `max_new_tokens` tokens; rows that ended continue with padding until all rows end."""
+    """Prompt + up to `max_new_tokens` tokens (rows that ended continue with padding until all rows end), and
+    with `keep_logprobs` each new token's raw log-probability (None without)."""
     if seeds_B is not None:
         seeds_B = seeds_B.to(ids_BP.device)
     seq_BT, mask_BT = ids_BP, mask_BP
@@ -202,6 +219,7 @@ def _decode(
     cache = {cache_kwarg(model): DynamicCache(config=model.config)}
     done_B = torch.zeros(ids_BP.shape[0], dtype=torch.bool, device=ids_BP.device)
     step_ids, step_pos = ids_BP, pos_BT
+    logprobs = []
     for i in range(max_new_tokens):
         logits_BV = (
             model(
@@ -216,6 +234,7 @@ def _decode(
             .float()
         )
         if not done_B.all():  # (all done here only under `synced`: this rank keeps the others company)
+            raw_logp_BV = torch.log_softmax(logits_BV, dim=-1) if keep_logprobs else None
             for proc in processors:
                 logits_BV = proc(seq_BT, logits_BV)
             if do_sample and seeds_B is not None:
@@ -225,13 +244,15 @@ def _decode(
             else:
                 next_B = logits_BV.argmax(dim=-1)
             next_B = torch.where(done_B, pad_token_id, next_B)
+            if keep_logprobs:
+                logprobs.append(raw_logp_BV.gather(-1, next_B[:, None])[:, 0])
             seq_BT = torch.cat([seq_BT, next_B[:, None]], dim=1)
             done_B = done_B | _is_eos(next_B, eos_token_id)
         if i == max_new_tokens - 1 or not _anyone_running(done_B, synced):
             break
         mask_BT = torch.cat([mask_BT, mask_BT.new_ones(mask_BT.shape[0], 1)], dim=1)
         step_ids, step_pos = seq_BT[:, -1:], step_pos[:, -1:] + 1
-    return seq_BT
+    return seq_BT, torch.stack(logprobs, dim=1) if keep_logprobs else None
 
 
 # SplitMix64 (Steele, Lea and Flood, 2014): the n-th output of the stream seeded by s is mix(s + n x GOLDEN).

@@ -13,9 +13,10 @@ up to and including its first stop token).
 
 Sources that plug in here: `EngineRollouts`, today's synchronous one (the engine's weight sync, then one
 `engine.sample` call for every prompt of the step, then the rows regrouped by length into micro-batches);
-a multi-turn episode source (several sampled segments per row, the environment's turns masked out) and a
-source that samples a step ahead of training (its records one policy step stale, their `sampling_logprobs_BT`
-saying by how much) give the same records and leave the trainer unchanged.
+`ahead.AheadRollouts`, which samples up to `rollout_ahead` steps ahead of training in a process of its own
+(its records stale by up to that many policy steps, their `sampling_logprobs_BT` the sampling weights' own,
+their `policy_version` which weights); a multi-turn episode source (several sampled segments per row, the
+environment's turns masked out) would give the same records.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class RolloutRecord:
     `sampling_logprobs_BT` the engine's log-probability of each sampled token at temperature 1 (0 elsewhere),
     None when the engine reports none; `truncated_B` rows that never sampled a stop token; `sampled_as` each
     row's place in the step's sampling order; `answers` and `teacher_ids` the prompts' columns (None where
-    absent)."""
+    absent); `policy_version` the optimizer steps the weights that sampled it had taken (None: the current
+    weights, sampled in the step; staleness = the trainer's step - policy_version)."""
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
@@ -47,6 +49,7 @@ class RolloutRecord:
     answers: list
     teacher_ids: list | None = None
     sampling_logprobs_BT: torch.Tensor | None = None
+    policy_version: int | None = None
 
     def predicting_BT(self) -> torch.Tensor:
         """The positions whose state predicts a loss token: the loss mask shifted left by one (the state at t
@@ -106,7 +109,14 @@ def record_of(
 
 
 class RolloutSource(ABC):
-    """What the trainer asks for a step's rollouts."""
+    """What the trainer asks for a step's rollouts. `ahead`: how many coming steps' prompts the source wants
+    before their turn (`plan`); 0, the trainer hands each step's prompts in its own step only."""
+
+    ahead: int = 0
+
+    def plan(self, step: int, batches: list[dict]) -> None:  # noqa: B027
+        """The prompt micro-batches of a coming optimizer step (a source with `ahead` > 0 samples them
+        early)."""
 
     @abstractmethod
     def open(self) -> None:

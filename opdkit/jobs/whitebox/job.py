@@ -134,6 +134,7 @@ def distil(
     # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as its
     # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
     engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
+    trainer.rollouts.open()  # a producer sampling ahead (rollout_ahead) starts while the accuracy is measured
     acc = lambda m, e=None: sharded_accuracies(m, prep, world, rank, engine=e)  # noqa: E731
     last = (
         checkpoints.resume_checkpoint(run.path / "checkpoints", checkpoints.trainer_layout(trainer))

@@ -25,6 +25,7 @@ line in its `KINDS` where the kind wraps a module class of its own).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -41,23 +42,31 @@ from opdkit.rollout.source import RolloutRecord
 class LossSettings:
     """What every divergence is given: generalized JSD's `beta`, the temperature both distributions are
     compared at, the compared vocabulary (the student tokenizer's size), the rows per chunk, and the
-    sampled token each predicting position was followed by (the engine gap's, None without it)."""
+    sampled token each predicting position was followed by (the engine gap's, None without it); with
+    `async_correction` truncated, the sampler's log-probability of each of those tokens
+    (`behaviour_logprobs_N`) and the cap of the importance weights (`loss.chunked_divergence`)."""
 
     beta: float
     temperature: float
     vocab_size: int
     chunk_size: int
     target_ids_N: torch.Tensor | None = None
+    behaviour_logprobs_N: torch.Tensor | None = None
+    ratio_cap: float = math.inf
 
     def one_vocabulary(self) -> dict:
-        """`loss.chunked_divergence`'s keywords."""
-        return dict(
+        """`loss.chunked_divergence`'s keywords (the importance weights' only where they are asked for, so a
+        teacher kind whose divergence has none is never handed them)."""
+        out = dict(
             beta=self.beta,
             chunk_size=self.chunk_size,
             target_ids_N=self.target_ids_N,
             temperature=self.temperature,
             vocab_size=self.vocab_size,
         )
+        if self.behaviour_logprobs_N is not None:
+            out.update(behaviour_logprobs_N=self.behaviour_logprobs_N, ratio_cap=self.ratio_cap)
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,9 @@ class Teacher(ABC):
 
     exact: bool = True  # False: the loss is an approximation of the divergence, labelled as such
     gives_entropy: bool = True  # False: its divergence never forms the student's full rows (no entropy)
+    # True: its divergence is `loss.chunked_divergence`'s, which takes the importance weights of stale
+    # rollouts (`async_correction`); a kind with a divergence of its own refuses them.
+    importance_weighted: bool = False
     module: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase | None = None
     # Why the kind cannot read another tokenizer's rows (None: it can, through `cross.CrossTokenizerTeacher`).

@@ -61,6 +61,7 @@ class LocalTeacher(Teacher):
     """Final hidden states and head from a module in this process (`module`), sharded under FSDP."""
 
     name = "teacher"
+    importance_weighted = True
 
     def __init__(self, module: torch.nn.Module):
         self.module = module.eval().requires_grad_(False)

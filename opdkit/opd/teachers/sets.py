@@ -109,6 +109,8 @@ class Routed(_TeacherSet, LocalTeacher):
 class Weighted(_TeacherSet, Teacher):
     """A `mixture.WeightedTeachers` as a teacher kind: every teacher's states and head, every row."""
 
+    importance_weighted = True
+
     def __init__(self, module: mixture.WeightedTeachers):
         self.module = module.eval().requires_grad_(False)
         self._init_set(module)
