@@ -235,6 +235,17 @@ def test_filter_long_prompts(dapo_prompts, qwen3_tokenizer):
     assert kept["messages"] == [m for m, n in zip(dapo_prompts["messages"], lengths) if n <= 300]
 
 
+@pytest.mark.parametrize("thinking", [False, True])
+def test_prompt_lengths_in_chunks_are_the_lengths_of_one_call_per_prompt(
+    dapo_prompts, qwen3_tokenizer, tiny_tokenizer, thinking
+):
+    """The batched measure (one template call and one tokenizer batch per chunk, chunks smaller than the list)
+    against `prompt_ids` called on each conversation alone."""
+    for tok in (qwen3_tokenizer, tiny_tokenizer):
+        want = [len(prompts.prompt_ids(tok, m, thinking)) for m in dapo_prompts["messages"]]
+        assert prompts.prompt_lengths(dapo_prompts["messages"], tok, thinking, chunk=5) == want
+
+
 def test_filter_keeps_everything_silently(dapo_prompts, tiny_tokenizer, recwarn):
     kept, n_dropped = prompts.filter_long_prompts(dapo_prompts, tiny_tokenizer, 100_000)
     assert n_dropped == 0 and len(kept) == 12 and not recwarn.list

@@ -390,6 +390,26 @@ def filter_long_prompts(
     return (dataset.select(keep) if n_dropped else dataset), n_dropped
 
 
+def prompt_lengths(
+    messages: list[list[dict]],
+    tokenizer: PreTrainedTokenizerBase,
+    enable_thinking: bool = False,
+    chunk: int = 2048,
+) -> list[int]:
+    """`len(prompt_ids(...))` of every conversation, a chunk at a time: the chunk's texts templated in one
+    call and tokenized in one batch (the same ids as one call per prompt, in a third of the time)."""
+    lengths: list[int] = []
+    for i in tqdm(range(0, len(messages), chunk), desc="measuring prompts", leave=False):
+        texts = tokenizer.apply_chat_template(
+            list(messages[i : i + chunk]),
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+        lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return lengths
+
+
 def short_prompts(
     messages: list[list[dict]],
     tokenizer: PreTrainedTokenizerBase,
@@ -398,10 +418,7 @@ def short_prompts(
 ) -> list[int]:
     """Indices of the prompts whose templated length is at most `max_prompt_length`; the others are dropped
     with a warning that counts them, and none left is a ConfigError."""
-    lengths = [
-        len(prompt_ids(tokenizer, m, enable_thinking))
-        for m in tqdm(messages, desc="measuring prompts", leave=False)
-    ]
+    lengths = prompt_lengths(messages, tokenizer, enable_thinking)
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     if not keep:
         raise ConfigError(
