@@ -13,7 +13,7 @@ import torch
 
 from opdkit import settings, tasks
 from opdkit.ads import gradfile, gradient, tokenkinds
-from opdkit.config import ConfigError
+from opdkit.config import ConfigError, load_config
 from opdkit.data import traces
 from opdkit.data.labels import IGNORE, completion_labels
 from opdkit.jobs import savegrad
@@ -205,3 +205,21 @@ def test_a_variant_that_keeps_no_token_stops_before_writing_a_gradient(tmp_path,
     with pytest.raises(ConfigError, match="grad_tokens=answer keeps no completion token"):
         savegrad.run("tiny", {"run_dir": str(run_dir), "traces_path": str(path), "grad_tokens": "answer"})
     assert not (run_dir / gradfile.GRADS_FILE).exists()
+
+
+@pytest.mark.parametrize("kind", ["confident", "answer"])
+def test_antidistill_derives_each_variant_from_a_whole_gradient_run(tmp_path, supplied, tok, teacher, kind):
+    """04's third and second ADS lines (confident_lams, answer_lams) steer by variants derived from a plain
+    savegrad run's traces: each is the mean gradient on its kept tokens, found here directly."""
+    from opdkit.jobs.antidistill import sweep
+    from opdkit.jobs.antidistill.config import AntidistillConfig
+
+    run = _variant_run(tmp_path, supplied, "all")
+    records = list(traces.load_traces(run.path))
+    proxy = load_model("tiny:student", torch.float32, "cpu")
+    want = _direct_grad(proxy, [(r, _kept_positions(teacher, r, kind)) for r in records])
+    lams = {"answer_lams": [], "confident_lams": [], f"{kind}_lams": [0.1]}
+    cfg = load_config(AntidistillConfig, "tiny", {"grads_run": str(run.path), **lams})
+    assert sweep.derived_gradients(cfg) == [kind]
+    got = sweep.derived_gradient(cfg, kind, proxy, teacher, tok, run.path, None)
+    assert _rel(got, want) < 1e-5

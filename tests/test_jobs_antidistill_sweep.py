@@ -1,6 +1,6 @@
 """antidistill's sweep (opdkit.jobs.antidistill.sweep): the points parsed from the config, each run once and
 never two in one folder; the gradient checked against the proxy before anything is written; the
-answer-token gradient computed once before the sweep's processes start, saved, and apart from the
+derived gradients (answer-token, confident) computed once before the processes start, saved, apart from the
 completion gradient; `grad_scale` on every gradient the sweep steers by; the students' held-out loss
 skipped without the gradient's traces."""
 
@@ -48,6 +48,7 @@ def test_sweeps_parse_and_points_run_once():
         {
             "lams": "0, 0.05,0.1",
             "answer_lams": [0, 0.02],
+            "confident_lams": [0.03],
             "ads_temperatures": [1.0],
             "temperatures": [1.0, 1.5],
         },
@@ -59,13 +60,17 @@ def test_sweeps_parse_and_points_run_once():
         "ads-lam0.05-tau1",
         "ads-lam0.1-tau1",
         "ads-answer-lam0.02-tau1",
+        "ads-confident-lam0.03-tau1",
         "temperature-lam0-tau1.5",
     ]
-    assert [p.gradient for p in points] == [None, "completion", "completion", "answer", None]
+    assert [p.gradient for p in points] == [None, "completion", "completion", "answer", "confident", None]
+    assert sweep.derived_gradients(cfg) == ["answer", "confident"]
     with pytest.raises(ConfigError, match="list of numbers"):
         load_config(AntidistillConfig, "tiny", {"lams": "a,b"})
     with pytest.raises(ConfigError, match="all empty"):
         AntidistillConfig(lams=[], answer_lams=[], temperatures=[])
+    with pytest.raises(ConfigError, match="grad_tokens=answer already makes lams' gradient a variant"):
+        load_config(AntidistillConfig, "tiny", {"confident_lams": [0.05], "grad_tokens": "answer"})
 
 
 def test_points_sharing_a_folder_name_are_refused_before_anything_is_written(tmp_path):
@@ -77,7 +82,7 @@ def test_points_sharing_a_folder_name_are_refused_before_anything_is_written(tmp
     assert len({p.name for p in close}) == len(close)  # six digits apart: two folders
 
 
-def test_answer_gradient_is_computed_once_before_the_processes_start(grads_run, tmp_path, monkeypatch):
+def test_derived_gradients_are_computed_once_before_the_processes_start(grads_run, tmp_path, monkeypatch):
     computed, launched = [], []
     real_grad, real_launch = sweep.mean_completion_grad, lifecycle.launch
 
@@ -86,7 +91,7 @@ def test_answer_gradient_is_computed_once_before_the_processes_start(grads_run, 
         return real_grad(*args, **kwargs)
 
     def checking_launch(fn, args, n, run_path):
-        launched.append((run_path / sweep.ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file())
+        launched.append((run_path / "grads_answer" / gradfile.GRADS_FILE).is_file())
         return real_launch(fn, args, n, run_path)
 
     monkeypatch.setattr(sweep, "mean_completion_grad", counting_grad)
@@ -111,9 +116,9 @@ def test_answer_gradient_is_computed_once_before_the_processes_start(grads_run, 
 
 def test_answer_gradient_needs_a_trace_with_an_answer(grads_run, proxy, tok, monkeypatch):
     cfg = load_config(AntidistillConfig, "tiny", {"grads_run": str(grads_run)})
-    monkeypatch.setattr(sweep, "answer_rows", lambda *args: [])  # as if no trace had a final answer
-    with pytest.raises(ConfigError, match="no trace of the gradient run has a final answer"):
-        sweep.answer_gradient(cfg, proxy, tok, grads_run, None)
+    monkeypatch.setattr(sweep.tokenkinds, "answer_rows", lambda *args: [])  # as if no answer anywhere
+    with pytest.raises(ConfigError, match="no trace of the gradient run keeps a token of kind answer"):
+        sweep.derived_gradient(cfg, "answer", proxy, None, tok, grads_run, None)
 
 
 def test_answer_gradient_is_saved_and_differs_from_the_completion_gradient(small_run, g, tok, proxy):

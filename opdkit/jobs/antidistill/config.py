@@ -76,6 +76,12 @@ class AntidistillConfig(
         "a second ADS sweep whose gradient is the proxy's NLL on the answer tokens only (tiny: after ';', "
         "else from the last \\boxed), computed here from the gradient run's traces; empty skips it",
     )
+    confident_lams: list = setting(
+        (),
+        "a third ADS sweep whose gradient is the proxy's on every completion token but those the teacher "
+        "hesitates on (entropy above grad_entropy; answer tokens kept), computed here from the gradient "
+        "run's traces; empty skips it",
+    )
     ads_temperatures: list = setting((1.0,), "temperatures the ADS sweeps run at")
     temperatures: list = setting(
         (1.0, 1.2, 1.4, 1.6), "baseline sweep: plain temperature sampling (λ 0) at these temperatures"
@@ -111,18 +117,25 @@ class AntidistillConfig(
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("lams", "answer_lams", "ads_temperatures", "temperatures"):
+        for name in ("lams", "answer_lams", "confident_lams", "ads_temperatures", "temperatures"):
             setattr(self, name, float_list(name, getattr(self, name)))
         if self.eval_size == 0:
             raise ConfigError(
                 "eval_size=0 (none) leaves every distilled student unmeasured, and the trade-off is their "
                 "accuracy; give a positive number of evaluation problems, or -1 for all of eval_dataset_path."
             )
-        if not (self.lams or self.answer_lams or self.temperatures):
+        if not (self.lams or self.answer_lams or self.confident_lams or self.temperatures):
             raise ConfigError(
-                "lams, answer_lams and temperatures are all empty; give at least one sweep point."
+                "lams, answer_lams, confident_lams and temperatures are all empty; give at least one sweep "
+                "point."
             )
-        if (self.lams or self.answer_lams) and not self.ads_temperatures:
+        if self.confident_lams and self.grad_tokens != "all":
+            raise ConfigError(
+                f"confident_lams sweeps the gradient without the teacher's hesitations beside lams' whole "
+                f"completion gradient, but grad_tokens={self.grad_tokens} already makes lams' gradient a "
+                "variant; leave grad_tokens all, or confident_lams empty."
+            )
+        if (self.lams or self.answer_lams or self.confident_lams) and not self.ads_temperatures:
             raise ConfigError(
                 "an ADS sweep is set but ads_temperatures is empty; give the temperature ADS samples at, "
                 "e.g. [1.0]."

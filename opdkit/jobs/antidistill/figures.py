@@ -250,7 +250,7 @@ def token_changes_figure(comparisons: Sequence[dict], path=None, title: str = "t
     text = dict(fontsize=9, family="monospace", va="center", transform=ax.transAxes)
     for i, c in enumerate(rows):
         y, dy = 1 - (i + 0.5) / max(1, len(rows)), 0.14 / max(1, len(rows))
-        tag = "answer " if c.get("method") == "ads-answer" else ""
+        tag = {"ads-answer": "answer ", "ads-confident": "confident "}.get(c.get("method"), "")
         ax.text(0.0, y + dy, f"{prompt_label(c['prompt'], 12)} {tag}λ={c['lam']:g}", **text)
         ax.text(
             0.26,

@@ -42,8 +42,12 @@ MEASURES = (
     "opd_plain_student_accuracy_forced",
     "opd_plain_student_holdout_loss",
 )
-ADS_LABELS = {"ads": "ADS", "ads-answer": "ADS, answer-token gradient"}
-GRADIENT_NAMES = {"ads": "completion", "ads-answer": "answer-token"}
+ADS_LABELS = {
+    "ads": "ADS",
+    "ads-answer": "ADS, answer-token gradient",
+    "ads-confident": "ADS, gradient without the teacher's hesitations",
+}
+GRADIENT_NAMES = {"ads": "completion", "ads-answer": "answer-token", "ads-confident": "confident-token"}
 
 
 def with_intervals(point: dict) -> dict:

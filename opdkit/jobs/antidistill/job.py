@@ -8,6 +8,8 @@ The ADS paper's headline experiment in miniature. For every point of the sweeps 
 
     ADS:          λ in `lams`, at each temperature in `ads_temperatures`          method "ads"
     ADS, answer:  λ in `answer_lams`, same temperatures, answer-token gradient    method "ads-answer"
+    ADS, confident: λ in `confident_lams`, the gradient without the teacher's
+                  hesitations (`grad_entropy`)                                   method "ads-confident"
     temperature:  λ = 0, at each temperature in `temperatures`                    method "temperature"
 
 the teacher writes one trace per training prompt (`ads.sampler`: z_teacher + λΔ, then temperature, then
@@ -17,7 +19,7 @@ adds on-policy students (`points.py`). ADS works if, at equal teacher accuracy, 
 gradient comes from `grads_run` (a savegrad run, checked with `load_grads`), or savegrad runs in `grads/`
 inside this run. Layout:
 
-    grads/, grads_answer/                 the two gradients (when computed here)
+    grads/, grads_answer/, grads_confident/   the gradients (when computed here)
     points/<name>/point.json              the point's summary entry (done, or failed with its traceback)
     points/<name>/error.txt               the traceback of a point that failed (the other points go on)
     points/<name>/seed<seed>/             traces.jsonl, result.json, metrics.jsonl (SFT log), student/, sft/
@@ -70,7 +72,7 @@ def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
     (`ads.sampler.sampling_stage`), then, with teacher and proxies in host memory on a GPU, the
     student's SFT and evaluation (`sft.student.sft_stage`), then the on-policy attackers when asked."""
     cfg = prep.cfg
-    sampling = sampling_stage(cfg, budget, gradients=2 if cfg.answer_lams else 1)
+    sampling = sampling_stage(cfg, budget, gradients=1 + len(sweep.derived_gradients(cfg)))
     out = {
         "baseline evaluation": baseline_stage(cfg, sampling),
         "ADS sampling": sampling,
@@ -111,7 +113,7 @@ def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stag
         bf16=cfg.bf16 and gpu,
         shard_teacher=False,
         ads_copies=2,
-        proxy_gradients=2 if cfg.answer_lams else 1,
+        proxy_gradients=1 + len(sweep.derived_gradients(cfg)),
         proxy_on_host=gpu,
         eval_model="student",
         eval_bf16=False,  # `points.student_accuracies` decodes the student in fp32
@@ -131,7 +133,7 @@ def processes(prep: Prepared, run: RunDir) -> tuple[int, tuple]:
     todo = [p for p in points if not (cfg.resume and pt.finished(run, p))]
     n = max(1, min(default_num_processes(cfg.num_processes), len(todo)))
     prep.num_processes = n
-    sweep.ensure_answer_gradient(cfg, sweep.ensure_grads(cfg, run, n), run, n)
+    sweep.ensure_derived_gradients(cfg, sweep.ensure_grads(cfg, run, n), run, n)
     print0(
         f"{len(points)} points ({len(points) - len(todo)} finished before), "
         f"{len(prep.train_messages)} traces each, {n} process(es)"

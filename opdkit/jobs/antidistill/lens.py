@@ -67,7 +67,7 @@ class TokenLens:
 
     def compare(self, index: int, lam: float, seed: int = 0, method: str = "ads") -> dict:
         """The ADS trace at λ with its changed tokens, and the plain trace drawn with the same noise; `method`
-        "ads-answer" steers by the answer-token gradient."""
+        "ads-answer" and "ads-confident" steer by the derived gradients (`sweep.GRADIENTS`)."""
         if method not in sweep.GRADIENTS:
             raise ValueError(f"method={method!r} is not one of {sorted(sweep.GRADIENTS)}.")
         steps, plain = self._trace(index, lam, seed, method), self._trace(index, 0.0, seed, method)

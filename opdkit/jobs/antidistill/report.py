@@ -14,6 +14,7 @@ import html as _html
 from collections.abc import Sequence
 
 from opdkit.jobs.antidistill import findings as fd
+from opdkit.jobs.antidistill import sweep
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.figures import (
     attackers_figure,
@@ -400,17 +401,23 @@ def tradeoff_loss(run: RunDir):
 
 def shown_lam(cfg: AntidistillConfig, method: str = "ads") -> float:
     """The λ the token views show by default: the sweep's largest (0.1 when the sweep has none)."""
-    lams = cfg.lams if method == "ads" else cfg.answer_lams
+    lams = getattr(cfg, sweep.SWEEPS[method])
     return max(lams) if lams else 0.1
+
+
+def swept_methods(cfg: AntidistillConfig) -> list[str]:
+    """The ADS methods the token views show: the completion gradient's always, the others when swept."""
+    return ["ads"] + [m for m, name in sweep.SWEEPS.items() if m != "ads" and getattr(cfg, name)]
 
 
 def token_changes(run: RunDir, lens: TokenLens, cfg: AntidistillConfig, prompts: int = 3):
     """The tokens ADS changed on the first `prompts` training prompts at the largest λ of each sweep (the
-    completion gradient's, and the answer gradient's when swept): (HTML, static figure)."""
-    comparisons = [lens.compare(i, shown_lam(cfg), seed=0) for i in range(prompts)]
-    if cfg.answer_lams:
-        lam = shown_lam(cfg, "ads-answer")
-        comparisons += [lens.compare(i, lam, seed=0, method="ads-answer") for i in range(prompts)]
+    completion gradient's, and the others' when swept): (HTML, static figure)."""
+    comparisons = [
+        lens.compare(i, shown_lam(cfg, m), seed=0, method=m)
+        for m in swept_methods(cfg)
+        for i in range(prompts)
+    ]
     html = "".join(token_changes_html(c) for c in comparisons)
     return html, token_changes_figure(comparisons, path=run.figure("ads_tokens"))
 
@@ -418,8 +425,8 @@ def token_changes(run: RunDir, lens: TokenLens, cfg: AntidistillConfig, prompts:
 def token_explorer(lens: TokenLens, cfg: AntidistillConfig):
     """A widget where a person is watching (JupyterLab): any training prompt, λ (the sweep's, and twice the
     largest), gradient and seed; a headless run says where to find it instead."""
-    methods = ["ads", "ads-answer"] if cfg.answer_lams else ["ads"]
-    lams = sorted({0.0, *cfg.lams, *cfg.answer_lams, 2 * shown_lam(cfg)})
+    methods = swept_methods(cfg)
+    lams = sorted({0.0, *(lam for m in methods for lam in getattr(cfg, sweep.SWEEPS[m])), 2 * shown_lam(cfg)})
     return live_view(
         lambda: ads_token_explorer(lens.compare, lens.labels, lams, methods),
         "<i>The token explorer computes as you pick, so it needs a running kernel: open this notebook in "

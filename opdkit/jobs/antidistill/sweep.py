@@ -1,6 +1,6 @@
 """antidistill's sweep: the points of the trade-off, and everything they run on: the prompts, the gradients
-(the completion gradient of a savegrad run, the answer-token gradient computed here) and the steering they
-load.
+(the completion gradient of a savegrad run; the answer-token gradient and the gradient without the teacher's
+hesitations, derived here from that run's traces) and the steering they load.
 
     points = sweep_points(cfg)                                  # every (method, λ, τ), in sweep order
     messages, answers = training_prompts(cfg, task)             # what the teacher answers at every point
@@ -25,10 +25,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opdkit import tasks
-from opdkit.ads import gradfile
+from opdkit.ads import gradfile, tokenkinds
 from opdkit.ads.gradient import mean_completion_grad
 from opdkit.ads.steering import Steering
-from opdkit.ads.tokenkinds import answer_rows
 from opdkit.config import ConfigError, load_config
 from opdkit.data import prompts, traces
 from opdkit.jobs import savegrad
@@ -39,8 +38,10 @@ from opdkit.sft.student import sft_rows
 
 JOB = AntidistillConfig.job
 GRADS_DIR = "grads"  # where a run without grads_run keeps the savegrad run it made
-ANSWER_GRADS_DIR = "grads_answer"  # the answer-token gradient computed here
-GRADIENTS = {"ads": "completion", "ads-answer": "answer"}  # which gradient each ADS method steers by
+# which gradient each ADS method steers by, and the setting that holds its λ values
+GRADIENTS = {"ads": "completion", "ads-answer": "answer", "ads-confident": "confident"}
+SWEEPS = {"ads": "lams", "ads-answer": "answer_lams", "ads-confident": "confident_lams"}
+DERIVED = ("answer", "confident")  # the gradients derived here from the gradient run's traces
 HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough for a steady mean
 
 
@@ -48,7 +49,7 @@ HOLDOUT_LOSS_TRACES = 256  # the first traces of the gradient's holdout, enough 
 class Point:
     """One point of the trade-off: how the teacher samples its traces."""
 
-    method: str  # "ads" (completion gradient), "ads-answer" (answer-token gradient), "temperature" (λ = 0)
+    method: str  # "ads", "ads-answer", "ads-confident" (their gradients: GRADIENTS), "temperature" (λ = 0)
     lam: float
     temperature: float
 
@@ -84,10 +85,15 @@ class Prepared:
 
 
 def sweep_points(cfg: AntidistillConfig) -> list[Point]:
-    """ADS points (every λ at every ADS temperature), the answer-gradient ADS points, then the temperature
-    sweep; λ = 0 is temperature sampling whatever the sweep, and each (method, λ, τ) runs once."""
-    triples = [("ads", lam, tau) for tau in cfg.ads_temperatures for lam in cfg.lams]
-    triples += [("ads-answer", lam, tau) for tau in cfg.ads_temperatures for lam in cfg.answer_lams]
+    """ADS points (every λ at every ADS temperature), the answer-gradient's and the confident gradient's ADS
+    points, then the temperature sweep; λ = 0 is temperature sampling whatever the sweep, and each (method,
+    λ, τ) runs once."""
+    triples = [
+        (method, lam, tau)
+        for method, sweep in SWEEPS.items()
+        for tau in cfg.ads_temperatures
+        for lam in getattr(cfg, sweep)
+    ]
     triples += [("temperature", 0.0, tau) for tau in cfg.temperatures]
     out: dict[tuple, Point] = {}
     for method, lam, tau in triples:
@@ -230,12 +236,13 @@ def check_grads_run(cfg: AntidistillConfig, proxy_tok: PreTrainedTokenizerBase) 
     if cfg.grads_run:
         meta = gradfile.check_grads(cfg.grads_run, model_skeleton(cfg.proxy_model), proxy_tok)
         check_variant(cfg, meta)
-        needs_traces = any(lam != 0 for lam in cfg.answer_lams)
-        if needs_traces and not (Path(cfg.grads_run) / traces.TRACES_DIR).is_dir():
-            raise ConfigError(
-                f"answer_lams needs the traces the gradient was computed on, but {cfg.grads_run} has "
-                f"no {traces.TRACES_DIR}/; use a savegrad run directory or set answer_lams to []."
-            )
+        for kind in derived_gradients(cfg):
+            if not (Path(cfg.grads_run) / traces.TRACES_DIR).is_dir():
+                raise ConfigError(
+                    f"{DERIVED_SWEEP[kind]} needs the traces the gradient was computed on, but "
+                    f"{cfg.grads_run} has no {traces.TRACES_DIR}/; use a savegrad run directory or set "
+                    f"{DERIVED_SWEEP[kind]} to []."
+                )
     else:
         # An unknown preset, or one that cannot take this run's prompts, fails here, not after the run dir
         # exists.
@@ -294,35 +301,62 @@ def ensure_grads(cfg: AntidistillConfig, run: RunDir, num_processes: int = 1) ->
     return savegrad.run(cfg.grads_mode, over).path
 
 
-def needs_answer_gradient(cfg: AntidistillConfig) -> bool:
-    return any(p.gradient == "answer" for p in sweep_points(cfg))
+DERIVED_SWEEP = {GRADIENTS[m]: sweep for m, sweep in SWEEPS.items() if GRADIENTS[m] in DERIVED}
 
 
-def answer_gradient(
+def derived_gradients(cfg: AntidistillConfig) -> list[str]:
+    """The derived gradients (`DERIVED`) the sweep's points steer by, in `DERIVED` order."""
+    used = {p.gradient for p in sweep_points(cfg)}
+    return [kind for kind in DERIVED if kind in used]
+
+
+def derived_dir(run: RunDir, kind: str) -> Path:
+    """Where a run keeps a derived gradient: grads_answer/, grads_confident/."""
+    return run.path / f"{GRADS_DIR}_{kind}"
+
+
+def derived_rows(
+    cfg: AntidistillConfig, kind: str, teacher: torch.nn.Module, tok: PreTrainedTokenizerBase, held: list
+) -> tuple[list[dict], dict]:
+    """The gradient run's traces with the loss kept on `kind`'s tokens (`ads.tokenkinds`), and the kinds'
+    counts: answer, each trace's final answer; confident, every completion token but those the teacher
+    hesitates on (entropy above `grad_entropy`), scored here by the teacher."""
+    answer_start = tasks.for_dataset(cfg.dataset_path).answer_start
+    if kind == "answer":
+        return tokenkinds.answer_rows(held, tok, answer_start), {}
+    entropies = tokenkinds.teacher_entropies(teacher, held, 8, tok.pad_token_id)
+    kinds = tokenkinds.token_kinds(held, entropies, tok, answer_start, cfg.grad_entropy)
+    return tokenkinds.keep_kinds(held, kinds, tokenkinds.GRAD_TOKENS[kind]), tokenkinds.kind_counts(kinds)
+
+
+def derived_gradient(
     cfg: AntidistillConfig,
+    kind: str,
     proxy: torch.nn.Module,
+    teacher: torch.nn.Module,
     tok: PreTrainedTokenizerBase,
     grads_dir: Path,
     run: RunDir | None,
 ) -> dict[str, torch.Tensor]:
-    """The proxy's mean NLL gradient on the answer tokens of the gradient run's traces (same normalisation as
-    savegrad), on the proxy's device, saved in grads_answer/ of this run; loaded from there when it exists
-    (a sweep's processes always find it: `ensure_answer_gradient` writes it before they start)."""
-    saved = run.path / ANSWER_GRADS_DIR if run is not None else None
+    """The proxy's mean NLL gradient on `kind`'s tokens of the gradient run's traces (`derived_rows`; same
+    normalisation as savegrad), on the proxy's device, saved in the run's `derived_dir`; loaded from there
+    when it exists (a sweep's processes always find it: `ensure_derived_gradients` writes it before they
+    start)."""
+    sweep = DERIVED_SWEEP[kind]
+    saved = derived_dir(run, kind) if run is not None else None
     if saved is not None and (saved / gradfile.GRADS_FILE).is_file():
         return gradfile.load_grads(saved, proxy, tok)
     if not (Path(grads_dir) / traces.TRACES_DIR).is_dir():
         raise ConfigError(
-            f"answer_lams needs the traces the gradient was computed on, but {grads_dir} has no "
-            f"{traces.TRACES_DIR}/; use a savegrad run directory or leave answer_lams empty."
+            f"{sweep} needs the traces the gradient was computed on, but {grads_dir} has no "
+            f"{traces.TRACES_DIR}/; use a savegrad run directory or leave {sweep} empty."
         )
     meta = gradfile.read_meta(grads_dir)
-    task = tasks.for_dataset(cfg.dataset_path)
-    rows = answer_rows(list(traces.load_traces(grads_dir)), tok, task.answer_start)
+    rows, counts = derived_rows(cfg, kind, teacher, tok, list(traces.load_traces(grads_dir)))
     if not rows:
         raise ConfigError(
-            "no trace of the gradient run has a final answer to take the answer-token gradient on; "
-            "leave answer_lams empty."
+            f"no trace of the gradient run keeps a token of kind {kind} (no final answer, or every token "
+            f"uncertain) to take the gradient of {sweep} on; leave {sweep} empty."
         )
     work = copy.deepcopy(proxy)
     named, stats = mean_completion_grad(
@@ -331,41 +365,54 @@ def answer_gradient(
     named = {k: v.detach().to("cpu", torch.float32).clone() for k, v in named.items()}
     if saved is not None and run.writer:
         saved.mkdir(exist_ok=True)
+        extra = {"grad_entropy": cfg.grad_entropy, "kind_counts": counts} if kind == "confident" else {}
         gradfile.save_grads(
-            saved, named, {**meta, **stats, "tokens": "answer", "derived_from": str(grads_dir)}
+            saved, named, {**meta, **stats, **extra, "tokens": kind, "derived_from": str(grads_dir)}
         )
     return named
 
 
-def compute_answer_gradient(cfg_dict: dict, grads_dir: str, run_path: str, device: str) -> None:
-    """The answer-token gradient of a run, computed on `device` and saved in its grads_answer/."""
+def compute_derived_gradients(cfg_dict: dict, grads_dir: str, run_path: str, device: str) -> None:
+    """A run's derived gradients, computed on `device` and saved in its `derived_dir`s."""
     cfg = AntidistillConfig(**cfg_dict)
     proxy = load_model(cfg.proxy_model, torch.float32, device).eval()
-    answer_gradient(cfg, proxy, load_tokenizer(cfg.proxy_model), Path(grads_dir), RunDir.attach(run_path))
+    teacher = None
+    if "confident" in derived_gradients(cfg):
+        teacher = load_model(cfg.teacher_model, teacher_dtype(cfg, torch.device(device)), device).eval()
+    tok, run = load_tokenizer(cfg.proxy_model), RunDir.attach(run_path)
+    for kind in derived_gradients(cfg):
+        derived_gradient(cfg, kind, proxy, teacher, tok, Path(grads_dir), run)
 
 
-def ensure_answer_gradient(cfg: AntidistillConfig, grads_dir: Path, run: RunDir, num_processes: int) -> None:
-    """Compute the answer-token gradient once, before the sweep's processes start, so that each of them loads
-    it from grads_answer/ instead of computing it again: on the first GPU when there is one (in a process of
+def ensure_derived_gradients(
+    cfg: AntidistillConfig, grads_dir: Path, run: RunDir, num_processes: int
+) -> None:
+    """Compute the derived gradients once, before the sweep's processes start, so that each of them loads
+    them from the run instead of computing them again: on the first GPU when there is one (in a process of
     its own when the sweep forks several, which must find CUDA untouched here), else on the CPU."""
-    if not needs_answer_gradient(cfg) or (run.path / ANSWER_GRADS_DIR / gradfile.GRADS_FILE).is_file():
+    todo = [k for k in derived_gradients(cfg) if not (derived_dir(run, k) / gradfile.GRADS_FILE).is_file()]
+    if not todo:
         return
     args = (asdict(cfg), str(grads_dir), str(run.path))
     if torch.cuda.device_count() == 0:  # NVML's count: safe before a fork
-        compute_answer_gradient(*args, "cpu")
+        compute_derived_gradients(*args, "cpu")
     elif num_processes == 1:
-        compute_answer_gradient(*args, "cuda")
+        compute_derived_gradients(*args, "cuda")
     else:
         worker = multiprocessing.get_context("spawn").Process(
-            target=compute_answer_gradient, args=(*args, "cuda")
+            target=compute_derived_gradients, args=(*args, "cuda")
         )
         worker.start()
         worker.join()
         if worker.exitcode != 0:
             raise RuntimeError(
-                f"computing the answer-token gradient failed (exit code {worker.exitcode}; its traceback is "
-                f"above); the gradient in {grads_dir} and its traces/ are its inputs."
+                f"computing the derived gradients {todo} failed (exit code {worker.exitcode}; its traceback "
+                f"is above); the gradient in {grads_dir} and its traces/ are their inputs."
             )
+
+
+def teacher_dtype(cfg: AntidistillConfig, dev: torch.device) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
 
 
 def load_steering(
@@ -378,12 +425,11 @@ def load_steering(
 ) -> tuple[Steering, list[dict]]:
     """The steering (teacher on `dev`; proxy and gradients in host memory, scaled by `grad_scale`) and the
     gradient's holdout traces in the student's tokens (what `student_holdout_loss` measures)."""
-    dtype = torch.bfloat16 if cfg.bf16 and dev.type == "cuda" else torch.float32
-    teacher = load_model(cfg.teacher_model, dtype, dev).eval()
+    teacher = load_model(cfg.teacher_model, teacher_dtype(cfg, dev), dev).eval()
     proxy = load_model(cfg.proxy_model, torch.float32, "cpu").eval()
     named = {"completion": gradfile.load_grads(grads_dir, proxy, proxy_tok)}
-    if needs_answer_gradient(cfg):
-        named["answer"] = answer_gradient(cfg, proxy, proxy_tok, grads_dir, run)
+    for kind in derived_gradients(cfg):
+        named[kind] = derived_gradient(cfg, kind, proxy, teacher, proxy_tok, grads_dir, run)
     if cfg.grad_scale != 1.0:  # e.g. the ADS reference's 1/W-scaled gradient (W = 8 DDP processes)
         named = {kind: {k: g * cfg.grad_scale for k, g in g_named.items()} for kind, g_named in named.items()}
     steering = Steering(teacher, proxy, named, cfg.ads_method, cfg.eps, dev)
