@@ -4,9 +4,9 @@ addition, is `opdkit.tasks.tiny`).
 `tiny:teacher`, `tiny:student` and `tiny:tokenizer` name the folders shipped in `assets/`; they load
 through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `opdkit.build.tiny_world`
 rebuilds them. `tiny:teacher-bpe` is a teacher on a byte-level BPE tokenizer instead (the tiny world
-across tokenizers; `opdkit.build.bpe_teacher` rebuilds it). `tiny:teacher-tools` is the tiny tool world's
-teacher (sums of four 3-digit numbers with a calculator, `opdkit.tasks.tinytools`), on the student's tokenizer;
-`opdkit.build.tool_teacher` rebuilds it.
+across tokenizers; `opdkit.build.bpe_teacher` rebuilds it). `tiny:teacher-tools` is the tiny tool
+world's teacher (sums of four 3-digit numbers with a calculator, `opdkit.tasks.tinytools`), on the student's
+tokenizer; `opdkit.build.tool_teacher` rebuilds it.
 """
 
 from __future__ import annotations
