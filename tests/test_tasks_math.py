@@ -81,7 +81,8 @@ def test_every_task_is_registered_under_its_own_name():
 
 def test_an_unknown_task_is_a_config_error_listing_the_known_ones():
     with pytest.raises(
-        ConfigError, match=r"unknown task 'gsm9k'; valid: \['dapo-math', 'gsm8k', 'math', 'tiny'\]"
+        ConfigError,
+        match=r"unknown task 'gsm9k'; valid: \['dapo-math', 'gsm8k', 'math', 'tiny', 'tiny-tools'\]",
     ):
         tasks.get_task("gsm9k")
 

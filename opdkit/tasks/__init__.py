@@ -6,6 +6,7 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 
 - `base`: `Task`, what the jobs ask of a task;
 - `tiny`: the tiny world's 3-digit addition with a scratchpad, its problem streams and exact-match grading;
+- `tinytools`: the tiny tool world's four-term sums with a calculator to call, its streams and grading;
 - `math`: GSM8K, DAPO-Math-17k and MATH-style problems graded by `answers` (math-verify);
 - `evaluate`: greedy accuracy of a model (raw, and with its final answer forced), sharded over processes.
 """
@@ -13,11 +14,12 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 from __future__ import annotations
 
 from opdkit.config import ConfigError
-from opdkit.tasks import math, tiny
+from opdkit.tasks import math, tiny, tinytools
 from opdkit.tasks.base import Task
 
 TASKS: dict[str, type[Task]] = {
     "tiny": tiny.TinyTask,
+    "tiny-tools": tinytools.TinyToolsTask,
     "gsm8k": math.Gsm8k,
     "dapo-math": math.DapoMath,
     "math": math.Math,
@@ -32,10 +34,12 @@ def get_task(name: str) -> Task:
 
 
 def for_dataset(dataset_path: str) -> Task:
-    """The task a config's prompts belong to: the tiny world's own ("tiny"); GSM8K or DAPO-Math when the path
-    or hub name says so (gsm8k, dapo, in any part of it); any other math dataset otherwise."""
+    """The task a config's prompts belong to: the tiny worlds' own ("tiny", "tiny-tools"); GSM8K or DAPO-Math
+    when the path or hub name says so (gsm8k, dapo, in any part of it); any other math dataset otherwise."""
     if dataset_path == tiny.DATASET:
         return get_task("tiny")
+    if dataset_path == tinytools.DATASET:
+        return get_task("tiny-tools")
     name = dataset_path.lower()
     if "gsm8k" in name:
         return get_task("gsm8k")

@@ -4,7 +4,9 @@ addition, is `opdkit.tasks.tiny`).
 `tiny:teacher`, `tiny:student` and `tiny:tokenizer` name the folders shipped in `assets/`; they load
 through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `opdkit.build.tiny_world`
 rebuilds them. `tiny:teacher-bpe` is a teacher on a byte-level BPE tokenizer instead (the tiny world
-across tokenizers; `opdkit.build.bpe_teacher` rebuilds it).
+across tokenizers; `opdkit.build.bpe_teacher` rebuilds it). `tiny:teacher-tools` is the tiny tool
+world's teacher (sums of four 3-digit numbers with a calculator, `opdkit.tasks.tinytools`), on the student's
+tokenizer; `opdkit.build.tool_teacher` rebuilds it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def resolve(name: str) -> str:
     if not (path / "config.json").exists() and not (path / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"{name!r} is not part of the shipped tiny world (expected {path}); valid: tiny:teacher, "
-            "tiny:student, tiny:tokenizer, tiny:teacher-bpe. Rebuild with `python -m opdkit.build.tiny_world "
-            f"--out {ASSETS}` (or `opdkit.build.bpe_teacher` for teacher-bpe) if the folder was deleted."
+            "tiny:student, tiny:tokenizer, tiny:teacher-bpe, tiny:teacher-tools. Rebuild with `python -m "
+            f"opdkit.build.tiny_world --out {ASSETS}` (or `opdkit.build.bpe_teacher` for teacher-bpe, "
+            "`opdkit.build.tool_teacher` for teacher-tools) if the folder was deleted."
         )
     return str(path)

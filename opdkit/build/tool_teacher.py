@@ -1,0 +1,272 @@
+"""The recipe that builds the tiny tool world's teacher, `tiny:teacher-tools`: a tiny Qwen3 that answers a sum
+of four 3-digit numbers by calling the calculator and copying its result (`opdkit.tasks.tinytools`).
+
+    python -m opdkit.build.tool_teacher --out opdkit/tiny/assets/teacher-tools       # a few minutes, 1 core
+
+Trained from scratch by the kit's one SFT loop (`opdkit.sft.trainer`, as `opdkit.build.tiny_world`) on
+transcripts rendered by the tiny chat template with the calculator listed (`tools=[CALCULATOR]`): the prompt,
+the assistant's call, the tool's result, the assistant's answer; the loss is on the assistant's two turns only
+(the call and the answer), never on the tool's result. Same tokenizer as the tiny student, so the two can be
+distilled in process. Measured with the tool (`tool_accuracy`): greedy call, its JSON parsed and summed in
+Python (no `eval` of model text), the result appended as a tool turn, greedy answer, graded. Writes the model,
+its tokenizer and `recipe.json` (held-out accuracy with the tool, the shipped student's without it, build
+time) into one folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
+
+from opdkit import models
+from opdkit.build import tiny_world as build
+from opdkit.data.labels import IGNORE
+from opdkit.rollout import engines, sampling
+from opdkit.sft.trainer import CompletionSFTTrainer
+from opdkit.tasks import tinytools as task
+from opdkit.tiny.tokenizer import build_tokenizer
+
+# The tiny student's shape: copying the expression into the call and the result into the answer needs no
+# more (and a small teacher builds in minutes on one core).
+TEACHER = build.ModelSpec(64, 2, 2, 1, 192, 32)
+EVAL_SEED = 777  # the build's own evaluation stream (not the held-out pool)
+
+
+def transcript_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> dict:
+    """A transcript's input ids with the calculator listed, and its labels: the assistant's turns only."""
+    enc = tokenizer.apply_chat_template(
+        messages, tools=task.TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+    return {"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)]}
+
+
+class TranscriptRows(torch.utils.data.Dataset):
+    """SFT rows of teacher transcripts on training problems drawn from `seed` (tokenized when asked for)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, n: int, seed: int):
+        self.tokenizer, self.probs = tokenizer, task.training_problems(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.probs)
+
+    def __getitem__(self, i: int) -> dict:
+        return transcript_row(self.tokenizer, task.teacher_messages(self.probs[i]))
+
+
+def greedy_turn(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """One greedy assistant turn for each conversation, rendered with the calculator listed."""
+    ids = [
+        list(
+            tokenizer.apply_chat_template(
+                c, tools=task.TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for c in conversations
+    ]
+    device = next(model.parameters()).device
+    ids_BP, mask_BP = sampling.left_pad(ids, tokenizer.pad_token_id, device)
+    greedy = engines.SamplingSettings(
+        max_new_tokens, 0.0, 1.0, models.eos_ids(tokenizer, model), tokenizer.pad_token_id
+    )
+    return sampling.decode_completions(
+        tokenizer, engines.HFEngine().sample(model, ids_BP, mask_BP, greedy, 0)
+    )
+
+
+@torch.no_grad()
+def tool_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[list[dict]],
+    answers: list[str],
+    batch_size: int = 256,
+) -> dict:
+    """Greedy episodes with the calculator: the first turn; when it calls the tool, the call answered
+    (`tinytools.sum_expression`, or its error message) and a second turn; the last turn graded. Returns the
+    shares `correct`, `called_tool` (episodes whose first turn calls) and `malformed` (calls answered with an
+    error), and the first turns (`first_turns`)."""
+    was_training = model.training
+    model.eval()
+    correct = called = malformed = 0
+    firsts: list[str] = []
+    for s in range(0, len(messages), batch_size):
+        convs, refs = messages[s : s + batch_size], answers[s : s + batch_size]
+        first = greedy_turn(model, tokenizer, convs, task.MAX_TURN_TOKENS)
+        firsts += first
+        finals = list(first)
+        again, follow = [], []
+        for i, (conv, text) in enumerate(zip(convs, first)):
+            bodies = task.calls(text)
+            if not bodies:
+                continue
+            called += 1
+            results = []
+            for body in bodies:
+                try:
+                    results.append(task.sum_expression(body))
+                except ValueError as exc:
+                    malformed += 1
+                    results.append(str(exc))
+            tool_turns = [{"role": "tool", "content": r} for r in results]
+            again.append(i)
+            follow.append([*conv, {"role": "assistant", "content": text}, *tool_turns])
+        if follow:
+            for i, text in zip(again, greedy_turn(model, tokenizer, follow, task.MAX_TURN_TOKENS)):
+                finals[i] = text
+        correct += sum(task.extract_answer(f) == a for f, a in zip(finals, refs))
+    model.train(was_training)
+    n = len(messages)
+    return {
+        "correct": correct / n,
+        "called_tool": called / n,
+        "malformed": malformed / n,
+        "first_turns": firsts,
+    }
+
+
+def train_tool_teacher(
+    model,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    eval_every: int,
+    eval_n: int,
+    stop_accuracy: float,
+    on_record=None,
+) -> list[dict]:
+    """Completion-only SFT on fresh transcripts, the optimiser and schedule of `tiny_world.train_on_task`;
+    every `eval_every` steps the accuracy with the tool on `eval_n` problems of the build's own stream is
+    recorded, and training stops once it reaches `stop_accuracy`. Returns that history."""
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=lr,
+            adam_beta2=0.98,
+            lr_scheduler_type="cosine",
+            warmup_steps=50,
+            max_grad_norm=1.0,
+            weight_decay=0.0,
+            seed=seed,
+            save_strategy="no",
+            report_to=[],
+            logging_steps=max(1, eval_every),
+            disable_tqdm=False,
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            run_name="teacher-tools",
+        )
+        rows = TranscriptRows(tokenizer, steps * batch_size, seed)
+        order = [list(range(s * batch_size, (s + 1) * batch_size)) for s in range(steps)]
+        trainer = CompletionSFTTrainer(
+            model=model, args=args, train_dataset=rows, order=order, pad_token_id=tokenizer.pad_token_id
+        )
+        messages, answers = task.TinyToolsTask().heldout(eval_n, seed=EVAL_SEED)
+        stopper = build.EvaluateAndStop(
+            trainer,
+            lambda: tool_accuracy(model, tokenizer, messages, answers)["correct"],
+            eval_every,
+            lambda acc: acc >= stop_accuracy,
+            on_record,
+        )
+        trainer.add_callback(stopper)
+        trainer.train()
+    model.eval()
+    return stopper.history
+
+
+def heldout_figures(model, tokenizer, n: int = 500) -> dict:
+    """Accuracy with the tool, and the share of episodes that call it, on `n` held-out problems."""
+    messages, answers = task.TinyToolsTask().heldout(n)
+    acc = tool_accuracy(model, tokenizer, messages, answers)
+    return {
+        "n": n,
+        "accuracy": acc["correct"],
+        "called_tool": acc["called_tool"],
+        "malformed": acc["malformed"],
+    }
+
+
+def build_tool_teacher(
+    out: str | Path,
+    *,
+    steps: int = 600,
+    stop_accuracy: float = 0.99,
+    eval_every: int = 50,
+    eval_n: int = 200,
+    seed: int = 0,
+) -> dict:
+    """Train and save the teacher into `out`; returns what `recipe.json` records."""
+    out, t0 = Path(out), time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    teacher = build.qwen3_model(TEACHER, tokenizer, seed)
+
+    def record(history: list[dict], **more) -> dict:
+        rec = {
+            "task": "sums of four 3-digit numbers with a calculator (opdkit.tasks.tinytools)",
+            "tokenizer": "the tiny world's character tokenizer (tiny:tokenizer)",
+            "seed": seed,
+            "stop_accuracy": stop_accuracy,
+            "teacher": {**asdict(TEACHER), "params": teacher.num_parameters(), "history": history},
+            **more,
+        }
+        (out / "recipe.json").write_text(json.dumps(rec, indent=2))
+        return rec
+
+    history = train_tool_teacher(
+        teacher,
+        tokenizer,
+        steps=steps,
+        lr=3e-3,
+        batch_size=64,
+        seed=seed + 11,
+        eval_every=eval_every,
+        eval_n=eval_n,
+        stop_accuracy=stop_accuracy,
+        on_record=record,
+    )
+    train_seconds = round(time.time() - t0, 1)
+    teacher.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    student = models.load_model("tiny:student")
+    return record(
+        history,
+        teacher_heldout_with_tool=heldout_figures(teacher, tokenizer),
+        student_heldout_without_tool=heldout_figures(student, tokenizer, n=200),
+        train_seconds=train_seconds,
+        build_seconds=round(time.time() - t0, 1),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="folder to write the teacher and its tokenizer into")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument(
+        "--stop-accuracy", type=float, default=0.99, help="stop once the build's accuracy reaches it"
+    )
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    rec = build_tool_teacher(
+        a.out, steps=a.steps, stop_accuracy=a.stop_accuracy, eval_every=a.eval_every, seed=a.seed
+    )
+    print(json.dumps({k: v for k, v in rec.items() if k != "teacher"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

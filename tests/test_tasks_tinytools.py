@@ -1,0 +1,119 @@
+"""The tiny tool world's task (opdkit.tasks.tinytools): its prompt streams (seeded, the held-out set apart),
+reference answers, grading, the teacher transcript's messages as the tiny template renders them, the sum
+answered without `eval`; and the shipped tiny student, which neither solves it nor calls the tool."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from opdkit import models, tasks
+from opdkit.build import tool_teacher
+from opdkit.config import ConfigError
+from opdkit.tasks import tinytools as task
+from opdkit.tiny.tokenizer import IM_END, IM_START
+
+
+def terms(prompt: str) -> list[int]:
+    parts = prompt.split("+")
+    assert len(parts) == 4 and all(len(p) == 3 and p.isdigit() and p[0] != "0" for p in parts), prompt
+    return [int(p) for p in parts]
+
+
+def test_it_is_registered_and_chosen_by_its_dataset_name():
+    assert isinstance(tasks.get_task("tiny-tools"), task.TinyToolsTask)
+    assert isinstance(tasks.for_dataset("tiny-tools"), task.TinyToolsTask)
+    assert tasks.get_task("tiny-tools").tools[0]["function"]["name"] == "calculator"
+
+
+def test_the_training_stream_is_seeded_and_its_answers_are_the_sums():
+    t = task.TinyToolsTask()
+    a, b = t.load_prompts("tiny-tools", subset_size=300, seed=1), t.load_prompts(subset_size=300, seed=1)
+    assert a["messages"] == b["messages"] and a["answer"] == b["answer"]
+    other = t.load_prompts(subset_size=300, seed=2)
+    assert a["messages"] != other["messages"]
+    for messages, answer in zip(a["messages"], a["answer"]):
+        assert [m["role"] for m in messages] == ["user"]
+        assert answer == str(sum(terms(messages[0]["content"])))
+    assert len(t.load_prompts(subset_size=-1, seed=0)) == task.DEFAULT_SIZE
+    with pytest.raises(ConfigError, match="subset_size"):
+        t.load_prompts(subset_size=0)
+
+
+def test_the_held_out_set_is_apart_from_training_streams_and_gradient_holdouts():
+    t = task.TinyToolsTask()
+    messages, answers = t.heldout(500)
+    held = {m[0]["content"] for m in messages}
+    assert len(held) == 500 and t.heldout(500) == (messages, answers)
+    assert all(a == str(sum(terms(m[0]["content"]))) for m, a in zip(messages, answers))
+    for seed in (0, 1, 42, 4321 - task.TRAINING_SEED_OFFSET):
+        train = {m[0]["content"] for m in t.load_prompts(subset_size=2000, seed=seed)["messages"]}
+        holdout = {m[0]["content"] for m in t.reserved_holdout(200, seed)["messages"]}
+        assert not train & task.heldout_pool() and not holdout & task.heldout_pool() and not train & holdout
+    with pytest.raises(ConfigError, match="at most"):
+        t.heldout(task.HELDOUT_POOL + 1)
+
+
+def test_the_answer_is_the_text_after_the_last_separator():
+    t = task.TinyToolsTask()
+    assert t.check(";2250", "2250") and t.check("9+9=18;x;2250 ", "2250")
+    assert not t.check("2250", "2250") and not t.check(";225", "2250")
+    assert t.extract_answer("no answer") is None and t.extract_answer(";") is None
+    assert t.answer_start("ab;2250") == 3 and t.answer_start("2250") is None
+    assert t.forced_prefix("1+2;4") == "1+2;" and t.forced_prefix("1+2") == "1+2;"
+
+
+def test_a_teacher_transcript_renders_call_result_and_answer(tiny_tokenizer):
+    p = task.Problem((390, 983, 105, 772))
+    text = tiny_tokenizer.apply_chat_template(task.teacher_messages(p), tools=task.TOOLS, tokenize=False)
+    assert text == (
+        f"{IM_START}system\n<tools>\ncalculator(expression)\n</tools>{IM_END}\n"
+        f"{IM_START}user\n390+983+105+772{IM_END}\n"
+        f"{IM_START}assistant\n<tool_call>\n"
+        '{"name": "calculator", "arguments": {"expression": "390+983+105+772"}}\n'
+        f"</tool_call>{IM_END}\n"
+        f"{IM_START}user\n<tool_response>\n2250\n</tool_response>{IM_END}\n"
+        f"{IM_START}assistant\n;2250{IM_END}\n"
+    )
+    # the longest transcript fits the tiny models' 256 positions
+    longest = task.teacher_messages(task.Problem((999, 999, 999, 999)))
+    ids = tiny_tokenizer.apply_chat_template(longest, tools=task.TOOLS, return_dict=True)["input_ids"]
+    assert 240 <= len(ids) <= 256
+
+
+def test_a_call_is_summed_without_eval_and_anything_else_is_an_error():
+    body = '{"name": "calculator", "arguments": {"expression": "390+983+105+772"}}'
+    assert task.calls(f"<tool_call>\n{body}\n</tool_call>") == [f"\n{body}\n"]
+    assert task.calls("<tool_call>\n{}") == ["\n{}"] and task.calls(";12") == []
+    assert task.sum_expression(body) == "2250"
+    assert task.sum_expression('{"name": "calculator", "arguments": {"expression": " 1 + 22 "}}') == "23"
+    bad = {
+        "not json": "not JSON",
+        '{"name": "clock", "arguments": {}}': "unknown tool",
+        '{"name": "calculator", "arguments": {"expression": "2*3"}}': "sum of integers",
+        '{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}': "sum of integers",
+        '{"name": "calculator", "arguments": {"expression": 12}}': "sum of integers",
+        '{"name": "calculator", "arguments": "1+2"}': "sum of integers",
+        '{"name": "calculator", "arguments": {"expression": "' + "+".join(["1"] * 40) + '"}}': "sum",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            task.sum_expression(text)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("opdkit.tasks.calculator") is None, reason="the calculator is not on this branch"
+)
+def test_the_schema_is_the_calculators():
+    from opdkit.tasks import calculator
+
+    assert task.CALCULATOR == calculator.CALCULATOR
+
+
+def test_the_shipped_student_neither_solves_it_nor_calls_the_tool():
+    tok, student = models.load_tokenizer("tiny:student"), models.load_model("tiny:student")
+    messages, answers = task.TinyToolsTask().heldout(64)
+    acc = tool_teacher.tool_accuracy(student, tok, messages, answers)
+    assert acc["called_tool"] == 0 and acc["correct"] <= 0.1
+    assert not any("<tool_call>" in t or "tool" in t for t in acc["first_turns"])
