@@ -412,3 +412,64 @@ def test_tool_tokens_carry_no_loss_and_no_gradient_and_the_loss_is_the_direct_re
                 count += 1
     assert count == int(record.loss_mask_BT.sum())
     torch.testing.assert_close(float(loss), total / count, rtol=1e-5, atol=0)
+
+
+def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_counts(tmp_path):
+    """`environment` set: the trainer's source is MultiTurnRollouts over the environment it was given, and a
+    step's tool/ metrics are the episodes' counts; without the object, or with sampling ahead or vLLM, one
+    line."""
+    import pytest
+
+    from opdkit import settings as opd_settings
+    from opdkit import tasks
+    from opdkit.config import ConfigError
+    from opdkit.jobs.whitebox.config import WhiteboxConfig
+
+    assert tuple(tasks.ENVIRONMENTS) == opd_settings.ENVIRONMENTS
+    tok = tool_tokenizer()
+    env = tasks.get_environment("calculator", task.TinyTask())
+    args = OPDArguments(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        sample_every=0,
+        save_strategy="no",
+        max_steps=1,
+        environment="calculator",
+        max_turns=2,
+        rollout_max_new_tokens=30,
+    )
+    common = dict(
+        model=tiny_model("tiny:student"), processing_class=tok, teacher_model=tiny_model("tiny:teacher")
+    )
+    trainer = DistillTrainer(
+        args=args, data_collator=PromptCollator(tok, 512, tools=env.tools), environment=env, **common
+    )
+    assert isinstance(trainer.rollouts, MultiTurnRollouts) and trainer.rollouts.max_turns == 2
+    bs = batches(tok, [4], tools=env.tools)
+    records = trainer.rollouts.next_step(trainer.model, bs, step=0)
+    assert sum(r.input_ids_BT.shape[0] for r in records) == 4
+    m = trainer._tool_metrics()
+    assert m["tool/episodes"] == 4 and 1 <= m["tool/turns_mean"] <= 2
+    assert set(m) >= {"tool/called_share", "tool/calls_per_episode", "tool/malformed", "tool/accuracy"}
+    with pytest.raises(ConfigError, match="environment object"):
+        DistillTrainer(args=args, **{**common, "model": tiny_model("tiny:student")})
+    with pytest.raises(ConfigError, match="rollout_ahead 0"):
+        WhiteboxConfig(environment="calculator", rollout_ahead=1)
+    with pytest.raises(ConfigError, match="rollout_engine hf"):
+        WhiteboxConfig(environment="calculator", rollout_engine="vllm")
+    with pytest.raises(ConfigError, match="not one of"):
+        WhiteboxConfig(environment="abacus")
+
+
+def test_single_turn_trainers_log_no_tool_metrics(tmp_path):
+    args = OPDArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
+    )
+    trainer = DistillTrainer(
+        model=tiny_model("tiny:student"),
+        args=args,
+        processing_class=tool_tokenizer(),
+        teacher_model=tiny_model("tiny:teacher"),
+    )
+    assert isinstance(trainer.rollouts, EngineRollouts) and trainer._tool_metrics() == {}

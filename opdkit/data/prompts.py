@@ -394,9 +394,11 @@ def filter_long_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     enable_thinking: bool = False,
+    tools: list[dict] | None = None,
 ) -> tuple[datasets.Dataset, int]:
-    """(prompts whose templated length is at most `max_prompt_length`, how many were dropped)."""
-    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking)
+    """(prompts whose templated length, with `tools` where given, is at most `max_prompt_length`, how many
+    were dropped)."""
+    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking, tools)
     n_dropped = len(dataset) - len(keep)
     return (dataset.select(keep) if n_dropped else dataset), n_dropped
 
@@ -406,16 +408,20 @@ def prompt_lengths(
     tokenizer: PreTrainedTokenizerBase,
     enable_thinking: bool = False,
     chunk: int = 2048,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """`len(prompt_ids(...))` of every conversation, a chunk at a time: the chunk's texts templated in one
-    call and tokenized in one batch (the same ids as one call per prompt, in a third of the time)."""
+    """`len(prompt_ids(...))` of every conversation (templated with `tools` where given), a chunk at a time:
+    the chunk's texts templated in one call and tokenized in one batch (the same ids as one call per prompt,
+    in a third of the time)."""
     lengths: list[int] = []
+    extra = {"tools": tools} if tools else {}
     for i in tqdm(range(0, len(messages), chunk), desc="measuring prompts", leave=False):
         texts = tokenizer.apply_chat_template(
             list(messages[i : i + chunk]),
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
+            **extra,
         )
         lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return lengths
@@ -426,10 +432,11 @@ def short_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     enable_thinking: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Indices of the prompts whose templated length is at most `max_prompt_length`; the others are dropped
-    with a warning that counts them, and none left is a ConfigError."""
-    lengths = prompt_lengths(messages, tokenizer, enable_thinking)
+    """Indices of the prompts whose templated length (with `tools`) is at most `max_prompt_length`; the others
+    are dropped with a warning that counts them, and none left is a ConfigError."""
+    lengths = prompt_lengths(messages, tokenizer, enable_thinking, tools=tools)
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     if not keep:
         raise ConfigError(

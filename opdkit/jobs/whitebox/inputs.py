@@ -184,9 +184,13 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, teacher_tok if cross else tok)
-    train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    # A multi-turn environment's tools are in every prompt (its system turn): measured with them.
+    tools = tasks.get_environment(cfg.environment, task).tools if cfg.environment else None
+    train, dropped = prompts.filter_long_prompts(
+        split.train, tok, cfg.max_prompt_length, cfg.enable_thinking, tools
+    )
     check_teacher_set(cfg, tok, train)
-    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking, tools)
     first = prompts.format_first_prompt(train, collator, tok)
     engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
