@@ -473,3 +473,31 @@ def test_single_turn_trainers_log_no_tool_metrics(tmp_path):
         teacher_model=tiny_model("tiny:teacher"),
     )
     assert isinstance(trainer.rollouts, EngineRollouts) and trainer._tool_metrics() == {}
+
+
+def test_tool_results_in_qwen3s_own_template(qwen3_tokenizer):
+    """With Qwen3's real chat template the tokens after a student's turn are Qwen3's tool response (two
+    results of one turn in one user turn) and the next generation prompt, with its empty think block when
+    thinking is off, as the contract writes them."""
+    tok = qwen3_tokenizer
+    env = CalculatorEnvironment(task.TinyTask())
+    turn = "<think>\nfine\n</think>\n\n" + call("12*34") + call("1/0")
+    msgs = [
+        {"role": "user", "content": "12*34?"},
+        {"role": "assistant", "content": turn},
+        {"role": "tool", "content": "408"},
+        {"role": "tool", "content": "error: division by zero"},
+    ]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    response = (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n"
+        "<tool_response>\nerror: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    for thinking, prompt in ((True, ""), (False, "<think>\n\n</think>\n\n")):
+        s = settings(tok)
+        src = MultiTurnRollouts(
+            lambda: None, s, 0, 0, 1, 1, environment=env, tokenizer=tok, max_turns=3, enable_thinking=thinking
+        )
+        ids = src.tool_ids(msgs, 2, im_end)
+        assert tok.decode(ids) == response + prompt
+        assert ids == tok(response + prompt, add_special_tokens=False)["input_ids"]
