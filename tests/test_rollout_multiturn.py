@@ -501,3 +501,32 @@ def test_tool_results_in_qwen3s_own_template(qwen3_tokenizer):
         ids = src.tool_ids(msgs, 2, im_end)
         assert tok.decode(ids) == response + prompt
         assert ids == tok(response + prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
+    """samples.jsonl's record of a multi-turn row: the student's tokens and their divergences as before, and
+    its parts after the prompt in order, the student's turns apart from the tools'."""
+    tok = tool_tokenizer()
+    scripts = {"5+6": [call("5+6"), ";11"], "1+2": [";3"]}
+    records, _, _ = play(tok, scripts, CalculatorEnvironment(task.TinyTask()), [2])
+    args = OPDArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=1, save_strategy="no", max_steps=1
+    )
+    trainer = DistillTrainer(
+        model=tiny_model("tiny:student"),
+        args=args,
+        processing_class=tok,
+        teacher_model=tiny_model("tiny:teacher"),
+    )
+    trainer.run = object()  # a run folder to keep samples for
+    trainer.compute_loss(trainer.model, trainer.micro_batch(records[0]))
+    kept = {r["prompt"].split("user\n")[-1].split("<|im_end|>")[0]: r for r in trainer._sample_records()}
+    one, two = kept["1+2"], kept["5+6"]
+    assert "turns" not in one and "".join(one["tokens"]) == ";3<|im_end|>"
+    assert [t["sampled"] for t in two["turns"]] == [True, False, True]
+    assert two["turns"][0]["text"] == call("5+6") + "<|im_end|>"
+    assert two["turns"][1][
+        "text"
+    ] == "\n<|im_start|>user\n<tool_response>\n11\n</tool_response><|im_end|>\n" + ("<|im_start|>assistant\n")
+    assert two["turns"][2]["text"] == ";11<|im_end|>"
+    assert len(two["divergence"]) == len(two["tokens"]) == len(tok(call("5+6") + ";11")["input_ids"]) + 2

@@ -443,6 +443,11 @@ class DistillTrainer(Trainer):
                     "divergence": [round(d, 5) for d in divs[b].tolist()],
                     "answer": r.answers[b],
                 }
+                turns = _turns(ids_BT[b], loss_BT[b], r.attention_mask_BT[b].cpu())
+                if (
+                    len(turns) > 1
+                ):  # a multi-turn episode: its parts in order, the tools' between the student's
+                    record["turns"] = [{"sampled": m, "text": tok.decode(t)} for m, t in turns]
                 records.append(((s["step"], place), record))
         return [record for _, record in sorted(records, key=lambda r: r[0])]
 
@@ -556,6 +561,25 @@ class DistillTrainer(Trainer):
             "async/ratio_max": top if tokens else None,
             "async/capped_share": capped / tokens if tokens else None,
         }
+
+
+def _turns(ids_T: torch.Tensor, loss_T: torch.Tensor, attn_T: torch.Tensor) -> list[tuple[bool, list[int]]]:
+    """A row after its context as runs of (sampled by the student, token ids): the student's turns (loss mask
+    1) and what came between them (the template's and the tools' tokens, attended, mask 0)."""
+    runs: list[tuple[bool, list[int]]] = []
+    first = loss_T.bool().nonzero()
+    if not len(first):
+        return runs
+    for i, m, a in zip(
+        ids_T.tolist()[int(first[0]) :], loss_T.tolist()[int(first[0]) :], attn_T.tolist()[int(first[0]) :]
+    ):
+        if not a:
+            continue
+        if runs and runs[-1][0] == bool(m):
+            runs[-1][1].append(i)
+        else:
+            runs.append((bool(m), [i]))
+    return runs
 
 
 class _HeldRecord(TrainerCallback):
