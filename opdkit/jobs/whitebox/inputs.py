@@ -157,6 +157,26 @@ class Prepared:
         return self.teacher_tokenizer if self.teacher_tokenizer is not None else self.tokenizer
 
 
+def check_environment(cfg: WhiteboxConfig, cross: bool) -> None:
+    """Multi-turn episodes (`environment`) are scored by a teacher of the student's tokenizer in this
+    process (or a set of them) for now: a teacher of another tokenizer re-renders one completion, not a
+    transcript, and a served teacher's context is planned for one completion."""
+    if not cfg.environment:
+        return
+    if cross:
+        raise ConfigError(
+            f"environment={cfg.environment} with a teacher of another tokenizer ({cfg.teacher_model}): the "
+            "cross-tokenizer loss over multi-turn transcripts is not built yet; use a teacher of the "
+            "student's tokenizer, or no environment."
+        )
+    if cfg.teacher_server:
+        raise ConfigError(
+            f"environment={cfg.environment} with teacher_server: a served teacher over multi-turn "
+            "transcripts is not built yet; load the teacher in process (teacher_server empty), or no "
+            "environment."
+        )
+
+
 def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     """The prompts, then the tokenizers, as the original does (the data file in milliseconds, before any
     download): every cheap failure happens here, before anything is written; first of all a global batch
@@ -171,6 +191,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
+    check_environment(cfg, cross)
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(
