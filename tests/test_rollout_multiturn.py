@@ -530,3 +530,48 @@ def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
     ] == "\n<|im_start|>user\n<tool_response>\n11\n</tool_response><|im_end|>\n" + ("<|im_start|>assistant\n")
     assert two["turns"][2]["text"] == ";11<|im_end|>"
     assert len(two["divergence"]) == len(two["tokens"]) == len(tok(call("5+6") + ";11")["input_ids"]) + 2
+
+
+def test_one_turn_without_tools_takes_the_single_turn_paths_first_update(tmp_path):
+    """A whole optimizer step through the trainer: episodes of one turn without tools, and today's
+    single-turn source, give the same loss and the same weights after the update."""
+    import datasets
+
+    tok = tool_tokenizer()
+    rows = [
+        {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in task.problems(8, 9)
+    ]
+    results = []
+    for name, env in (("single", None), ("multi", NoTools())):
+        args = OPDArguments(
+            output_dir=str(tmp_path / name),
+            report_to=[],
+            use_cpu=True,
+            sample_every=0,
+            save_strategy="no",
+            max_steps=1,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            rollout_max_new_tokens=30,
+            learning_rate=1e-3,
+            seed=3,
+            max_turns=1,
+            remove_unused_columns=False,
+        )
+        trainer = DistillTrainer(
+            model=tiny_model("tiny:student"),
+            args=args,
+            processing_class=tok,
+            teacher_model=tiny_model("tiny:teacher"),
+            train_dataset=datasets.Dataset.from_list(rows),
+            data_collator=PromptCollator(tok, 512, tools=None if env is None else env.tools),
+            environment=env,
+        )
+        assert isinstance(trainer.rollouts, EngineRollouts if env is None else MultiTurnRollouts)
+        out = trainer.train()
+        results.append(
+            (out.training_loss, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        )
+    (loss_a, weights_a), (loss_b, weights_b) = results
+    assert loss_a == loss_b and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
+    assert any(not torch.equal(weights_a[n], tiny_model("tiny:student").state_dict()[n]) for n in weights_a)
