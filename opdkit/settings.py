@@ -12,6 +12,7 @@ from typing import Any
 from opdkit.config import ConfigError, name_list, setting
 
 ADS_METHODS = ("fd", "jvp")  # ads.direction: finite difference, or torch.func.jvp
+ENVIRONMENTS = ("calculator",)  # multi-turn tool environments (opdkit.tasks.ENVIRONMENTS builds them)
 
 
 # The models a job loads (opdkit/models.py loads them).
@@ -252,6 +253,21 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         "the step (synchronous)",
         min=0,
     )
+    environment: str = setting(
+        "",
+        "multi-turn rollouts: each prompt an episode against this tool environment (opdkit/tasks/), the "
+        "student's turns scored, the tools' results context only: calculator; empty: single-turn rollouts",
+        choices=("", *ENVIRONMENTS),
+    )
+    max_turns: int = setting(
+        4, "environment: the student's turns per episode at most, each up to rollout_max_new_tokens", min=1
+    )
+    episode_max_tokens: int = setting(
+        0,
+        "environment: tokens after the prompt per episode at most (the student's turns, the template's and "
+        "the tools' tokens); an episode past it ends unfinished; 0: only max_turns limits it",
+        min=0,
+    )
     async_correction: str = setting(
         "none",
         "rollout_ahead >= 1: none trains on the stale rollouts as they are; truncated weights each token's "
@@ -276,13 +292,32 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         "CUDA only",
     )
 
+    def episode_tokens(self) -> int:
+        """The most tokens a rollout holds after its prompt: a single-turn completion, or a multi-turn episode
+        at its longest (`episode_max_tokens`, else `max_turns` turns of `rollout_max_new_tokens`; the tools'
+        results between them are not counted there)."""
+        if not self.environment:
+            return self.rollout_max_new_tokens
+        return self.episode_max_tokens or self.max_turns * self.rollout_max_new_tokens
+
     def normalise(self) -> None:
         """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
-        correction need of the settings alone, before anything is loaded."""
+        correction, and a multi-turn environment, need of the settings alone, before anything is loaded."""
         if self.rollout_ahead and self.rollout_engine != "hf":
             raise ConfigError(
                 f"rollout_ahead={self.rollout_ahead} samples with the kit's loop in a producer process; a "
                 "vLLM producer is not built yet: use rollout_engine hf, or rollout_ahead 0."
+            )
+        if self.environment and self.rollout_ahead:
+            raise ConfigError(
+                f"environment={self.environment} plays episodes in the training process; sampling them ahead "
+                "is not built yet: use rollout_ahead 0, or no environment."
+            )
+        if self.environment and self.rollout_engine != "hf":
+            raise ConfigError(
+                f"environment={self.environment} with rollout_engine={self.rollout_engine}: multi-turn "
+                "episodes run through the kit's loop only for now (vLLM's is not tested yet): use "
+                "rollout_engine hf."
             )
         if self.async_correction != "none" and not self.rollout_ahead:
             raise ConfigError(

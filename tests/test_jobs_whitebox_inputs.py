@@ -206,3 +206,18 @@ def test_a_bare_gradient_file_is_used_unchecked_and_the_summary_says_so(tmp_path
 
     cfg = load_config(AntidistillConfig, "tiny", {"grads_run": str(tmp_path)})
     assert sweep.check_apart_from_gradient(cfg, []).startswith("not checked")
+
+
+def test_multi_turn_episodes_refuse_the_teachers_not_built_for_transcripts():
+    """environment with a teacher of another tokenizer, or a served one: one line each; in process, none."""
+    from opdkit.jobs.whitebox.config import WhiteboxConfig
+    from opdkit.jobs.whitebox.inputs import check_environment
+
+    check_environment(WhiteboxConfig(environment="calculator"), cross=False)
+    check_environment(
+        WhiteboxConfig(teacher_server="http://x:1"), cross=True
+    )  # no environment: not this check
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        check_environment(WhiteboxConfig(environment="calculator"), cross=True)
+    with pytest.raises(ConfigError, match="teacher_server"):
+        check_environment(WhiteboxConfig(environment="calculator", teacher_server="http://x:1"), cross=False)

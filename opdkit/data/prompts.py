@@ -321,15 +321,21 @@ def as_messages(value: Any, row: int, col: str) -> list[dict[str, str]]:
 
 
 def prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    enable_thinking: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids of one prompt conversation, chat-templated and ending with the generation prompt."""
+    """Token ids of one prompt conversation, chat-templated (with `tools`' JSON schemas where given) and
+    ending with the generation prompt."""
+    extra = {"tools": tools} if tools else {}
     enc = tokenizer.apply_chat_template(
         messages,
         tokenize=True,
         add_generation_prompt=True,
         enable_thinking=enable_thinking,
         return_dict=True,
+        **extra,
     )
     return list(enc["input_ids"])
 
@@ -339,13 +345,16 @@ class PromptCollator:
     """`data_collator` for prompt-only batches: left-padded prompts plus their reference answers.
 
     Returns `prompts` (B×P, pad_token_id on the left), `prompt_attention_mask` (B×P) and `answers`; and
-    `teacher_id` where the rows have that column (`opd.mixture.RoutedTeacher` routes by it).
+    `teacher_id` where the rows have that column (`opd.mixture.RoutedTeacher` routes by it). With `tools`
+    (a multi-turn environment's JSON schemas, [] for none) the prompts are templated with them and the batch
+    keeps each row's conversation, `messages`, which the episodes start from (`rollout.multiturn`).
     P is the longest prompt of the batch; a prompt over `max_prompt_length` is an error (filter first).
     """
 
     tokenizer: PreTrainedTokenizerBase
     max_prompt_length: int
     enable_thinking: bool = False
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:
@@ -357,7 +366,7 @@ class PromptCollator:
             )
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return prompt_ids(self.tokenizer, messages, self.enable_thinking)
+        return prompt_ids(self.tokenizer, messages, self.enable_thinking, self.tools)
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor | list[str]]:
         ids = [self.prompt_ids(f["messages"]) for f in features]
@@ -375,6 +384,8 @@ class PromptCollator:
         }
         if any("teacher_id" in f for f in features):  # several teachers: the one each prompt is scored by
             out["teacher_id"] = [str(f.get("teacher_id") or "") for f in features]
+        if self.tools is not None:  # episodes start from the conversations
+            out["messages"] = [list(f["messages"]) for f in features]
         return out
 
 
@@ -383,9 +394,11 @@ def filter_long_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     enable_thinking: bool = False,
+    tools: list[dict] | None = None,
 ) -> tuple[datasets.Dataset, int]:
-    """(prompts whose templated length is at most `max_prompt_length`, how many were dropped)."""
-    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking)
+    """(prompts whose templated length, with `tools` where given, is at most `max_prompt_length`, how many
+    were dropped)."""
+    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking, tools)
     n_dropped = len(dataset) - len(keep)
     return (dataset.select(keep) if n_dropped else dataset), n_dropped
 
@@ -395,16 +408,20 @@ def prompt_lengths(
     tokenizer: PreTrainedTokenizerBase,
     enable_thinking: bool = False,
     chunk: int = 2048,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """`len(prompt_ids(...))` of every conversation, a chunk at a time: the chunk's texts templated in one
-    call and tokenized in one batch (the same ids as one call per prompt, in a third of the time)."""
+    """`len(prompt_ids(...))` of every conversation (templated with `tools` where given), a chunk at a time:
+    the chunk's texts templated in one call and tokenized in one batch (the same ids as one call per prompt,
+    in a third of the time)."""
     lengths: list[int] = []
+    extra = {"tools": tools} if tools else {}
     for i in tqdm(range(0, len(messages), chunk), desc="measuring prompts", leave=False):
         texts = tokenizer.apply_chat_template(
             list(messages[i : i + chunk]),
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
+            **extra,
         )
         lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return lengths
@@ -415,10 +432,11 @@ def short_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_prompt_length: int,
     enable_thinking: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Indices of the prompts whose templated length is at most `max_prompt_length`; the others are dropped
-    with a warning that counts them, and none left is a ConfigError."""
-    lengths = prompt_lengths(messages, tokenizer, enable_thinking)
+    """Indices of the prompts whose templated length (with `tools`) is at most `max_prompt_length`; the others
+    are dropped with a warning that counts them, and none left is a ConfigError."""
+    lengths = prompt_lengths(messages, tokenizer, enable_thinking, tools=tools)
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     if not keep:
         raise ConfigError(

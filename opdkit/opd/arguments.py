@@ -116,7 +116,7 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         shard_teacher=True,  # DistillTrainer shards the teacher too under fsdp with several processes
         gradient_checkpointing=cfg.gradient_checkpointing,
         prompt_len=cfg.max_prompt_length,
-        completion_len=cfg.rollout_max_new_tokens,
+        completion_len=OPDSettings.episode_tokens(cfg),  # a multi-turn episode at its longest
         train_batch_size=cfg.per_device_train_batch_size,
         loss_chunk_size=cfg.loss_chunk_size,
         sampled_rows=cfg.per_device_train_batch_size * cfg.accumulation_steps(world),

@@ -51,6 +51,7 @@ from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.teachers.base import LossSettings, Teacher, check_rows
 from opdkit.rollout import engines, sampling
 from opdkit.rollout.ahead import AheadRollouts, PromptLookahead
+from opdkit.rollout.multiturn import MultiTurnRollouts
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 from opdkit.run import sharding
 from opdkit.run.files import atomic_write_text
@@ -113,9 +114,10 @@ class DistillTrainer(Trainer):
     student's tokenizer, `teacher_model` the frozen teacher (a module, or a `teachers.base.Teacher`; its
     tokenizer, if given, is checked against the student's, and another one is read through
     `teachers.cross`); `run` receives metrics.jsonl, samples.jsonl and rollouts/; `rollouts` where the
-    step's rollouts come from (default: `EngineRollouts` through `rollout_engine`). The teacher is used
-    through its kind (`teachers.of`) only: what it needs before a step, what it gives the loss for a
-    micro-batch, and the student's side of its divergence."""
+    step's rollouts come from (default: `EngineRollouts` through `rollout_engine`; with `environment`, an
+    `opdkit.tasks` environment the caller built, `multiturn.MultiTurnRollouts` playing episodes against it).
+    The teacher is used through its kind (`teachers.of`) only: what it needs before a step, what it gives the
+    loss for a micro-batch, and the student's side of its divergence."""
 
     def __init__(
         self,
@@ -124,6 +126,7 @@ class DistillTrainer(Trainer):
         teacher_tokenizer: PreTrainedTokenizerBase | None = None,
         run: RunDir | None = None,
         rollouts: RolloutSource | None = None,
+        environment=None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -148,6 +151,7 @@ class DistillTrainer(Trainer):
         self.first_nonfinite_step: int | None = None
         self._step_samples: list[dict] = []  # tensors until a logging step writes them
         self._check_async()
+        self.environment = environment
         self.rollouts = rollouts or self._engine_rollouts()
         self._lookahead = PromptLookahead(self.rollouts.ahead)
         self._sync_checks_left = SYNC_CHECK_STEPS
@@ -239,6 +243,12 @@ class DistillTrainer(Trainer):
                 a.rollout_ahead,
                 a.device,
             )
+        if a.environment and self.environment is None:
+            raise ConfigError(
+                f"environment={a.environment}: the trainer plays episodes against an environment object; "
+                "build the trainer with opd.build.distill_trainer, or pass "
+                "environment=tasks.get_environment(...)."
+            )
         if a.rollout_engine == "hf":
             # Only a sharded student's forward is a collective that ranks must enter together.
             synced = self.is_fsdp_enabled and a.world_size > 1
@@ -253,6 +263,20 @@ class DistillTrainer(Trainer):
                 sleep=a.vllm_sleep,
                 max_model_len=a.vllm_max_model_len,
                 distributed=a.world_size > 1,
+            )
+        if self.environment is not None:
+            return MultiTurnRollouts(
+                make,
+                settings,
+                a.seed,
+                a.process_index,
+                a.world_size,
+                a.train_batch_size,
+                environment=self.environment,
+                tokenizer=tok,
+                max_turns=a.max_turns,
+                episode_max_tokens=a.episode_max_tokens,
+                enable_thinking=getattr(self.data_collator, "enable_thinking", False),
             )
         return EngineRollouts(make, settings, a.seed, a.process_index, a.world_size, a.train_batch_size)
 
@@ -419,6 +443,11 @@ class DistillTrainer(Trainer):
                     "divergence": [round(d, 5) for d in divs[b].tolist()],
                     "answer": r.answers[b],
                 }
+                turns = _turns(ids_BT[b], loss_BT[b], r.attention_mask_BT[b].cpu())
+                if (
+                    len(turns) > 1
+                ):  # a multi-turn episode: its parts in order, the tools' between the student's
+                    record["turns"] = [{"sampled": m, "text": tok.decode(t)} for m, t in turns]
                 records.append(((s["step"], place), record))
         return [record for _, record in sorted(records, key=lambda r: r[0])]
 
@@ -488,12 +517,36 @@ class DistillTrainer(Trainer):
         record.update(self.teacher.metrics(teacher_sums))
         if self.rollouts.ahead:
             record.update(self._async_metrics())
+        record.update(self._tool_metrics())
         if self.run and self.args.process_index == 0:
             self.run.log(record)
             for s in self._sample_records():
                 self.run.log(s, "samples.jsonl")
         self._step_samples = []
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
+
+    def _tool_metrics(self) -> dict:
+        """Multi-turn episodes (a source with `counts`): over all processes, the share of episodes that
+        called a tool, tool calls per episode, malformed calls (count and share of the calls), turns per
+        episode, and the share graded correct by the environment. Nothing for single-turn rollouts."""
+        counts = getattr(self.rollouts, "counts", None)
+        if not counts:
+            return {}
+        names = list(counts)
+        sums = torch.tensor([float(counts[k]) for k in names], dtype=torch.float64, device=self.args.device)
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums)
+        c = dict(zip(names, sums.tolist()))
+        episodes, calls = max(c["episodes"], 1.0), c["calls"]
+        return {
+            "tool/episodes": c["episodes"],
+            "tool/called_share": c["called_tool"] / episodes,
+            "tool/calls_per_episode": calls / episodes,
+            "tool/malformed": c["malformed"],
+            "tool/malformed_share": c["malformed"] / calls if calls else None,
+            "tool/turns_mean": c["turns"] / episodes,
+            "tool/accuracy": c["correct"] / episodes,
+        }
 
     def _async_metrics(self) -> dict:
         """Rollouts sampled ahead: the step's staleness (trainer step - the sampling weights' version) and its
@@ -508,6 +561,25 @@ class DistillTrainer(Trainer):
             "async/ratio_max": top if tokens else None,
             "async/capped_share": capped / tokens if tokens else None,
         }
+
+
+def _turns(ids_T: torch.Tensor, loss_T: torch.Tensor, attn_T: torch.Tensor) -> list[tuple[bool, list[int]]]:
+    """A row after its context as runs of (sampled by the student, token ids): the student's turns (loss mask
+    1) and what came between them (the template's and the tools' tokens, attended, mask 0)."""
+    runs: list[tuple[bool, list[int]]] = []
+    first = loss_T.bool().nonzero()
+    if not len(first):
+        return runs
+    for i, m, a in zip(
+        ids_T.tolist()[int(first[0]) :], loss_T.tolist()[int(first[0]) :], attn_T.tolist()[int(first[0]) :]
+    ):
+        if not a:
+            continue
+        if runs and runs[-1][0] == bool(m):
+            runs[-1][1].append(i)
+        else:
+            runs.append((bool(m), [i]))
+    return runs
 
 
 class _HeldRecord(TrainerCallback):

@@ -8,14 +8,17 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 - `tiny`: the tiny world's 3-digit addition with a scratchpad, its problem streams and exact-match grading;
 - `tinytools`: the tiny tool world's four-term sums with a calculator to call, its streams and grading;
 - `math`: GSM8K, DAPO-Math-17k and MATH-style problems graded by `answers` (math-verify);
-- `evaluate`: greedy accuracy of a model (raw, and with its final answer forced), sharded over processes.
+- `evaluate`: greedy accuracy of a model (raw, and with its final answer forced), sharded over processes;
+- `environment`: what a multi-turn episode plays against (tool calls parsed, answered, graded), and
+  `calculator`, the calculator tool's environment (`get_environment`, by the `environment` setting).
 """
 
 from __future__ import annotations
 
 from opdkit.config import ConfigError
-from opdkit.tasks import math, tiny, tinytools
+from opdkit.tasks import calculator, math, tiny, tinytools
 from opdkit.tasks.base import Task
+from opdkit.tasks.environment import Environment
 
 TASKS: dict[str, type[Task]] = {
     "tiny": tiny.TinyTask,
@@ -46,3 +49,14 @@ def for_dataset(dataset_path: str) -> Task:
     if "dapo" in name:
         return get_task("dapo-math")
     return get_task("math")
+
+
+# The `environment` setting's choices (`opdkit.settings.ENVIRONMENTS`, torch-free) name these.
+ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": calculator.CalculatorEnvironment}
+
+
+def get_environment(name: str, task: Task) -> Environment:
+    """The multi-turn environment called `name` (one of `ENVIRONMENTS`), grading by `task`."""
+    if name not in ENVIRONMENTS:
+        raise ConfigError(f"unknown environment {name!r}; valid: {sorted(ENVIRONMENTS)}.")
+    return ENVIRONMENTS[name](task)

@@ -157,6 +157,26 @@ class Prepared:
         return self.teacher_tokenizer if self.teacher_tokenizer is not None else self.tokenizer
 
 
+def check_environment(cfg: WhiteboxConfig, cross: bool) -> None:
+    """Multi-turn episodes (`environment`) are scored by a teacher of the student's tokenizer in this
+    process (or a set of them) for now: a teacher of another tokenizer re-renders one completion, not a
+    transcript, and a served teacher's context is planned for one completion."""
+    if not cfg.environment:
+        return
+    if cross:
+        raise ConfigError(
+            f"environment={cfg.environment} with a teacher of another tokenizer ({cfg.teacher_model}): the "
+            "cross-tokenizer loss over multi-turn transcripts is not built yet; use a teacher of the "
+            "student's tokenizer, or no environment."
+        )
+    if cfg.teacher_server:
+        raise ConfigError(
+            f"environment={cfg.environment} with teacher_server: a served teacher over multi-turn "
+            "transcripts is not built yet; load the teacher in process (teacher_server empty), or no "
+            "environment."
+        )
+
+
 def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     """The prompts, then the tokenizers, as the original does (the data file in milliseconds, before any
     download): every cheap failure happens here, before anything is written; first of all a global batch
@@ -171,6 +191,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
+    check_environment(cfg, cross)
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(
@@ -184,9 +205,13 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, teacher_tok if cross else tok)
-    train, dropped = prompts.filter_long_prompts(split.train, tok, cfg.max_prompt_length, cfg.enable_thinking)
+    # A multi-turn environment's tools are in every prompt (its system turn): measured with them.
+    tools = tasks.get_environment(cfg.environment, task).tools if cfg.environment else None
+    train, dropped = prompts.filter_long_prompts(
+        split.train, tok, cfg.max_prompt_length, cfg.enable_thinking, tools
+    )
     check_teacher_set(cfg, tok, train)
-    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking)
+    collator = prompts.PromptCollator(tok, cfg.max_prompt_length, cfg.enable_thinking, tools)
     first = prompts.format_first_prompt(train, collator, tok)
     engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
     if cfg.rollout_engine == "vllm" and cfg.vllm_sleep and torch.cuda.device_count() == 0:
