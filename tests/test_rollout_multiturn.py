@@ -601,3 +601,29 @@ def test_the_sampling_log_probabilities_are_the_students_own_on_the_whole_transc
     pred = record.predicting_BT()
     forward_N = logp_BTV[pred].gather(-1, record.input_ids_BT[mask][:, None])[:, 0]
     torch.testing.assert_close(record.sampling_logprobs_BT[mask], forward_N, rtol=0, atol=1e-4)
+
+
+def test_prompts_without_their_conversations_are_refused_in_one_line():
+    import pytest
+
+    from opdkit.config import ConfigError
+
+    tok = tool_tokenizer()
+    bs = batches(tok, [2], tools=None)  # a single-turn collator keeps no messages
+    src = MultiTurnRollouts(
+        lambda: engines.HFEngine(),
+        settings(tok),
+        0,
+        0,
+        1,
+        2,
+        environment=NoTools(),
+        tokenizer=tok,
+        max_turns=2,
+    )
+    with pytest.raises(ConfigError, match=r"PromptCollator\(\.\.\., tools=environment.tools\)"):
+        src.next_step(None, bs, 0)
+    with pytest.raises(ConfigError, match="at least one turn"):
+        MultiTurnRollouts(
+            lambda: None, settings(tok), 0, 0, 1, 2, environment=NoTools(), tokenizer=tok, max_turns=0
+        )
