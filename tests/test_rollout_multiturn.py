@@ -575,3 +575,55 @@ def test_one_turn_without_tools_takes_the_single_turn_paths_first_update(tmp_pat
     (loss_a, weights_a), (loss_b, weights_b) = results
     assert loss_a == loss_b and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
     assert any(not torch.equal(weights_a[n], tiny_model("tiny:student").state_dict()[n]) for n in weights_a)
+
+
+def test_the_sampling_log_probabilities_are_the_students_own_on_the_whole_transcript():
+    """Each sampled token's log-probability the engine reported, turn by turn on growing left-padded contexts,
+    is the student's log-probability of it in one teacher-forced forward of the record's whole transcript
+    (within the float32 floor): the transcript is exactly what the student saw at every turn."""
+    tok = tool_tokenizer()
+    student = tiny_model("tiny:student")
+    s = settings(tok, max_new_tokens=40)
+    bs = batches(tok, [3], tools=[], seed=2)
+    src = MultiTurnRollouts(
+        lambda: engines.HFEngine(logprobs=True), s, 1, 0, 1, 3, environment=Ok(), tokenizer=tok, max_turns=3
+    )
+    (record,) = src.next_step(student, bs, step=0)
+    assert src.counts["turns"] > 3  # some episodes took several turns
+    with torch.no_grad():
+        logits = student(
+            input_ids=record.input_ids_BT,
+            attention_mask=record.attention_mask_BT,
+            position_ids=sampling.position_ids_from_mask(record.attention_mask_BT),
+        ).logits
+    logp_BTV = torch.log_softmax(logits.float(), -1)
+    mask = record.loss_mask_BT.bool()
+    pred = record.predicting_BT()
+    forward_N = logp_BTV[pred].gather(-1, record.input_ids_BT[mask][:, None])[:, 0]
+    torch.testing.assert_close(record.sampling_logprobs_BT[mask], forward_N, rtol=0, atol=1e-4)
+
+
+def test_prompts_without_their_conversations_are_refused_in_one_line():
+    import pytest
+
+    from opdkit.config import ConfigError
+
+    tok = tool_tokenizer()
+    bs = batches(tok, [2], tools=None)  # a single-turn collator keeps no messages
+    src = MultiTurnRollouts(
+        lambda: engines.HFEngine(),
+        settings(tok),
+        0,
+        0,
+        1,
+        2,
+        environment=NoTools(),
+        tokenizer=tok,
+        max_turns=2,
+    )
+    with pytest.raises(ConfigError, match=r"PromptCollator\(\.\.\., tools=environment.tools\)"):
+        src.next_step(None, bs, 0)
+    with pytest.raises(ConfigError, match="at least one turn"):
+        MultiTurnRollouts(
+            lambda: None, settings(tok), 0, 0, 1, 2, environment=NoTools(), tokenizer=tok, max_turns=0
+        )
