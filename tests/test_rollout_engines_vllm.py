@@ -288,7 +288,7 @@ def test_the_students_accuracies_through_the_engine_equal_the_hf_loops(tmp_path,
         for m, n in zip(models, limits)
     ]
     assert decoded == want
-    hf = [wb_job.sharded_accuracies(m, prep, 1, 0, n, forced=False)[0] for m, n in zip(models, limits)]
+    hf = [wb_job.sharded_accuracies(m, prep, 1, 0, n, forced=False).raw for m, n in zip(models, limits)]
     assert 0 < hf[0] < 1 and summary["student_accuracy_before"] == hf[0]
     assert [r["eval_accuracy"] for r in rows if "eval_accuracy" in r] == [hf[1]]
     assert summary["student_accuracy_after"] == hf[2]

@@ -1,10 +1,10 @@
 """The tiny tool world's task (opdkit.tasks.tinytools): its prompt streams (seeded, the held-out set apart),
-reference answers, grading, the teacher transcript's messages as the tiny template renders them, the sum
-answered without `eval`; and the shipped tiny student, which neither solves it nor calls the tool."""
+reference answers, grading, the teacher transcript's messages as the tiny template renders them, the call
+answered by the kit's calculator; and the shipped tiny student, which neither solves it nor calls the tool."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 
 import pytest
 
@@ -82,38 +82,31 @@ def test_a_teacher_transcript_renders_call_result_and_answer(tiny_tokenizer):
     assert 240 <= len(ids) <= 256
 
 
-def test_a_call_is_summed_without_eval_and_anything_else_is_an_error():
-    body = '{"name": "calculator", "arguments": {"expression": "390+983+105+772"}}'
-    assert task.calls(f"<tool_call>\n{body}\n</tool_call>") == [f"\n{body}\n"]
-    assert task.calls("<tool_call>\n{}") == ["\n{}"] and task.calls(";12") == []
-    assert task.sum_expression(body) == "2250"
-    assert task.sum_expression('{"name": "calculator", "arguments": {"expression": " 1 + 22 "}}') == "23"
-    bad = {
-        "not json": "not JSON",
-        '{"name": "clock", "arguments": {}}': "unknown tool",
-        '{"name": "calculator", "arguments": {"expression": "2*3"}}': "sum of integers",
-        '{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}': "sum of integers",
-        '{"name": "calculator", "arguments": {"expression": 12}}': "sum of integers",
-        '{"name": "calculator", "arguments": "1+2"}': "sum of integers",
-        '{"name": "calculator", "arguments": {"expression": "' + "+".join(["1"] * 40) + '"}}': "sum",
-    }
-    for text, message in bad.items():
-        with pytest.raises(ValueError, match=message):
-            task.sum_expression(text)
+def test_the_calculator_answers_a_call_with_the_plain_integer_the_teacher_learned():
+    # the tool is the kit's calculator; an integer sum comes back as the integer ("2250", never "2250.0"),
+    # the text the teacher's transcripts (teacher_messages) show it
+    from opdkit.tasks.calculator import CalculatorEnvironment, calculate
 
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("opdkit.tasks.calculator") is None, reason="the calculator is not on this branch"
-)
-def test_the_schema_is_the_calculators():
-    from opdkit.tasks import calculator
-
-    assert task.CALCULATOR == calculator.CALCULATOR
+    for p in task.heldout_problems(50) + [
+        task.Problem((999, 999, 999, 999)),
+        task.Problem((100, 100, 100, 100)),
+    ]:
+        written = str(p.terms[0] + p.terms[1] + p.terms[2] + p.terms[3])
+        assert calculate(p.prompt) == written == task.teacher_messages(p)[2]["content"]
+    env = CalculatorEnvironment(task.TinyToolsTask())
+    call = task.teacher_messages(task.Problem((390, 983, 105, 772)))[1]["tool_calls"][0]["function"]
+    ep = env.start([{"role": "user", "content": "390+983+105+772"}], "2250")
+    body = json.dumps({"name": call["name"], "arguments": call["arguments"]})
+    step = env.step(ep, f"<tool_call>\n{body}\n</tool_call>")
+    assert step.messages == [{"role": "tool", "content": "2250"}] and step.malformed == 0
+    env.step(ep, ";2250")
+    assert env.grade(ep)["correct"] and env.grade(ep)["tool_correct"]
 
 
 def test_the_shipped_student_neither_solves_it_nor_calls_the_tool():
     tok, student = models.load_tokenizer("tiny:student"), models.load_model("tiny:student")
     messages, answers = task.TinyToolsTask().heldout(64)
     acc = tool_teacher.tool_accuracy(student, tok, messages, answers)
-    assert acc["called_tool"] == 0 and acc["correct"] <= 0.1
-    assert not any("<tool_call>" in t or "tool" in t for t in acc["first_turns"])
+    assert acc["called_tool"] == 0 and acc["tool_call_share"] == 0 and acc["correct"] <= 0.1
+    firsts = tool_teacher.greedy_turn(student, tok, messages, task.MAX_TURN_TOKENS)
+    assert not any("<tool_call>" in t or "tool" in t for t in firsts)

@@ -7,8 +7,9 @@ Trained from scratch by the kit's one SFT loop (`opdkit.sft.trainer`, as `opdkit
 transcripts rendered by the tiny chat template with the calculator listed (`tools=[CALCULATOR]`): the prompt,
 the assistant's call, the tool's result, the assistant's answer; the loss is on the assistant's two turns only
 (the call and the answer), never on the tool's result. Same tokenizer as the tiny student, so the two can be
-distilled in process. Measured with the tool (`tool_accuracy`): greedy call, its JSON parsed and summed in
-Python (no `eval` of model text), the result appended as a tool turn, greedy answer, graded. Writes the model,
+distilled in process. Measured with the tool (`tool_accuracy`): greedy episodes against the calculator's
+environment (`tasks.evaluate.episode_accuracy`: the call parsed and answered by `calculate`, no `eval` of
+model text, the result appended as a tool turn, greedy answer, graded). Writes the model,
 its tokenizer and `recipe.json` (held-out accuracy with the tool, the shipped student's without it, build
 time) into one folder.
 """
@@ -31,6 +32,8 @@ from opdkit.data.labels import IGNORE
 from opdkit.rollout import engines, sampling
 from opdkit.sft.trainer import CompletionSFTTrainer
 from opdkit.tasks import tinytools as task
+from opdkit.tasks.calculator import CalculatorEnvironment
+from opdkit.tasks.evaluate import episode_accuracy
 from opdkit.tiny.tokenizer import build_tokenizer
 
 # The tiny student's shape: copying the expression into the call and the result into the answer needs no
@@ -81,7 +84,6 @@ def greedy_turn(model, tokenizer, conversations: list[list[dict]], max_new_token
     )
 
 
-@torch.no_grad()
 def tool_accuracy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -89,47 +91,25 @@ def tool_accuracy(
     answers: list[str],
     batch_size: int = 256,
 ) -> dict:
-    """Greedy episodes with the calculator: the first turn; when it calls the tool, the call answered
-    (`tinytools.sum_expression`, or its error message) and a second turn; the last turn graded. Returns the
-    shares `correct`, `called_tool` (episodes whose first turn calls) and `malformed` (calls answered with an
-    error), and the first turns (`first_turns`)."""
+    """Greedy episodes with the calculator (`tasks.evaluate.episode_accuracy`, the training rollouts' loop at
+    temperature 0, against `CalculatorEnvironment`: calls parsed by `parse_calls`, answered by `calculate`,
+    never `eval`), up to two turns of `MAX_TURN_TOKENS`. Returns the shares `correct` (graded by the task),
+    `called_tool` (episodes with a call) and `tool_call_share` (episodes whose calls were all well formed and
+    one of whose results is the sum)."""
     was_training = model.training
     model.eval()
-    correct = called = malformed = 0
-    firsts: list[str] = []
-    for s in range(0, len(messages), batch_size):
-        convs, refs = messages[s : s + batch_size], answers[s : s + batch_size]
-        first = greedy_turn(model, tokenizer, convs, task.MAX_TURN_TOKENS)
-        firsts += first
-        finals = list(first)
-        again, follow = [], []
-        for i, (conv, text) in enumerate(zip(convs, first)):
-            bodies = task.calls(text)
-            if not bodies:
-                continue
-            called += 1
-            results = []
-            for body in bodies:
-                try:
-                    results.append(task.sum_expression(body))
-                except ValueError as exc:
-                    malformed += 1
-                    results.append(str(exc))
-            tool_turns = [{"role": "tool", "content": r} for r in results]
-            again.append(i)
-            follow.append([*conv, {"role": "assistant", "content": text}, *tool_turns])
-        if follow:
-            for i, text in zip(again, greedy_turn(model, tokenizer, follow, task.MAX_TURN_TOKENS)):
-                finals[i] = text
-        correct += sum(task.extract_answer(f) == a for f, a in zip(finals, refs))
+    acc = episode_accuracy(
+        model,
+        tokenizer,
+        CalculatorEnvironment(task.TinyToolsTask()),
+        messages,
+        answers,
+        max_turns=2,
+        max_new_tokens=task.MAX_TURN_TOKENS,
+        batch_size=batch_size,
+    )
     model.train(was_training)
-    n = len(messages)
-    return {
-        "correct": correct / n,
-        "called_tool": called / n,
-        "malformed": malformed / n,
-        "first_turns": firsts,
-    }
+    return {"correct": acc.raw, "called_tool": acc.called_share, "tool_call_share": acc.tool_call_share}
 
 
 def train_tool_teacher(
@@ -196,7 +176,7 @@ def heldout_figures(model, tokenizer, n: int = 500) -> dict:
         "n": n,
         "accuracy": acc["correct"],
         "called_tool": acc["called_tool"],
-        "malformed": acc["malformed"],
+        "tool_call_share": acc["tool_call_share"],
     }
 
 

@@ -35,7 +35,8 @@ class GradientDump(TrainerCallback):
 
 class StepAccuracy(TrainerCallback):
     """Every `every` optimizer steps, `measure(model)` (greedy accuracy on a held-out slice, all processes
-    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers)."""
+    taking part) is logged as `eval_accuracy` through `log` (the trainer's: metrics.jsonl and trackers); a
+    measure that returns a dict is logged as it is (`eval_accuracy` and more, e.g. `eval_tool_call_share`)."""
 
     def __init__(self, measure: Callable, every: int, log: Callable[[dict], None]):
         self.measure, self.every, self.log = measure, every, log
@@ -51,7 +52,7 @@ class StepAccuracy(TrainerCallback):
             model.train(was_training)
         if value is not None:
             should_log = control.should_log  # logging resets it, and the step's own record is still due
-            self.log({"eval_accuracy": value})
+            self.log(value if isinstance(value, dict) else {"eval_accuracy": value})
             control.should_log = should_log
         return control
 

@@ -486,7 +486,8 @@ class DistillTrainer(Trainer):
         if "loss" in logs and "grad_norm" in logs:
             logs.update(self._step_metrics(logs))
         elif "eval_accuracy" in logs and self.run and self.args.process_index == 0:
-            self.run.log({"step": self.state.global_step, "eval_accuracy": logs["eval_accuracy"]})
+            evals = {k: v for k, v in logs.items() if k.startswith("eval_")}  # eval_tool_call_share too
+            self.run.log({"step": self.state.global_step, **evals})
         super().log(logs, start_time)
 
     def _step_metrics(self, logs: dict) -> dict:
@@ -541,6 +542,7 @@ class DistillTrainer(Trainer):
         return {
             "tool/episodes": c["episodes"],
             "tool/called_share": c["called_tool"] / episodes,
+            "tool/call_correct_share": c["tool_correct"] / episodes,
             "tool/calls_per_episode": calls / episodes,
             "tool/malformed": c["malformed"],
             "tool/malformed_share": c["malformed"] / calls if calls else None,

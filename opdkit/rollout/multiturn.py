@@ -40,7 +40,7 @@ from opdkit.rollout import engines, microbatches, sampling
 from opdkit.rollout.source import RolloutRecord, RolloutSource
 
 TURN_MARK = "@@opdkit-student-turn@@"  # stands in for the student's turn when the template renders tools
-COUNTS = ("episodes", "called_tool", "calls", "malformed", "turns", "correct", "truncated")
+COUNTS = ("episodes", "called_tool", "tool_correct", "calls", "malformed", "turns", "correct", "truncated")
 
 
 def turn_seeds(seeds: list[int], turn: int) -> list[int]:
@@ -146,6 +146,7 @@ class MultiTurnRollouts(RolloutSource):
             graded = self.environment.grade(row.episode)
             self.counts["episodes"] += 1
             self.counts["called_tool"] += bool(graded.get("called_tool"))
+            self.counts["tool_correct"] += bool(graded.get("tool_correct"))
             self.counts["calls"] += graded.get("calls", 0)
             self.counts["malformed"] += graded.get("malformed", 0)
             self.counts["correct"] += bool(graded.get("correct"))

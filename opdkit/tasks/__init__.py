@@ -8,7 +8,8 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 - `tiny`: the tiny world's 3-digit addition with a scratchpad, its problem streams and exact-match grading;
 - `tinytools`: the tiny tool world's four-term sums with a calculator to call, its streams and grading;
 - `math`: GSM8K, DAPO-Math-17k and MATH-style problems graded by `answers` (math-verify);
-- `evaluate`: greedy accuracy of a model (raw, and with its final answer forced), sharded over processes;
+- `evaluate`: greedy accuracy of a model (raw, and with its final answer forced; of greedy episodes with a
+  tool environment), sharded over processes;
 - `environment`: what a multi-turn episode plays against (tool calls parsed, answered, graded), and
   `calculator`, the calculator tool's environment (`get_environment`, by the `environment` setting).
 """

@@ -8,7 +8,7 @@ tool environment is one file in `opdkit/tasks/` (`calculator.py`).
     step = env.step(ep, f"<tool_call>\\n{call}\\n</tool_call>")
     step.messages    # [{"role": "tool", "content": "408"}]; step.done False, step.calls 1, step.malformed 0
     step = env.step(ep, "408")                                  # no call: the final answer, done
-    env.grade(ep)    # {"correct": True, "called_tool": True, "calls": 1, "malformed": 0}
+    env.grade(ep)    # {"correct": True, "called_tool": True, "tool_correct": True, "calls": 1, ...}
 
 The format is Qwen3's, as transformers, vLLM and Qwen3 render it: an assistant turn calls a tool with blocks
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in its text; a result is the message
@@ -118,7 +118,16 @@ class Environment(ABC):
 
     @abstractmethod
     def grade(self, episode: Episode) -> dict:
-        """{"correct", "called_tool", "calls", "malformed"} of an episode."""
+        """{"correct", "called_tool", "tool_correct", "calls", "malformed"} of an episode (`tool_correct`:
+        `called_correctly`)."""
+
+
+def called_correctly(episode: Episode) -> bool:
+    """Did the episode call its tools correctly: at least one call, none malformed (every call well formed
+    and answered by its tool, no error), and one of the tools' results, stripped, is the reference answer
+    (for the calculator: it was asked for the whole computation). The final answer is not looked at."""
+    results = [str(m.get("content") or "").strip() for m in episode.messages if m.get("role") == "tool"]
+    return episode.calls > 0 and episode.malformed == 0 and str(episode.answer).strip() in results
 
 
 def final_text(episode: Episode) -> str:
@@ -180,6 +189,7 @@ class ToolEnvironment(Environment):
         return {
             "correct": bool(finished and self.check(final_text(episode), episode.answer)),
             "called_tool": episode.calls > 0,
+            "tool_correct": called_correctly(episode),
             "calls": episode.calls,
             "malformed": episode.malformed,
         }
@@ -236,4 +246,10 @@ class NoTools(Environment):
 
     def grade(self, episode: Episode) -> dict:
         correct = episode.done and self.check(final_text(episode), episode.answer)
-        return {"correct": bool(correct), "called_tool": False, "calls": 0, "malformed": 0}
+        return {
+            "correct": bool(correct),
+            "called_tool": False,
+            "tool_correct": False,
+            "calls": 0,
+            "malformed": 0,
+        }

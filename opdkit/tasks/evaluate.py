@@ -4,6 +4,8 @@ raw and with each final answer forced, the problems split over the processes and
     acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40)            # acc.raw, acc.forced
     acc = accuracy(model, tok, task, messages, answers, max_new_tokens=40, forced=True, world=2, rank=r)
     share = fraction_correct(r["correct"] for r in traces)                             # a teacher's traces
+    acc = episode_accuracy(model, tok, env, messages, answers, max_turns=2, max_new_tokens=110)
+    acc.raw, acc.tool_call_share, acc.called_share          # greedy episodes with a tool environment
 
 Pitfalls this module exists for:
 - every process decodes its own share (problems rank, rank + world, ...) and the counts are summed, so the
@@ -11,7 +13,9 @@ Pitfalls this module exists for:
   a collective, so each rank decodes as many prompts (where they do not divide, some repeat one whose answer
   is not counted) with the kit's loop stepping in lock-step;
 - the kit's loop decodes under `bf16` autocast when asked, so before and after training compare one precision;
-  a vLLM `engine` is synced with `model` first and decodes from its own weights.
+  a vLLM `engine` is synced with `model` first and decodes from its own weights;
+- with a multi-turn environment (a config's `environment`) the accuracy is that of greedy episodes played by
+  the rollouts' own loop (`rollout.multiturn.MultiTurnRollouts` at temperature 0), graded by the environment.
 """
 
 from __future__ import annotations
@@ -23,19 +27,30 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from opdkit.config import ConfigError
+from opdkit.data.prompts import PromptCollator
+from opdkit.models import eos_ids
 from opdkit.rollout import engines, greedy
+from opdkit.rollout.multiturn import MultiTurnRollouts
 from opdkit.run import sharding
+from opdkit.tasks import get_environment
 from opdkit.tasks.base import Messages, Task
+from opdkit.tasks.environment import Environment
 
 
 @dataclass
 class Accuracy:
     """Greedy accuracy on `n` problems: `raw` (completions as written) and `forced` (each final answer forced;
-    None when not measured)."""
+    None when not measured). Of greedy episodes with tools (`episode_accuracy`): `raw` is the share graded
+    correct by the environment, `tool_call_share` the share that called the tools correctly
+    (`environment.called_correctly`: a call, none malformed, a result that is the reference answer),
+    `called_share` the share with any call."""
 
     raw: float | None
     forced: float | None = None
     n: int = 0
+    tool_call_share: float | None = None
+    called_share: float | None = None
 
 
 def fraction_correct(flags: Iterable[bool | None]) -> float | None:
@@ -113,6 +128,73 @@ def accuracy(
     return Accuracy(correct / n, correct_forced / n if forced else None, n)
 
 
+@torch.no_grad()
+def episode_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    environment: Environment,
+    messages: Sequence[Messages],
+    answers: Sequence[str],
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    episode_max_tokens: int = 0,
+    batch_size: int = 64,
+    enable_thinking: bool = False,
+    bf16: bool = False,
+    world: int = 1,
+    rank: int = 0,
+) -> Accuracy:
+    """Greedy episodes of `model` against `environment` (the training rollouts' loop,
+    `MultiTurnRollouts`, at temperature 0 on the kit's engine: up to `max_turns` turns of `max_new_tokens`,
+    `episode_max_tokens` in all), graded by the environment: `raw` the share correct, `tool_call_share` and
+    `called_share` (`Accuracy`). This process plays its share (`rank` of `world`); the counts are summed."""
+    if not messages:
+        return Accuracy(None, None, 0)
+    if world > 1 and sharding.is_sharded(model):
+        raise ConfigError(
+            "the accuracy of multi-turn episodes is not built for a sharded model (episodes end at different "
+            "turns on each process); use parallelism ddp with an environment."
+        )
+    settings = engines.SamplingSettings(
+        max_new_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
+    )
+    mine = list(range(rank, len(messages), world))
+    episodes = MultiTurnRollouts(
+        engines.HFEngine,
+        settings,
+        seed=0,  # greedy: the keys draw nothing
+        rank=0,
+        world=1,
+        batch_size=batch_size,
+        environment=environment,
+        tokenizer=tokenizer,
+        max_turns=max_turns,
+        episode_max_tokens=episode_max_tokens,
+        enable_thinking=enable_thinking,
+    )
+    collate = PromptCollator(tokenizer, 1 << 30, enable_thinking, list(environment.tools))
+    device = next(model.parameters()).device
+    names = ("correct", "tool_correct", "called_tool")
+    totals = dict.fromkeys(names, 0.0)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        for s in range(0, len(mine), batch_size):
+            part = mine[s : s + batch_size]
+            batch = collate([{"messages": messages[i], "answer": answers[i]} for i in part])
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            episodes.next_step(model, [batch], 0)
+            for k in names:
+                totals[k] += episodes.counts[k]
+    sums = [totals[k] for k in names]
+    if world > 1 and dist.is_initialized():
+        t = torch.tensor(sums, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        sums = t.tolist()
+    n = len(messages)
+    correct, tool_correct, called = sums
+    return Accuracy(correct / n, None, n, tool_correct / n, called / n)
+
+
 def completion_budget(cfg) -> int:
     """A config's evaluation completion budget: `eval_max_new_tokens`, or when 0 the budget of what its
     students learned from: the teacher's traces where the job writes them (04: `trace_max_new_tokens`), else
@@ -136,7 +218,30 @@ def configured_accuracy(
     """`accuracy` with a config's evaluation settings (`EvalSettings`, beside `completion_budget`'s,
     `enable_thinking` and `bf16`): its completion budget and batch size; forced when `forced_accuracy` (or
     `forced`), under bf16 autocast when `bf16` (or `bf16`, when given). `kwargs`: engine, world, rank,
-    progress."""
+    progress. With an `environment` (a config's multi-turn setting) greedy episodes (`episode_accuracy`, up
+    to `max_turns` turns of the completion budget, `episode_max_tokens` in all), nothing forced."""
+    bf16 = getattr(cfg, "bf16", False) if bf16 is None else bf16
+    if getattr(cfg, "environment", ""):
+        if kwargs.get("engine") is not None:
+            raise ConfigError(
+                f"environment={cfg.environment}: multi-turn accuracy runs on the kit's loop; use "
+                "rollout_engine hf."
+            )
+        return episode_accuracy(
+            model,
+            tokenizer,
+            get_environment(cfg.environment, task),
+            messages,
+            answers,
+            max_turns=cfg.max_turns,
+            max_new_tokens=completion_budget(cfg),
+            episode_max_tokens=cfg.episode_max_tokens,
+            batch_size=cfg.eval_batch_size,
+            enable_thinking=cfg.enable_thinking,
+            bf16=bf16,
+            world=kwargs.get("world", 1),
+            rank=kwargs.get("rank", 0),
+        )
     return accuracy(
         model,
         tokenizer,
@@ -147,6 +252,6 @@ def configured_accuracy(
         batch_size=cfg.eval_batch_size,
         enable_thinking=cfg.enable_thinking,
         forced=cfg.forced_accuracy if forced is None else forced,
-        bf16=getattr(cfg, "bf16", False) if bf16 is None else bf16,
+        bf16=bf16,
         **kwargs,
     )

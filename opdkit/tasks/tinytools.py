@@ -16,23 +16,22 @@ after the last ';', as the tiny task).
 student, trained on two-term sums with a column scratchpad, writes its scratchpad and gets four terms wrong;
 a teacher that calls the calculator and copies its result is right (`opdkit.build.tool_teacher`).
 
-The calculator's schema is the contract's (issue 38: `CALCULATOR` of opdkit/tasks/calculator.py, a name
-"calculator" with one string argument "expression"), written here until that module is on this branch;
-`sum_expression` answers the only call this world needs (a sum of integers) without `eval`.
+The tool is the kit's calculator (`opdkit.tasks.calculator`: `CALCULATOR`, answered by `calculate`, never
+`eval`; a sum of integers comes back as the plain integer, "2250"); calls are read by
+`opdkit.tasks.environment.parse_calls` and episodes played against `CalculatorEnvironment(TinyToolsTask())`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import random
-import re
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opdkit.config import ConfigError
 from opdkit.tasks.base import Messages, Task
+from opdkit.tasks.calculator import CALCULATOR
 
 if TYPE_CHECKING:
     import datasets
@@ -51,24 +50,7 @@ HOLDOUT_CLASS = 64  # one problem in this many (by a CRC of its prompt) belongs 
 TRAINING_SEED_OFFSET = 200_003
 HOLDOUT_SEED_OFFSET = 7_919
 
-TOOL_NAME = "calculator"
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": "Evaluate an arithmetic expression: integers and decimals, + - * / and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {"type": "string", "description": "the expression, e.g. 12+7*(3-1)"}
-            },
-            "required": ["expression"],
-        },
-    },
-}
 TOOLS = [CALCULATOR]
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_SUM = re.compile(r"\s*\d{1,6}(\s*\+\s*\d{1,6}){0,15}\s*")
 
 
 @dataclass(frozen=True)
@@ -147,7 +129,8 @@ def training_seed(seed: int) -> int:
 
 def tool_call(expression: str) -> dict:
     """The assistant's call of the calculator, as chat messages carry it (transformers' convention)."""
-    return {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": expression}}}
+    name = CALCULATOR["function"]["name"]
+    return {"type": "function", "function": {"name": name, "arguments": {"expression": expression}}}
 
 
 def teacher_messages(problem: Problem) -> Messages:
@@ -158,28 +141,6 @@ def teacher_messages(problem: Problem) -> Messages:
         {"role": "tool", "content": problem.answer},
         {"role": "assistant", "content": ANSWER_SEP + problem.answer},
     ]
-
-
-def calls(text: str) -> list[str]:
-    """The bodies of an assistant turn's ``<tool_call>...</tool_call>`` blocks (an unclosed last one too)."""
-    return [part.split(CALL_CLOSE, 1)[0] for part in text.split(CALL_OPEN)[1:]]
-
-
-def sum_expression(body: str) -> str:
-    """The result of one call body of this world: JSON naming the calculator with a sum of integers as its
-    expression, summed in Python (no `eval`); anything else raises ValueError with the message a model
-    would see."""
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"error: the call is not JSON ({exc.msg})") from None
-    if not isinstance(call, dict) or call.get("name") != TOOL_NAME:
-        raise ValueError(f"error: unknown tool; the tool is {TOOL_NAME}")
-    args = call.get("arguments")
-    expression = args.get("expression") if isinstance(args, dict) else None
-    if not isinstance(expression, str) or not _SUM.fullmatch(expression):
-        raise ValueError("error: expression must be a sum of integers")
-    return str(sum(int(t) for t in expression.split("+")))
 
 
 def extract_answer(completion: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared
-from opdkit.tasks.evaluate import configured_accuracy
+from opdkit.tasks.evaluate import Accuracy, configured_accuracy
 
 
 def accuracy_precision(cfg: WhiteboxConfig) -> str:
@@ -29,13 +29,13 @@ def sharded_accuracies(
     engine=None,
     forced: bool | None = None,
     tokenizer=None,
-) -> tuple[float | None, float | None]:
-    """(raw, forced) greedy accuracy on the first `limit` evaluation problems, split across processes, every
-    model decoded under the run's one autocast (`accuracy_precision`;
-    `tasks.evaluate.configured_accuracy`); `tokenizer`: the model's, when not the student's (a teacher with
-    another tokenizer)."""
+) -> Accuracy:
+    """Greedy accuracy (raw, forced; with an `environment`, of greedy episodes and their `tool_call_share`) on
+    the first `limit` evaluation problems, split across processes, every model decoded under the run's one
+    autocast (`accuracy_precision`; `tasks.evaluate.configured_accuracy`); `tokenizer`: the model's, when not
+    the student's (a teacher with another tokenizer)."""
     messages, answers = prep.eval_messages[:limit], prep.eval_answers[:limit]
-    acc = configured_accuracy(
+    return configured_accuracy(
         prep.cfg,
         model,
         tokenizer or prep.tokenizer,
@@ -48,4 +48,17 @@ def sharded_accuracies(
         rank=rank,
         progress=rank == 0,
     )
-    return acc.raw, acc.forced
+
+
+def tool_measures(cfg: WhiteboxConfig, student_before, student_after, teacher) -> dict:
+    """With an `environment`: the share of greedy episodes that call the tools correctly
+    (`Accuracy.tool_call_share`), before and after training and the teacher's; {} without one (or unmeasured,
+    None)."""
+    if not cfg.environment:
+        return {}
+    share = lambda a: None if a is None else a.tool_call_share  # noqa: E731
+    return {
+        "student_tool_call_share_before": share(student_before),
+        "student_tool_call_share_after": share(student_after),
+        "teacher_tool_call_share": share(teacher),
+    }

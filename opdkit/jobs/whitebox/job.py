@@ -21,7 +21,7 @@ import torch
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds
 from opdkit.jobs.whitebox import seeds
-from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies
+from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies, tool_measures
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
 from opdkit.jobs.whitebox.teacher import around_run, served_facts, served_teacher, several_teachers
@@ -37,7 +37,7 @@ from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
-from opdkit.tasks.evaluate import completion_budget
+from opdkit.tasks.evaluate import Accuracy, completion_budget
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -143,17 +143,23 @@ def distil(
     )
     earlier = run.read_summary() if last is not None and (run.path / "summary.json").exists() else {}
     before, before_forced = earlier.get("student_accuracy_before"), None
+    before_acc = teacher_full = None
     if before is not None:
         before_forced = earlier.get("student_accuracy_before_forced")
+        before_acc = Accuracy(
+            before, before_forced, tool_call_share=earlier.get("student_tool_call_share_before")
+        )
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
     # A teacher with another tokenizer decodes with its own; several teachers or a served one: no one
     # teacher's accuracy here (measure each with its own run).
     t_tok = trainer.teacher.tokenizer
     teacher_acc, teacher_forced = None, None
     if not (cfg.teacher_server or cfg.teachers):
-        teacher_acc, teacher_forced = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
+        teacher_full = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
+        teacher_acc, teacher_forced = teacher_full.raw, teacher_full.forced
     if before is None:
-        before, before_forced = acc(trainer.model, engine)
+        before_acc = acc(trainer.model, engine)
+        before, before_forced = before_acc.raw, before_acc.forced
     teacher_text = verdicts.pct(teacher_acc)
     if cfg.teacher_server or cfg.teachers:
         teacher_text = "served, not measured here" if cfg.teacher_server else "several, not measured"
@@ -163,7 +169,12 @@ def distil(
         if cfg.forced_accuracy
         else {}
     )
-    head = {"student_accuracy_before": before, **forced_before, "teacher_accuracy": teacher_acc}
+    head = {
+        "student_accuracy_before": before,
+        **forced_before,
+        "teacher_accuracy": teacher_acc,
+        **{k: v for k, v in tool_measures(cfg, before_acc, None, teacher_full).items() if "after" not in k},
+    }
     run.write_summary({**head, "accuracy_precision": accuracy_precision(cfg), "status": "training"})
     tracking.report_samples(trainer, cfg.report_to, run)
     live.notebook_view(
@@ -173,7 +184,10 @@ def distil(
         reference={"teacher_accuracy": teacher_acc, "student_accuracy_before": before},
     )
     if cfg.eval_every and prep.eval_messages:
-        measure = lambda m: sharded_accuracies(m, prep, world, rank, cfg.eval_every_size, engine, False)[0]  # noqa: E731
+
+        def measure(m):
+            return step_measure(sharded_accuracies(m, prep, world, rank, cfg.eval_every_size, engine, False))
+
         add_step_accuracy(trainer, measure, cfg.eval_every)
     if cfg.resume:
         run.truncate_logs(checkpoints.checkpoint_step(last) if last else 0)
@@ -181,13 +195,15 @@ def distil(
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         prep.tokenizer.save_pretrained(run.path / "model")
-    after, after_forced = acc(trainer.trained_model(run.path / "model"), engine)
+    after_acc = acc(trainer.trained_model(run.path / "model"), engine)
+    after, after_forced = after_acc.raw, after_acc.forced
     summary = {
         "student_accuracy_before": before,
         "student_accuracy_after": after,
         "teacher_accuracy": teacher_acc,
         **forced_before,
         **({"student_accuracy_after_forced": after_forced} if cfg.forced_accuracy else {}),
+        **tool_measures(cfg, before_acc, after_acc, teacher_full),
         "accuracy_precision": accuracy_precision(cfg),
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
@@ -201,6 +217,14 @@ def distil(
     summary["finding"] = seeds.finding([summary])
     run.write_summary(summary)
     print0(f"accuracy after: student {verdicts.pct(after)}")
+
+
+def step_measure(acc: Accuracy) -> float | dict | None:
+    """What `eval_every` logs: the accuracy (`eval_accuracy`), with an environment also the share of episodes
+    that call the tools correctly (`eval_tool_call_share`)."""
+    if acc.tool_call_share is None:
+        return acc.raw
+    return {"eval_accuracy": acc.raw, "eval_tool_call_share": acc.tool_call_share}
 
 
 def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:

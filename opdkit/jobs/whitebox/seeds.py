@@ -28,6 +28,9 @@ MEASURES = (
     "student_accuracy_before_forced",
     "student_accuracy_after_forced",
     "teacher_accuracy_forced",
+    "student_tool_call_share_before",
+    "student_tool_call_share_after",
+    "teacher_tool_call_share",
 )
 
 
