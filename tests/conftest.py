@@ -4,6 +4,7 @@ tiny world's teacher and proxy with a real savegrad gradient, and a small antidi
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from opdkit.opd.crosstok import TokenBytes
 from opdkit.rollout import sampling
 from opdkit.run.folders import RunDir
 from opdkit.tasks import tiny as tiny_task
+from opdkit.tasks import tinytools
 from opdkit.tiny.tokenizer import build_tokenizer
 
 # Every job's config class, in notebook order (01 to 04): the tests that cover every job iterate it.
@@ -238,7 +240,6 @@ def small_run(grads_run: Path, tmp_path_factory: pytest.TempPathFactory) -> RunD
     return antidistill.run("tiny", {"run_dir": str(run_dir), "grads_run": str(grads_run), **SMALL_SWEEP})
 
 
-
 # pytest-xdist (`make test` runs `-n auto --dist loadscope`): each worker builds its own session and module
 # fixtures, so a test file goes to one worker whole (its module fixtures made once), and the files that read
 # the ADS runs above (`grads_run`, `g` and `small_run` on it; its resume tests break and mend it) go to one
@@ -262,3 +263,44 @@ def pytest_xdist_make_scheduler(config, log):
             return "ads-runs" if path in ADS_RUN_FILES else path
 
     return ByFile(config, log)
+
+
+# The tiny tool world's greedy episodes, played and graded by hand (tests of `tasks.evaluate.episode_accuracy`
+# and of whitebox's accuracy with an environment): each turn decoded one token at a time with a full forward,
+# the call read with `json`, the sum done in Python, the answer graded by its text after ';'.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+def greedy_turn_by_hand(
+    model, tok, conversation: list[dict], limit: int = tinytools.MAX_TURN_TOKENS
+) -> str | None:
+    """One greedy turn, token by token with the full forward each time; None when it hits the limit."""
+    ids = tok.apply_chat_template(
+        conversation, tools=tinytools.TOOLS, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(limit):
+            nxt = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                return tok.decode(out)
+            out.append(nxt)
+    return None
+
+
+def tool_episode_by_hand(model, tok, problem_text: str, reference: str) -> tuple[bool, bool, bool]:
+    """(answer right, called the calculator correctly, called at all) of one greedy two-turn episode."""
+    conv = [{"role": "user", "content": problem_text}]
+    first = greedy_turn_by_hand(model, tok, conv)
+    if first is None:
+        return False, False, False
+    if TOOL_CALL_OPEN not in first:  # no call: the first turn is the answer
+        return first.rpartition(";")[2].strip() == reference and ";" in first, False, False
+    body = first.split(TOOL_CALL_OPEN, 1)[1].split(TOOL_CALL_CLOSE, 1)[0]
+    call = json.loads(body)  # the teacher's calls are JSON (a failure here fails the test)
+    assert call["name"] == "calculator" and set(call["arguments"]) == {"expression"}
+    result = str(sum(int(t) for t in call["arguments"]["expression"].split("+")))
+    conv += [{"role": "assistant", "content": first}, {"role": "tool", "content": result}]
+    final = greedy_turn_by_hand(model, tok, conv)
+    right = final is not None and ";" in final and final.rpartition(";")[2].strip() == reference
+    return right, result == reference, True

@@ -111,7 +111,19 @@ def test_an_episode_with_the_calculator():
     assert step.messages[2]["content"] == "error: calculator's argument expression must be a string"
     step = env.step(ep, "8+7=15,5+6+1=12,3+4+1=8;825")
     assert step.done
-    assert env.grade(ep) == {"correct": True, "called_tool": True, "calls": 3, "malformed": 2}
+    assert env.grade(ep) == {
+        "correct": True,
+        "called_tool": True,
+        "tool_correct": False,  # two malformed calls
+        "calls": 3,
+        "malformed": 2,
+    }
     wrong = env.start([{"role": "user", "content": "358+467"}], answer="825")
     env.step(wrong, ";826")
-    assert env.grade(wrong) == {"correct": False, "called_tool": False, "calls": 0, "malformed": 0}
+    assert env.grade(wrong) == {
+        "correct": False,
+        "called_tool": False,
+        "tool_correct": False,
+        "calls": 0,
+        "malformed": 0,
+    }

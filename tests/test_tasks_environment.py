@@ -110,7 +110,13 @@ def test_an_episode_played_by_hand():
     step = env.step(ep, "abab")
     assert step.done and step.messages == [] and step.calls == 0 and ep.done
     assert final_text(ep) == "abab" and ep.turns == 2
-    assert env.grade(ep) == {"correct": True, "called_tool": True, "calls": 5, "malformed": 4}
+    assert env.grade(ep) == {
+        "correct": True,
+        "called_tool": True,
+        "tool_correct": False,  # malformed calls
+        "calls": 5,
+        "malformed": 4,
+    }
 
 
 def test_an_episode_cut_before_its_final_answer_is_not_correct():
@@ -127,4 +133,10 @@ def test_without_tools_every_turn_is_the_answer():
     assert step.done and step.messages == [] and env.tools == []
     ep2 = env.start([{"role": "user", "content": "1+1"}], answer="2")
     env.step(ep2, " 2")
-    assert env.grade(ep2) == {"correct": True, "called_tool": False, "calls": 0, "malformed": 0}
+    assert env.grade(ep2) == {
+        "correct": True,
+        "called_tool": False,
+        "tool_correct": False,
+        "calls": 0,
+        "malformed": 0,
+    }

@@ -5,10 +5,9 @@ text after ';'."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from conftest import tool_episode_by_hand as by_hand
 
 from opdkit.models import load_model, load_tokenizer
 from opdkit.tasks import tinytools
@@ -17,7 +16,6 @@ from opdkit.tasks.evaluate import episode_accuracy
 
 N = 8
 TASK = tinytools.TinyToolsTask()
-OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -28,39 +26,6 @@ def tok():
 @pytest.fixture(scope="module")
 def teacher():
     return load_model("tiny:teacher-tools", torch.float32, "cpu").eval()
-
-
-def greedy_text(model, tok, conversation: list[dict], limit: int = tinytools.MAX_TURN_TOKENS) -> str | None:
-    """One greedy turn, token by token with the full forward each time; None when it hits the limit."""
-    ids = tok.apply_chat_template(
-        conversation, tools=TASK.tools, add_generation_prompt=True, return_dict=True
-    )["input_ids"]
-    ids, out = list(ids), []
-    with torch.no_grad():
-        for _ in range(limit):
-            nxt = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
-            if nxt == tok.eos_token_id:
-                return tok.decode(out)
-            out.append(nxt)
-    return None
-
-
-def by_hand(model, tok, problem_text: str, reference: str) -> tuple[bool, bool, bool]:
-    """(answer right, called the calculator correctly, called at all) of one greedy two-turn episode."""
-    conv = [{"role": "user", "content": problem_text}]
-    first = greedy_text(model, tok, conv)
-    if first is None:
-        return False, False, False
-    if OPEN not in first:  # no call: the first turn is the answer
-        return first.rpartition(";")[2].strip() == reference and ";" in first, False, False
-    body = first.split(OPEN, 1)[1].split(CLOSE, 1)[0]
-    call = json.loads(body)  # the teacher's calls are JSON (a failure here fails the test)
-    assert call["name"] == "calculator" and set(call["arguments"]) == {"expression"}
-    result = str(sum(int(t) for t in call["arguments"]["expression"].split("+")))
-    conv += [{"role": "assistant", "content": first}, {"role": "tool", "content": result}]
-    final = greedy_text(model, tok, conv)
-    right = final is not None and ";" in final and final.rpartition(";")[2].strip() == reference
-    return right, result == reference, True
 
 
 def test_greedy_episodes_are_graded_as_by_hand(tok, teacher):
