@@ -47,12 +47,15 @@ def run_tiny(tmp_path: Path, name: str, callbacks=None, **overrides):
     return whitebox.run("tiny", over, callbacks=callbacks)
 
 
-def direct_gradient(run_path: Path, beta: float = 1.0) -> dict[str, torch.Tensor]:
-    """The step's gradient computed from scratch: full logits, TRL's loss over all completion tokens."""
+def direct_gradient(
+    run_path: Path, beta: float = 1.0, student: str = "tiny:student", teacher: str = "tiny:teacher"
+) -> dict[str, torch.Tensor]:
+    """The step's gradient computed from scratch: full logits, TRL's loss over all completion tokens (the
+    tokens of loss mask 1: a multi-turn transcript's student turns)."""
     from trl.experimental.gkd import GKDTrainer
 
-    student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
-    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
+    student = AutoModelForCausalLM.from_pretrained(tiny.resolve(student))
+    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve(teacher))
     s_rows, t_rows = [], []
     for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
         for mb in torch.load(f):

@@ -209,7 +209,8 @@ def test_a_bare_gradient_file_is_used_unchecked_and_the_summary_says_so(tmp_path
 
 
 def test_multi_turn_episodes_refuse_the_teachers_not_built_for_transcripts():
-    """environment with a teacher of another tokenizer, or a served one: one line each; in process, none."""
+    """environment with a teacher of another tokenizer, or a served top-K one: one line each; in process, or
+    served exactly, none."""
     from opdkit.jobs.whitebox.config import WhiteboxConfig
     from opdkit.jobs.whitebox.inputs import check_environment
 
@@ -219,5 +220,7 @@ def test_multi_turn_episodes_refuse_the_teachers_not_built_for_transcripts():
     )  # no environment: not this check
     with pytest.raises(ConfigError, match="another tokenizer"):
         check_environment(WhiteboxConfig(environment="calculator"), cross=True)
-    with pytest.raises(ConfigError, match="teacher_server"):
-        check_environment(WhiteboxConfig(environment="calculator", teacher_server="http://x:1"), cross=False)
+    check_environment(WhiteboxConfig(environment="calculator", teacher_server="http://x:1"), cross=False)
+    topk = WhiteboxConfig(environment="calculator", teacher_server="http://x:1", teacher_logprobs="topk:20")
+    with pytest.raises(ConfigError, match="top-K teacher over multi-turn"):
+        check_environment(topk, cross=False)

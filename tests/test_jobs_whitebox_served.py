@@ -1,7 +1,8 @@
 """02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_served.py's stub: the tiny
 teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss on full
 logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run stops the
-run with one error and the run resumes; the memory plan holds the head, not the teacher.
+run with one error and the run resumes; the memory plan holds the head, not the teacher. Through tool turns
+(`environment`), the served teacher reads each transcript whole and takes the in-process first update.
 tests/test_opd_served_vllm.py runs the same job against a real vLLM server."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from test_jobs_whitebox import assert_grads_close, direct_gradient, run_tiny
 from test_opd_served import StubPoolingServer
+from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit import tiny
@@ -57,6 +59,50 @@ def test_a_served_teacher_takes_the_in_process_teachers_first_update(tmp_path, s
     assert summary["teacher_transfer"]["tokens"] > 0 and summary["teacher_transfer"]["retries"] == 0
     check = json.loads((run.path / whitebox.teacher.SERVED_CHECK_FILE).read_text())
     assert check["url"] == stub.url and check["tokenizer_checked"] and check["state_gap"] < 1e-5
+
+
+def test_a_served_teacher_takes_the_in_process_first_update_through_tool_turns(tmp_path, stub):
+    """Multi-turn episodes of the tiny tool world (tool calls, the calculator's results): the server is sent
+    each transcript whole (the prompt, the student's turns, the template's and the tools' tokens), the states
+    that predict the student's tokens are kept, and the first update is the in-process teacher's (relative
+    1e-5), itself TRL's loss on full logits over the student's turns."""
+    over = {**TOOL_RUN, "per_device_train_batch_size": 4}
+    local = run_tiny(tmp_path, "local", [GradientDump(str(tmp_path / "local.pt"))], **over)
+    stub.pooling_requests.clear()
+    run = run_tiny(
+        tmp_path, "served", [GradientDump(str(tmp_path / "served.pt"))], **served_over(stub, **over)
+    )
+    rows = episodes(run.path)
+    assert sorted(rows) == sorted(episodes(local.path)) and len(rows) == 4
+    assert all(tool_turns(mask) >= 1 for _, mask in rows), "every episode calls the calculator"
+    sent = [r for p in stub.pooling_requests[1:] for r in p["input"]]  # after the start check's probe
+    assert sorted(sent) == sorted(list(ids) for ids, _ in rows)
+    got, want = torch.load(tmp_path / "served.pt"), torch.load(tmp_path / "local.pt")
+    assert_grads_close(got, direct_gradient(run.path, student="tiny:teacher-tools"))
+    for name, w in want.items():
+        assert float((got[name] - w).norm() / w.norm()) < 1e-5, name
+    loss = [r.read_jsonl()[0]["loss"] for r in (local, run)]
+    assert loss[1] == pytest.approx(loss[0], rel=1e-5)
+
+
+def test_a_served_teachers_context_and_plan_count_an_episode_at_its_longest(tmp_path, stub):
+    """With `environment` the server must hold the longest prompt and an episode at its longest
+    (`episode_max_tokens`, else `max_turns` x `rollout_max_new_tokens`): the stub's 256 positions refuse
+    96 + 200 before anything is written; the plan's states are counted at that length."""
+    over = {**TOOL_RUN, "episode_max_tokens": 200}
+    with pytest.raises(ConfigError, match="serves at most 256 tokens per sequence but the run needs 296"):
+        run_tiny(tmp_path, "r", **served_over(stub, **over))
+    assert not (tmp_path / "r").exists()
+    for episode_max_tokens, length in ((200, 96 + 200), (0, 96 + 2 * 100)):
+        cfg = load_config(
+            whitebox.WhiteboxConfig,
+            "tiny",
+            {**TOOL_RUN, "episode_max_tokens": episode_max_tokens, "teacher_server": "http://x"},
+        )
+        assert served.longest(cfg) == length
+        rows = {r.component: r.bytes for r in whitebox.memory_plan(cfg, None).plan.rows}
+        hidden = load_head("tiny:teacher", torch.float32).weight_VH.shape[1]
+        assert rows["served teacher states"] == cfg.per_device_train_batch_size * length * hidden * 4
 
 
 @pytest.mark.parametrize(

@@ -32,10 +32,16 @@ def test_token_ratio_is_the_most_teacher_tokens_per_student_token():
 
 
 def test_tiny_crosstok_plans_its_teacher_at_the_ratio_its_tokenizers_give():
-    """02 tiny-crosstok: the character student and the byte-level BPE teacher, measured on `TOKEN_SAMPLE` (the
-    BPE teacher reads each non-ASCII character as several bytes, so it cuts finer there)."""
+    """02 tiny-crosstok: the character student and the byte-level BPE teacher, measured on `TOKEN_SAMPLE`. The
+    character student refuses the non-ASCII sample (outside its vocabulary), where the BPE teacher would cut
+    finer; on the rest the BPE teacher cuts coarser, so it is planned at the student's count."""
     cfg = load_config(WhiteboxConfig, "tiny-crosstok", {})
     stage = distill_stage(cfg, 1, None)
-    ratio = memory.token_ratio(load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model))
-    assert stage.cross_tokenizer and stage.teacher_token_ratio == ratio > 1.0
+    student, teacher = load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model)
+    ratio = memory.token_ratio(student, teacher)
+    assert stage.cross_tokenizer and stage.teacher_token_ratio == ratio == 1.0
+    ascii_only = tuple(t for t in memory.TOKEN_SAMPLE if t.isascii())
+    assert len(ascii_only) == len(memory.TOKEN_SAMPLE) - 1  # the one text the student cannot read
+    assert memory.token_ratio(student, teacher, ascii_only) == 1.0
+    assert memory.token_ratio(teacher, student, ascii_only) > 1.0  # the other way round: the student finer
     assert distill_stage(load_config(WhiteboxConfig, "tiny", {}), 1, None).teacher_token_ratio == 1.0

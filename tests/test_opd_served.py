@@ -510,10 +510,13 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_toke
     assert not st._cache
 
 
-def test_prepare_step_keeps_a_cross_tokenizer_rows_states_from_its_first_predicting_position():
-    attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
-    pred = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0]]).bool()
-    assert served_teacher._first_rows(pred, attn) == [1, 1, 0]
+def test_prepare_step_keeps_each_rows_states_where_it_predicts_a_loss_token():
+    """Counted from the row's first real token; a multi-turn row's marks come in runs (the tools' tokens
+    between them are context, their states dropped)."""
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 0]])
+    pred = torch.tensor([[0, 0, 0, 1, 1, 0, 0], [0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0]]).bool()
+    got = served_teacher._marked(pred, attn)
+    assert [g.tolist() for g in got] == [[1, 2], [1, 2, 5], []]
 
 
 def test_the_client_sends_the_key_from_the_environment_and_a_wrong_one_is_one_line(stub, monkeypatch):

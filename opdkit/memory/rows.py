@@ -260,10 +260,11 @@ def _sharded_teacher_rows(s: Stage) -> list[Row]:
 
 def _served_teacher_rows(s: Stage) -> list[Row]:
     """A served teacher (`opd.served.ServedTeacher`): its head, and one micro-batch's states in the padded
-    layout; the step's states as received (each row's from its last prompt token on) wait in host memory."""
+    layout; the step's states as received (each row's that predict a loss token: at most its completion's, a
+    multi-turn episode's at its longest) wait in host memory."""
     m, dt = s.model("teacher")
     h, sb, tb = m.hidden_size, dtype_bytes(s.served_dtype), dtype_bytes(dt)
-    kept = _teacher_tokens(s, s.sampled_rows * (s.completion_len + 1))
+    kept = _teacher_tokens(s, s.sampled_rows * s.completion_len)
     padded = _teacher_tokens(s, s.train_batch_size * (s.prompt_len + s.completion_len))
     return [
         Row(

@@ -91,12 +91,21 @@ def token_ratio(
 ) -> float:
     """The most teacher tokens per student token over `texts` (each text tokenized by both, no special
     tokens), at least 1: a bound on how many more rows a teacher that cuts finer reads than the student
-    (`Stage.teacher_token_ratio`); a teacher that cuts coarser is planned at the student's count."""
-    ratios = [
-        len(teacher_tokenizer(t, add_special_tokens=False).input_ids)
-        / max(1, len(student_tokenizer(t, add_special_tokens=False).input_ids))
-        for t in texts
-    ]
+    (`Stage.teacher_token_ratio`); a teacher that cuts coarser is planned at the student's count. A text
+    either tokenizer refuses (a character outside a closed vocabulary, as the tiny world's) is left out:
+    neither model can be given it."""
+
+    def count(tokenizer: Any, text: str) -> int | None:
+        try:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+        except Exception:  # tokenizers raises its own Exception type for an unknown character
+            return None
+
+    ratios = []
+    for t in texts:
+        teacher, student = count(teacher_tokenizer, t), count(student_tokenizer, t)
+        if teacher is not None and student is not None:
+            ratios.append(teacher / max(1, student))
     return max(1.0, *ratios)
 
 

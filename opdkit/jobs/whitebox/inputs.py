@@ -158,9 +158,10 @@ class Prepared:
 
 
 def check_environment(cfg: WhiteboxConfig, cross: bool) -> None:
-    """Multi-turn episodes (`environment`) are scored by a teacher of the student's tokenizer in this
-    process (or a set of them) for now: a teacher of another tokenizer re-renders one completion, not a
-    transcript, and a served teacher's context is planned for one completion."""
+    """Multi-turn episodes (`environment`) are scored by a teacher of the student's tokenizer, in this
+    process, served exactly (its states over the whole transcript) or a set of them, for now: a teacher of
+    another tokenizer re-renders one completion, not a transcript, and a served top-K teacher is not tested
+    over one."""
     if not cfg.environment:
         return
     if cross:
@@ -169,11 +170,11 @@ def check_environment(cfg: WhiteboxConfig, cross: bool) -> None:
             "cross-tokenizer loss over multi-turn transcripts is not built yet; use a teacher of the "
             "student's tokenizer, or no environment."
         )
-    if cfg.teacher_server:
+    if cfg.teacher_server and cfg.topk():
         raise ConfigError(
-            f"environment={cfg.environment} with teacher_server: a served teacher over multi-turn "
-            "transcripts is not built yet; load the teacher in process (teacher_server empty), or no "
-            "environment."
+            f"environment={cfg.environment} with teacher_logprobs {cfg.teacher_logprobs}: a served top-K "
+            "teacher over multi-turn transcripts is not built yet; use teacher_logprobs exact (the served "
+            "teacher's hidden states), or no environment."
         )
 
 

@@ -66,7 +66,7 @@ def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.d
     (`mixture.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
     trainer logs each one's divergence and refuses a resume with another set (its `teachers.json`)."""
     found: dict[str, torch.nn.Module] = {}
-    longest = cfg.max_prompt_length + cfg.rollout_max_new_tokens
+    longest = served.longest(cfg)  # with `environment`, a multi-turn episode at its longest
     for t in cfg.teacher_specs():
         if t.server:
             client = served.PoolingClient(t.server, dtype=cfg.teacher_server_dtype)

@@ -45,6 +45,7 @@ from opdkit.opd.served.wiring import (
     job_server,
     job_teacher,
     local_server,
+    longest,
     server_plan,
     split_gpus,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "job_server",
     "job_teacher",
     "local_server",
+    "longest",
     "probe_logprobs",
     "probe_text",
     "server_plan",

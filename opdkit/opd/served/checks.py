@@ -88,8 +88,8 @@ def check_server(
     if min_model_len and max_len and max_len < min_model_len:
         raise ServedTeacherMismatch(
             f"{client.url} serves at most {max_len} tokens per sequence but the run needs "
-            f"{min_model_len} (longest prompt + rollout_max_new_tokens); restart it with --max-model-len "
-            f"{min_model_len} or more."
+            f"{min_model_len} (the longest prompt and a rollout at its longest); restart it with "
+            f"--max-model-len {min_model_len} or more."
         )
     checked = tokenizer is not None and _check_tokenizer(client, str(served["id"]), tokenizer)
     return ServerFound(str(served["id"]), root, max_len, checked)

