@@ -132,10 +132,44 @@ def train_on_task(
     desc: str = "sft",
     on_record=None,
 ) -> list[dict]:
-    """Completion-only SFT (`sft.trainer.CompletionSFTTrainer`) on fresh problems, `batch_size` a step: AdamW
-    (betas 0.9, 0.98), 50 warmup steps then cosine, clipping at 1; every `eval_every` steps the held-out
-    accuracy (another stream than the evaluation pool) is recorded (and the history so far handed to
-    `on_record`, if given), and training stops once `stop_when` says so. Returns that history."""
+    """`sft_until` on fresh problems of the task (`TaskRows`); every `eval_every` steps the held-out accuracy
+    (another stream than the evaluation pool) is recorded (and the history so far handed to `on_record`, if
+    given), and training stops once `stop_when` says so. Returns that history."""
+    return sft_until(
+        model,
+        tokenizer,
+        TaskRows(tokenizer, steps * batch_size, seed),
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        eval_every=eval_every,
+        evaluate=lambda: heldout_accuracy(model, tokenizer, n=eval_n, seed=777),
+        stop_when=stop_when,
+        desc=desc,
+        on_record=on_record,
+    )
+
+
+def sft_until(
+    model,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: torch.utils.data.Dataset,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    eval_every: int,
+    evaluate,
+    stop_when,
+    desc: str = "sft",
+    on_record=None,
+) -> list[dict]:
+    """Completion-only SFT (`sft.trainer.CompletionSFTTrainer`) on `rows`, the next `batch_size` a step
+    (`steps * batch_size` rows in all): AdamW (betas 0.9, 0.98), 50 warmup steps then cosine, clipping at 1;
+    every `eval_every` steps `evaluate()` is recorded (`EvaluateAndStop`, the history so far handed to
+    `on_record`, if given), and training stops once `stop_when(value)`. Returns that history."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -157,18 +191,11 @@ def train_on_task(
             remove_unused_columns=False,
             run_name=desc,
         )
-        rows = TaskRows(tokenizer, steps * batch_size, seed)
         order = [list(range(s * batch_size, (s + 1) * batch_size)) for s in range(steps)]
         trainer = CompletionSFTTrainer(
             model=model, args=args, train_dataset=rows, order=order, pad_token_id=tokenizer.pad_token_id
         )
-        stopper = EvaluateAndStop(
-            trainer,
-            lambda: heldout_accuracy(model, tokenizer, n=eval_n, seed=777),
-            eval_every,
-            stop_when,
-            on_record,
-        )
+        stopper = EvaluateAndStop(trainer, evaluate, eval_every, stop_when, on_record)
         trainer.add_callback(stopper)
         trainer.train()
     model.eval()

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit import models
 from opdkit.build import tiny_world as build
 from opdkit.data.labels import IGNORE
 from opdkit.rollout import engines, sampling
-from opdkit.sft.trainer import CompletionSFTTrainer
 from opdkit.tasks import tinytools as task
 from opdkit.tasks.calculator import CalculatorEnvironment
 from opdkit.tasks.evaluate import episode_accuracy
@@ -125,47 +123,24 @@ def train_tool_teacher(
     stop_accuracy: float,
     on_record=None,
 ) -> list[dict]:
-    """Completion-only SFT on fresh transcripts, the optimiser and schedule of `tiny_world.train_on_task`;
+    """Completion-only SFT on fresh transcripts (`tiny_world.sft_until`, as `tiny_world.train_on_task`);
     every `eval_every` steps the accuracy with the tool on `eval_n` problems of the build's own stream is
     recorded, and training stops once it reaches `stop_accuracy`. Returns that history."""
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            learning_rate=lr,
-            adam_beta2=0.98,
-            lr_scheduler_type="cosine",
-            warmup_steps=50,
-            max_grad_norm=1.0,
-            weight_decay=0.0,
-            seed=seed,
-            save_strategy="no",
-            report_to=[],
-            logging_steps=max(1, eval_every),
-            disable_tqdm=False,
-            use_cpu=not torch.cuda.is_available(),
-            dataloader_num_workers=0,
-            remove_unused_columns=False,
-            run_name="teacher-tools",
-        )
-        rows = TranscriptRows(tokenizer, steps * batch_size, seed)
-        order = [list(range(s * batch_size, (s + 1) * batch_size)) for s in range(steps)]
-        trainer = CompletionSFTTrainer(
-            model=model, args=args, train_dataset=rows, order=order, pad_token_id=tokenizer.pad_token_id
-        )
-        messages, answers = task.TinyToolsTask().heldout(eval_n, seed=EVAL_SEED)
-        stopper = build.EvaluateAndStop(
-            trainer,
-            lambda: tool_accuracy(model, tokenizer, messages, answers)["correct"],
-            eval_every,
-            lambda acc: acc >= stop_accuracy,
-            on_record,
-        )
-        trainer.add_callback(stopper)
-        trainer.train()
-    model.eval()
-    return stopper.history
+    messages, answers = task.TinyToolsTask().heldout(eval_n, seed=EVAL_SEED)
+    return build.sft_until(
+        model,
+        tokenizer,
+        TranscriptRows(tokenizer, steps * batch_size, seed),
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        seed=seed,
+        eval_every=eval_every,
+        evaluate=lambda: tool_accuracy(model, tokenizer, messages, answers)["correct"],
+        stop_when=lambda acc: acc >= stop_accuracy,
+        desc="teacher-tools",
+        on_record=on_record,
+    )
 
 
 def heldout_figures(model, tokenizer, n: int = 500) -> dict:

@@ -24,7 +24,6 @@ format long before it carries correctly), while a ~1M-parameter teacher learns i
 
 from __future__ import annotations
 
-import functools
 import random
 import re
 import zlib
@@ -53,6 +52,12 @@ HELDOUT_POOL = 5000
 # One problem in HOLDOUT_CLASS (by a CRC of its prompt) belongs to gradient holdouts (savegrad's), the
 # others to training streams: the two never share a problem, whatever their seeds and sizes.
 HOLDOUT_CLASS = 64
+# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses (0..3,
+# 777) and from HELDOUT_SEED; `training_problems` leaves the evaluation pool out.
+TRAINING_SEED_OFFSET = 100_003
+# The gradient holdout is its own problem stream, apart from the training prompts other jobs draw with the
+# same run seed (and from the evaluation seed): overlap is only by chance, and the holdout class excludes it.
+HOLDOUT_SEED_OFFSET = 7_919
 
 
 @dataclass(frozen=True)
@@ -74,56 +79,81 @@ def sample_problem(rng: random.Random, n_digits: int = N_DIGITS) -> Problem:
     return Problem(rng.randint(lo, hi), rng.randint(lo, hi))
 
 
-def problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
-    """`n` problems drawn deterministically from `seed`."""
-    rng = random.Random(seed)
-    return [sample_problem(rng, n_digits) for _ in range(n)]
+class ProblemStreams:
+    """A task's problem streams, drawn by `sample(rng, **sample_kw)` (a problem with a `prompt` and an
+    `answer`): the first `heldout_size` of the `heldout_seed` stream are reserved for evaluation, one problem
+    in `holdout_class` (by a CRC of its prompt) belongs to gradient holdouts, and training streams leave both
+    out. The tiny task's are `STREAMS`; the tiny tool task has its own (`opdkit.tasks.tinytools`)."""
 
+    def __init__(
+        self, sample, heldout_seed: int, heldout_size: int, holdout_class: int, training_offset: int
+    ):
+        self.sample, self.heldout_seed, self.heldout_size = sample, heldout_seed, heldout_size
+        self.holdout_class, self.training_offset = holdout_class, training_offset
+        self._pool: frozenset[str] | None = None
 
-def heldout_problems(n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
-    """Evaluation problems: the first `n` of the `seed` stream. At the default seed they come from the
-    reserved pool that training streams and gradient holdouts leave out, so `n` is at most HELDOUT_POOL."""
-    if seed == HELDOUT_SEED and n > HELDOUT_POOL:
-        raise ConfigError(
-            f"{n} held-out problems asked for, but only the first {HELDOUT_POOL} of the held-out stream are "
-            "kept apart from training; ask for at most that many."
-        )
-    return problems(n, seed)
+    def problems(self, n: int, seed: int, **sample_kw) -> list:
+        """`n` problems drawn deterministically from `seed`."""
+        rng = random.Random(seed)
+        return [self.sample(rng, **sample_kw) for _ in range(n)]
 
+    def heldout_problems(self, n: int, seed: int | None = None) -> list:
+        """Evaluation problems: the first `n` of the `seed` stream (default: the held-out seed). At the
+        held-out seed they come from the reserved pool that training streams and gradient holdouts leave out,
+        so `n` is at most its size."""
+        seed = self.heldout_seed if seed is None else seed
+        if seed == self.heldout_seed and n > self.heldout_size:
+            raise ConfigError(
+                f"{n} held-out problems asked for, but only the first {self.heldout_size} of the held-out "
+                "stream are kept apart from training; ask for at most that many."
+            )
+        return self.problems(n, seed)
 
-@functools.cache
-def heldout_pool() -> frozenset[str]:
-    """The prompts reserved for evaluation (every `heldout_problems(n)` is among them)."""
-    return frozenset(p.prompt for p in problems(HELDOUT_POOL, HELDOUT_SEED))
+    def heldout_pool(self) -> frozenset[str]:
+        """The prompts reserved for evaluation (every `heldout_problems(n)` is among them)."""
+        if self._pool is None:
+            self._pool = frozenset(p.prompt for p in self.problems(self.heldout_size, self.heldout_seed))
+        return self._pool
 
+    def in_holdout_class(self, problem) -> bool:
+        """Does `problem` belong to the gradient holdouts' share of the problem space (1 in holdout_class)?"""
+        return zlib.crc32(problem.prompt.encode()) % self.holdout_class == 0
 
-def in_holdout_class(problem: Problem) -> bool:
-    """Does `problem` belong to the gradient holdouts' share of the problem space (1 in HOLDOUT_CLASS)?"""
-    return zlib.crc32(problem.prompt.encode()) % HOLDOUT_CLASS == 0
-
-
-def training_problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
-    """`n` training problems from `seed`: `problems(n, seed)`, except that a problem held out for evaluation
-    or in the gradient holdouts' class is replaced by the next fitting draw of a second stream, so the other
-    positions keep their problems."""
-    spare = random.Random(f"{seed}-replacement")
-    out = []
-    for p in problems(n, seed, n_digits):
-        while p.prompt in heldout_pool() or in_holdout_class(p):
-            p = sample_problem(spare, n_digits)
-        out.append(p)
-    return out
-
-
-def holdout_problems(n: int, seed: int, n_digits: int = N_DIGITS) -> list[Problem]:
-    """`n` gradient-holdout problems from `seed`: draws of the `seed` stream in the holdout class and not
-    held out for evaluation, so apart from every training stream and every evaluation set by construction."""
-    rng, out = random.Random(seed), []
-    while len(out) < n:
-        p = sample_problem(rng, n_digits)
-        if in_holdout_class(p) and p.prompt not in heldout_pool():
+    def training_problems(self, n: int, seed: int, **sample_kw) -> list:
+        """`n` training problems from `seed`: `problems(n, seed)`, except that a problem held out for
+        evaluation or in the gradient holdouts' class is replaced by the next fitting draw of a second
+        stream, so the other positions keep their problems."""
+        spare = random.Random(f"{seed}-replacement")
+        out = []
+        for p in self.problems(n, seed, **sample_kw):
+            while p.prompt in self.heldout_pool() or self.in_holdout_class(p):
+                p = self.sample(spare, **sample_kw)
             out.append(p)
-    return out
+        return out
+
+    def holdout_problems(self, n: int, seed: int, **sample_kw) -> list:
+        """`n` gradient-holdout problems from `seed`: draws of the `seed` stream in the holdout class and not
+        held out for evaluation, so apart from every training stream and every evaluation set by
+        construction."""
+        rng, out = random.Random(seed), []
+        while len(out) < n:
+            p = self.sample(rng, **sample_kw)
+            if self.in_holdout_class(p) and p.prompt not in self.heldout_pool():
+                out.append(p)
+        return out
+
+    def training_seed(self, seed: int) -> int:
+        """The seed of the training prompts for a run `seed`; never the held-out seed."""
+        derived = seed + self.training_offset
+        return derived + self.training_offset if derived == self.heldout_seed else derived
+
+
+# The tiny task's streams (`problems(n, seed, n_digits=...)` and the training and holdout streams take the
+# problems' digit count too).
+STREAMS = ProblemStreams(sample_problem, HELDOUT_SEED, HELDOUT_POOL, HOLDOUT_CLASS, TRAINING_SEED_OFFSET)
+problems, heldout_problems, heldout_pool = STREAMS.problems, STREAMS.heldout_problems, STREAMS.heldout_pool
+in_holdout_class, training_problems = STREAMS.in_holdout_class, STREAMS.training_problems
+holdout_problems, training_seed = STREAMS.holdout_problems, STREAMS.training_seed
 
 
 def scratchpad(problem: Problem, rng: random.Random | None = None) -> str:
@@ -194,20 +224,6 @@ def is_valid_scratchpad(problem: Problem, completion: str) -> bool:
     return True
 
 
-# Training prompts of the tiny world use seed + offset: far from the seeds the tiny-world build uses (0..3,
-# 777) and from HELDOUT_SEED; `training_problems` leaves the evaluation pool out.
-TRAINING_SEED_OFFSET = 100_003
-# The gradient holdout is its own problem stream, apart from the training prompts other jobs draw with the
-# same run seed (and from the evaluation seed): overlap is only by chance, and the holdout class excludes it.
-HOLDOUT_SEED_OFFSET = 7_919
-
-
-def training_seed(seed: int) -> int:
-    """The seed of the tiny world's training prompts for a run `seed`; never the held-out seed."""
-    derived = seed + TRAINING_SEED_OFFSET
-    return derived + TRAINING_SEED_OFFSET if derived == HELDOUT_SEED else derived
-
-
 def prompt_rows(probs: list[Problem]) -> list[dict[str, Any]]:
     """Problems as prompt rows: `messages` (one user turn) and `answer` (no `datasets` needed)."""
     return [{"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in probs]
@@ -228,33 +244,38 @@ def as_dataset(probs: list[Problem]) -> datasets.Dataset:
     )
 
 
-class TinyTask(Task):
-    name = "tiny"
-    max_new_tokens = MAX_COMPLETION_TOKENS
+class StreamTask(Task):
+    """A task whose prompts are its own `streams` (one user turn each) and whose answer is the text after the
+    last ';': training streams (`load_prompts`), the evaluation pool (`heldout`) and gradient holdouts
+    (`reserved_holdout`, the `seed + holdout_seed_offset` stream). The tiny task and the tiny tool task."""
+
+    streams: ProblemStreams
+    holdout_seed_offset: int = HOLDOUT_SEED_OFFSET
+    default_size: int = DEFAULT_SIZE  # training prompts of a stream when subset_size is -1
     answer_cue = ANSWER_SEP
-    forced_answer_tokens = 5  # up to 4 digits (999 + 999 = 1998), then EOS
     has_heldout = True
 
     def load_prompts(
-        self, path: str = DATASET, split: str = "train", subset_size: int = -1, seed: int = 42
+        self, path: str | None = None, split: str = "train", subset_size: int = -1, seed: int = 42
     ) -> datasets.Dataset:
-        """A training stream of `subset_size` problems (-1: DEFAULT_SIZE) drawn from `seed`
+        """A training stream of `subset_size` problems (-1: `default_size`) drawn from `seed`
         (`training_problems`: none of them held out for evaluation or in the gradient holdouts' class);
-        `path` and `split` name the tiny world and are otherwise unused."""
+        `path` and `split` name the task's world and are otherwise unused."""
         if subset_size == 0 or subset_size < -1:
             raise ConfigError(f"subset_size={subset_size}; expected -1 (all) or a positive count.")
-        n = DEFAULT_SIZE if subset_size == -1 else subset_size
-        return as_dataset(training_problems(n, training_seed(seed)))
+        n = self.default_size if subset_size == -1 else subset_size
+        return as_dataset(self.streams.training_problems(n, self.streams.training_seed(seed)))
 
     def heldout(self, n: int, seed: int | None = None) -> tuple[list[Messages], list[str]]:
-        """`n` held-out problems; `seed` draws another stream (the build's own evaluation uses one)."""
-        probs = heldout_problems(n) if seed is None else problems(n, seed)
+        """`n` held-out problems; `seed` draws another stream (a build's own evaluation uses one)."""
+        probs = self.streams.heldout_problems(n) if seed is None else self.streams.problems(n, seed)
         return [[{"role": "user", "content": p.prompt}] for p in probs], [p.answer for p in probs]
 
     def reserved_holdout(self, n: int, seed: int) -> datasets.Dataset:
         """The gradient holdout's own share of problems (`holdout_problems`), apart from every training stream
-        and the evaluation pool by construction; `n` -1 means DEFAULT_SIZE."""
-        return as_dataset(holdout_problems(DEFAULT_SIZE if n == -1 else n, seed + HOLDOUT_SEED_OFFSET))
+        and the evaluation pool by construction; `n` -1 means `default_size`."""
+        n = self.default_size if n == -1 else n
+        return as_dataset(self.streams.holdout_problems(n, seed + self.holdout_seed_offset))
 
     def forced_prefix(self, completion: str) -> str:
         """The working before the completion's answer (all of it when it has none), then `;`: a finished
@@ -271,6 +292,13 @@ class TinyTask(Task):
     def answer_start(self, completion: str) -> int | None:
         at = completion.rfind(ANSWER_SEP)
         return None if at < 0 else at + 1
+
+
+class TinyTask(StreamTask):
+    name = "tiny"
+    max_new_tokens = MAX_COMPLETION_TOKENS
+    forced_answer_tokens = 5  # up to 4 digits (999 + 999 = 1998), then EOS
+    streams = STREAMS
 
     def error_kinds(self, records: Sequence[dict]) -> dict[str, float] | None:
         """The share of checked traces whose wrong answer follows from their own (mistaken) working, `slip`,
