@@ -37,7 +37,7 @@ import torch
 
 from opdkit.config import ConfigError
 from opdkit.rollout import engines, microbatches, sampling
-from opdkit.rollout.source import RolloutRecord, RolloutSource
+from opdkit.rollout.source import EngineRollouts, RolloutRecord
 
 TURN_MARK = "@@opdkit-student-turn@@"  # stands in for the student's turn when the template renders tools
 COUNTS = ("episodes", "called_tool", "tool_correct", "calls", "malformed", "turns", "correct", "truncated")
@@ -72,10 +72,11 @@ class _Row:
         self.logp += logp if logp is not None else [0.0] * len(ids)
 
 
-class MultiTurnRollouts(RolloutSource):
+class MultiTurnRollouts(EngineRollouts):
     """Episodes against `environment` (anything with `tools`, `start(messages, answer)`, `step(episode,
     text)` and `grade(episode)`, as `opdkit.tasks.environment.Environment`), sampled through the engine
-    `make_engine` builds (`engines.make_engine`), synced once per optimizer step. `tokenizer` renders the tool
+    `make_engine` builds (`engines.make_engine`; built, synced once per optimizer step and closed as
+    `EngineRollouts` does, whose next_step this one replaces). `tokenizer` renders the tool
     messages with its chat template (`enable_thinking` passed on); `max_turns` student turns at most per
     episode; `episode_max_tokens` tokens after the prompt at most (0: no limit but the turns')."""
 
@@ -96,26 +97,11 @@ class MultiTurnRollouts(RolloutSource):
     ):
         if max_turns < 1:
             raise ConfigError(f"max_turns={max_turns}; an episode has at least one turn.")
-        self._make_engine, self.settings = make_engine, settings
-        self.seed, self.rank, self.world, self.batch_size = seed, rank, world, batch_size
+        super().__init__(make_engine, settings, seed, rank, world, batch_size)
         self.environment, self.tokenizer = environment, tokenizer
         self.max_turns, self.episode_max_tokens = max_turns, episode_max_tokens
         self.enable_thinking = enable_thinking
-        self._engine: engines.HFEngine | engines.VLLMEngine | None = None
         self.counts: dict[str, float] = dict.fromkeys(COUNTS, 0.0)
-
-    def engine(self) -> engines.HFEngine | engines.VLLMEngine:
-        """The rollout engine, built at the first use."""
-        if self._engine is None:
-            self._engine = self._make_engine()
-        return self._engine
-
-    def open(self) -> None:
-        self.engine()
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
 
     def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
         self.counts = dict.fromkeys(COUNTS, 0.0)
