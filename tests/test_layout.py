@@ -181,9 +181,12 @@ def main_blocks(root: Path = REPO) -> list[str]:
     return bad
 
 
+REPORTS = {"report", "tooluse"}  # a job's report modules a notebook may import
+
+
 def notebook_imports(root: Path = REPO) -> list[str]:
-    """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report, and
-    nothing else of opdkit."""
+    """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report (05 also
+    whitebox's report of a tool-use run, `tooluse`), and nothing else of opdkit."""
     bad = []
     for nb in sorted((root / "notebooks").glob("*.ipynb")):
         code = "\n".join(
@@ -201,7 +204,8 @@ def notebook_imports(root: Path = REPO) -> list[str]:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("opdkit"):
                 ok = node.module == "opdkit.jobs" or (
                     node.module in {f"opdkit.jobs.{j}" for j in jobs}
-                    and [a.name for a in node.names] == ["report"]
+                    and {a.name for a in node.names} <= REPORTS
+                    and "report" in {a.name for a in node.names}
                 )
                 if not ok:
                     names = ", ".join(a.name for a in node.names)
@@ -570,13 +574,15 @@ NOTEBOOK_JOBS = {
     "02_whitebox": "whitebox",
     "03_clip_vs_noclip": "cliplesson",
     "04_antidistill": "antidistill",
+    "05_tool_use": "whitebox",
 }
+GPU_PRESETS = {"05_tool_use": "tools-full"}  # a notebook's GPU preset, when not its job's `full`
 GPU_LINE = re.compile(r"^#\s*(\w+)\s*:\s*\w+\s*=\s*(.+?)\s*(?:#.*)?$")
 
 
 def gpu_block_drift(root: Path = REPO) -> list[str]:
     """Each notebook's parameters cell lists, commented out, the fields a GPU run sets; every value there is
-    the job's `full` preset's, resolved (its `extends` chain, the fields' defaults)."""
+    the job's `full` preset's (05: `tools-full`), resolved (its `extends` chain, the fields' defaults)."""
     import dataclasses
 
     import yaml
@@ -590,7 +596,8 @@ def gpu_block_drift(root: Path = REPO) -> list[str]:
         cell = next(c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", []))
         lines = "".join(cell["source"]).splitlines()
         block = lines[next(i for i, line in enumerate(lines) if "A GPU run" in line) + 1 :]
-        preset = dataclasses.asdict(load_config(configs[job], "full", params_dir=root / "params"))
+        name = GPU_PRESETS.get(stem, "full")
+        preset = dataclasses.asdict(load_config(configs[job], name, params_dir=root / "params"))
         for line in block:
             m = GPU_LINE.match(line)
             if not m:
@@ -599,7 +606,7 @@ def gpu_block_drift(root: Path = REPO) -> list[str]:
             if field not in preset:
                 bad.append(f"{stem}: {field} is not a field of {job}")
             elif shown != preset[field]:
-                bad.append(f"{stem}: {field} = {shown!r}, but params/{job}/full.yaml gives {preset[field]!r}")
+                bad.append(f"{stem}: {field} = {shown!r}, but params/{job}/{name}.yaml gives {preset[field]!r}")
     return bad
 
 

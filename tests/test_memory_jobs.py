@@ -60,6 +60,15 @@ CONFIGS = {
         "num_hidden_layers": 36,
         "max_position_embeddings": 40960,
     },
+    "Qwen/Qwen3-8B": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -115,6 +124,7 @@ PRESETS = [
     ("savegrad", "full"),
     ("savegrad", "ads-paper"),
     ("whitebox", "full"),
+    ("whitebox", "tools-full"),
     ("cliplesson", "full"),
     ("antidistill", "full"),
     ("antidistill", "ads-paper"),
@@ -202,7 +212,9 @@ def test_04_plans_its_on_policy_attackers(hub_cache, mode, verdict):
 
 def test_presets_list_is_every_full_and_ads_paper_preset():
     found = sorted(
-        (p.parent.name, p.stem) for p in (REPO / "params").glob("*/*.yaml") if p.stem in ("full", "ads-paper")
+        (p.parent.name, p.stem)
+        for p in (REPO / "params").glob("*/*.yaml")
+        if p.stem.endswith("full") or p.stem == "ads-paper"
     )
     assert found == sorted(PRESETS)
 

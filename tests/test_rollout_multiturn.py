@@ -15,6 +15,7 @@ import torch
 from conftest import tiny_model
 
 from opdkit.data.prompts import PromptCollator
+from opdkit.jobs.whitebox import tooluse
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import engines, sampling
@@ -530,6 +531,16 @@ def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
     ] == "\n<|im_start|>user\n<tool_response>\n11\n</tool_response><|im_end|>\n" + ("<|im_start|>assistant\n")
     assert two["turns"][2]["text"] == ";11<|im_end|>"
     assert len(two["divergence"]) == len(two["tokens"]) == len(tok(call("5+6") + ";11")["input_ids"]) + 2
+    # each student turn's token count, which 05's transcript view splits the tokens and divergences by
+    assert [t.get("n_tokens") for t in two["turns"]] == [len(tok(call("5+6"))["input_ids"]) + 1, None, 4]
+    parts = tooluse.turn_parts(two)
+    assert ["".join(p["tokens"]) if p["sampled"] else p["text"] for p in parts] == [
+        t["text"] for t in two["turns"]
+    ]
+    assert [d for p in parts if p["sampled"] for d in p["divergence"]] == two["divergence"]
+    shown = tooluse.transcript_html(two, 1.0)
+    assert shown.count("<b>student</b>") == 2 and shown.count("tool / template") == 1
+    assert "&lt;tool_response&gt;⏎11⏎&lt;/tool_response&gt;" in shown
 
 
 def test_one_turn_without_tools_takes_the_single_turn_paths_first_update(tmp_path):

@@ -2,7 +2,9 @@
 
     python -m opdkit.notebook.demo --out runs/demo notebooks/*.ipynb
 
-Each notebook writes its run directory inside `<out>/<stamp>/` and its executed copy next to it;
+Each notebook runs with its default parameters, or the ones its metadata names for the demo (its metadata's
+`demo` entry under the kit's key: 05 runs a shortened preset), writes its run directory inside `<out>/<stamp>/`
+and its executed copy next to it;
 the end prints where the executed notebooks, summaries and figures are, and what a reader of an executed
 notebook in JupyterLab would trip over (`reader_problems`).
 """
@@ -16,6 +18,12 @@ import time
 from pathlib import Path
 
 
+def demo_parameters(nb: Path) -> dict:
+    """The parameters the notebook's metadata sets for the demo (the `demo` entry under the
+    metadata's `opdkit` key), or none."""
+    return json.loads(nb.read_text()).get("metadata", {}).get("opdkit", {}).get("demo", {})
+
+
 def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
     import papermill as pm
 
@@ -25,7 +33,7 @@ def run_notebook(nb: Path, out: Path) -> tuple[Path, Path, float]:
     pm.execute_notebook(
         str(nb),
         str(executed),
-        parameters={"run_dir": str(run_dir)},
+        parameters={**demo_parameters(nb), "run_dir": str(run_dir)},
         kernel_name="python3",
         cwd=str(nb.parent),
         progress_bar=False,

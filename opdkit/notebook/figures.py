@@ -211,6 +211,8 @@ CURVE_PANELS = [
     ("entropy", "student entropy", "nats / token"),
 ]
 ACCURACY_PANEL = ("eval_accuracy", "held-out accuracy while training", "greedy accuracy")
+TOOL_PANEL = ("eval_tool_call_share", "episodes calling the tool correctly", "share of greedy episodes")
+SHARE_PANELS = ("eval_accuracy", "eval_tool_call_share")  # drawn as shares, with markers
 REFERENCES = ("teacher_accuracy", "student_accuracy_before")
 
 
@@ -226,7 +228,7 @@ def draw_training_curves(
     `fig` (cleared; a new one if None), three panels a row; `reference` holds the teacher's accuracy and the
     student's before training, drawn on the accuracy panel. The live view redraws with it."""
     runs = [r for r in runs if r]
-    panels = CURVE_PANELS + ([ACCURACY_PANEL] if any(series(r, "eval_accuracy")[0] for r in runs) else [])
+    panels = CURVE_PANELS + [p for p in (ACCURACY_PANEL, TOOL_PANEL) if any(series(r, p[0])[0] for r in runs)]
     cols, rows = 3, -(-len(panels) // 3)
     size = (MAX_WIDTH_IN, 2.9 * rows + (0.4 if title else 0))
     fig = plt.figure(figsize=size) if fig is None else fig
@@ -236,8 +238,8 @@ def draw_training_curves(
     for ax in axes[len(panels) :]:
         ax.set_visible(False)
     for ax, (key, label, unit) in zip(axes, panels):
-        colour = PALETTE["blue"] if key != "eval_accuracy" else STUDENT
-        marker = "o" if key == "eval_accuracy" else None
+        colour = STUDENT if key in SHARE_PANELS else PALETTE["blue"]
+        marker = "o" if key in SHARE_PANELS else None
         if len(runs) > 1:
             x, mean, low, high = band_series(runs, key)
             ax.plot(x, mean, lw=1.3, color=colour, marker=marker, ms=3, label=f"mean of {len(runs)} seeds")
@@ -259,6 +261,8 @@ def draw_training_curves(
                 )
         if key == "eval_accuracy":
             _accuracy_references(ax, reference or {})
+        elif key == "eval_tool_call_share":
+            percent_axis(ax)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best")
     if title:
@@ -328,7 +332,7 @@ def prompt_label(prompt: str, width: int = 40) -> str:
     return text if len(text) <= width else "…" + text[-width:]
 
 
-def _colour(value: float, vmax: float) -> str:
+def divergence_colour(value: float, vmax: float) -> str:
     """White (0) to red (vmax) background for a token's divergence."""
     a = 0.0 if vmax <= 0 else min(1.0, max(0.0, value) / vmax)
     return f"rgba(220, 40, 40, {a:.2f})"
@@ -339,7 +343,7 @@ def sample_html(sample: dict, vmax: float | None = None) -> str:
     divs = sample["divergence"]
     vmax = vmax or max(divs + [1e-9])
     spans = "".join(
-        f'<span title="{d:.4f}" style="background:{_colour(d, vmax)};font-family:monospace">'
+        f'<span title="{d:.4f}" style="background:{divergence_colour(d, vmax)};font-family:monospace">'
         f"{_html.escape(tok.replace(chr(10), '⏎'))}</span>"
         for tok, d in zip(sample["tokens"], divs)
     )

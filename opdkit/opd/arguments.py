@@ -24,7 +24,7 @@ from opdkit.opd import crossteacher
 from opdkit.run import sharding, tracking
 from opdkit.run.launch import launched_world_size
 from opdkit.settings import OPDSettings, parse_teachers, parse_weights
-from opdkit.tasks.evaluate import completion_budget
+from opdkit.tasks.evaluate import evaluation_tokens
 
 
 @dataclass
@@ -123,7 +123,7 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         eval_model="student" if unevaluated else "teacher",
         eval_student=not unevaluated and cfg.rollout_engine == "hf",
         eval_batch_size=cfg.eval_batch_size if cfg.eval_size else 0,
-        eval_completion_len=completion_budget(cfg),
+        eval_completion_len=evaluation_tokens(cfg),  # with an environment, a greedy episode at its longest
         rollout_engine=cfg.rollout_engine,
         vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         vllm_sleep=cfg.vllm_sleep,

@@ -447,7 +447,10 @@ class DistillTrainer(Trainer):
                 if (
                     len(turns) > 1
                 ):  # a multi-turn episode: its parts in order, the tools' between the student's
-                    record["turns"] = [{"sampled": m, "text": tok.decode(t)} for m, t in turns]
+                    record["turns"] = [
+                        {"sampled": m, "text": tok.decode(t), **({"n_tokens": len(t)} if m else {})}
+                        for m, t in turns
+                    ]
                 records.append(((s["step"], place), record))
         return [record for _, record in sorted(records, key=lambda r: r[0])]
 

@@ -203,6 +203,17 @@ def completion_budget(cfg) -> int:
     return cfg.eval_max_new_tokens or learned
 
 
+def evaluation_tokens(cfg) -> int:
+    """The most tokens an evaluated answer holds after its prompt (what the memory plan and an engine's context
+    count): the completion budget, or with an `environment` a greedy episode at its longest (`max_turns` turns
+    of that budget, within `episode_max_tokens`)."""
+    budget = completion_budget(cfg)
+    if not getattr(cfg, "environment", ""):
+        return budget
+    longest = cfg.max_turns * budget
+    return min(longest, cfg.episode_max_tokens) if cfg.episode_max_tokens else longest
+
+
 def configured_accuracy(
     cfg,
     model,

@@ -37,7 +37,7 @@ from opdkit.run import checkpoints, sharding, tracking
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
-from opdkit.tasks.evaluate import Accuracy, completion_budget
+from opdkit.tasks.evaluate import Accuracy, evaluation_tokens
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -63,7 +63,7 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
         run_name=f"{JOB.name}/{run_path.name}",
         vllm_max_model_len=max(
             cfg.max_prompt_length + cfg.rollout_max_new_tokens,
-            eval_prompt_tokens + completion_budget(cfg) if eval_prompt_tokens else 0,
+            eval_prompt_tokens + evaluation_tokens(cfg) if eval_prompt_tokens else 0,
         ),
     )
 
