@@ -302,7 +302,8 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
 
     def normalise(self) -> None:
         """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
-        correction, and a multi-turn environment, need of the settings alone, before anything is loaded."""
+        correction, and a multi-turn environment, need of the settings alone, before anything is loaded (an
+        environment plays its episodes through either engine, not through a producer sampling ahead)."""
         if self.rollout_ahead and self.rollout_engine != "hf":
             raise ConfigError(
                 f"rollout_ahead={self.rollout_ahead} samples with the kit's loop in a producer process; a "
@@ -312,12 +313,6 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
             raise ConfigError(
                 f"environment={self.environment} plays episodes in the training process; sampling them ahead "
                 "is not built yet: use rollout_ahead 0, or no environment."
-            )
-        if self.environment and self.rollout_engine != "hf":
-            raise ConfigError(
-                f"environment={self.environment} with rollout_engine={self.rollout_engine}: multi-turn "
-                "episodes run through the kit's loop only for now (vLLM's is not tested yet): use "
-                "rollout_engine hf."
             )
         if self.async_correction != "none" and not self.rollout_ahead:
             raise ConfigError(

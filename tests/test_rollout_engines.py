@@ -129,6 +129,19 @@ def test_a_vllm_engine_fits_the_longest_evaluation_prompt_with_its_answer(tmp_pa
     assert rollouts_only.vllm_max_model_len == cfg.max_prompt_length + cfg.rollout_max_new_tokens
 
 
+def test_a_vllm_engine_fits_an_episode_at_its_longest(tmp_path):
+    """With an environment the engine's context holds the longest prompt and a whole episode: the episode's
+    token budget, else max_turns turns; evaluation episodes likewise, of the evaluation's budget per turn."""
+    from opdkit.jobs.whitebox.config import WhiteboxConfig
+
+    over = dict(rollout_engine="vllm", environment="calculator", max_prompt_length=96, max_turns=3)
+    cfg = WhiteboxConfig(**over, rollout_max_new_tokens=40, eval_max_new_tokens=70)
+    assert wb_job.training_arguments(cfg, tmp_path).vllm_max_model_len == 96 + 3 * 40
+    assert wb_job.training_arguments(cfg, tmp_path, eval_prompt_tokens=90).vllm_max_model_len == 90 + 3 * 70
+    capped = WhiteboxConfig(**over, rollout_max_new_tokens=40, episode_max_tokens=100)
+    assert wb_job.training_arguments(capped, tmp_path, eval_prompt_tokens=120).vllm_max_model_len == 220
+
+
 def test_greedy_settings_decode_greedily_in_the_hf_engine(student_tok):
     """Temperature 0 means greedy in both engines: the HF engine takes the argmax whatever the seed, and
     leaves the global RNG alone (evaluation while training must not reseed it)."""

@@ -15,7 +15,8 @@ Pitfalls this module exists for:
 - the kit's loop decodes under `bf16` autocast when asked, so before and after training compare one precision;
   a vLLM `engine` is synced with `model` first and decodes from its own weights;
 - with a multi-turn environment (a config's `environment`) the accuracy is that of greedy episodes played by
-  the rollouts' own loop (`rollout.multiturn.MultiTurnRollouts` at temperature 0), graded by the environment.
+  the rollouts' own loop (`rollout.multiturn.MultiTurnRollouts` at temperature 0, on the kit's loop or the
+  vLLM `engine`), graded by the environment.
 """
 
 from __future__ import annotations
@@ -144,9 +145,11 @@ def episode_accuracy(
     bf16: bool = False,
     world: int = 1,
     rank: int = 0,
+    engine: engines.HFEngine | engines.VLLMEngine | None = None,
 ) -> Accuracy:
     """Greedy episodes of `model` against `environment` (the training rollouts' loop,
-    `MultiTurnRollouts`, at temperature 0 on the kit's engine: up to `max_turns` turns of `max_new_tokens`,
+    `MultiTurnRollouts`, at temperature 0 on the kit's engine, or on `engine`, synced with `model`, which
+    takes this process's episodes in one call a turn: up to `max_turns` turns of `max_new_tokens`,
     `episode_max_tokens` in all), graded by the environment: `raw` the share correct, `tool_call_share` and
     `called_share` (`Accuracy`). This process plays its share (`rank` of `world`); the counts are summed."""
     if not messages:
@@ -160,8 +163,10 @@ def episode_accuracy(
         max_new_tokens, 0.0, 1.0, eos_ids(tokenizer, model), tokenizer.pad_token_id
     )
     mine = list(range(rank, len(messages), world))
+    if engine is not None and engine.name == "vllm":
+        batch_size = max(1, len(mine))  # vLLM batches by itself; one sync
     episodes = MultiTurnRollouts(
-        engines.HFEngine,
+        engines.HFEngine if engine is None else lambda: engine,
         settings,
         seed=0,  # greedy: the keys draw nothing
         rank=0,
@@ -204,14 +209,13 @@ def completion_budget(cfg) -> int:
 
 
 def evaluation_tokens(cfg) -> int:
-    """The most tokens an evaluated answer holds after its prompt (what the memory plan and an engine's context
-    count): the completion budget, or with an `environment` a greedy episode at its longest (`max_turns` turns
-    of that budget, within `episode_max_tokens`)."""
-    budget = completion_budget(cfg)
+    """The most tokens an evaluation answer holds after its prompt: the completion budget, or with an
+    `environment` a greedy episode at its longest (`episode_max_tokens`, else `max_turns` turns of the
+    completion budget; the tools' results between them are not counted there), as `configured_accuracy`
+    plays them."""
     if not getattr(cfg, "environment", ""):
-        return budget
-    longest = cfg.max_turns * budget
-    return min(longest, cfg.episode_max_tokens) if cfg.episode_max_tokens else longest
+        return completion_budget(cfg)
+    return cfg.episode_max_tokens or cfg.max_turns * completion_budget(cfg)
 
 
 def configured_accuracy(
@@ -233,11 +237,6 @@ def configured_accuracy(
     to `max_turns` turns of the completion budget, `episode_max_tokens` in all), nothing forced."""
     bf16 = getattr(cfg, "bf16", False) if bf16 is None else bf16
     if getattr(cfg, "environment", ""):
-        if kwargs.get("engine") is not None:
-            raise ConfigError(
-                f"environment={cfg.environment}: multi-turn accuracy runs on the kit's loop; use "
-                "rollout_engine hf."
-            )
         return episode_accuracy(
             model,
             tokenizer,
@@ -252,6 +251,7 @@ def configured_accuracy(
             bf16=bf16,
             world=kwargs.get("world", 1),
             rank=kwargs.get("rank", 0),
+            engine=kwargs.get("engine"),
         )
     return accuracy(
         model,

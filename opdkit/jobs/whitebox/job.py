@@ -55,14 +55,15 @@ def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage
 
 def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
     """The trainer's arguments (`opd.arguments.training_arguments`), checkpoints in the run's checkpoints/; a
-    vLLM engine's context fits a rollout and, as it also evaluates the student, the longest evaluation prompt
-    (`eval_prompt_tokens`) with its answer."""
+    vLLM engine's context fits a rollout (with an `environment`, the longest prompt and an episode at its
+    longest, `episode_tokens`) and, as it also evaluates the student, the longest evaluation prompt
+    (`eval_prompt_tokens`) with its answer (an evaluation episode at its longest, `evaluation_tokens`)."""
     return opd_arguments.training_arguments(
         cfg,
         str(run_path / "checkpoints"),
         run_name=f"{JOB.name}/{run_path.name}",
         vllm_max_model_len=max(
-            cfg.max_prompt_length + cfg.rollout_max_new_tokens,
+            cfg.max_prompt_length + cfg.episode_tokens(),
             eval_prompt_tokens + evaluation_tokens(cfg) if eval_prompt_tokens else 0,
         ),
     )
