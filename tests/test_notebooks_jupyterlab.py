@@ -46,15 +46,18 @@ USER_SETTINGS = {
 
 NOTEBOOKS = {"savegrad": "01_save_grad", "whitebox": "02_whitebox", "cliplesson": "03_clip_vs_noclip"}
 NOTEBOOKS["antidistill"] = "04_antidistill"
+NOTEBOOKS["tooluse"] = "05_tool_use"  # the whitebox job on a tool environment
 # The cell that runs the job (its summary table last), and the cell with the notebook's main figure.
 RUN_CELLS = {
     "savegrad": "savegrad.run(",
     "whitebox": "whitebox.run(",
     "cliplesson": "cliplesson.run(",
     "antidistill": "antidistill.run(",
+    "tooluse": "whitebox.run(",
 }
 MAIN_FIGURES = {"whitebox": "report.curves(run)", "cliplesson": "report.curves(lesson)"}
 MAIN_FIGURES["antidistill"] = "report.tradeoff(run)"
+MAIN_FIGURES["tooluse"] = "tooluse.bars(run)"
 SHOWN_OUTPUTS = 50  # JupyterLab's maxNumberOutputs: past it, "Show more outputs"
 # Shortened runs, by job: (name, value) set in the parameters cell, replacing its line or appended.
 SHORT = {
@@ -68,6 +71,15 @@ SHORT = {
         "subset_size": 32,
         "eval_size": 10,
         "sft_max_steps": 3,
+    },
+    # the student that already calls the calculator, so that the transcripts have tool turns to set apart
+    "tooluse": {
+        "max_steps": 4,
+        "eval_size": 10,
+        "eval_every": 2,
+        "eval_every_size": 10,
+        "student_model": "tiny:teacher-tools",
+        "sample_every": 2,
     },
 }
 
@@ -346,6 +358,12 @@ def test_every_notebook_in_jupyterlab(tmp_path):
                 assert before[0] == "step 20" and after[0] == "step 10" and before[1] != after[1]
                 evals = [r for r in _records(runs / name) if "eval_accuracy" in r]
                 assert [r["step"] for r in evals] == [10, 20]
+            if name == "tooluse":  # the transcript view: the student's turns and, set apart, the tool's
+                view = cell_with(page, "tooluse.transcripts(run").locator(".jp-OutputArea-output").first
+                view.scroll_into_view_if_needed()
+                text = view.inner_text()
+                assert text.count("student") >= 2 and "tool / template" in text and "tool_response" in text
+                page.screenshot(path=str(shots / "05_transcripts.png"), full_page=False)
             if name in ("whitebox", "cliplesson"):  # no widget at all: nothing to lose with the kernel
                 saved_errors(page, base, path)  # saves it
                 reopened_without_widget_errors(page, base, path)
