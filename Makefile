@@ -114,7 +114,7 @@ $(VLLM_VENV)/.opdkit-installed: pyproject.toml $(VLLM_CONSTRAINTS)
 
 # Benchmarks against TRL and the ADS scripts, and the vLLM engine against the HF loop (P5, in .venv-vllm);
 # about 25 minutes on 2 CPU cores, ~20 more for P8 (the cross-tokenizer loss, most of it TRL's) and ~2 for
-# P9 (top-K against exact); see bench/README.md.
+# P9 (top-K against exact), ~5 for P10 (a multi-turn step against a single-turn one); see bench/README.md.
 bench: install $(VLLM_VENV)/.opdkit-installed
 	$(PY) -m bench.run --out runs/bench $(BENCH_ARGS)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import Figure, median, ratio_figure
 
-FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8", "P9")
+FIGURES = ("P1", "P1b", "P2", "P2s", "P2f", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10")
 
 
 @dataclass
@@ -353,6 +353,43 @@ def _p9(samples: dict, params: dict, threads: int) -> list[Figure]:
     ]
 
 
+def _p10(samples: dict, params: dict, threads: int) -> list[Figure]:
+    multi, single = samples["multi-turn"], samples["single-turn"]
+    pairs = [m["ms_per_token"] / s["ms_per_token"] for m, s in zip(multi, single)]  # run i of each, in turn
+    cpu = _medians(samples, "cpu_ms_per_token")
+    cpu_pairs = [m["cpu_ms_per_token"] / s["cpu_ms_per_token"] for m, s in zip(multi, single)]
+    setup = {
+        **params,
+        "threads": threads,
+        "model": importlib.import_module("bench.multiturn_step").MODEL,
+        "student_tokens_per_row": _medians(samples, "student_tokens_per_row"),
+        "context_tokens_per_row": _medians(samples, "context_tokens_per_row"),
+        "step_s": _medians(samples, "step_s"),
+        "phase_s": _phase_medians(samples),
+        "episode_counts_per_step": multi[0]["episode_counts_per_step"],
+        "pair_ratios": pairs,
+        "load_average": {side: [r["load_average"] for r in runs] for side, runs in samples.items()},
+        "pair_ratio_range": [min(pairs), max(pairs)],
+        "cpu_ms_per_token": cpu,  # the same ratio in CPU time, steadier on a shared machine
+        "cpu_ratio": cpu["multi-turn"] / cpu["single-turn"],
+        "cpu_pair_ratios": cpu_pairs,
+    }
+    return [
+        ratio_figure(
+            "P10",
+            "Multi-turn step (tool episodes) vs single-turn step at equal student tokens, per student token",
+            samples,
+            key="ms_per_token",
+            metric="ms per student token",
+            target=1.3,
+            higher_is_better=False,
+            baseline=_baseline("bench.multiturn_step"),
+            setup=setup,
+            sides=("multi-turn", "single-turn"),
+        )
+    ]
+
+
 def _step_medians(samples: dict) -> dict[str, float | None]:
     return {
         side: statistics.median(r["opd_step_s"] for r in runs) if runs[0]["opd_step_s"] is not None else None
@@ -408,6 +445,8 @@ BENCHES["P7"] = Bench(
 )
 # The top-K divergence's error against exact: deterministic (seeded), one run per side is enough.
 BENCHES["P9"] = Bench("p9_topk_error", "bench.topk_error", ("topk20", "exact"), 1, _p9, max_reps=1)
+# Issue 38: a multi-turn step's time per student token against a single-turn step's at equal tokens.
+BENCHES["P10"] = Bench("p10_multiturn_step", "bench.multiturn_step", ("multi-turn", "single-turn"), 1, _p10)
 WORKERS = {b.worker: b for b in BENCHES.values()}
 
 

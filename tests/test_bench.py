@@ -480,3 +480,35 @@ def test_call_path_counts_functions_places_and_climbs(monkeypatch):
     summary = path.summary()
     assert (summary["functions"], summary["places"], summary["climbs"]) == (5, 2, 1)
     assert summary["places_list"] == {high: {"room": 8, "functions": 4}, low: {"room": 2, "functions": 1}}
+
+
+def test_p10_times_both_steps_at_equal_student_tokens():
+    """P10 (issue 38) at quick size: the multi-turn side plays tool episodes (a call, then the answer: more
+    turns than episodes, the tool's tokens in the context but not in the loss), the single-turn side samples
+    exactly `single_turn_tokens` per row, the two within 10 % of each other in student tokens; the phases add
+    up to the step and the figure is the ratio of the two sides' time per student token."""
+    from bench import multiturn_step, registry
+
+    p = registry.BENCHES["P10"].default_params(quick=True)
+    got = {side: multiturn_step.measure(side, {**p, "threads": 1}) for side in multiturn_step.SIDES}
+    multi, single = got["multi-turn"], got["single-turn"]
+    episodes = multi["episode_counts_per_step"]
+    assert episodes["episodes"] == p["batch"] and episodes["turns"] > episodes["episodes"]
+    assert (
+        single["student_tokens_per_row"] == p["single_turn_tokens"] and not single["episode_counts_per_step"]
+    )
+    assert multi["student_tokens_per_row"] == pytest.approx(single["student_tokens_per_row"], rel=0.1)
+    context = {s: r["context_tokens_per_row"] - r["student_tokens_per_row"] for s, r in got.items()}
+    assert context["multi-turn"] > context["single-turn"] > 0  # the prompt, and on one side the tool turn
+    for r in got.values():
+        assert r["ms_per_token"] == pytest.approx(1000 * r["step_s"] / r["student_tokens_per_step"])
+        ph = r["phase_s"]
+        assert ph["rollout"] + ph["rest"] == pytest.approx(r["step_s"], abs=1e-4)
+        assert 0 < ph["engine"] <= ph["rollout"] and r["cpu_ms_per_token"] > 0
+    assert multi["phase_s"]["template"] > 0 == single["phase_s"]["template"]
+    (fig,) = registry._p10({s: [r] for s, r in got.items()}, p, 1)
+    assert (
+        fig.value == pytest.approx(multi["ms_per_token"] / single["ms_per_token"])
+        and not fig.higher_is_better
+    )
+    assert "P10" in registry.FIGURES and fig.target == 1.3

@@ -261,6 +261,20 @@ def test_max_turns_and_the_episode_budget_end_an_episode():
     assert after == 150 and first < 150 - 1 and [len(x) for x in spans(ids, loss)][0] == first
 
 
+def test_a_tool_turn_that_fills_the_budget_is_not_appended():
+    """A tool result that would bring the episode to `episode_max_tokens` ends it there, truncated, without
+    the result (no turn could read it): the record holds the student's turn only, within the budget."""
+    tok = tool_tokenizer()
+    scripts = {"7+7": [call("7+7"), ";14"]}
+    env = CalculatorEnvironment(task.TinyTask())
+    first = len(tok(call("7+7"))["input_ids"]) + 1  # the call and its stop token
+    records, source, engine = play(tok, scripts, env, [1], episode_max_tokens=first + 5)
+    ids, loss, truncated = rows_of(records)["7+7"]
+    after = len(ids) - int(loss.nonzero()[0])
+    assert truncated and source.counts["truncated"] == 1 and engine.calls == [1]
+    assert after == first and int(loss.sum()) == first and source.counts["calls"] == 1
+
+
 class Ok(Environment):
     """Every turn answered with a tool message (its length), so every episode plays all its turns."""
 

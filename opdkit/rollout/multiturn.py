@@ -15,8 +15,10 @@ The tool messages become token ids by the chat template: the conversation is ren
 generation prompt, the student's turn stood in by a marker, and the text after the marker (less the stop
 token the student sampled itself) is tokenized; what the student sampled is never tokenized again. An episode
 ends at its final answer, at `max_turns` turns (the last turn's tool results are not appended: no turn would
-read them), at a turn that hits its token limit without a stop token (truncated), or when its tokens reach
-`episode_max_tokens` (truncated).
+read them), at a turn that hits its token limit without a stop token (truncated), or when a turn's tool
+results would bring its tokens to `episode_max_tokens` (truncated; those results are not appended either, so a
+record never holds more than `episode_max_tokens` tokens after its prompt, where a long error message would
+otherwise pad its whole micro-batch past it).
 
 Each row's record: the prompt (left-padded), then everything after it, right-padded: the student's turns
 (each up to and including its stop token) with loss mask 1 and the engine's log-probabilities where it reports
@@ -192,9 +194,12 @@ class MultiTurnRollouts(EngineRollouts):
                 if answer.done or turn == self.max_turns - 1:
                     row.done = True
                     continue
-                row.add(self.tool_ids(row.episode.messages, len(answer.messages), ids[-1]), sampled=False)
-                if self.episode_max_tokens and len(row.after) >= self.episode_max_tokens:
+                tool = self.tool_ids(row.episode.messages, len(answer.messages), ids[-1])
+                if self.episode_max_tokens and len(row.after) + len(tool) >= self.episode_max_tokens:
+                    # no turn is left to read the results: not appended, so the record keeps to the budget
                     row.done = row.truncated = True
+                    continue
+                row.add(tool, sampled=False)
         return logprobs
 
     def _turn_limit(self, row: _Row) -> int:
