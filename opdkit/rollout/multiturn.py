@@ -37,7 +37,7 @@ import torch
 
 from opdkit.config import ConfigError
 from opdkit.rollout import engines, microbatches, sampling
-from opdkit.rollout.source import EngineRollouts, RolloutRecord
+from opdkit.rollout.source import Conversations, EngineRollouts, RolloutRecord
 
 TURN_MARK = "@@opdkit-student-turn@@"  # stands in for the student's turn when the template renders tools
 COUNTS = ("episodes", "called_tool", "tool_correct", "calls", "malformed", "turns", "correct", "truncated")
@@ -65,6 +65,12 @@ class _Row:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    cut_turn: str | None = None  # a last turn cut by its token limit (the environment never read it)
+
+    def conversation(self) -> list[dict]:
+        """The episode's messages, and a last turn cut by its token limit as an assistant message."""
+        cut = [] if self.cut_turn is None else [{"role": "assistant", "content": self.cut_turn}]
+        return [dict(m) for m in self.episode.messages] + cut
 
     def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
         self.after += ids
@@ -186,6 +192,7 @@ class MultiTurnRollouts(EngineRollouts):
                 stopped = bool(ids) and ids[-1] in stops
                 if not stopped:  # the turn's token limit came first: the episode ends unfinished
                     row.done = row.truncated = True
+                    row.cut_turn = self.tokenizer.decode(ids, skip_special_tokens=False)
                     continue
                 text = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
                 answer = self.environment.step(row.episode, text)
@@ -260,4 +267,7 @@ class MultiTurnRollouts(EngineRollouts):
             answers=answers,
             teacher_ids=owners,
             sampling_logprobs_BT=logp_BT.to(device) if logprobs else None,
+            conversations=Conversations(
+                [r.conversation() for r in rows], self.environment.tools or None, self.enable_thinking
+            ),
         )
