@@ -72,13 +72,16 @@ class CrossTeacher:
                 "crosstok_merge=observed-trl reads TRL's rows one position late and is for comparisons only; "
                 "train with bayesian or observed."
             )
-        by_bytes = own.crosstok_align == "bytes"
+        by_bytes = own.crosstok_align == "bytes" or own.crosstok_match == "bytes"
         try:
             s_bytes = TokenBytes.of(student) if by_bytes else None
             t_bytes = TokenBytes.of(teacher) if by_bytes else None
         except ConfigError as err:
             raise ConfigError(f"the teacher's tokenizer differs from the student's and {err}") from None
-        return cls(student, teacher, own, s_bytes, t_bytes, VocabMatch.of(student, teacher))
+        match = VocabMatch.of(student, teacher, (s_bytes, t_bytes) if own.crosstok_match == "bytes" else None)
+        if own.crosstok_align != "bytes":
+            s_bytes = t_bytes = None  # positional pairing reads no byte ends
+        return cls(student, teacher, own, s_bytes, t_bytes, match)
 
     @property
     def teacher_eos(self) -> int | None:

@@ -22,8 +22,9 @@ Each row's record: the prompt (left-padded), then everything after it, right-pad
 (each up to and including its stop token) with loss mask 1 and the engine's log-probabilities where it reports
 them, the template's and the tools' tokens with loss mask 0, and each episode's conversation as messages
 (`conversations`, which a teacher with another tokenizer renders with its own template; a last turn cut by its
-token limit included). The teacher scores the whole transcript; only the student's tokens carry loss. Rows are regrouped into micro-batches by length as `source.EngineRollouts` does;
-with one turn and no tools the records are exactly EngineRollouts'. Each row samples turn t from its own
+token limit included). The teacher scores the whole transcript; only the student's tokens carry loss. Rows
+are regrouped into micro-batches by length as `source.EngineRollouts` does; with one turn and no tools the
+records are exactly EngineRollouts'. Each row samples turn t from its own
 stream: turn 0's key is `engines.rollout_seeds` (seed, step, place in the step's global batch), later turns'
 that key hashed with t (`turn_seeds`), so any number of processes samples the same episodes.
 """
