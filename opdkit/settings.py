@@ -227,6 +227,12 @@ class CrossTokenizerSettings:
     crosstok_teacher_temperature: float = setting(
         1.0, "temperature of the teacher's distributions in the cross-tokenizer loss", min=1e-3
     )
+    crosstok_match: str = setting(
+        "strings",
+        "hybrid: the tokens both vocabularies share: strings (the same token string, as GOLD) or bytes (the "
+        "same bytes, special tokens by string: a character tokenizer's newline and byte-level BPE's 'Ċ')",
+        choices=("strings", "bytes"),
+    )
     crosstok_skip_student_eos: bool = setting(True, "leave the student's trailing EOS out of the loss")
     crosstok_skip_teacher_eos: bool = setting(True, "leave the teacher's trailing EOS out of the loss")
 

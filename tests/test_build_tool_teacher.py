@@ -54,3 +54,19 @@ def test_the_teacher_shares_the_students_tokenizer_and_copies_the_tools_result(t
     ]
     finals = tool_teacher.greedy_turn(model, tok, told, task.MAX_TURN_TOKENS)
     assert sum(task.extract_answer(f) == str(int(p.answer) + 137) for f, p in zip(finals, probs)) >= 15
+
+
+def test_the_bpe_tool_teacher_reads_another_tokenizer_and_solves_held_out_sums_with_the_tool():
+    """`tiny:teacher-bpe-tools` (`--tokenizer bpe`): teacher-bpe's tokenizer, not the student's; with the tool
+    it solves held-out sums, greedy episodes through its own tokenizer and template."""
+    from opdkit.opd.crossteacher import differ
+
+    tok, model = models.load_tokenizer("tiny:teacher-bpe-tools"), models.load_model("tiny:teacher-bpe-tools")
+    assert tok.get_vocab() == models.load_tokenizer("tiny:teacher-bpe").get_vocab()
+    assert differ(models.load_tokenizer("tiny:student"), tok) and model.config.vocab_size == len(tok)
+    messages, answers = task.TinyToolsTask().heldout(64)
+    acc = tool_teacher.tool_accuracy(model, tok, messages, answers)
+    assert acc["called_tool"] == 1.0 and acc["tool_call_share"] == 1.0 and acc["correct"] >= 0.95
+    recorded = json.loads((tiny.ASSETS / "teacher-bpe-tools" / "recipe.json").read_text())
+    assert recorded["teacher_heldout_with_tool"]["accuracy"] >= 0.95
+    assert recorded["tokenizer"].startswith("byte-level BPE")

@@ -86,3 +86,30 @@ def test_vocab_match_is_by_exact_string(qwen3_bytes, deepseek_bytes):
     for s_id, t_id in list(zip(match.student_ids_S.tolist(), match.teacher_ids_S.tolist()))[::5000]:
         assert q_vocab[s_id] == d_vocab[t_id]
     assert match.teacher_ids_S.tolist() == sorted(match.teacher_ids_S.tolist())
+
+
+def test_vocab_match_by_bytes_pairs_tokens_that_spell_the_same_text():
+    """crosstok_match=bytes: the tiny character tokenizer and byte-level BPE share every token that spells the
+    same text (decoded by each tokenizer), whitespace included ('\\n' and 'Ċ'), special tokens by name; by
+    string the whitespace is not shared."""
+    from opdkit.models import load_tokenizer
+
+    student, teacher = load_tokenizer("tiny:student"), load_tokenizer("tiny:teacher-bpe")
+    by_string = VocabMatch.of(student, teacher)
+    by_bytes = VocabMatch.of(student, teacher, (TokenBytes.of(student), TokenBytes.of(teacher)))
+    pairs = set(zip(by_bytes.student_ids_S.tolist(), by_bytes.teacher_ids_S.tolist()))
+    assert set(zip(by_string.student_ids_S.tolist(), by_string.teacher_ids_S.tolist())) < pairs
+    specials = set(student.all_special_ids)
+    for s, t in pairs:
+        if s in specials:
+            assert student.convert_ids_to_tokens(s) == teacher.convert_ids_to_tokens(t)
+        else:
+            assert student.decode([s]) == teacher.decode([t])
+    newline, space = student.convert_tokens_to_ids("\n"), student.convert_tokens_to_ids(" ")
+    assert (newline, teacher.convert_tokens_to_ids("Ċ")) in pairs
+    assert (space, teacher.convert_tokens_to_ids("Ġ")) in pairs
+    # every text one token spells on both sides is shared exactly once
+    s_text = {student.decode([i]): i for i in range(len(student)) if i not in specials}
+    t_text = {teacher.decode([i]) for i in range(len(teacher)) if i not in set(teacher.all_special_ids)}
+    assert len(pairs) == len(set(s_text) & t_text) + len(specials & set(by_string.student_ids_S.tolist()))
+    assert len({t for _, t in pairs}) == len(pairs) == len({s for s, _ in pairs})

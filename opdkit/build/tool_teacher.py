@@ -2,16 +2,18 @@
 of four 3-digit numbers by calling the calculator and copying its result (`opdkit.tasks.tinytools`).
 
     python -m opdkit.build.tool_teacher --out opdkit/tiny/assets/teacher-tools       # a few minutes, 1 core
+    python -m opdkit.build.tool_teacher --out opdkit/tiny/assets/teacher-bpe-tools --tokenizer bpe
 
 Trained from scratch by the kit's one SFT loop (`opdkit.sft.trainer`, as `opdkit.build.tiny_world`) on
 transcripts rendered by the tiny chat template with the calculator listed (`tools=[CALCULATOR]`): the prompt,
 the assistant's call, the tool's result, the assistant's answer; the loss is on the assistant's two turns only
 (the call and the answer), never on the tool's result. Same tokenizer as the tiny student, so the two can be
-distilled in process. Measured with the tool (`tool_accuracy`): greedy episodes against the calculator's
-environment (`tasks.evaluate.episode_accuracy`: the call parsed and answered by `calculate`, no `eval` of
-model text, the result appended as a tool turn, greedy answer, graded). Writes the model,
-its tokenizer and `recipe.json` (held-out accuracy with the tool, the shipped student's without it, build
-time) into one folder.
+distilled in process; with `--tokenizer bpe` (`tiny:teacher-bpe-tools`) the byte-level BPE tokenizer of
+`opdkit.build.bpe_teacher` instead (same template, other tokens: a teacher with another tokenizer). Measured
+with the tool (`tool_accuracy`): greedy episodes against the calculator's environment
+(`tasks.evaluate.episode_accuracy`: the call parsed and answered by `calculate`, no `eval` of model text, the
+result appended as a tool turn, greedy answer, graded). Writes the model, its tokenizer and `recipe.json`
+(held-out accuracy with the tool, the shipped student's without it, build time) into one folder.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opdkit import models
+from opdkit.build import bpe_teacher
 from opdkit.build import tiny_world as build
 from opdkit.data.labels import IGNORE
 from opdkit.rollout import engines, sampling
@@ -38,6 +41,10 @@ from opdkit.tiny.tokenizer import build_tokenizer
 # more (and a small teacher builds in minutes on one core).
 TEACHER = build.ModelSpec(64, 2, 2, 1, 192, 32)
 EVAL_SEED = 777  # the build's own evaluation stream (not the held-out pool)
+TOKENIZERS = {  # --tokenizer: how to build it, what recipe.json says
+    "char": (build_tokenizer, "the tiny world's character tokenizer (tiny:tokenizer)"),
+    "bpe": (bpe_teacher.build_bpe_tokenizer, "byte-level BPE, digits one a token (build.bpe_teacher)"),
+}
 
 
 def transcript_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> dict:
@@ -163,17 +170,20 @@ def build_tool_teacher(
     eval_every: int = 50,
     eval_n: int = 200,
     seed: int = 0,
+    tokenizer: str = "char",
 ) -> dict:
-    """Train and save the teacher into `out`; returns what `recipe.json` records."""
+    """Train and save the teacher into `out` (`tokenizer`: char, the student's, or bpe); returns what
+    `recipe.json` records."""
     out, t0 = Path(out), time.time()
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    make_tokenizer, tokenizer_text = TOKENIZERS[tokenizer]
+    tokenizer = make_tokenizer()
     teacher = build.qwen3_model(TEACHER, tokenizer, seed)
 
     def record(history: list[dict], **more) -> dict:
         rec = {
             "task": "sums of four 3-digit numbers with a calculator (opdkit.tasks.tinytools)",
-            "tokenizer": "the tiny world's character tokenizer (tiny:tokenizer)",
+            "tokenizer": f"{tokenizer_text}, {len(tokenizer)} tokens",
             "seed": seed,
             "stop_accuracy": stop_accuracy,
             "teacher": {**asdict(TEACHER), "params": teacher.num_parameters(), "history": history},
@@ -201,7 +211,7 @@ def build_tool_teacher(
     return record(
         history,
         teacher_heldout_with_tool=heldout_figures(teacher, tokenizer),
-        student_heldout_without_tool=heldout_figures(student, tokenizer, n=200),
+        student_heldout_without_tool=heldout_figures(student, build_tokenizer(), n=200),
         train_seconds=train_seconds,
         build_seconds=round(time.time() - t0, 1),
     )
@@ -216,9 +226,15 @@ def main() -> None:
     )
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="char", choices=tuple(TOKENIZERS), help="the student's, or BPE")
     a = p.parse_args()
     rec = build_tool_teacher(
-        a.out, steps=a.steps, stop_accuracy=a.stop_accuracy, eval_every=a.eval_every, seed=a.seed
+        a.out,
+        steps=a.steps,
+        stop_accuracy=a.stop_accuracy,
+        eval_every=a.eval_every,
+        seed=a.seed,
+        tokenizer=a.tokenizer,
     )
     print(json.dumps({k: v for k, v in rec.items() if k != "teacher"}, indent=2))
 

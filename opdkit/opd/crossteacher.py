@@ -21,6 +21,7 @@ for comparisons only and refused here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -39,6 +40,8 @@ from opdkit.opd.crosstok import (
     prediction_positions,
 )
 from opdkit.rollout import sampling
+from opdkit.rollout.multiturn import TURN_MARK
+from opdkit.rollout.source import Conversations
 
 
 def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | None) -> bool:
@@ -69,13 +72,16 @@ class CrossTeacher:
                 "crosstok_merge=observed-trl reads TRL's rows one position late and is for comparisons only; "
                 "train with bayesian or observed."
             )
-        by_bytes = own.crosstok_align == "bytes"
+        by_bytes = own.crosstok_align == "bytes" or own.crosstok_match == "bytes"
         try:
             s_bytes = TokenBytes.of(student) if by_bytes else None
             t_bytes = TokenBytes.of(teacher) if by_bytes else None
         except ConfigError as err:
             raise ConfigError(f"the teacher's tokenizer differs from the student's and {err}") from None
-        return cls(student, teacher, own, s_bytes, t_bytes, VocabMatch.of(student, teacher))
+        match = VocabMatch.of(student, teacher, (s_bytes, t_bytes) if own.crosstok_match == "bytes" else None)
+        if own.crosstok_align != "bytes":
+            s_bytes = t_bytes = None  # positional pairing reads no byte ends
+        return cls(student, teacher, own, s_bytes, t_bytes, match)
 
     @property
     def teacher_eos(self) -> int | None:
@@ -168,6 +174,132 @@ class CrossTeacher:
             "crosstok_alignment": plan,
             "crosstok_groups": torch.tensor(float(plan.num_groups), device=device),
         }
+
+    def prepare_transcripts(
+        self,
+        ids_BT: torch.Tensor,
+        attn_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor,
+        stop_ids: list[int],
+        conversations: Conversations,
+    ) -> dict:
+        """`prepare` for multi-turn records (several runs of loss tokens per row, the student's turns): the
+        teacher reads each row's conversation rendered by its own chat template (`turn_contexts`), each
+        student turn's text in its tokens (then its EOS where the turn ended at a stop token, the template's
+        own EOS text after the turn left out), the rest of the rendering between them tokenized as context.
+        Groups are aligned inside each turn, never across; its rows are the positions predicting each turn's
+        tokens. A row of `crosstok_alignment` is a batch row (all its turns' groups)."""
+        ids, loss = ids_BT.cpu(), loss_mask_BT.cpu().bool()
+        eos = self.student_tokenizer.eos_token_id
+        eos_text = self.teacher_tokenizer.decode([self.teacher_eos]) if self.teacher_eos is not None else ""
+        bos = self.teacher_tokenizer.bos_token
+        skip = self.settings.crosstok_skip_student_eos
+        students, teachers, turn_row, sequences, spans = [], [], [], [], []
+        for b in range(ids.shape[0]):
+            texts, stops, seq, row_spans = [], [], [], []
+            for start, stop in _runs(loss[b]):
+                turn = ids[b, start:stop].tolist()
+                stopped = turn[-1] in stop_ids
+                texts.append(self._text(turn[:-1] if stopped else turn))
+                stops.append(stopped)
+                s_ids = list(turn)
+                if stopped and skip and eos is not None:
+                    s_ids[-1] = eos
+                s_ends = self.student_bytes.ends(s_ids) if self.student_bytes else [0] * len(s_ids)
+                students.append(Tokens(s_ids, s_ends))
+                turn_row.append(b)
+            contexts = self.turn_contexts(conversations.messages[b], texts, conversations)
+            for k, (context, text, stopped) in enumerate(zip(contexts, texts, stops)):
+                if k and stops[k - 1] and eos_text and context.startswith(eos_text):
+                    context = context[len(eos_text) :]  # the EOS ending the turn before is the teacher's own
+                specials = k == 0 and not (bos and context.startswith(bos))
+                seq += self.teacher_tokenizer(context, add_special_tokens=specials)["input_ids"]
+                if not seq:
+                    raise ValueError("a student turn with nothing before it: the teacher has no row to read")
+                t = self._teacher_tokens(text, self.teacher_eos if stopped else None)
+                teachers.append(t)
+                row_spans.append(prediction_positions(len(seq), len(t.ids), self.settings))
+                seq += t.ids
+            sequences.append(seq)
+            spans.append(row_spans)
+        t_ids_BT, t_attn_BT = sampling.left_pad(sequences, _pad_id(self.teacher_tokenizer))
+        t_pred_BT = torch.zeros_like(t_attn_BT, dtype=torch.bool)
+        for b, (seq, row_spans) in enumerate(zip(sequences, spans)):
+            shift = t_ids_BT.shape[1] - len(seq)
+            for span in row_spans:
+                t_pred_BT[b, shift + span.start : shift + span.stop] = True
+        plan = align(students, teachers, self.settings, student_eos=eos, teacher_eos=self.teacher_eos)
+        plan = dataclasses.replace(
+            plan, row_G=torch.tensor(turn_row, dtype=torch.long)[plan.row_G], num_rows=ids.shape[0]
+        )
+        device = ids_BT.device
+        return {
+            "teacher_input_ids": t_ids_BT.to(device),
+            "teacher_attention_mask": t_attn_BT.to(device),
+            "teacher_pred_BT": t_pred_BT.to(device),
+            "crosstok_alignment": plan,
+            "crosstok_groups": torch.tensor(float(plan.num_groups), device=device),
+        }
+
+    def turn_contexts(
+        self, messages: list[dict], texts: list[str], conversations: Conversations
+    ) -> list[str]:
+        """The teacher's rendering of a conversation cut at its student turns: the text before turn k (after
+        turn k-1), for each of `texts` (the student's turns, the conversation's last assistant messages).
+        Rendered twice, each student turn's content once a marker and once its text: the two must agree
+        (the template writes each turn's text as it is), else a ConfigError of one line names the teacher and
+        the turn."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if len(turns) < len(texts):
+            raise ValueError(
+                f"a conversation with {len(turns)} assistant messages for {len(texts)} student turns"
+            )
+        mine = turns[len(turns) - len(texts) :]
+        marks = [f"{TURN_MARK}{k}@@" for k in range(len(texts))]
+
+        def render(contents: list[str]) -> str:
+            msgs = [dict(m) for m in messages]
+            for i, content in zip(mine, contents):
+                msgs[i]["content"] = content
+            return self.teacher_tokenizer.apply_chat_template(
+                msgs,
+                tools=conversations.tools or None,
+                tokenize=False,
+                add_generation_prompt=False,
+                enable_thinking=conversations.enable_thinking,
+            )
+
+        marked, real = render(marks), render(texts)
+        name = self.teacher_tokenizer.name_or_path or "the teacher"
+        contexts, at, want = [], 0, ""
+        for k, (mark, text) in enumerate(zip(marks, texts)):
+            where = marked.find(mark, at)
+            if where < 0:
+                raise ConfigError(
+                    f"the chat template of teacher {name} does not render the student's turn {k + 1} of "
+                    f"{len(texts)} as its content; a teacher of another tokenizer needs a template that does."
+                )
+            contexts.append(marked[at:where])
+            at = where + len(mark)
+            want += contexts[-1] + text
+            if not real.startswith(want):
+                raise ConfigError(
+                    f"the chat template of teacher {name} does not reproduce the student's turn {k + 1} of "
+                    f"{len(texts)} ({_short(text)}) as it was sampled: the teacher cannot score that "
+                    "transcript; use a teacher whose template writes assistant turns unchanged."
+                )
+        return contexts
+
+
+def _runs(mask_T: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) columns of each run of True."""
+    edges = torch.diff(mask_T.int(), prepend=mask_T.new_zeros(1).int(), append=mask_T.new_zeros(1).int())
+    starts, stops = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+    return list(zip(starts, stops))
+
+
+def _short(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -22,9 +22,11 @@ otherwise pad its whole micro-batch past it).
 
 Each row's record: the prompt (left-padded), then everything after it, right-padded: the student's turns
 (each up to and including its stop token) with loss mask 1 and the engine's log-probabilities where it reports
-them, the template's and the tools' tokens with loss mask 0. The teacher scores the whole transcript; only the
-student's tokens carry loss. Rows are regrouped into micro-batches by length as `source.EngineRollouts` does;
-with one turn and no tools the records are exactly EngineRollouts'. Each row samples turn t from its own
+them, the template's and the tools' tokens with loss mask 0, and each episode's conversation as messages
+(`conversations`, which a teacher with another tokenizer renders with its own template; a last turn cut by its
+token limit included). The teacher scores the whole transcript; only the student's tokens carry loss. Rows
+are regrouped into micro-batches by length as `source.EngineRollouts` does; with one turn and no tools the
+records are exactly EngineRollouts'. Each row samples turn t from its own
 stream: turn 0's key is `engines.rollout_seeds` (seed, step, place in the step's global batch), later turns'
 that key hashed with t (`turn_seeds`), so any number of processes samples the same episodes.
 """
@@ -39,7 +41,7 @@ import torch
 
 from opdkit.config import ConfigError
 from opdkit.rollout import engines, microbatches, sampling
-from opdkit.rollout.source import EngineRollouts, RolloutRecord
+from opdkit.rollout.source import Conversations, EngineRollouts, RolloutRecord
 
 TURN_MARK = "@@opdkit-student-turn@@"  # stands in for the student's turn when the template renders tools
 COUNTS = ("episodes", "called_tool", "tool_correct", "calls", "malformed", "turns", "correct", "truncated")
@@ -67,6 +69,12 @@ class _Row:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    cut_turn: str | None = None  # a last turn cut by its token limit (the environment never read it)
+
+    def conversation(self) -> list[dict]:
+        """The episode's messages, and a last turn cut by its token limit as an assistant message."""
+        cut = [] if self.cut_turn is None else [{"role": "assistant", "content": self.cut_turn}]
+        return [dict(m) for m in self.episode.messages] + cut
 
     def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
         self.after += ids
@@ -188,6 +196,7 @@ class MultiTurnRollouts(EngineRollouts):
                 stopped = bool(ids) and ids[-1] in stops
                 if not stopped:  # the turn's token limit came first: the episode ends unfinished
                     row.done = row.truncated = True
+                    row.cut_turn = self.tokenizer.decode(ids, skip_special_tokens=False)
                     continue
                 text = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
                 answer = self.environment.step(row.episode, text)
@@ -265,4 +274,7 @@ class MultiTurnRollouts(EngineRollouts):
             answers=answers,
             teacher_ids=owners,
             sampling_logprobs_BT=logp_BT.to(device) if logprobs else None,
+            conversations=Conversations(
+                [r.conversation() for r in rows], self.environment.tools or None, self.enable_thinking
+            ),
         )

@@ -31,6 +31,19 @@ from opdkit.rollout import engines, microbatches, sampling
 
 
 @dataclass(frozen=True)
+class Conversations:
+    """A multi-turn record's rows as messages, for a teacher that renders them with its own chat template (a
+    teacher of another tokenizer): each row's conversation (the prompt's messages, then every student turn as
+    an assistant message, its text as the student sampled it, with the tool messages between), the `tools`
+    and `enable_thinking` the student's template rendered it with. The student's turns are each row's last
+    assistant messages, one per run of mask-1 tokens, in order."""
+
+    messages: list[list[dict]]
+    tools: list[dict] | None = None
+    enable_thinking: bool = False
+
+
+@dataclass(frozen=True)
 class RolloutRecord:
     """A micro-batch of rollouts as the trainer reads it (B rows, T columns, left-padded contexts).
 
@@ -39,7 +52,8 @@ class RolloutRecord:
     None when the engine reports none; `truncated_B` rows that never sampled a stop token; `sampled_as` each
     row's place in the step's sampling order; `answers` and `teacher_ids` the prompts' columns (None where
     absent); `policy_version` the optimizer steps the weights that sampled it had taken (None: the current
-    weights, sampled in the step; staleness = the trainer's step - policy_version)."""
+    weights, sampled in the step; staleness = the trainer's step - policy_version); `conversations` each row's
+    conversation as messages (a multi-turn source's records; None elsewhere)."""
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
@@ -50,6 +64,7 @@ class RolloutRecord:
     teacher_ids: list | None = None
     sampling_logprobs_BT: torch.Tensor | None = None
     policy_version: int | None = None
+    conversations: Conversations | None = None
 
     def predicting_BT(self) -> torch.Tensor:
         """The positions whose state predicts a loss token: the loss mask shifted left by one (the state at t

@@ -6,7 +6,8 @@ through `AutoModelForCausalLM` / `AutoTokenizer` like any Hugging Face model. `o
 rebuilds them. `tiny:teacher-bpe` is a teacher on a byte-level BPE tokenizer instead (the tiny world
 across tokenizers; `opdkit.build.bpe_teacher` rebuilds it). `tiny:teacher-tools` is the tiny tool
 world's teacher (sums of four 3-digit numbers with a calculator, `opdkit.tasks.tinytools`), on the student's
-tokenizer; `opdkit.build.tool_teacher` rebuilds it.
+tokenizer; `opdkit.build.tool_teacher` rebuilds it, and with `--tokenizer bpe` `tiny:teacher-bpe-tools`, the
+same teacher on teacher-bpe's tokenizer (the tool world across tokenizers).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def resolve(name: str) -> str:
     if not (path / "config.json").exists() and not (path / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"{name!r} is not part of the shipped tiny world (expected {path}); valid: tiny:teacher, "
-            "tiny:student, tiny:tokenizer, tiny:teacher-bpe, tiny:teacher-tools. Rebuild with `python -m "
-            f"opdkit.build.tiny_world --out {ASSETS}` (or `opdkit.build.bpe_teacher` for teacher-bpe, "
-            "`opdkit.build.tool_teacher` for teacher-tools) if the folder was deleted."
+            "tiny:student, tiny:tokenizer, tiny:teacher-bpe, tiny:teacher-tools, tiny:teacher-bpe-tools. "
+            "Rebuild "
+            f"with `python -m opdkit.build.tiny_world --out {ASSETS}` (or `opdkit.build.bpe_teacher` for "
+            "teacher-bpe, `opdkit.build.tool_teacher` for teacher-tools, with `--tokenizer bpe` for "
+            "teacher-bpe-tools) if the folder was deleted."
         )
     return str(path)

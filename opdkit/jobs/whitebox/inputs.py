@@ -157,19 +157,13 @@ class Prepared:
         return self.teacher_tokenizer if self.teacher_tokenizer is not None else self.tokenizer
 
 
-def check_environment(cfg: WhiteboxConfig, cross: bool) -> None:
-    """Multi-turn episodes (`environment`) are scored by a teacher of the student's tokenizer, in this
-    process, served exactly (its states over the whole transcript) or a set of them, for now: a teacher of
-    another tokenizer re-renders one completion, not a transcript, and a served top-K teacher is not tested
-    over one."""
+def check_environment(cfg: WhiteboxConfig) -> None:
+    """Multi-turn episodes (`environment`) are scored by a teacher in this process, served exactly (its states
+    over the whole transcript) or a set of them; a teacher of another tokenizer renders each transcript with
+    its own chat template (`crossteacher.CrossTeacher.prepare_transcripts`). A served top-K teacher is not
+    tested over one, for now."""
     if not cfg.environment:
         return
-    if cross:
-        raise ConfigError(
-            f"environment={cfg.environment} with a teacher of another tokenizer ({cfg.teacher_model}): the "
-            "cross-tokenizer loss over multi-turn transcripts is not built yet; use a teacher of the "
-            "student's tokenizer, or no environment."
-        )
     if cfg.teacher_server and cfg.topk():
         raise ConfigError(
             f"environment={cfg.environment} with teacher_logprobs {cfg.teacher_logprobs}: a served top-K "
@@ -192,7 +186,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
-    check_environment(cfg, cross)
+    check_environment(cfg)
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(

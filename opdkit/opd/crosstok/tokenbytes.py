@@ -152,17 +152,40 @@ def _ends_from_offsets(text: str, offsets: Sequence[tuple[int, int]]) -> list[in
 
 @dataclass
 class VocabMatch:
-    """Token ids both tokenizers spell the same (exact token string, as GOLD matches them), by teacher id."""
+    """Token ids both tokenizers spell the same (exact token string, as GOLD matches them, or the same bytes:
+    `crosstok_match`), by teacher id."""
 
     student_ids_S: torch.Tensor
     teacher_ids_S: torch.Tensor
 
     @classmethod
-    def of(cls, student_tokenizer, teacher_tokenizer) -> VocabMatch:
+    def of(
+        cls, student_tokenizer, teacher_tokenizer, by_bytes: tuple[TokenBytes, TokenBytes] | None = None
+    ) -> VocabMatch:
+        """Pairs of the same token string; with `by_bytes` (the student's and the teacher's `TokenBytes`),
+        of the same bytes instead (special tokens, which spell none, still by string; the lowest id of a side
+        where several spell alike)."""
         student = student_tokenizer.get_vocab()
-        pairs = sorted(
-            (t_id, student[tok]) for tok, t_id in teacher_tokenizer.get_vocab().items() if tok in student
-        )
+        if by_bytes is None:
+            pairs = sorted(
+                (t_id, student[tok]) for tok, t_id in teacher_tokenizer.get_vocab().items() if tok in student
+            )
+        else:
+            s_bytes, t_bytes = by_bytes
+            s_of: dict[bytes, int] = {}
+            for i in sorted(student.values()):
+                if s_bytes.pieces[i]:
+                    s_of.setdefault(s_bytes.pieces[i], i)
+            t_seen: set[bytes] = set()
+            pairs = []
+            for tok, t_id in sorted(teacher_tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+                piece = t_bytes.pieces[t_id]
+                if piece and piece in s_of and piece not in t_seen:
+                    t_seen.add(piece)
+                    pairs.append((t_id, s_of[piece]))
+                elif not piece and tok in student and not s_bytes.pieces[student[tok]]:
+                    pairs.append((t_id, student[tok]))
+            pairs.sort()
         teacher_ids, student_ids = zip(*pairs) if pairs else ((), ())
         return cls(torch.tensor(student_ids, dtype=torch.long), torch.tensor(teacher_ids, dtype=torch.long))
 

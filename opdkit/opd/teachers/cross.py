@@ -40,8 +40,17 @@ class CrossTokenizerTeacher(Teacher):
         self.inner.place(device, shard)
 
     def rows(self, record: RolloutRecord) -> dict:
-        """The teacher's tokens, its predicting rows and the alignment
-        (`crossteacher.CrossTeacher.prepare`)."""
+        """The teacher's tokens, its predicting rows and the alignment (`crossteacher.CrossTeacher.prepare`;
+        a multi-turn record's transcripts rendered by the teacher's own chat template:
+        `prepare_transcripts`)."""
+        if record.conversations is not None:
+            return self.cross.prepare_transcripts(
+                record.input_ids_BT,
+                record.attention_mask_BT,
+                record.loss_mask_BT,
+                self.stop_ids,
+                record.conversations,
+            )
         return self.cross.prepare(
             record.input_ids_BT, record.attention_mask_BT, record.loss_mask_BT, self.stop_ids
         )
