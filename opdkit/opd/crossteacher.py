@@ -160,13 +160,18 @@ class CrossTeacher:
             t_prompt = self.teacher_prompt(prompt)
             sequences.append(t_prompt + t.ids)
             spans.append(prediction_positions(len(t_prompt), len(t.ids), self.settings))
+        plan = align(students, teachers, self.settings, student_eos=eos, teacher_eos=self.teacher_eos)
+        return self.teacher_inputs(sequences, [[span] for span in spans], plan, ids_BT.device)
+
+    def teacher_inputs(self, sequences: list[list[int]], spans: list[list[range]], plan, device) -> dict:
+        """The teacher's rows left-padded, the positions in them that predict the aligned tokens (each row's
+        `spans`), and the alignment `plan`: what the loss reads of a cross-tokenizer batch."""
         t_ids_BT, t_attn_BT = sampling.left_pad(sequences, _pad_id(self.teacher_tokenizer))
         t_pred_BT = torch.zeros_like(t_attn_BT, dtype=torch.bool)
-        for b, (seq, span) in enumerate(zip(sequences, spans)):
+        for b, (seq, row_spans) in enumerate(zip(sequences, spans)):
             shift = t_ids_BT.shape[1] - len(seq)
-            t_pred_BT[b, shift + span.start : shift + span.stop] = True
-        plan = align(students, teachers, self.settings, student_eos=eos, teacher_eos=self.teacher_eos)
-        device = ids_BT.device
+            for span in row_spans:
+                t_pred_BT[b, shift + span.start : shift + span.stop] = True
         return {
             "teacher_input_ids": t_ids_BT.to(device),
             "teacher_attention_mask": t_attn_BT.to(device),
@@ -222,24 +227,11 @@ class CrossTeacher:
                 seq += t.ids
             sequences.append(seq)
             spans.append(row_spans)
-        t_ids_BT, t_attn_BT = sampling.left_pad(sequences, _pad_id(self.teacher_tokenizer))
-        t_pred_BT = torch.zeros_like(t_attn_BT, dtype=torch.bool)
-        for b, (seq, row_spans) in enumerate(zip(sequences, spans)):
-            shift = t_ids_BT.shape[1] - len(seq)
-            for span in row_spans:
-                t_pred_BT[b, shift + span.start : shift + span.stop] = True
         plan = align(students, teachers, self.settings, student_eos=eos, teacher_eos=self.teacher_eos)
         plan = dataclasses.replace(
             plan, row_G=torch.tensor(turn_row, dtype=torch.long)[plan.row_G], num_rows=ids.shape[0]
         )
-        device = ids_BT.device
-        return {
-            "teacher_input_ids": t_ids_BT.to(device),
-            "teacher_attention_mask": t_attn_BT.to(device),
-            "teacher_pred_BT": t_pred_BT.to(device),
-            "crosstok_alignment": plan,
-            "crosstok_groups": torch.tensor(float(plan.num_groups), device=device),
-        }
+        return self.teacher_inputs(sequences, spans, plan, ids_BT.device)
 
     def turn_contexts(
         self, messages: list[dict], texts: list[str], conversations: Conversations
