@@ -1,7 +1,7 @@
-"""05's report of a tool-use run (`opdkit.jobs.whitebox.tooluse`): its findings are the paired lifts over seeds
-judged on their Student-t interval (computed here with scipy), its table carries both measures with their
-intervals, and a run of one seed says it has none. The transcript view is tested on the trainer's own samples
-in tests/test_rollout_multiturn.py."""
+"""05's report of a tool-use run (`opdkit.jobs.whitebox.tooluse`): its findings are the paired lifts over
+seeds judged on their Student-t interval (computed here with scipy), its table carries both measures with
+their intervals, and a run of one seed says it has none. The transcript view is tested on the trainer's own
+samples in tests/test_rollout_multiturn.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ SEEDS = {42: seed(0.0, 0.99, 0.0, 1.0), 43: seed(0.0, 0.47, 0.0, 0.98), 44: seed
 
 def repeated() -> dict:
     means = {
-        k: sum(s[k] for s in SEEDS.values()) / len(SEEDS) for k in SEEDS[42] if isinstance(SEEDS[42][k], float)
+        k: sum(s[k] for s in SEEDS.values()) / len(SEEDS)
+        for k in SEEDS[42]
+        if isinstance(SEEDS[42][k], float)
     }
     return {**means, "repeats": 3, "finding": {"claim": "x"}, "seeds": {str(k): v for k, v in SEEDS.items()}}
 
@@ -52,7 +54,9 @@ def test_findings_are_the_paired_lifts_judged_on_their_interval():
         assert found["mean"] == pytest.approx(mean) and found["n"] == 3
         assert found["ci"] == pytest.approx([low, high])
     assert calls["word"] == "holds"  # [0.93, 1.04]: above 0
-    mean, low, high = t_interval([s["student_accuracy_after"] - s["student_accuracy_before"] for s in SEEDS.values()])
+    mean, low, high = t_interval(
+        [s["student_accuracy_after"] - s["student_accuracy_before"] for s in SEEDS.values()]
+    )
     assert low > 0 and accuracy["word"] == "holds"
     # the goal of +40 points: the interval reaches below 0.40, so it is within noise, not held
     assert low < tooluse.GOAL < high and goal["word"].startswith("within noise")

@@ -185,8 +185,8 @@ REPORTS = {"report", "tooluse"}  # a job's report modules a notebook may import
 
 
 def notebook_imports(root: Path = REPO) -> list[str]:
-    """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report (05 also
-    whitebox's report of a tool-use run, `tooluse`), and nothing else of opdkit."""
+    """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report (05
+    also whitebox's report of a tool-use run, `tooluse`), and nothing else of opdkit."""
     bad = []
     for nb in sorted((root / "notebooks").glob("*.ipynb")):
         code = "\n".join(
@@ -606,7 +606,9 @@ def gpu_block_drift(root: Path = REPO) -> list[str]:
             if field not in preset:
                 bad.append(f"{stem}: {field} is not a field of {job}")
             elif shown != preset[field]:
-                bad.append(f"{stem}: {field} = {shown!r}, but params/{job}/{name}.yaml gives {preset[field]!r}")
+                bad.append(
+                    f"{stem}: {field} = {shown!r}, but params/{job}/{name}.yaml gives {preset[field]!r}"
+                )
     return bad
 
 

@@ -2,9 +2,9 @@
 
     python -m opdkit.notebook.demo --out runs/demo notebooks/*.ipynb
 
-Each notebook runs with its default parameters, or the ones its metadata names for the demo (its metadata's
-`demo` entry under the kit's key: 05 runs a shortened preset), writes its run directory inside `<out>/<stamp>/`
-and its executed copy next to it;
+Each notebook runs with its default parameters, or the ones its metadata names for the demo (its
+metadata's `demo` entry under the kit's key: 05 runs a shortened preset), writes its run directory inside
+`<out>/<stamp>/` and its executed copy next to it;
 the end prints where the executed notebooks, summaries and figures are, and what a reader of an executed
 notebook in JupyterLab would trip over (`reader_problems`).
 """

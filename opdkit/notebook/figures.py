@@ -295,25 +295,11 @@ def accuracy_bars(summary: dict, path=None):
     if any(s.get(k + "_forced") is not None for k in keys):  # whitebox's forced_accuracy: beside the raw
         names = [n + "\nraw" for n in names] + [n + "\nforced" for n in names]
         keys, colours = keys + [k + "_forced" for k in keys], colours * 2
-    vals = [s.get(k) for k in keys]
     fig, ax = plt.subplots(figsize=(5.5 if len(keys) == 3 else 9, 3.4))
-    bars = ax.bar(names, [v or 0 for v in vals], color=colours)
+    bars = summary_bars(ax, s, names, keys, colours)
     for b in bars[3:]:  # the forced accuracies: hatched beside the raw ones
         b.set_hatch("//")
         b.set_alpha(0.7)
-    for b, k, v in zip(bars, keys, vals):
-        ci = s.get(f"{k}_ci")
-        if ci:
-            ax.errorbar(
-                b.get_x() + b.get_width() / 2,
-                v,
-                yerr=[[v - ci[0]], [ci[1] - v]],
-                color="black",
-                capsize=4,
-                lw=1,
-            )
-        top = ci[1] if ci else (v or 0)
-        ax.text(b.get_x() + b.get_width() / 2, top + 0.02, verdicts.pct(v), ha="center", fontsize=9)
     percent_axis(ax, top=1.05)
     ax.set_ylabel("held-out accuracy (greedy)")
     n = s.get("repeats", 1)
@@ -324,6 +310,27 @@ def accuracy_bars(summary: dict, path=None):
     if path:
         fig.savefig(path)
     return fig
+
+
+def summary_bars(ax, summary: dict, names: Sequence[str], keys: Sequence[str], colours: Sequence) -> list:
+    """Bars of the summary's `keys` at their means, labelled in percent, with the 95 % interval over seeds as
+    error bars where the summary has one (`<key>_ci`); the bars."""
+    vals = [summary.get(k) for k in keys]
+    bars = ax.bar(names, [v or 0 for v in vals], color=colours)
+    for b, k, v in zip(bars, keys, vals):
+        ci = summary.get(f"{k}_ci")
+        if ci and v is not None:
+            ax.errorbar(
+                b.get_x() + b.get_width() / 2,
+                v,
+                yerr=[[v - ci[0]], [ci[1] - v]],
+                color="black",
+                capsize=4,
+                lw=1,
+            )
+        top = ci[1] if ci else (v or 0)
+        ax.text(b.get_x() + b.get_width() / 2, top + 0.02, verdicts.pct(v), ha="center", fontsize=9)
+    return list(bars)
 
 
 def prompt_label(prompt: str, width: int = 40) -> str:

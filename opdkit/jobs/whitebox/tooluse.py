@@ -1,9 +1,9 @@
 """What a finished tool-use run shows (notebooks/05_tool_use.ipynb: the whitebox job on a tool `environment`):
-before and after, the answer accuracy of greedy episodes and the share of them that call the tools correctly,
-with their 95 % intervals over seeds; the findings computed from summary.json; the sampled transcripts with the
-tools' turns set apart and the student's tokens coloured by divergence.
+before and after, the answer accuracy of greedy episodes and the share of them that call the tools
+correctly, with their 95 % intervals over seeds; the findings computed from summary.json; the sampled
+transcripts with the tools' turns set apart and the student's tokens coloured by divergence.
 
-    display(HTML(summary_table_html(summary))); bars(run)          # the two measures, before / after / teacher
+    display(HTML(summary_table_html(summary))); bars(run)     # both measures: before / after / teacher
     display(Markdown(explain(summary)))                            # the findings, each with its verdict
     html, fig = transcripts(run, n=4)                              # the last logged episodes
 """
@@ -14,17 +14,15 @@ import html as _html
 
 import matplotlib.pyplot as plt
 
-from opdkit.jobs.whitebox import report
 from opdkit.jobs.whitebox.seeds import seed_runs
 from opdkit.notebook import figures as run_figures
 from opdkit.notebook import verdicts
 from opdkit.run.folders import RunDir
 
 MEASURES = (
-    ("answer accuracy", "accuracy", "student_accuracy_before", "student_accuracy_after", "teacher_accuracy"),
+    ("answer accuracy", "student_accuracy_before", "student_accuracy_after", "teacher_accuracy"),
     (
         "calls the tool correctly",
-        "tool_call_share",
         "student_tool_call_share_before",
         "student_tool_call_share_after",
         "teacher_tool_call_share",
@@ -55,9 +53,7 @@ def findings(summary: dict) -> list[dict]:
     return [
         verdicts.verdict("distillation raises the share of episodes that call the tool correctly", calls),
         verdicts.verdict("distillation lifts the answer accuracy of the student's episodes", accuracy),
-        verdicts.verdict(
-            f"the lift reaches the goal of {GOAL * 100:.0f} points", accuracy, threshold=GOAL
-        ),
+        verdicts.verdict(f"the lift reaches the goal of {GOAL * 100:.0f} points", accuracy, threshold=GOAL),
     ]
 
 
@@ -66,15 +62,19 @@ def summary_table_html(summary: dict) -> str:
     correctly, in percent with their intervals over seeds."""
     n = summary.get("repeats", 1)
     rows = []
-    for label, index in (("student before", 2), ("student after", 3), ("teacher", 4)):
-        cells = [verdicts.pct_interval(summary.get(m[index]), summary.get(f"{m[index]}_ci"), n) for m in MEASURES]
+    for label, index in (("student before", 1), ("student after", 2), ("teacher", 3)):
+        cells = [
+            verdicts.pct_interval(summary.get(m[index]), summary.get(f"{m[index]}_ci"), n) for m in MEASURES
+        ]
         rows.append([label, *cells])
     steps = summary.get("steps")
     caption = f"greedy episodes, held out; {steps} steps; " if steps is not None else "greedy episodes; "
     caption += f"mean of {n} seeds [{verdicts.INTERVAL_NAME}]" if n > 1 else "one seed (no interval)"
     head = ["", *(m[0] for m in MEASURES)]
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><caption>{caption}</caption><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{body}</table>"
+    return (
+        f"<table><caption>{caption}</caption><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{body}</table>"
+    )
 
 
 def explain(summary: dict) -> str:
@@ -85,7 +85,8 @@ def explain(summary: dict) -> str:
     lines = [f"**Finding.** {verdicts.sentence(f)}" for f in findings(summary)]
     get = lambda k: verdicts.pct_interval(summary.get(k), summary.get(f"{k}_ci"), n)  # noqa: E731
     lines += [
-        f"- the student's episodes call the tool correctly in {get('student_tool_call_share_before')} before, "
+        "- the student's episodes call the tool correctly in "
+        f"{get('student_tool_call_share_before')} before, "
         f"{get('student_tool_call_share_after')} after; the teacher's in {get('teacher_tool_call_share')}.",
         f"- answer accuracy {get('student_accuracy_before')} before, {get('student_accuracy_after')} after; "
         f"the teacher {get('teacher_accuracy')} (greedy episodes with the tool, held out).",
@@ -106,16 +107,8 @@ def bars(run: RunDir):
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
     names = ["student before", "student after", "teacher"]
     colours = [run_figures.BEFORE, run_figures.STUDENT, run_figures.TEACHER]
-    for ax, (label, _, *keys) in zip(axes, MEASURES):
-        vals = [s.get(k) for k in keys]
-        drawn = ax.bar(names, [v or 0 for v in vals], color=colours)
-        for b, k, v in zip(drawn, keys, vals):
-            ci = s.get(f"{k}_ci")
-            if ci and v is not None:
-                ax.errorbar(b.get_x() + b.get_width() / 2, v, yerr=[[v - ci[0]], [ci[1] - v]], color="black",
-                            capsize=4, lw=1)
-            top = ci[1] if ci else (v or 0)
-            ax.text(b.get_x() + b.get_width() / 2, top + 0.02, verdicts.pct(v), ha="center", fontsize=9)
+    for ax, (label, *keys) in zip(axes, MEASURES):
+        run_figures.summary_bars(ax, s, names, keys, colours)
         ax.set_title(label)
         run_figures.percent_axis(ax, top=1.08)
     axes[0].set_ylabel("greedy episodes, held out")
@@ -129,7 +122,8 @@ def bars(run: RunDir):
 
 def turn_parts(sample: dict) -> list[dict]:
     """A logged episode as its parts in order: the student's turns with their tokens and divergences, and
-    between them the template's and tools' text (`sampled` False). A single-turn sample is one student part."""
+    between them the template's and tools' text (`sampled` False). A single-turn sample is one student
+    part."""
     tokens, divs = sample["tokens"], sample["divergence"]
     turns = sample.get("turns") or [{"sampled": True, "text": "", "n_tokens": len(tokens)}]
     parts, at = [], 0
@@ -161,7 +155,8 @@ def transcript_html(sample: dict, vmax: float) -> str:
                 f'color:#446"><b>tool / template</b> (context, no loss) {text}</div>'
             )
     head = _html.escape(run_figures.prompt_label(sample["prompt"], 80))
-    return f'<div style="margin:8px 0"><b>step {sample["step"]}</b> <span style="color:#666">{head}</span>{"".join(out)}</div>'
+    label = f'<b>step {sample["step"]}</b> <span style="color:#666">{head}</span>'
+    return f'<div style="margin:8px 0">{label}{"".join(out)}</div>'
 
 
 def transcripts(run: RunDir, n: int = 4) -> tuple[str, object]:
@@ -172,16 +167,12 @@ def transcripts(run: RunDir, n: int = 4) -> tuple[str, object]:
         return run_figures.samples_html(shown), None
     vmax = max(max(s["divergence"] + [1e-9]) for s in shown)
     legend = (
-        f"<div>the student's tokens: background by per-token divergence, white 0 to red {vmax:.3f} (hover for "
-        "values); the tools' results and the template's tokens between turns are context and carry no loss</div>"
+        "<div>the student's tokens: background by per-token divergence, white 0 to red "
+        f"{vmax:.3f} (hover for values); the tools' results and the template's tokens between turns are "
+        "context and carry no loss</div>"
     )
     html = legend + "".join(transcript_html(s, vmax) for s in shown)
-    fig = run_figures.samples_figure(shown, path=run.figure("transcripts"), title="the student's sampled turns")
+    fig = run_figures.samples_figure(
+        shown, path=run.figure("transcripts"), title="the student's sampled turns"
+    )
     return html, fig
-
-
-def figures(run: RunDir) -> None:
-    """Every figure of the run, as a headless run keeps them."""
-    report.curves(run)
-    bars(run)
-    transcripts(run)
