@@ -4,15 +4,19 @@
 
 Each notebook runs with its default parameters, or the ones its metadata names for the demo (its
 metadata's `demo` entry under the kit's key: 05 runs a shortened preset), writes its run directory inside
-`<out>/<stamp>/` and its executed copy next to it;
-the end prints where the executed notebooks, summaries and figures are, and what a reader of an executed
-notebook in JupyterLab would trip over (`reader_problems`).
+`<out>/<stamp>/` and its executed copy next to it. The notebooks are independent (04 computes its own
+gradient) and the tiny world trains on one thread, so they run side by side, one per CPU core (`--jobs`);
+one that fails does not stop the others. The end prints where the executed notebooks, summaries and
+figures are, and what a reader of an executed notebook in JupyterLab would trip over (`reader_problems`).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,24 +90,36 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("notebooks", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    p.add_argument(
+        "--jobs", type=int, default=0, help="notebooks run side by side (default: one per CPU core)"
+    )
     a = p.parse_args(argv)
     out = (a.out / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True)
-    t_all, rows = time.time(), []
-    for nb in a.notebooks:
-        print(f"running {nb} ...", flush=True)
-        try:
-            executed, run_dir, secs = run_notebook(nb.resolve(), out)
-        except Exception as exc:  # papermill has already written the failing notebook
-            print(f"FAILED {nb}: {type(exc).__name__}: {str(exc)[:2000]}", file=sys.stderr)
-            print(f"the executed notebook with the error: {out / nb.name}", file=sys.stderr)
-            return 1
-        rows.append((nb.name, executed, run_dir, secs))
-        print(f"  done in {secs:.0f} s", flush=True)
-        for problem in reader_problems(json.loads(executed.read_text())):
-            print(f"  for a reader in JupyterLab: {problem}", flush=True)
+    jobs = max(1, min(a.jobs or os.cpu_count() or 1, len(a.notebooks)))
+    print(f"running {len(a.notebooks)} notebooks, {jobs} at a time, into {out} ...", flush=True)
+    t_all, rows, failed = time.time(), {}, []
+    spawn = multiprocessing.get_context("spawn")  # each worker starts its kernels afresh
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
+        futures = {pool.submit(run_notebook, nb.resolve(), out): nb for nb in a.notebooks}
+        for future in concurrent.futures.as_completed(futures):
+            nb = futures[future]
+            try:
+                executed, run_dir, secs = future.result()
+            except Exception as exc:  # papermill has already written the failing notebook
+                print(f"FAILED {nb}: {type(exc).__name__}: {str(exc)[:2000]}", file=sys.stderr, flush=True)
+                print(f"the executed notebook with the error: {out / nb.name}", file=sys.stderr, flush=True)
+                failed.append(nb)
+                continue
+            rows[nb] = (nb.name, executed, run_dir, secs)
+            print(f"  {nb} done in {secs:.0f} s", flush=True)
+            for problem in reader_problems(json.loads(executed.read_text())):
+                print(f"  for a reader in JupyterLab: {problem}", flush=True)
+    if failed:
+        return 1
     print(f"\nmake demo finished in {time.time() - t_all:.0f} s; everything is under {out}\n")
-    for name, executed, run_dir, secs in rows:
+    for nb in a.notebooks:
+        name, executed, run_dir, secs = rows[nb]
         print(f"{name}  ({secs:.0f} s)\n  executed notebook: {executed}")
         summary = run_dir / "summary.json"
         if summary.exists():
