@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import tiny_model, tiny_rollout
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from opdkit.config import ConfigError
@@ -29,11 +30,11 @@ from opdkit.tasks import tiny as task
 STEPS_PER_EPOCH = 3  # 24 prompts, 4 per micro-batch, 2 micro-batches a step
 
 
-def _trainer(tmp_path, callbacks=(), **kw) -> DistillTrainer:
+def _trainer(tmp_path, callbacks=(), prompts=24, **kw) -> DistillTrainer:
     tok = load_tokenizer("tiny:student")
     rows = [
         {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer}
-        for p in task.problems(24, 1)
+        for p in task.problems(prompts, 1)
     ]
     settings = dict(
         output_dir=str(tmp_path),
@@ -84,10 +85,10 @@ def test_rollout_ahead_0_is_the_synchronous_source_with_the_same_losses(tmp_path
     assert not any(k.startswith("async/") for h in logs0 for k in h)
 
 
-def _versions(n_steps: int, s: int) -> list[int]:
+def _versions(n_steps: int, s: int, per_epoch: int = STEPS_PER_EPOCH) -> list[int]:
     """Which weights sample each step (independently of the code): those of s steps before, never before the
     step that starts the epoch (an epoch's prompts cannot be peeked before the epoch starts)."""
-    return [max(j - s, j - j % STEPS_PER_EPOCH) for j in range(n_steps)]
+    return [max(j - s, j - j % per_epoch) for j in range(n_steps)]
 
 
 class _Slow(TrainerCallback):
@@ -267,3 +268,97 @@ def test_the_lookahead_hands_out_the_batches_in_the_order_the_steps_take_them():
     assert announced == [(1, [2, 3]), (2, [4, 5]), (3, [6])]
     now, coming = peek.take(iter("ab"), 1, 4)
     assert now == ["a"] and coming == [(5, ["b"])]
+
+
+RESUME = dict(prompts=48, max_steps=6, save_strategy="steps", save_steps=2, rollout_temperature=1.0)
+RESUME_EPOCH = 6  # 48 prompts, 8 a step: one epoch
+
+
+class _Logged(TrainerCallback):
+    """Each optimizer step's (loss, staleness), by global step."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.steps[state.global_step] = (logs["loss"], logs.get("async/staleness"))
+
+
+def _logged_run(folder, callbacks=(), resume=None, **kw) -> dict[int, tuple]:
+    logged = _Logged()
+    trainer = _trainer(folder, [logged, *callbacks], **{**RESUME, **kw})
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        trainer.close_engine()
+    return logged.steps
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """Unbroken asynchronous runs (s = 1, 2) of one 6-step epoch, checkpointed every 2 steps."""
+    runs = {}
+
+    def run(s):
+        if s not in runs:
+            folder = tmp_path_factory.mktemp(f"unbroken{s}")
+            runs[s] = folder, _logged_run(folder, rollout_ahead=s)
+        return runs[s]
+
+    return run
+
+
+def _assert_same_steps(got: dict, want: dict) -> None:
+    assert sorted(got) and set(got) <= set(want)
+    assert [got[k][1] for k in sorted(got)] == [want[k][1] for k in sorted(got)]  # the same staleness
+    torch.testing.assert_close(
+        torch.tensor([got[k][0] for k in sorted(got)]),
+        torch.tensor([want[k][0] for k in sorted(got)]),
+        rtol=1e-5,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("s", [pytest.param(1, marks=pytest.mark.slow), 2])  # s = 2 keeps two versions
+def test_a_resumed_asynchronous_run_regenerates_its_queued_steps_and_equals_the_unbroken_run(
+    unbroken, tmp_path, s
+):
+    """checkpoint-4 keeps the steps then queued (4 … 3 + s, 0-based) with the versions of the weights that
+    sample them (s steps before, as the schedule says) and those weights (version 2's are checkpoint-2's
+    model); resumed from it, the run logs the unbroken run's staleness and per-step losses."""
+    folder, want = unbroken(s)
+    plans, weights = ahead.load_queued(folder / "checkpoint-4")
+    schedule = _versions(6, s, RESUME_EPOCH)
+    assert plans == {j: schedule[j] for j in range(4, 4 + s)}
+    assert sorted(weights) == sorted(set(plans.values()))
+    if 2 in weights:
+        model = load_file(str(folder / "checkpoint-2" / "model.safetensors"))
+        for name, t in model.items():
+            torch.testing.assert_close(weights[2][name], t, rtol=0, atol=0)
+    assert ahead.load_queued(folder / "checkpoint-6")[0] == {}  # the epoch's end: nothing queued
+    got = _logged_run(tmp_path, resume=str(folder / "checkpoint-4"), rollout_ahead=s)
+    assert sorted(got) == [5, 6] and got[5][1] == s
+    _assert_same_steps(got, want)
+
+
+def test_a_run_whose_producer_died_resumes_from_its_last_checkpoint_to_the_unbroken_runs_losses(
+    unbroken, tmp_path
+):
+    """The producer killed after step 3 (s = 1): the run stops with RolloutProducerDied; resumed from
+    checkpoint-2 it logs the unbroken run's steps 3 … 6."""
+    _, want = unbroken(1)
+    box = []
+    with pytest.raises(ahead.RolloutProducerDied):
+        logged = _Logged()
+        trainer = _trainer(tmp_path / "broken", [logged, _Kill(box, 3)], **{**RESUME, "rollout_ahead": 1})
+        box.append(trainer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close_engine()
+    assert (tmp_path / "broken" / "checkpoint-2").is_dir()
+    assert not (tmp_path / "broken" / "checkpoint-4").exists()
+    got = _logged_run(tmp_path / "resumed", resume=str(tmp_path / "broken" / "checkpoint-2"), rollout_ahead=1)
+    assert sorted(got) == [3, 4, 5, 6]
+    _assert_same_steps(got, want)
