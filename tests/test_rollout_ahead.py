@@ -3,12 +3,17 @@ is today's synchronous run; with s = 1 the producer samples the next step while 
 more than one step ahead; unchanged weights give importance ratios of 1 and the losses of the synchronous run
 (the same prompts at the same places, so the same keyed samples); the truncated correction's gradient is the
 capped ratios times each token's divergence gradient, computed here by hand; a producer that dies stops the
-run with one line."""
+run with one line; a resumed run (after a checkpoint, or after its producer died) regenerates its queued
+steps with the weights that sampled them and equals the unbroken run; 2 processes, each with its producer,
+take the one-process run's steps."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -362,3 +367,43 @@ def test_a_run_whose_producer_died_resumes_from_its_last_checkpoint_to_the_unbro
     got = _logged_run(tmp_path / "resumed", resume=str(tmp_path / "broken" / "checkpoint-2"), rollout_ahead=1)
     assert sorted(got) == [3, 4, 5, 6]
     _assert_same_steps(got, want)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_each_with_its_producer_take_the_one_process_runs_steps(tmp_path):
+    """rollout_ahead 1 in 2 gloo processes, each with its own producer sampling its rows of the step's global
+    batch (keyed by place), against 1 process with rollout_ahead 1 at the same global batch (8, micro-batches
+    of 2): the same per-step losses and importance ratios (relative 1e-5) and staleness over 4 steps of one
+    epoch."""
+    from test_jobs_whitebox import FIXED, run_tiny
+
+    from opdkit.run.files import read_jsonl
+
+    common = {
+        **FIXED,
+        "max_steps": 4,
+        "save_rollouts": False,
+        "per_device_train_batch_size": 2,
+        "global_batch_size": 8,
+        "rollout_temperature": 1.0,
+        "rollout_ahead": 1,
+    }
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        if __name__ == "__main__":
+            over = {common!r}
+            whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600)
+    one_run = run_tiny(tmp_path, "one", **common)
+    steps = {}
+    for name, path in (("one", one_run.path), ("two", tmp_path / "two")):
+        steps[name] = [r for r in read_jsonl(path / "metrics.jsonl") if "loss" in r and "grad_norm" in r]
+    one, two = steps["one"], steps["two"]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
+    assert [r["async/staleness"] for r in two] == [r["async/staleness"] for r in one] == [0, 1, 1, 1]
+    for key in ("loss", "async/ratio_mean"):  # the ratios' mean over both processes' tokens
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in two]), torch.tensor([r[key] for r in one]), rtol=1e-5, atol=0
+        )

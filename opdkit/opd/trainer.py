@@ -79,8 +79,8 @@ class StepStats:
     gap_tokens: Number = 0.0
     teacher_sums: torch.Tensor | None = None  # the teacher kind's own (`Teacher.new_sums`)
     started: float = field(default_factory=time.time)
-    # Rollouts sampled ahead (one process): the step's staleness, and its importance ratios' sum, count,
-    # capped count and maximum over the loss tokens.
+    # Rollouts sampled ahead: the step's staleness, and its importance ratios' sum, count, capped count
+    # and maximum over this process's loss tokens.
     staleness: int | None = None
     ratios: torch.Tensor | None = None
 
@@ -208,10 +208,11 @@ class DistillTrainer(Trainer):
         one line."""
         a = self.args
         OPDSettings.normalise(a)
-        if a.rollout_ahead and a.world_size > 1:
+        if a.rollout_ahead and self.is_fsdp_enabled and a.world_size > 1:
             raise ConfigError(
-                f"rollout_ahead={a.rollout_ahead} runs one producer beside one training process; this run "
-                f"has {a.world_size}: train in one process, or use rollout_ahead 0."
+                f"rollout_ahead={a.rollout_ahead} sends each process's producer the whole student, and a "
+                "sharded student (parallelism fsdp) holds a part of it in each process: use parallelism "
+                "ddp, or rollout_ahead 0."
             )
         if a.async_correction != "none" and not self.teacher.importance_weighted:
             raise ConfigError(
@@ -221,7 +222,8 @@ class DistillTrainer(Trainer):
 
     def _engine_rollouts(self) -> RolloutSource:
         """The default source: `rollout_engine`, synced with the student once per optimizer step, or with
-        `rollout_ahead` >= 1 a producer process sampling that many steps ahead (`ahead.AheadRollouts`). Its
+        `rollout_ahead` >= 1 a producer process sampling that many steps ahead (`ahead.AheadRollouts`; one
+        per training process, sampling that process's rows of the step's global batch). Its
         engine factory holds no reference to the trainer (a cycle would keep a finished trainer's models
         alive until a garbage collection)."""
         a, tok = self.args, self.processing_class
@@ -588,10 +590,16 @@ class DistillTrainer(Trainer):
     def _async_metrics(self) -> dict:
         """Rollouts sampled ahead: the step's staleness (trainer step - the sampling weights' version) and its
         importance ratios pi_student / pi_sampler over the loss tokens: mean, maximum, share above the cap
-        (capped where `async_correction` is truncated)."""
-        ratio_sum, tokens, capped, top = (
-            self.stats.ratios.tolist() if self.stats.ratios is not None else [0] * 4
-        )
+        (capped where `async_correction` is truncated), over all processes."""
+        ratios = self.stats.ratios
+        ratios = ratios if ratios is not None else torch.zeros(4, dtype=torch.float64)
+        ratios = ratios.to(self.args.device)
+        if self.args.world_size > 1 and dist.is_initialized():
+            sums, top = ratios[:3].clone(), ratios[3:].clone()
+            dist.all_reduce(sums)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            ratios = torch.cat([sums, top])
+        ratio_sum, tokens, capped, top = ratios.tolist()
         return {
             "async/staleness": self.stats.staleness,
             "async/ratio_mean": ratio_sum / tokens if tokens else None,

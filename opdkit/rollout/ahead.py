@@ -28,8 +28,11 @@ How it stays exact and bounded:
   source (`resume`) hands the producer those steps after those weights before anything else: the resumed
   run samples what the unbroken one did (the prompts come from the resumed data iterator, the same).
 
-Not yet: a vLLM producer (weights through vLLM's update path), several training processes each with its
-producer.
+- **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
+  samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
+  the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
+
+Not yet: a vLLM producer (weights through vLLM's update path).
 """
 
 from __future__ import annotations
