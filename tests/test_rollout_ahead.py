@@ -3,18 +3,24 @@ is today's synchronous run; with s = 1 the producer samples the next step while 
 more than one step ahead; unchanged weights give importance ratios of 1 and the losses of the synchronous run
 (the same prompts at the same places, so the same keyed samples); the truncated correction's gradient is the
 capped ratios times each token's divergence gradient, computed here by hand; a producer that dies stops the
-run with one line."""
+run with one line; a resumed run (after a checkpoint, or after its producer died) regenerates its queued
+steps with the weights that sampled them and equals the unbroken run; 2 processes, each with its producer,
+take the one-process run's steps."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
 from conftest import tiny_model, tiny_rollout
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from opdkit.config import ConfigError
@@ -29,11 +35,11 @@ from opdkit.tasks import tiny as task
 STEPS_PER_EPOCH = 3  # 24 prompts, 4 per micro-batch, 2 micro-batches a step
 
 
-def _trainer(tmp_path, callbacks=(), **kw) -> DistillTrainer:
+def _trainer(tmp_path, callbacks=(), prompts=24, **kw) -> DistillTrainer:
     tok = load_tokenizer("tiny:student")
     rows = [
         {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer}
-        for p in task.problems(24, 1)
+        for p in task.problems(prompts, 1)
     ]
     settings = dict(
         output_dir=str(tmp_path),
@@ -84,10 +90,10 @@ def test_rollout_ahead_0_is_the_synchronous_source_with_the_same_losses(tmp_path
     assert not any(k.startswith("async/") for h in logs0 for k in h)
 
 
-def _versions(n_steps: int, s: int) -> list[int]:
+def _versions(n_steps: int, s: int, per_epoch: int = STEPS_PER_EPOCH) -> list[int]:
     """Which weights sample each step (independently of the code): those of s steps before, never before the
     step that starts the epoch (an epoch's prompts cannot be peeked before the epoch starts)."""
-    return [max(j - s, j - j % STEPS_PER_EPOCH) for j in range(n_steps)]
+    return [max(j - s, j - j % per_epoch) for j in range(n_steps)]
 
 
 class _Slow(TrainerCallback):
@@ -267,3 +273,137 @@ def test_the_lookahead_hands_out_the_batches_in_the_order_the_steps_take_them():
     assert announced == [(1, [2, 3]), (2, [4, 5]), (3, [6])]
     now, coming = peek.take(iter("ab"), 1, 4)
     assert now == ["a"] and coming == [(5, ["b"])]
+
+
+RESUME = dict(prompts=48, max_steps=6, save_strategy="steps", save_steps=2, rollout_temperature=1.0)
+RESUME_EPOCH = 6  # 48 prompts, 8 a step: one epoch
+
+
+class _Logged(TrainerCallback):
+    """Each optimizer step's (loss, staleness), by global step."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.steps[state.global_step] = (logs["loss"], logs.get("async/staleness"))
+
+
+def _logged_run(folder, callbacks=(), resume=None, **kw) -> dict[int, tuple]:
+    logged = _Logged()
+    trainer = _trainer(folder, [logged, *callbacks], **{**RESUME, **kw})
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        trainer.close_engine()
+    return logged.steps
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    """Unbroken asynchronous runs (s = 1, 2) of one 6-step epoch, checkpointed every 2 steps."""
+    runs = {}
+
+    def run(s):
+        if s not in runs:
+            folder = tmp_path_factory.mktemp(f"unbroken{s}")
+            runs[s] = folder, _logged_run(folder, rollout_ahead=s)
+        return runs[s]
+
+    return run
+
+
+def _assert_same_steps(got: dict, want: dict) -> None:
+    assert sorted(got) and set(got) <= set(want)
+    assert [got[k][1] for k in sorted(got)] == [want[k][1] for k in sorted(got)]  # the same staleness
+    torch.testing.assert_close(
+        torch.tensor([got[k][0] for k in sorted(got)]),
+        torch.tensor([want[k][0] for k in sorted(got)]),
+        rtol=1e-5,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("s", [pytest.param(1, marks=pytest.mark.slow), 2])  # s = 2 keeps two versions
+def test_a_resumed_asynchronous_run_regenerates_its_queued_steps_and_equals_the_unbroken_run(
+    unbroken, tmp_path, s
+):
+    """checkpoint-4 keeps the steps then queued (4 … 3 + s, 0-based) with the versions of the weights that
+    sample them (s steps before, as the schedule says) and those weights (version 2's are checkpoint-2's
+    model); resumed from it, the run logs the unbroken run's staleness and per-step losses."""
+    folder, want = unbroken(s)
+    plans, weights = ahead.load_queued(folder / "checkpoint-4")
+    schedule = _versions(6, s, RESUME_EPOCH)
+    assert plans == {j: schedule[j] for j in range(4, 4 + s)}
+    assert sorted(weights) == sorted(set(plans.values()))
+    if 2 in weights:
+        model = load_file(str(folder / "checkpoint-2" / "model.safetensors"))
+        for name, t in model.items():
+            torch.testing.assert_close(weights[2][name], t, rtol=0, atol=0)
+    assert ahead.load_queued(folder / "checkpoint-6")[0] == {}  # the epoch's end: nothing queued
+    got = _logged_run(tmp_path, resume=str(folder / "checkpoint-4"), rollout_ahead=s)
+    assert sorted(got) == [5, 6] and got[5][1] == s
+    _assert_same_steps(got, want)
+
+
+def test_a_run_whose_producer_died_resumes_from_its_last_checkpoint_to_the_unbroken_runs_losses(
+    unbroken, tmp_path
+):
+    """The producer killed after step 3 (s = 1): the run stops with RolloutProducerDied; resumed from
+    checkpoint-2 it logs the unbroken run's steps 3 … 6."""
+    _, want = unbroken(1)
+    box = []
+    with pytest.raises(ahead.RolloutProducerDied):
+        logged = _Logged()
+        trainer = _trainer(tmp_path / "broken", [logged, _Kill(box, 3)], **{**RESUME, "rollout_ahead": 1})
+        box.append(trainer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close_engine()
+    assert (tmp_path / "broken" / "checkpoint-2").is_dir()
+    assert not (tmp_path / "broken" / "checkpoint-4").exists()
+    got = _logged_run(tmp_path / "resumed", resume=str(tmp_path / "broken" / "checkpoint-2"), rollout_ahead=1)
+    assert sorted(got) == [3, 4, 5, 6]
+    _assert_same_steps(got, want)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_each_with_its_producer_take_the_one_process_runs_steps(tmp_path):
+    """rollout_ahead 1 in 2 gloo processes, each with its own producer sampling its rows of the step's global
+    batch (keyed by place), against 1 process with rollout_ahead 1 at the same global batch (8, micro-batches
+    of 2): the same per-step losses and importance ratios (relative 1e-5) and staleness over 4 steps of one
+    epoch."""
+    from test_jobs_whitebox import FIXED, run_tiny
+
+    from opdkit.run.files import read_jsonl
+
+    common = {
+        **FIXED,
+        "max_steps": 4,
+        "save_rollouts": False,
+        "per_device_train_batch_size": 2,
+        "global_batch_size": 8,
+        "rollout_temperature": 1.0,
+        "rollout_ahead": 1,
+    }
+    script = textwrap.dedent(f"""
+        import torch; torch.set_num_threads(1)
+        from opdkit.jobs import whitebox
+        if __name__ == "__main__":
+            over = {common!r}
+            whitebox.run("tiny", {{**over, "run_dir": {str(tmp_path / "two")!r}, "num_processes": 2}})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600)
+    one_run = run_tiny(tmp_path, "one", **common)
+    steps = {}
+    for name, path in (("one", one_run.path), ("two", tmp_path / "two")):
+        steps[name] = [r for r in read_jsonl(path / "metrics.jsonl") if "loss" in r and "grad_norm" in r]
+    one, two = steps["one"], steps["two"]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
+    assert [r["async/staleness"] for r in two] == [r["async/staleness"] for r in one] == [0, 1, 1, 1]
+    for key in ("loss", "async/ratio_mean"):  # the ratios' mean over both processes' tokens
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in two]), torch.tensor([r[key] for r in one]), rtol=1e-5, atol=0
+        )

@@ -23,29 +23,42 @@ How it stays exact and bounded:
   reports): the trainer's importance ratio reads them (`async_correction`), `policy_version` which weights.
 - **Failure.** A producer that raises sends its error; one that dies is noticed while the trainer waits;
   either stops the run with one line (`RolloutProducerDied`).
+- **Resume.** The source keeps the weights of the versions its queued steps still need (at most s); a
+  checkpoint stores them with each queued step's version (`save_queued`, `QUEUED_FILE`), and a resumed
+  source (`resume`) hands the producer those steps after those weights before anything else: the resumed
+  run samples what the unbroken one did (the prompts come from the resumed data iterator, the same).
 
-Not yet: a vLLM producer (weights through vLLM's update path), a resume that regenerates the queued steps,
-several training processes each with its producer.
+- **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
+  samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
+  the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
+
+Not yet: a vLLM producer (weights through vLLM's update path).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import queue
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from opdkit.config import RunFailure, one_line
 from opdkit.rollout import engines
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
+from opdkit.run.files import atomic_path
 
 POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive
 STOP_S = 10.0  # how long a closing source waits for its producer before terminating it
 READ_FAILED_WAIT_S = 2.0  # how long an unreadable message waits for its producer's exit to show
+QUEUED_FILE = "rollouts_ahead.safetensors"  # a checkpoint's queued steps and the weights that sample them
 
 
 class RolloutProducerDied(RunFailure, RuntimeError):
@@ -149,6 +162,12 @@ class AheadRollouts(RolloutSource):
         self._inbox = self._outbox = None
         self._pending: list[tuple[int, list[dict]]] = []
         self._planned: set[int] = set()
+        # What sampled the steps planned and not yet taken: each one's weights version, and those versions'
+        # weights (kept until no queued step needs them: at most `ahead` versions), for a checkpoint.
+        self._queued: dict[int, int] = {}
+        self._kept: dict[int, dict[str, torch.Tensor]] = {}
+        self._sent: int | None = None  # the version the producer holds (sent last)
+        self._primed: dict[int, int] = {}  # a resume: steps to regenerate -> their version (`resume`)
         self.timeline: list[dict] = []
 
     @property
@@ -175,15 +194,67 @@ class AheadRollouts(RolloutSource):
         if not batches:
             return []
         self.open()
+        if self._primed:  # a resume: the steps a checkpoint had queued, with the weights that sampled them
+            self._regenerate([(step, batches), *self._pending])
         state = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
-        self._send(("weights", step, state))
+        self._send_weights(step, state)
         if step not in self._planned:  # the first step of a run or an epoch: nothing peeked it
             self._pending.insert(0, (step, batches))
         for s, b in self._pending:
-            self._send(("plan", s, _on(b, "cpu")))
-            self._planned.add(s)
+            self._send_plan(s, b)
         self._pending = []
-        return [_on(r, self.device) for r in self._records(step)]
+        records = [_on(r, self.device) for r in self._records(step)]
+        self._taken(step)
+        return records
+
+    def queued(self) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
+        """What a checkpoint keeps to regenerate the steps planned and not yet taken: ({step: the version of
+        the weights that sample it}, {version: those weights, on the CPU}). Between steps k-1 and k these are
+        the steps k … k+s-1 of the epoch and the versions max(j - s, epoch start) < k of each."""
+        return dict(self._queued), {v: self._kept[v] for v in sorted(set(self._queued.values()))}
+
+    def resume(self, plans: dict[int, int], weights: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Primes a resumed run with a checkpoint's `queued()`: the first step hands each queued step to the
+        producer after its own weights version, as the unbroken run had, then the current weights; the steps'
+        prompts are those the resumed data iterator gives (the same, in the same order)."""
+        missing = sorted(set(plans.values()) - set(weights))
+        if missing:
+            raise ValueError(f"the queued steps' weights versions {missing} are not in the checkpoint")
+        self._primed = dict(plans)
+        self._kept = {v: weights[v] for v in sorted(set(plans.values()))}
+
+    def _regenerate(self, available: list[tuple[int, list[dict]]]) -> None:
+        """Sends the primed steps the resumed run has the prompts of (versions in order), then forgets the
+        priming: the other queued steps (another epoch, fewer steps) are sampled as a fresh run would."""
+        prompts = dict(available)
+        for s in sorted(self._primed):
+            if s in prompts:
+                version = self._primed[s]
+                if version != self._sent:
+                    self._send_weights(version, self._kept[version])
+                self._send_plan(s, prompts[s])
+        self._pending = [(s, b) for s, b in self._pending if s not in self._planned]
+        self._primed = {}
+        self._forget()
+
+    def _send_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self._send(("weights", version, state))
+        self._sent, self._kept[version] = version, state
+        self._forget()
+
+    def _send_plan(self, step: int, batches: list[dict]) -> None:
+        self._send(("plan", step, _on(batches, "cpu")))
+        self._planned.add(step)
+        self._queued[step] = self._sent
+
+    def _taken(self, step: int) -> None:
+        self._queued.pop(step, None)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drops the kept weights no queued step needs (the version just sent stays until the next)."""
+        needed = set(self._queued.values()) | set(self._primed.values()) | {self._sent}
+        self._kept = {v: w for v, w in self._kept.items() if v in needed}
 
     def _send(self, msg) -> None:
         self._check_alive(f"before step {msg[1] + 1}")
@@ -238,3 +309,30 @@ class AheadRollouts(RolloutSource):
         for q in (self._inbox, self._outbox):
             q.cancel_join_thread()
             q.close()
+
+
+def save_queued(source: AheadRollouts, folder: str | Path) -> Path:
+    """Writes `source.queued()` into a checkpoint folder (`QUEUED_FILE`, atomically): each kept version's
+    weights as tensors `<version>/<name>`, the steps' versions in the metadata."""
+    plans, weights = source.queued()
+    tensors = {f"{v}/{name}": t.contiguous() for v, state in weights.items() for name, t in state.items()}
+    path = Path(folder) / QUEUED_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"plans": json.dumps({str(k): v for k, v in plans.items()})})
+    return path
+
+
+def load_queued(folder: str | Path) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]] | None:
+    """A checkpoint's queued steps and their weights (`save_queued`), or None when it has none (a checkpoint
+    of a synchronous run)."""
+    path = Path(folder) / QUEUED_FILE
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        plans = {int(k): int(v) for k, v in json.loads(f.metadata()["plans"]).items()}
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(str(path)).items():
+        version, name = key.split("/", 1)
+        weights.setdefault(int(version), {})[name] = t
+    return plans, weights
