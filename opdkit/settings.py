@@ -317,6 +317,12 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
                 f"environment={self.environment} plays episodes in the training process; sampling them ahead "
                 "is not built yet: use rollout_ahead 0, or no environment."
             )
+        if self.vllm_sleep and self.rollout_ahead:
+            raise ConfigError(
+                "vllm_sleep frees the engine's memory between rollouts for training in the same process; "
+                f"with rollout_ahead={self.rollout_ahead} the engine samples in its own process while the "
+                "trainer trains: set vllm_sleep false, or rollout_ahead 0."
+            )
         if self.async_correction != "none" and not self.rollout_ahead:
             raise ConfigError(
                 f"async_correction={self.async_correction} corrects rollouts sampled ahead by older weights, "

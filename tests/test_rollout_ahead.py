@@ -248,6 +248,8 @@ def test_the_settings_that_cannot_hold_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
         _trainer(tmp_path, async_correction="truncated")
     assert WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm").rollout_ahead == 1
+    with pytest.raises(ConfigError, match="set vllm_sleep false"):
+        WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm", vllm_sleep=True)
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ConfigError, match="needs the vllm package") as err:
             _trainer(tmp_path, rollout_ahead=1, rollout_engine="vllm")

@@ -121,6 +121,7 @@ def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, ba
         while True:
             msg = inbox.get()
             if msg[0] == "stop":
+                loop.close()  # a vLLM engine shut down, not left to the process's exit
                 return
             if msg[0] == "weights":
                 version = msg[1]
