@@ -158,10 +158,14 @@ def test_the_vllm_producer_samples_and_updates_as_the_kit_loop_producer(tmp_path
     assert all(t < 0.05 for t in ties) and len(ties) < len(rows_vl) // 2
 
     # The first two updates and the losses of the steps they follow are the kit loop producer's.
-    for step in (1, 2):
-        for name, w in hf["weights"][step].items():
-            err = (vl["weights"][step][name] - w).norm() / w.norm().clamp(min=1e-12)
-            assert err < LOSS_RTOL, f"{name}: relative difference {err:.2g} after step {step}"
+    errs = {
+        (step, name): ((vl["weights"][step][name] - w).norm() / w.norm().clamp(min=1e-12)).item()
+        for step in (1, 2)
+        for name, w in hf["weights"][step].items()
+    }
+    losses = [abs(v["loss"] / h["loss"] - 1) for v, h in zip(vl["logs"][:2], hf["logs"][:2])]
+    print(f"first two updates: max relative weight difference {max(errs.values()):.2g}, losses {losses}")
+    assert max(errs.values()) < LOSS_RTOL, max(errs, key=errs.get)
     assert [h["async/staleness"] for h in vl["logs"]] == [j - v for j, v in enumerate(VERSIONS)]
     torch.testing.assert_close(
         torch.tensor([h["loss"] for h in vl["logs"][:2]]),
