@@ -37,12 +37,15 @@ RUN = dict(
     rollout_temperature=1e-3,  # near-greedy (vLLM raises it to 0.01): both engines take the argmax
     vllm_gpu_memory_utilization=MEMORY,
 )
-# float32 noise floor (shared/DESIGN.md): vLLM's kernels against transformers' give log-probabilities ~1e-6
-# apart on the tiny model (measured here: LOGPROB_GAP below); an Adam step moves them by ~1e-2.
+# The float32 noise floor (shared/DESIGN.md): vLLM's kernels and transformers' give log-probabilities a few
+# 1e-6 apart on the tiny model (measured 5e-6 at most); one Adam step moves them by up to 6.6 here.
 LOGPROB_TOL = 1e-4
-# The loss and the first update differ only through the importance ratios exp(log p - behaviour) of the
-# stale step, i.e. by the behaviour log-probs' rounding (~1e-6 relative): 1e-5 relative leaves room.
+# The losses differ only through the importance ratios exp(log p - behaviour), i.e. by the behaviour
+# log-probs' rounding (measured 2.6e-7 relative): 1e-5. Adam's first updates are near lr * sign(g), so an
+# element whose gradient is near 0 may move either way: the weights' relative difference per tensor is
+# larger (measured 4.1e-6) and held to 1e-4.
 LOSS_RTOL = 1e-5
+WEIGHT_RTOL = 1e-4
 
 
 class _Weights(TrainerCallback):
@@ -110,7 +113,7 @@ def _top_two_gap(model, ids_T: torch.Tensor, col: int, tokens: tuple[int, int]) 
 
 def test_the_vllm_producer_samples_and_updates_as_the_kit_loop_producer(tmp_path):
     """Steps 0 and 1 (sampled by the initial weights; step 1 ahead, during step 0): the same tokens, behaviour
-    log-probs within LOGPROB_TOL, the same per-step losses and the same first two updates (LOSS_RTOL).
+    log-probs within LOGPROB_TOL, the same per-step losses (LOSS_RTOL) and first two updates (WEIGHT_RTOL).
     Step 2 (sampled by the weights after step 1): its vLLM log-probs are those weights' (a forward here), far
     from the initial weights', and its tokens are the loop producer's except after a near tie of the two
     top tokens (vLLM floors the temperature at 0.01, the loop samples at 1e-3: a tie closer than ~0.05 in
@@ -165,7 +168,7 @@ def test_the_vllm_producer_samples_and_updates_as_the_kit_loop_producer(tmp_path
     }
     losses = [abs(v["loss"] / h["loss"] - 1) for v, h in zip(vl["logs"][:2], hf["logs"][:2])]
     print(f"first two updates: max relative weight difference {max(errs.values()):.2g}, losses {losses}")
-    assert max(errs.values()) < LOSS_RTOL, max(errs, key=errs.get)
+    assert max(errs.values()) < WEIGHT_RTOL, max(errs, key=errs.get)
     assert [h["async/staleness"] for h in vl["logs"]] == [j - v for j, v in enumerate(VERSIONS)]
     torch.testing.assert_close(
         torch.tensor([h["loss"] for h in vl["logs"][:2]]),
