@@ -105,8 +105,8 @@ class EngineSettings:
     rollout_engine: str = setting(
         "hf",
         "what samples the completions, all of a step's prompts in one call: hf, the kit's KV-cached loop; "
-        "vllm, a vLLM engine colocated in every process (install the vllm extra), synced with the student "
-        "once per optimizer step",
+        "vllm, a vLLM engine colocated in every process (install the vllm extra; with rollout_ahead, in the "
+        "producer process), synced with the student once per optimizer step",
         choices=ENGINES,
     )
     vllm_gpu_memory_utilization: float = setting(
@@ -254,9 +254,10 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
     )
     rollout_ahead: int = setting(
         0,
-        "steps the rollouts are sampled ahead of training, in a producer process of their own (the kit's "
-        "loop, sent the student's weights after every optimizer step); 0 samples each step's rollouts in "
-        "the step (synchronous)",
+        "steps the rollouts are sampled ahead of training, in a producer process of their own through "
+        "rollout_engine (the kit's loop on a copy of the student, or a vLLM engine of its own), sent the "
+        "student's weights after every optimizer step; 0 samples each step's rollouts in the step "
+        "(synchronous)",
         min=0,
     )
     environment: str = setting(
@@ -309,16 +310,18 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
     def normalise(self) -> None:
         """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
         correction, and a multi-turn environment, need of the settings alone, before anything is loaded (an
-        environment plays its episodes through either engine, not through a producer sampling ahead)."""
-        if self.rollout_ahead and self.rollout_engine != "hf":
-            raise ConfigError(
-                f"rollout_ahead={self.rollout_ahead} samples with the kit's loop in a producer process; a "
-                "vLLM producer is not built yet: use rollout_engine hf, or rollout_ahead 0."
-            )
+        environment plays its episodes through either engine, not through a producer sampling ahead; the
+        producer samples through either engine)."""
         if self.environment and self.rollout_ahead:
             raise ConfigError(
                 f"environment={self.environment} plays episodes in the training process; sampling them ahead "
                 "is not built yet: use rollout_ahead 0, or no environment."
+            )
+        if self.vllm_sleep and self.rollout_ahead:
+            raise ConfigError(
+                "vllm_sleep frees the engine's memory between rollouts for training in the same process; "
+                f"with rollout_ahead={self.rollout_ahead} the engine samples in its own process while the "
+                "trainer trains: set vllm_sleep false, or rollout_ahead 0."
             )
         if self.async_correction != "none" and not self.rollout_ahead:
             raise ConfigError(

@@ -9,6 +9,7 @@ take the one-process run's steps."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -246,15 +247,19 @@ def test_the_corrected_gradient_is_the_capped_ratios_times_each_tokens_divergenc
 
 
 def test_the_settings_that_cannot_hold_are_one_line_errors(tmp_path):
-    """Refused by the job's config, before anything loads, and by the trainer built directly."""
+    """Refused by the job's config, before anything loads, and by the trainer built directly; a vLLM producer
+    where vllm is not installed is refused by the trainer, before any producer starts."""
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
         WhiteboxConfig(async_correction="truncated")
-    with pytest.raises(ConfigError, match="vLLM producer is not built yet"):
-        WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm")
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
         _trainer(tmp_path, async_correction="truncated")
-    with pytest.raises(ConfigError, match="vLLM producer is not built yet"):
-        _trainer(tmp_path, rollout_ahead=1, rollout_engine="vllm")
+    assert WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm").rollout_ahead == 1
+    with pytest.raises(ConfigError, match="set vllm_sleep false"):
+        WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm", vllm_sleep=True)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="needs the vllm package") as err:
+            _trainer(tmp_path, rollout_ahead=1, rollout_engine="vllm")
+        assert "\n" not in str(err.value)
 
 
 def test_the_lookahead_hands_out_the_batches_in_the_order_the_steps_take_them():

@@ -222,10 +222,10 @@ class DistillTrainer(Trainer):
 
     def _engine_rollouts(self) -> RolloutSource:
         """The default source: `rollout_engine`, synced with the student once per optimizer step, or with
-        `rollout_ahead` >= 1 a producer process sampling that many steps ahead (`ahead.AheadRollouts`; one
-        per training process, sampling that process's rows of the step's global batch). Its
-        engine factory holds no reference to the trainer (a cycle would keep a finished trainer's models
-        alive until a garbage collection)."""
+        `rollout_ahead` >= 1 a producer process sampling that many steps ahead through the same engine, built
+        by the same factory there (`ahead.AheadRollouts`; one per training process, sampling that process's
+        rows of the step's global batch). The factory holds no reference to the trainer (a cycle would keep a
+        finished trainer's models alive until a garbage collection)."""
         a, tok = self.args, self.processing_class
         settings = engines.SamplingSettings(
             max_new_tokens=a.rollout_max_new_tokens,
@@ -234,10 +234,35 @@ class DistillTrainer(Trainer):
             eos_token_ids=self.stop_ids,
             pad_token_id=tok.pad_token_id,
         )
+        if a.environment and self.environment is None:
+            raise ConfigError(
+                f"environment={a.environment}: the trainer plays episodes against an environment object; "
+                "build the trainer with opd.build.distill_trainer, or pass "
+                "environment=tasks.get_environment(...)."
+            )
+        student = self.accelerator.unwrap_model(self.model)
+        if a.rollout_engine == "hf":
+            # Only a sharded student's forward is a collective that ranks must enter together. A producer
+            # sampling ahead reports each token's log-probability, as vLLM does (the importance ratio's).
+            synced = self.is_fsdp_enabled and a.world_size > 1
+            make = functools.partial(engines.make_engine, "hf", synced=synced, logprobs=bool(a.rollout_ahead))
+        else:
+            make = functools.partial(
+                engines.make_engine,
+                "vllm",
+                model_path=student.config.name_or_path,
+                dtype="bfloat16" if a.bf16 else "float32",
+                gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                sleep=a.vllm_sleep,
+                max_model_len=a.vllm_max_model_len,
+                # one engine across the training processes; a producer's engine is its own
+                distributed=a.world_size > 1 and not a.rollout_ahead,
+            )
         if a.rollout_ahead:
-            config = self.accelerator.unwrap_model(self.model).config
+            engines.check_available(a.rollout_engine)  # here, in one line, not in the producer
             return AheadRollouts(
-                config,
+                make,
+                student.config,
                 settings,
                 a.seed,
                 a.process_index,
@@ -245,27 +270,6 @@ class DistillTrainer(Trainer):
                 a.train_batch_size,
                 a.rollout_ahead,
                 a.device,
-            )
-        if a.environment and self.environment is None:
-            raise ConfigError(
-                f"environment={a.environment}: the trainer plays episodes against an environment object; "
-                "build the trainer with opd.build.distill_trainer, or pass "
-                "environment=tasks.get_environment(...)."
-            )
-        if a.rollout_engine == "hf":
-            # Only a sharded student's forward is a collective that ranks must enter together.
-            synced = self.is_fsdp_enabled and a.world_size > 1
-            make = functools.partial(engines.make_engine, "hf", synced=synced)
-        else:
-            make = functools.partial(
-                engines.make_engine,
-                "vllm",
-                model_path=self.accelerator.unwrap_model(self.model).config.name_or_path,
-                dtype="bfloat16" if a.bf16 else "float32",
-                gpu_memory_utilization=a.vllm_gpu_memory_utilization,
-                sleep=a.vllm_sleep,
-                max_model_len=a.vllm_max_model_len,
-                distributed=a.world_size > 1,
             )
         if self.environment is not None:
             return MultiTurnRollouts(

@@ -1,7 +1,9 @@
 """Rollouts sampled ahead of training (`rollout_ahead: s`): a producer process samples the rollouts of steps
-k+1 … k+s while the trainer trains step k, with the kit's loop on its own copy of the student.
+k+1 … k+s while the trainer trains step k, through the run's rollout engine: the kit's loop on its own copy of
+the student, or a vLLM engine of its own.
 
-    source = AheadRollouts(student.config, settings, seed=42, rank=0, world=1, batch_size=64, ahead=1)
+    source = AheadRollouts(make_engine, student.config, settings, seed=42, rank=0, world=1, batch_size=64,
+                           ahead=1, device="cpu")           # make_engine: the trainer's engine factory
     source.plan(step + 1, next_steps_prompt_batches)             # the trainer peeks the coming steps' prompts
     records = source.next_step(student, prompt_batches, step)    # sends the weights, returns step's records
 
@@ -12,27 +14,30 @@ How it stays exact and bounded:
   data order, and which prompt sits at which place, are those of the synchronous run. An epoch's iterator
   cannot be peeked past its end: the first step of each epoch is sampled in its own step (staleness 0).
 - **Weights.** `next_step(student, …, k)` (at the start of step k, after optimizer step k-1) sends a copy of
-  the student's state_dict through the producer's queue (shared memory, not the disk), then the plans it was
-  given. The producer works through its queue in order: weights replace its copy's, a plan is sampled with
-  the latest weights before it in the queue. So step j is sampled by the weights of step max(j - s, epoch
+  the student's state_dict through the producer's queue (shared memory, not the disk; a tied embedding
+  once), then the plans it was given. The producer works through its queue in order: weights replace its
+  copy's (the kit's loop) or go into the engine through vLLM's weight-update path (`VLLMEngine.load`, the
+  `LLM.apply_model` + `load_weights` path the synchronous sync takes), a plan is sampled with the latest
+  weights before it in the queue. So step j is sampled by the weights of step max(j - s, epoch
   start), whatever the timing: the same versions, hence the same rollouts, in every run.
 - **Bound.** The trainer plans at most s steps beyond the one it trains, and the producer samples only what
   was planned: it never runs more than s steps ahead.
-- **Behaviour log-probs.** The producer's loop keeps each sampled token's log-probability as it decodes
-  (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the whole head, as vLLM
-  reports): the trainer's importance ratio reads them (`async_correction`), `policy_version` which weights.
-- **Failure.** A producer that raises sends its error; one that dies is noticed while the trainer waits;
-  either stops the run with one line (`RolloutProducerDied`).
+- **Behaviour log-probs.** The producer's engine reports each sampled token's log-probability: the kit's
+  loop as it decodes (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the
+  whole head), vLLM its own (`logprobs_mode="raw_logprobs"`, the same quantity): the trainer's importance
+  ratio reads them (`async_correction`), `policy_version` which weights.
+- **Failure.** A producer that raises (a vLLM engine that cannot start among them) sends its error; one that
+  dies is noticed while the trainer waits; either stops the run with one line (`RolloutProducerDied`).
 - **Resume.** The source keeps the weights of the versions its queued steps still need (at most s); a
   checkpoint stores them with each queued step's version (`save_queued`, `QUEUED_FILE`), and a resumed
   source (`resume`) hands the producer those steps after those weights before anything else: the resumed
   run samples what the unbroken one did (the prompts come from the resumed data iterator, the same).
-
 - **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
   samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
   the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
 
-Not yet: a vLLM producer (weights through vLLM's update path).
+Not yet: weights to a vLLM producer on the same GPU through CUDA IPC or NCCL (`collective_rpc`, vLLM's weight
+transfer engine) instead of a copy through the CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import dataclasses
 import json
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,6 +64,7 @@ POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive
 STOP_S = 10.0  # how long a closing source waits for its producer before terminating it
 READ_FAILED_WAIT_S = 2.0  # how long an unreadable message waits for its producer's exit to show
 QUEUED_FILE = "rollouts_ahead.safetensors"  # a checkpoint's queued steps and the weights that sample them
+REASON_CHARS = 600  # a producer's error at most this long in the trainer's line (vLLM's can run to 10 KB)
 
 
 class RolloutProducerDied(RunFailure, RuntimeError):
@@ -116,47 +122,104 @@ def _on(x, device):
     return x
 
 
-def _produce(inbox, outbox, config, settings, seed, rank, world, batch_size, device, threads) -> None:
-    """The producer process: a copy of the student built from its config (its weights only ever come through
-    `inbox`), sampling each planned step with the latest weights received before the plan."""
+def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, batch_size, device, threads):
+    """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
+    `inbox`, sampling each planned step with the latest weights received before the plan."""
     try:
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(threads)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
-        model.requires_grad_(False)
-        make = lambda: engines.make_engine("hf", logprobs=True)  # noqa: E731
-        loop = EngineRollouts(make, settings, seed, rank, world, batch_size)
+        torch.set_num_threads(threads)  # before a vLLM engine starts (it makes the call a no-op)
+        loop = EngineRollouts(make_engine, settings, seed, rank, world, batch_size)
+        policy, load = _receiver(loop.engine(), config, device)
         version = None
         while True:
             msg = inbox.get()
             if msg[0] == "stop":
+                loop.close()  # a vLLM engine shut down, not left to the process's exit
                 return
             if msg[0] == "weights":
                 version = msg[1]
-                model.load_state_dict({k: v.to(device) for k, v in msg[2].items()})
+                load(msg[2])
                 continue
             _, step, batches = msg
             started = time.time()
-            records = loop.next_step(model, _on(batches, device), step)
+            records = loop.sampled(policy, _on(batches, device), step)
             records = [dataclasses.replace(r, policy_version=version) for r in records]
             outbox.put(("records", step, version, _on(records, "cpu"), started, time.time()))
     except BaseException as e:  # noqa: BLE001 (sent to the trainer, which stops the run with it)
-        outbox.put(("error", f"{type(e).__name__}: {one_line(e)}"))
+        reason = f"{type(e).__name__}: {one_line(e)}"
+        outbox.put(("error", reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " …"))
+
+
+def _receiver(engine, config, device) -> tuple[torch.nn.Module | None, Callable[[dict], None]]:
+    """(what `engine` samples with, how a received state_dict reaches it). The kit's loop: a copy of the
+    student built from its config, the state_dict loaded into it. vLLM: the engine started now (tens of
+    seconds, while the trainer gets ready; a failure is the run's first message) and each state_dict fed to
+    its weight-update path (`VLLMEngine.load`), a tensor tied under several names once, cast to the engine's
+    dtype as it is drawn."""
+    if engine.name == "vllm":
+        _ = engine.llm  # built now
+        dtype = getattr(torch, engine.dtype)
+        return None, lambda state: engine.load((k, v.to(device, dtype)) for k, v in _each_once(state))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
+    model.requires_grad_(False)
+    return model, lambda state: model.load_state_dict({k: v.to(device) for k, v in state.items()})
+
+
+def _each_once(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A state_dict's entries, a tensor listed under several names (a tied embedding: `weights_copy` sends
+    one tensor) under its first only, as `named_parameters` lists it."""
+    seen = set()
+    for name, t in state.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+def weights_copy(student: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The student's state_dict copied to the CPU, for the producer's queue (shared memory): a tensor tied
+    under several names copied once, the same tensor under each name (the queue then sends it once)."""
+    copies, state = {}, {}
+    for name, t in student.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        state[name] = copies[key]
+    return state
 
 
 class AheadRollouts(RolloutSource):
     """Rollouts sampled up to `ahead` steps ahead of training by a producer process (torch.multiprocessing,
-    spawn) running the kit's loop on its own copy of the student (`config`: the student's config; the
-    weights come from the trainer, step by step). Each record carries the weights' version that sampled it
-    and their log-probabilities of its tokens. `timeline`: per sampled step, its version and when the
-    producer started and finished it (wall clock), for tests and measurements."""
+    spawn) running the engine `make_engine` builds (picklable: the trainer's factory): the kit's loop on its
+    own copy of the student (`config`: the student's config), or a vLLM engine started from the student's
+    folder; either way the weights come from the trainer, step by step. Each record carries the weights'
+    version that sampled it and their log-probabilities of its tokens. `timeline`: per sampled step, its
+    version and when the producer started and finished it (wall clock), for tests and measurements."""
 
     def __init__(
-        self, config, settings: engines.SamplingSettings, seed, rank, world, batch_size, ahead, device
+        self,
+        make_engine: Callable[[], engines.HFEngine | engines.VLLMEngine],
+        config,
+        settings: engines.SamplingSettings,
+        seed,
+        rank,
+        world,
+        batch_size,
+        ahead,
+        device,
     ):
         self.ahead = ahead
-        self._args = (config, settings, seed, rank, world, batch_size, str(device), torch.get_num_threads())
+        self._args = (
+            make_engine,
+            config,
+            settings,
+            seed,
+            rank,
+            world,
+            batch_size,
+            str(device),
+            torch.get_num_threads(),
+        )
         self.device = device
         self._proc = None
         self._inbox = self._outbox = None
@@ -196,8 +259,7 @@ class AheadRollouts(RolloutSource):
         self.open()
         if self._primed:  # a resume: the steps a checkpoint had queued, with the weights that sampled them
             self._regenerate([(step, batches), *self._pending])
-        state = {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
-        self._send_weights(step, state)
+        self._send_weights(step, weights_copy(student))
         if step not in self._planned:  # the first step of a run or an epoch: nothing peeked it
             self._pending.insert(0, (step, batches))
         for s, b in self._pending:
@@ -315,7 +377,12 @@ def save_queued(source: AheadRollouts, folder: str | Path) -> Path:
     """Writes `source.queued()` into a checkpoint folder (`QUEUED_FILE`, atomically): each kept version's
     weights as tensors `<version>/<name>`, the steps' versions in the metadata."""
     plans, weights = source.queued()
-    tensors = {f"{v}/{name}": t.contiguous() for v, state in weights.items() for name, t in state.items()}
+    tensors, seen = {}, set()
+    for v, state in weights.items():
+        for name, t in state.items():  # a tied tensor (one copy under several names) saved under each
+            t = t.contiguous()
+            tensors[f"{v}/{name}"] = t.clone() if t.data_ptr() in seen else t
+            seen.add(t.data_ptr())
     path = Path(folder) / QUEUED_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

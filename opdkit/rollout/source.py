@@ -183,8 +183,14 @@ class EngineRollouts(RolloutSource):
     def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
         if not batches:
             return []
+        self.engine().sync(student)
+        return self.sampled(student, batches, step)
+
+    def sampled(self, student: torch.nn.Module | None, batches: list[dict], step: int) -> list[RolloutRecord]:
+        """The step's records from the engine as it is, its weights already in (`next_step` syncs them
+        first; a producer sampling ahead loads those it was sent). `student`: what the engine samples with
+        (the kit's loop; None for vLLM, which holds its own weights)."""
         engine = self.engine()
-        engine.sync(student)
         s = self.settings
         ids_BP, mask_BP = microbatches.concat_prompts(batches, s.pad_token_id)
         sizes = [b["prompts"].shape[0] for b in batches]

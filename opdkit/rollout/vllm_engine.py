@@ -193,11 +193,17 @@ class VLLMEngine:
     def sync(self, model: torch.nn.Module) -> None:
         """Copy the (unwrapped) student's weights into the engine: HF names, a tied embedding once (it is
         listed once), FSDP shards gathered to full tensors on every rank, one tensor at a time."""
+        self.load(gathered_weights(model, getattr(torch, self.dtype)))
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy these weights into the engine, through its weight-update path (`sync` draws them from the
+        student; a producer sampling ahead feeds the state_dict the trainer sent): (HF name, tensor) in the
+        engine's dtype, a tied embedding once, every weight of the model."""
         if self.asleep:
             empty_cuda_cache()  # what the trainer freed since the last wake goes back first
             self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights load
-        with torch.no_grad():
-            self._load(gathered_weights(model, getattr(torch, self.dtype)))
+        with torch.no_grad():  # the generator is drawn inside
+            self._load(weights)
         if self.asleep:
             empty_cuda_cache()
             self.llm.wake_up(tags=["kv_cache"])

@@ -133,8 +133,9 @@ def distil(
     """Accuracy before (kept from the summary on resume), training, accuracy after, the summary."""
     cfg = prep.cfg
     # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as its
-    # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own).
-    engine = trainer.engine() if cfg.rollout_engine == "vllm" else None
+    # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own). A
+    # producer sampling ahead (rollout_ahead) holds its engine in its own process: the kit's loop measures.
+    engine = trainer.engine() if cfg.rollout_engine == "vllm" and not cfg.rollout_ahead else None
     trainer.rollouts.open()  # a producer sampling ahead (rollout_ahead) starts while the accuracy is measured
     acc = lambda m, e=None: sharded_accuracies(m, prep, world, rank, engine=e)  # noqa: E731
     last = (
