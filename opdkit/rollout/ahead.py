@@ -21,6 +21,8 @@ How it stays exact and bounded:
 - **Behaviour log-probs.** The producer's loop keeps each sampled token's log-probability as it decodes
   (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the whole head, as vLLM
   reports): the trainer's importance ratio reads them (`async_correction`), `policy_version` which weights.
+- **Placement.** The producer runs on `rollout_device` (a GPU of its own, `cuda:1`, or the trainer's device);
+  the memory plan counts it there and its queue in host memory (`memory.rows.producer_rows`, `queue_rows`).
 - **Failure.** A producer that raises sends its error; one that dies is noticed while the trainer waits;
   either stops the run with one line (`RolloutProducerDied`).
 
@@ -135,15 +137,26 @@ def _produce(inbox, outbox, config, settings, seed, rank, world, batch_size, dev
 class AheadRollouts(RolloutSource):
     """Rollouts sampled up to `ahead` steps ahead of training by a producer process (torch.multiprocessing,
     spawn) running the kit's loop on its own copy of the student (`config`: the student's config; the
-    weights come from the trainer, step by step). Each record carries the weights' version that sampled it
+    weights come from the trainer, step by step) on `producer_device` (`rollout_device`; None: `device`, the
+    trainer's, where the records are handed over). Each record carries the weights' version that sampled it
     and their log-probabilities of its tokens. `timeline`: per sampled step, its version and when the
     producer started and finished it (wall clock), for tests and measurements."""
 
     def __init__(
-        self, config, settings: engines.SamplingSettings, seed, rank, world, batch_size, ahead, device
+        self,
+        config,
+        settings: engines.SamplingSettings,
+        seed,
+        rank,
+        world,
+        batch_size,
+        ahead,
+        device,
+        producer_device=None,
     ):
         self.ahead = ahead
-        self._args = (config, settings, seed, rank, world, batch_size, str(device), torch.get_num_threads())
+        where = str(producer_device or device)
+        self._args = (config, settings, seed, rank, world, batch_size, where, torch.get_num_threads())
         self.device = device
         self._proc = None
         self._inbox = self._outbox = None
