@@ -6,6 +6,7 @@ Each group's docstring names the code that reads it; that module imports the gro
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,6 +261,11 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         "(synchronous)",
         min=0,
     )
+    rollout_device: str = setting(
+        "",
+        "rollout_ahead >= 1: the producer's device: cuda:N (a GPU of its own beside the trainer's cuda:0), "
+        "cpu, or empty: the trainer's device",
+    )
     environment: str = setting(
         "",
         "multi-turn rollouts: each prompt an episode against this tool environment (opdkit/tasks/), the "
@@ -322,6 +328,16 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
                 "vllm_sleep frees the engine's memory between rollouts for training in the same process; "
                 f"with rollout_ahead={self.rollout_ahead} the engine samples in its own process while the "
                 "trainer trains: set vllm_sleep false, or rollout_ahead 0."
+            )
+        if self.rollout_device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.rollout_device):
+            raise ConfigError(
+                f"rollout_device={self.rollout_device!r} is not a device: give cuda:N (e.g. cuda:1), cpu, or "
+                "empty for the trainer's device."
+            )
+        if self.rollout_device and not self.rollout_ahead:
+            raise ConfigError(
+                f"rollout_device={self.rollout_device} places the producer of rollout_ahead >= 1, and "
+                "rollout_ahead is 0: set rollout_ahead >= 1, or leave rollout_device empty."
             )
         if self.async_correction != "none" and not self.rollout_ahead:
             raise ConfigError(

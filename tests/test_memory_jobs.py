@@ -338,3 +338,52 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
     rows = {r.component for r in memory.plan(baseline, 80).rows}
     assert {"student weights", "teacher weights", "ADS perturbed copies", "reserve"} <= rows
     assert memory.plan(baseline, 80).row("optimizer state").bytes == 0
+
+
+def test_02_full_with_its_rollout_producer_on_a_gpu_of_its_own(hub_cache, monkeypatch):
+    """issue 39, the README's command: 02 full in one training process on cuda:0, the producer sampling one
+    step ahead with the kit's loop on cuda:1. The trainer's plan loses its rollout (and the vLLM engine); the
+    producer's GPU holds its rows by hand (`test_memory_rows_producer`) and its reserve; the queue is in host
+    memory."""
+    from test_memory_rows_producer import OWN_GPU, QUEUE, _producer_by_hand
+
+    from opdkit.jobs import whitebox
+    from opdkit.jobs.whitebox.job import JOB
+    from opdkit.run.lifecycle import plan_job
+
+    monkeypatch.chdir(hub_cache)
+    over = {
+        "student_model": folder(hub_cache, "Qwen/Qwen3-0.6B"),
+        "teacher_model": folder(hub_cache, "Qwen/Qwen3-4B"),
+        "num_processes": 1,
+        "rollout_ahead": 1,
+        "rollout_engine": "hf",
+        "rollout_device": "cuda:1",
+        "plan_gpu_memory_gb": 80,
+        "dry_run": True,
+    }
+    _, job_plan = plan_job(JOB, whitebox.prepare("full", over))
+    assert not [r for r in job_plan.plan.rows if "rollout" in r.component or "vllm" in r.component]
+    producer = job_plan.beside[OWN_GPU]
+    assert {r.component: r.bytes for r in producer.rows} == {**_producer_by_hand(), "reserve": 4e9}
+    assert list(job_plan.beside) == [OWN_GPU, QUEUE] and job_plan.fits
+
+
+@pytest.mark.slow
+def test_the_readme_command_plans_02_full_with_its_producer_on_a_second_gpu(hub_cache):
+    proc = dry_run(
+        "whitebox",
+        "full",
+        hub_cache,
+        "plan_gpu_memory_gb=80",
+        "num_processes=1",
+        "rollout_ahead=1",
+        "rollout_engine=hf",
+        "rollout_device=cuda:1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "beside the training process, the rollout producer on a GPU of its own:" in proc.stdout
+    assert "beside the training process, the rollout producer's queue in host memory:" in proc.stdout
+    match = VERDICT.fullmatch(proc.stdout.strip().splitlines()[-1])
+    assert match and match[3] == "fits", proc.stdout[-2000:]
+    print(proc.stdout)

@@ -262,6 +262,17 @@ def test_the_settings_that_cannot_hold_are_one_line_errors(tmp_path):
         assert "\n" not in str(err.value)
 
 
+def test_the_producer_goes_where_rollout_device_says(tmp_path):
+    """`rollout_device` is the producer's device (the records come back to the trainer's); a GPU this process
+    does not see is refused in one line when the trainer is built."""
+    trainer = _trainer(tmp_path, rollout_ahead=1, rollout_device="cpu")
+    assert isinstance(trainer.rollouts, ahead.AheadRollouts)
+    assert trainer.rollouts._args[6] == "cpu" and str(trainer.rollouts.device) == "cpu"
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=f"rollout_device=cuda:{gpus} places the rollout producer on a GPU"):
+        _trainer(tmp_path, rollout_ahead=1, rollout_device=f"cuda:{gpus}")
+
+
 def test_the_lookahead_hands_out_the_batches_in_the_order_the_steps_take_them():
     """Peeking s steps ahead of a data iterator gives each step the batches a plain pull would have given it,
     and announces each coming step once, never more than s beyond the one taken; a new iterator starts

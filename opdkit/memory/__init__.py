@@ -25,6 +25,9 @@ Pitfalls this module exists for:
 - under bf16 autocast an fp32 model's KV cache keeps K in fp32 (RoPE's fp32 cos and sin, Qwen3's fp32 k_norm
   weight, promote it) and V in bf16 (`kv_bytes_per_token`);
 - vLLM reserves `gpu_memory_utilization` x the card's whole memory, not of a smaller budget;
+- a rollout producer sampling ahead (`rollout_ahead`) holds its own float32 copy of the student whatever the
+  trainer's precision, and on a GPU the whole state_dict it was sent (a tied embedding twice) before
+  `load_state_dict` copies it in; its queue holds up to rollout_ahead + 1 weight copies in host memory;
 - a vLLM weight sync that casts every parameter to the engine's dtype before handing them over holds the
   whole model in bf16; `engines.VLLMEngine.sync` streams them, one tensor at a time (`Stage.sync_streamed`);
 - AdamW steps one tensor at a time on CPU but with `foreach` on CUDA, whose sqrt(v) temporary is as large
@@ -62,6 +65,7 @@ from opdkit.memory.plans import (
     largest_batch,
     plan,
     plan_job,
+    producer_plans,
     reserve_bytes,
     suggestions,
 )
@@ -115,6 +119,7 @@ __all__ = [
     "optimizer_kind",
     "plan",
     "plan_job",
+    "producer_plans",
     "reserve_bytes",
     "rows_of",
     "suggestions",

@@ -11,7 +11,7 @@ from typing import Any
 
 from opdkit.config import ConfigError
 from opdkit.memory.device import host_memory_gb
-from opdkit.memory.rows import ALWAYS, Row, rows_of
+from opdkit.memory.rows import ALWAYS, Row, producer_rows, queue_rows, rows_of
 from opdkit.memory.shapes import GB
 from opdkit.memory.stages import Stage
 
@@ -41,6 +41,7 @@ class Plan:
     rows: list[Row]
     budget_bytes: float | None = None
     suggestions: list[Suggestion] = field(default_factory=list)
+    where: str = "per process"  # what the total is of, as the summary says it
 
     def phase_totals(self) -> dict[str, int]:
         """Bytes held at each phase: the always rows plus that phase's."""
@@ -71,9 +72,9 @@ class Plan:
     def summary(self) -> str:
         """`table()`'s last line: 'plan: <total> GB of <budget> GB per process: fits' (or 'does not fit')."""
         if self.budget_bytes is None:
-            return f"plan: {self.total / GB:.1f} GB per process: no budget set"
+            return f"plan: {self.total / GB:.1f} GB {self.where}: no budget set"
         verdict = "fits" if self.fits else "does not fit"
-        return f"plan: {self.total / GB:.1f} GB of {self.budget_bytes / GB:.1f} GB per process: {verdict}"
+        return f"plan: {self.total / GB:.1f} GB of {self.budget_bytes / GB:.1f} GB {self.where}: {verdict}"
 
     def table(self) -> str:
         width = max(len("component"), *(len(r.component) for r in self.rows))
@@ -231,9 +232,12 @@ def _fits(stage: Stage, budget_gb: float, change: dict[str, Any]) -> bool:
 
 @dataclass
 class JobPlan:
-    """A job's plan: every stage's (the stages follow one another) and the largest, which decides."""
+    """A job's plan: every stage's (the stages follow one another) and the largest, which decides; `beside`:
+    what is held at the same time elsewhere (a rollout producer on a device of its own, its queue in host
+    memory, `producer_plans`), each of which must fit its own budget too."""
 
     plans: dict[str, Plan]
+    beside: dict[str, Plan] = field(default_factory=dict)
 
     @property
     def stage(self) -> str:
@@ -245,24 +249,40 @@ class JobPlan:
 
     @property
     def fits(self) -> bool:
-        return self.plan.fits
+        return self.plan.fits and all(p.fits for p in self.beside.values())
 
     def table(self) -> str:
-        """The largest stage's table (its last line the verdict), headed by every stage's total."""
+        """What is held beside the stages (each with its own verdict), then the largest stage's table, headed
+        by every stage's total; the last line is the verdict: the largest stage's, or the first plan beside
+        it that does not fit."""
+        lines = [f"beside the training process, {name}:\n{p.table()}" for name, p in self.beside.items()]
         head = "memory plan per process"
         if len(self.plans) > 1:
             totals = ", ".join(f"{name} {p.total / GB:.1f} GB" for name, p in self.plans.items())
             head += f", stages {totals}; the largest, {self.stage}:"
         else:
             head += f", {self.stage}:"
-        return head + "\n" + self.plan.table()
+        lines.append(head + "\n" + self.plan.table())
+        if self.plan.fits and not self.fits:
+            name, p = self._failing()
+            lines.append(f"{p.summary()} at {name}")
+        return "\n".join(lines)
+
+    def _failing(self) -> tuple[str, Plan]:
+        """The first plan that does not fit: the largest stage's, or one beside it."""
+        if not self.plan.fits:
+            return self.stage, self.plan
+        return next((name, p) for name, p in self.beside.items() if not p.fits)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "stage": self.stage,
             **self.plan.to_dict(),
             "stages": {k: p.to_dict() for k, p in self.plans.items()},
         }
+        if self.beside:
+            out["beside"] = {k: {**p.to_dict(), "where": p.where} for k, p in self.beside.items()}
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -271,7 +291,7 @@ class JobPlan:
         """Raise ConfigError, one line with the verdict and what would fit (the table is shown before), when
         the plan does not fit its budget."""
         if not self.fits:
-            plan = self.plan
+            stage, plan = self._failing()
             fix = (
                 f"it would fit with {'; '.join(map(str, plan.suggestions))}"
                 if plan.suggestions
@@ -279,7 +299,7 @@ class JobPlan:
             )
             raise ConfigError(
                 f"this run does not fit its memory budget, nothing has been loaded: {plan.summary()} at "
-                f"{self.stage} (the plan above); {fix}; or use more processes or a larger GPU, or set "
+                f"{stage} (the plan above); {fix}; or use more processes or a larger GPU, or set "
                 "plan_gpu_memory_gb if the budget is not this GPU's."
             )
 
@@ -288,7 +308,7 @@ def plan_job(stages: Mapping[str, Stage], budget: float | None, gpu_gb: float | 
     """Plan each stage of a job against `budget` GB (None: nothing enforced). A vLLM engine's share is taken
     of `gpu_gb` (the visible card's memory, `card_gb`) when given, else of the budget; without a budget of
     this machine's memory, as vLLM on a CPU takes it."""
-    plans = {}
+    plans, beside = {}, {}
     for name, stage in stages.items():
         if gpu_gb:
             stage = dataclasses.replace(stage, gpu_memory_gb=gpu_gb)
@@ -298,4 +318,28 @@ def plan_job(stages: Mapping[str, Stage], budget: float | None, gpu_gb: float | 
         else:
             p = plan(stage, budget)
         plans[name] = p
-    return JobPlan(plans)
+        for where, q in producer_plans(stage, budget).items():
+            beside[where if len(stages) == 1 else f"{name}, {where}"] = q
+    return JobPlan(plans, beside)
+
+
+def producer_plans(stage: Stage, budget: float | None) -> dict[str, Plan]:
+    """What a stage's rollout producer (`Stage.rollout_ahead`) holds away from the training process's
+    device, by where: on a GPU of its own (`producer_place` gpu) the producer, against `budget` with its own
+    reserve; in host memory the producer placed on the CPU, and always its queue (`rows.queue_rows`), neither
+    checked against a budget. {} without a producer; one beside the trainer is in the stage's own plan."""
+    if not stage.rollout_ahead:
+        return {}
+    out = {}
+    sizing = budget if budget is not None else host_memory_gb()  # a vLLM share where no budget is set
+    if stage.producer_place == "gpu":
+        rows = producer_rows(stage, sizing * GB)
+        budget_bytes = None if budget is None else budget * GB
+        if budget_bytes is not None:
+            rows.append(_reserve_row(budget_bytes))
+        out["the rollout producer on a GPU of its own"] = Plan(rows, budget_bytes)
+    elif stage.producer_place == "cpu":
+        rows = producer_rows(stage, sizing * GB)
+        out["the rollout producer on the CPU"] = Plan(rows, where="in host memory")
+    out["the rollout producer's queue in host memory"] = Plan(queue_rows(stage), where="in host memory")
+    return out

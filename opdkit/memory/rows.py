@@ -3,6 +3,7 @@ engine; a sharded, served or ADS teacher; evaluation (`rows_of`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,13 @@ PHASES = ("rollout", "train", "bwd-end", "step", "eval")
 # many fp32 rows x vocabulary temporaries at once.
 _ROW_BLOCK = 64
 _ROW_BLOCK_BUFFERS = 3
+
+# A rollout record (`rollout.source.RolloutRecord`) per token column: its input ids, attention mask and loss
+# mask (int64) and the sampler's log-probabilities (float32); per row its `truncated_B` flag (bool). A planned
+# prompt micro-batch per token: its ids and attention mask (int64).
+RECORD_BYTES_PER_TOKEN = 8 + 8 + 8 + 4
+RECORD_BYTES_PER_ROW = 1
+PROMPT_BYTES_PER_TOKEN = 8 + 8
 
 
 @dataclass(frozen=True)
@@ -233,6 +241,72 @@ def _engine_rows(s: Stage, budget: float | None) -> list[Row]:
     return rows
 
 
+def producer_device(s: Stage) -> str:
+    """Where the rollout producer of `rollout_ahead` lives: "cuda" or "cpu"."""
+    return {"beside": s.device, "gpu": "cuda", "cpu": "cpu"}[s.producer_place]
+
+
+def producer_rows(s: Stage, budget: float | None) -> list[Row]:
+    """The rollout producer of `rollout_ahead` (`rollout.ahead._produce`), held "always": it samples beside
+    every phase of the trainer, and its caching allocator keeps what it once held. The kit's loop: its own
+    float32 copy of the student (built from the config, whatever the trainer's precision); on a GPU, each
+    weight update's state_dict moved to the device whole before `load_state_dict` copies it in; the KV cache
+    and working set of the step's `sampled_rows` rows, decoded without autocast. vLLM: the engine's share and
+    its weight-sync buffer, as a synchronous engine's (`budget` sizes the share where no card is known)."""
+    if s.rollout_engine == "vllm":
+        return [Row(f"{r.component}, rollout producer", r.bytes, r.how) for r in _engine_rows(s, budget)]
+    m, wd = s.model("student")
+    rows = [
+        Row(
+            "rollout producer weights",
+            m.num_params * 4,
+            f"{_n(m.num_params)} params x 4 B (float32): the producer's copy of the student",
+        )
+    ]
+    device = producer_device(s)
+    if device == "cuda":
+        n, wb = m.state_dict_numel, dtype_bytes(wd)
+        how = f"{_n(n)} state_dict values x {wb} B ({wd}) on the device at once, then loaded"
+        how += " (a tied embedding under both names)" if m.tie_embeddings else ""
+        rows.append(Row("rollout producer weight update", n * wb, how))
+    own = dataclasses.replace(s, student_dtype="float32", device=device)
+    length = s.prompt_len + s.completion_len
+    for r in _decode_rows(own, "student", s.sampled_rows, length, "rollout", autocast=False):
+        rows.append(Row(r.component.replace("student rollout", "rollout producer"), r.bytes, r.how))
+    return rows
+
+
+def queue_rows(s: Stage) -> list[Row]:
+    """The producer's queues in host memory (shared memory, `rollout.ahead`): the student's state_dict copies
+    the trainer sends after each optimizer step, at most `rollout_ahead` + 1 at once (the newest, and up to
+    `rollout_ahead` older ones the producer has not loaded yet: it is that many steps behind the trainer),
+    the records of the `rollout_ahead` steps sampled ahead, and those steps' prompts."""
+    m, wd = s.model("student")
+    ahead, wb, rows_ = s.rollout_ahead, dtype_bytes(wd), s.sampled_rows
+    copies, n = ahead + 1, m.state_dict_numel
+    length = s.prompt_len + s.completion_len
+    record = rows_ * (length * RECORD_BYTES_PER_TOKEN + RECORD_BYTES_PER_ROW)
+    steps = f"{ahead} step{'s' * (ahead > 1)} x {rows_} rows"
+    return [
+        Row(
+            "weights in the producer's queue",
+            copies * n * wb,
+            f"{copies} state_dict copies (the newest, {ahead} not loaded yet) x {_n(n)} values x {wb} B",
+        ),
+        Row(
+            "rollouts in the producer's queue",
+            ahead * record,
+            f"{steps} x ({_n(length)} tokens x {RECORD_BYTES_PER_TOKEN} B + "
+            f"{RECORD_BYTES_PER_ROW} B): ids, masks (int64), log-probs (float32)",
+        ),
+        Row(
+            "prompts planned ahead",
+            ahead * rows_ * s.prompt_len * PROMPT_BYTES_PER_TOKEN,
+            f"{steps} x {_n(s.prompt_len)} tokens x {PROMPT_BYTES_PER_TOKEN} B",
+        ),
+    ]
+
+
 def _sharded_teacher_rows(s: Stage) -> list[Row]:
     """What a sharded teacher holds whole beyond its shard: while it decodes, its root unit (embedding,
     head) and one decoder layer gathered; in training, the copy of its head the divergence keeps from the
@@ -319,7 +393,9 @@ def rows_of(s: Stage, budget: float | None) -> list[Row]:
             ),
         ]
     length = s.prompt_len + s.completion_len
-    if s.rollout_engine == "vllm":
+    if s.rollout_ahead:  # a producer process samples them (`producer_rows`): here when it shares the device
+        rows += producer_rows(s, budget) if s.producer_place == "beside" else []
+    elif s.rollout_engine == "vllm":
         rows += _engine_rows(s, budget)
     elif s.sampled_rows:
         rows += _decode_rows(s, s.sampler, s.sampled_rows, length, "rollout", s.bf16)

@@ -147,6 +147,12 @@ class ModelShape:
         return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + head
 
     @property
+    def state_dict_numel(self) -> int:
+        """What `sum(v.numel() for v in model.state_dict().values())` counts: the parameters, a tied embedding
+        under both its names (the embedding's and the head's)."""
+        return self.num_params + self.embedding_params * self.tie_embeddings
+
+    @property
     def largest_tensor_numel(self) -> int:
         h = self.hidden_size
         return max(self.embedding_params, h * self.intermediate_size, h * self.q_dim)

@@ -151,6 +151,13 @@ class Stage:
         the heads of all stacked side by side once (`opd.mixture.RoutedTeacher`).
     eval_student: the student is evaluated too (02: before, during and after training, on the kit's loop
         under the run's autocast), in a phase of its own beside `eval_model`'s evaluation.
+    rollout_ahead: the student's rollouts are sampled up to this many steps ahead by a producer process
+        (`rollout.ahead`), never in this one: the producer holds a float32 copy of the student, on a GPU the
+        state_dict it loads at each weight update, and its engine's sampling memory for `sampled_rows` rows
+        (the kit's loop without autocast; vLLM: its share), all beside every phase of the trainer; its queue
+        holds weight copies, rollouts and prompts in host memory (`rows.producer_rows`, `rows.queue_rows`).
+    producer_place: where that producer lives: "beside" this process (the same device: its rows are this
+        stage's), "gpu" (a GPU of its own: a plan of its own, `plans.producer_plans`), "cpu" (host memory).
     """
 
     student: ModelShape | None = None
@@ -194,6 +201,8 @@ class Stage:
     other_teachers: tuple[OtherTeacher, ...] = ()
     teachers_routed: bool = False
     eval_student: bool = False
+    rollout_ahead: int = 0
+    producer_place: str = "beside"
 
     def __post_init__(self) -> None:
         choices = {
@@ -203,6 +212,7 @@ class Stage:
             "eval_model": ("student", "teacher"),
             "rollout_engine": ("hf", "vllm"),
             "device": ("cuda", "cpu"),
+            "producer_place": ("beside", "gpu", "cpu"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -211,7 +221,8 @@ class Stage:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         counts = ("prompt_len", "completion_len", "train_batch_size", "sampled_rows", "eval_batch_size")
-        for name in (*counts, "eval_completion_len", "ads_copies", "proxy_gradients", "trainable_params"):
+        others = ("eval_completion_len", "ads_copies", "proxy_gradients", "trainable_params", "rollout_ahead")
+        for name in (*counts, *others):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must not be negative (0: none).")
         if self.teacher_token_ratio < 1:
@@ -233,6 +244,8 @@ class Stage:
             raise ValueError(
                 "train_batch_size > 0 needs the trained model: pass student=ModelShape.from_config(...)."
             )
+        if self.rollout_ahead and self.student is None:
+            raise ValueError("rollout_ahead > 0 samples the student's rollouts: pass student too.")
         for role, batch in (("sampler", self.sampled_rows), ("eval_model", self.eval_batch_size)):
             if batch and getattr(self, getattr(self, role)) is None:
                 raise ValueError(

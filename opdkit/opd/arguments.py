@@ -95,7 +95,8 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
     sampled at once (the kit's loop) or the vLLM engine's share, and the greedy evaluation of the teacher
     and of the student (the student's in the engine with vLLM); with a `teacher_server`, the teacher's head
     and received states only, and the student's evaluation; with `teachers`, every one of them, and the
-    student's evaluation. A teacher with another tokenizer reads its own token count (`token_ratio`).
+    student's evaluation. A teacher with another tokenizer reads its own token count (`token_ratio`). With
+    `rollout_ahead`, a producer process samples instead, where `rollout_device` puts it (`producer_place`).
     Planned for a GPU when there is a budget."""
     dtype = "bfloat16" if cfg.bf16 else "float32"
     served = bool(getattr(cfg, "teacher_server", ""))  # 04's attackers have no served teacher
@@ -135,7 +136,18 @@ def distill_stage(cfg: Any, world: int, budget: float | None) -> memory.Stage:
         teacher_token_ratio=ratio or 1.0,
         other_teachers=tuple(memory.OtherTeacher(shape(t.model), bool(t.server)) for t in specs[1:]),
         teachers_routed=bool(specs) and not parse_weights(getattr(cfg, "teacher_weights", "")),
+        rollout_ahead=getattr(cfg, "rollout_ahead", 0),
+        producer_place=producer_place(getattr(cfg, "rollout_device", ""), budget),
     )
+
+
+def producer_place(rollout_device: str, budget: float | None) -> str:
+    """Where `rollout_device` puts the rollout producer for the memory plan (`memory.Stage.producer_place`):
+    beside the trainer (empty, the trainer's device: cuda or cuda:0 in its one process, cpu on a CPU), on a
+    GPU of its own (cuda:N, N >= 1), or on the CPU beside a GPU trainer."""
+    if rollout_device in ("", "cuda", "cuda:0") or (rollout_device == "cpu" and budget is None):
+        return "beside"
+    return "cpu" if rollout_device == "cpu" else "gpu"
 
 
 def teacher_token_ratio(cfg: Any) -> float | None:

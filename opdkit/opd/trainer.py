@@ -214,6 +214,13 @@ class DistillTrainer(Trainer):
                 "sharded student (parallelism fsdp) holds a part of it in each process: use parallelism "
                 "ddp, or rollout_ahead 0."
             )
+        gpu = int(a.rollout_device.partition(":")[2] or 0) if a.rollout_device.startswith("cuda") else -1
+        if gpu >= torch.cuda.device_count():
+            raise ConfigError(
+                f"rollout_device={a.rollout_device} places the rollout producer on a GPU this process does "
+                f"not see ({torch.cuda.device_count()} visible): name a visible one, or leave rollout_device "
+                "empty for the trainer's device."
+            )
         if a.async_correction != "none" and not self.teacher.importance_weighted:
             raise ConfigError(
                 f"async_correction={a.async_correction} weights the exact divergence per token; the "
@@ -270,6 +277,7 @@ class DistillTrainer(Trainer):
                 a.train_batch_size,
                 a.rollout_ahead,
                 a.device,
+                a.rollout_device or None,
             )
         if self.environment is not None:
             return MultiTurnRollouts(

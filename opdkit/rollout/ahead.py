@@ -35,6 +35,8 @@ How it stays exact and bounded:
 - **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
   samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
   the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
+- **Placement.** The producer runs on `rollout_device` (a GPU of its own, `cuda:1`, or the trainer's device);
+  the memory plan counts it there and its queue in host memory (`memory.rows.producer_rows`, `queue_rows`).
 
 Not yet: weights to a vLLM producer on the same GPU through CUDA IPC or NCCL (`collective_rpc`, vLLM's weight
 transfer engine) instead of a copy through the CPU.
@@ -45,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -126,6 +129,7 @@ def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, ba
     """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
     `inbox`, sampling each planned step with the latest weights received before the plan."""
     try:
+        device = only_gpu(device)
         torch.set_num_threads(threads)  # before a vLLM engine starts (it makes the call a no-op)
         loop = EngineRollouts(make_engine, settings, seed, rank, world, batch_size)
         policy, load = _receiver(loop.engine(), config, device)
@@ -147,6 +151,19 @@ def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, ba
     except BaseException as e:  # noqa: BLE001 (sent to the trainer, which stops the run with it)
         reason = f"{type(e).__name__}: {one_line(e)}"
         outbox.put(("error", reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " …"))
+
+
+def only_gpu(device: str) -> str:
+    """In a producer on `cuda:N`, before anything touches CUDA: this process sees that GPU alone
+    (`CUDA_VISIBLE_DEVICES`, the N-th of those the trainer sees), as `cuda:0`. A vLLM engine places itself on
+    the first GPU it sees; the kit's loop follows the device it is given: both on the GPU named."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return device
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = seen.split(",") if seen else [str(i) for i in range(int(index) + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = seen[int(index)].strip()
+    return "cuda:0"
 
 
 def _receiver(engine, config, device) -> tuple[torch.nn.Module | None, Callable[[dict], None]]:
@@ -192,9 +209,11 @@ class AheadRollouts(RolloutSource):
     """Rollouts sampled up to `ahead` steps ahead of training by a producer process (torch.multiprocessing,
     spawn) running the engine `make_engine` builds (picklable: the trainer's factory): the kit's loop on its
     own copy of the student (`config`: the student's config), or a vLLM engine started from the student's
-    folder; either way the weights come from the trainer, step by step. Each record carries the weights'
-    version that sampled it and their log-probabilities of its tokens. `timeline`: per sampled step, its
-    version and when the producer started and finished it (wall clock), for tests and measurements."""
+    folder; either way the weights come from the trainer, step by step, on `producer_device`
+    (`rollout_device`; None: `device`, the trainer's, where the records are handed over). Each record carries
+    the weights' version that sampled it and their log-probabilities of its tokens. `timeline`: per sampled
+    step, its version and when the producer started and finished it (wall clock), for tests and
+    measurements."""
 
     def __init__(
         self,
@@ -207,6 +226,7 @@ class AheadRollouts(RolloutSource):
         batch_size,
         ahead,
         device,
+        producer_device=None,
     ):
         self.ahead = ahead
         self._args = (
@@ -217,7 +237,7 @@ class AheadRollouts(RolloutSource):
             rank,
             world,
             batch_size,
-            str(device),
+            str(producer_device or device),
             torch.get_num_threads(),
         )
         self.device = device
