@@ -423,3 +423,16 @@ def test_two_gloo_processes_each_with_its_producer_take_the_one_process_runs_ste
         torch.testing.assert_close(
             torch.tensor([r[key] for r in two]), torch.tensor([r[key] for r in one]), rtol=1e-5, atol=0
         )
+
+
+def test_a_producer_on_a_gpu_of_its_own_sees_that_gpu_alone(monkeypatch):
+    """`rollout_device cuda:N`: the producer's process sees the N-th GPU the trainer sees, as cuda:0."""
+    from opdkit.rollout.ahead import only_gpu
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert only_gpu("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    assert only_gpu("cuda:2") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert only_gpu("cpu") == "cpu" and only_gpu("cuda") == "cuda"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
