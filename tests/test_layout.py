@@ -181,7 +181,7 @@ def main_blocks(root: Path = REPO) -> list[str]:
     return bad
 
 
-REPORTS = {"report", "tooluse"}  # a job's report modules a notebook may import
+REPORTS = {"report", "tooluse", "ahead"}  # a job's report modules a notebook may import
 
 
 def notebook_imports(root: Path = REPO) -> list[str]:

@@ -42,6 +42,8 @@ def test_whitebox_notebook_runs_headless(tmp_path):
     assert "FutureWarning" not in run_cell
     closing = json.dumps(_cell_outputs(executed, "report.explain(summary)"))
     assert "**Finding.** on-policy distillation lifts" in closing
+    ahead = json.dumps(_cell_outputs(executed, "ahead.explain(comparison)"))  # no arms: how to get them
+    assert "has no arms sampling ahead" in ahead and "ahead_arms 1,1t,4,4t" in ahead
 
 
 def assert_readable(path: Path, run_needle: str) -> None:

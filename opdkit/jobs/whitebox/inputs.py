@@ -187,6 +187,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
     check_environment(cfg)
+    check_ahead_arms(cfg, bool(cross))
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(
@@ -227,6 +228,27 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         split.removed,
         teacher_tok if cross else None,
     )
+
+
+def check_ahead_arms(cfg: WhiteboxConfig, cross: bool) -> None:
+    """`ahead_arms` beyond what its settings alone say (`WhiteboxConfig.check_ahead_arms`): every arm trains
+    in one process beside its producer, so this run does too, and a corrected arm needs a teacher whose
+    divergence takes per-token weights (not one with another tokenizer); each failure one line."""
+    if not cfg.ahead_arms:
+        return
+    world = run_processes(cfg.num_processes)
+    if world > 1:
+        raise ConfigError(
+            f"ahead_arms={cfg.ahead_arms}: each arm samples ahead in one producer beside one training "
+            f"process, and this run has {world}: set num_processes 1 (the synchronous run and its arms "
+            "alike), or no ahead_arms."
+        )
+    corrected = [a.name for a in cfg.arms() if a.correction != "none"]
+    if cross and corrected:
+        raise ConfigError(
+            f"ahead_arms: arms {','.join(corrected)} weight the divergence per token, and the "
+            "cross-tokenizer loss of a teacher with another tokenizer takes no weights: use arms without t."
+        )
 
 
 def check_teacher_set(cfg: WhiteboxConfig, tok, train) -> None:

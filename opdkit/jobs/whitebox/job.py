@@ -20,7 +20,7 @@ import torch
 
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds
-from opdkit.jobs.whitebox import seeds
+from opdkit.jobs.whitebox import ahead, seeds
 from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies, tool_measures
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
@@ -71,12 +71,20 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
 
 def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: str = "") -> None:
     """What every process runs: load the models, measure accuracy, distil, measure it again, write the
-    summary (with `repeats` > 1: one such run per seed, `run_seeds`). However it ends, the trainer's rollout
-    engine is shut down, so a next run in this process (03's arms, Run All again) finds the memory free."""
-    t0, cfg = time.time(), prep.cfg
-    if cfg.repeats > 1:
+    summary (with `repeats` > 1: one such run per seed, `run_seeds`); then, with `ahead_arms`, the arms
+    sampling ahead (`run_arms`). However it ends, the trainer's rollout engine is shut down, so a next run in
+    this process (03's arms, Run All again) finds the memory free."""
+    if prep.cfg.repeats > 1:
         run_seeds(prep, run, callbacks, title)
-        return
+    else:
+        distil_once(prep, run, callbacks, title)
+    if prep.cfg.ahead_arms:
+        run_arms(prep, run, callbacks, title)
+
+
+def distil_once(prep: Prepared, run: RunDir, callbacks: list | None, title: str) -> None:
+    """One whitebox run (in each of its processes): load, measure, distil, measure, summarise."""
+    t0, cfg = time.time(), prep.cfg
     args = training_arguments(cfg, run.path, prep.eval_prompt_tokens)  # starts the process group (N > 1)
     world, rank = args.world_size, args.process_index
     run.write_env(world_size=world)
@@ -240,14 +248,30 @@ def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str
         run_child(run, prep.mode, over, path, prep.cfg.resume, label, callbacks=callbacks, title=label)
 
 
+def run_arms(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:
+    """`ahead_arms`: after the run itself, one whitebox run per arm in arms/<arm>/ at the same seeds and
+    settings, sampling ahead (`lifecycle.run_child`; resume reuses the finished ones), compared by `ahead`."""
+    for arm in prep.cfg.arms():
+        label = f"{title or f'{JOB.name} · {prep.mode}'} · ahead {arm.label}"
+        print0(f"--- {label}")
+        over = ahead.arm_overrides(prep.cfg, arm)
+        path = ahead.arm_path(parent, arm)
+        run_child(run, prep.mode, over, path, prep.cfg.resume, label, callbacks=callbacks, title=label)
+
+
 def own_processes(prep: Prepared, run: RunDir) -> tuple[int, tuple]:
-    """One process per GPU, or, with `repeats` > 1, this one: each seed's run launches its own."""
-    return (1 if prep.cfg.repeats > 1 else processes(prep.cfg)), ()
+    """One process per GPU, or, with `repeats` > 1, this one: each seed's run launches its own; with
+    `ahead_arms` this one (`inputs.check_ahead_arms` holds the run to one process)."""
+    return (1 if prep.cfg.repeats > 1 or prep.cfg.ahead_arms else processes(prep.cfg)), ()
 
 
 def summarize(prep: Prepared, run: RunDir, failure: str | None) -> dict | None:
-    """A repeated run's summary from its seeds (`seeds.gather`); None for one run (its process wrote it)."""
-    return seeds.gather(run, prep.cfg) if prep.cfg.repeats > 1 else None
+    """A repeated run's summary from its seeds (`seeds.gather`); None for one run (its process wrote it);
+    with `ahead_arms`, the comparison of the arms with this run under `ahead` (`ahead.comparison`)."""
+    summary = seeds.gather(run, prep.cfg) if prep.cfg.repeats > 1 else None
+    if not prep.cfg.ahead_arms:
+        return summary
+    return {**(summary if summary is not None else run.read_summary()), "ahead": ahead.comparison(run)}
 
 
 JOB = Job(

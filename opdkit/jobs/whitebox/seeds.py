@@ -39,11 +39,12 @@ def seed_path(run: RunDir, seed: int) -> Path:
 
 
 def seed_overrides(cfg: WhiteboxConfig, seed: int) -> dict:
-    """A seed's whitebox run: the parent's resolved settings with this seed, run once."""
+    """A seed's whitebox run: the parent's resolved settings with this seed, run once (the arms sampling
+    ahead, `ahead_arms`, run beside the parent, not inside each seed)."""
     over = dataclasses.asdict(cfg)
     for name in ("run_dir", "overwrite", "resume", "dry_run"):
         over.pop(name)
-    return {**over, "seed": seed, "repeats": 1}
+    return {**over, "seed": seed, "repeats": 1, "ahead_arms": ""}
 
 
 def seed_runs(run: RunDir) -> list[RunDir]:
