@@ -231,16 +231,17 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
 
 
 def check_ahead_arms(cfg: WhiteboxConfig, cross: bool) -> None:
-    """`ahead_arms` beyond what its settings alone say (`WhiteboxConfig.check_ahead_arms`): every arm trains
-    in one process beside its producer, so this run does too, and a corrected arm needs a teacher whose
+    """`ahead_arms` beyond what its settings alone say (`WhiteboxConfig.check_ahead_arms`): the comparison
+    runs in one training process (each arm beside its producer; several processes sampling ahead are a
+    setting of their own, not yet an arm), so this run does too, and a corrected arm needs a teacher whose
     divergence takes per-token weights (not one with another tokenizer); each failure one line."""
     if not cfg.ahead_arms:
         return
     world = run_processes(cfg.num_processes)
     if world > 1:
         raise ConfigError(
-            f"ahead_arms={cfg.ahead_arms}: each arm samples ahead in one producer beside one training "
-            f"process, and this run has {world}: set num_processes 1 (the synchronous run and its arms "
+            f"ahead_arms={cfg.ahead_arms}: the arms are compared in one training process each, and this "
+            f"run has {world}: set num_processes 1 (the synchronous run and its arms "
             "alike), or no ahead_arms."
         )
     corrected = [a.name for a in cfg.arms() if a.correction != "none"]
