@@ -45,7 +45,7 @@ def test_arms_parse_into_steps_ahead_and_correction():
         ({"ahead_arms": "t"}, "ahead_arms: 't' is no arm"),
         ({"ahead_arms": "1,01"}, "ahead_arms: arm 1 is given twice"),
         ({"ahead_arms": "1", "rollout_ahead": 1}, "set rollout_ahead 0"),
-        ({"ahead_arms": "1", "rollout_engine": "vllm"}, "ahead_arms: arm 1: rollout_ahead=1 samples with"),
+        ({"ahead_arms": "1", "vllm_sleep": True}, "ahead_arms: arm 1: vllm_sleep frees"),
         ({"ahead_arms": "2t", "environment": "calculator"}, "ahead_arms: arm 2t: environment=calculator"),
     ],
 )

@@ -267,7 +267,7 @@ def test_the_producer_goes_where_rollout_device_says(tmp_path):
     does not see is refused in one line when the trainer is built."""
     trainer = _trainer(tmp_path, rollout_ahead=1, rollout_device="cpu")
     assert isinstance(trainer.rollouts, ahead.AheadRollouts)
-    assert trainer.rollouts._args[6] == "cpu" and str(trainer.rollouts.device) == "cpu"
+    assert trainer.rollouts._args[7] == "cpu" and str(trainer.rollouts.device) == "cpu"
     gpus = torch.cuda.device_count()
     with pytest.raises(ConfigError, match=f"rollout_device=cuda:{gpus} places the rollout producer on a GPU"):
         _trainer(tmp_path, rollout_ahead=1, rollout_device=f"cuda:{gpus}")
