@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from opdkit import tiny
 from opdkit.config import ConfigError, MissingInput, one_line
@@ -82,6 +82,8 @@ SMALL_MODEL_PARAMS = 20_000_000
 def load_model(
     name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM  # seconds to import: not at the kit's import (a dry run)
+
     model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=dtype).to(device)
     one_thread_for_small_models(model)
     return model
@@ -102,6 +104,8 @@ def one_thread_for_small_models(model: torch.nn.Module) -> None:
 def model_skeleton(name: str) -> torch.nn.Module:
     """The model's architecture without weights (meta device): enough to check a gradient's names and
     shapes."""
+    from transformers import AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(resolve(name))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

@@ -246,6 +246,24 @@ def test_prompt_lengths_in_chunks_are_the_lengths_of_one_call_per_prompt(
         assert prompts.prompt_lengths(dapo_prompts["messages"], tok, thinking, chunk=5) == want
 
 
+def test_token_counts_are_the_tokenizers_own_with_or_without_its_backend(qwen3_tokenizer_dir, tiny_tokenizer):
+    """A fast tokenizer that neither pads nor truncates is counted by its backend, any other through its call:
+    both against the tokenizer called on each text alone; a backend set to truncate at 3 tokens is not
+    counted by itself (it would say 3)."""
+    from transformers import AutoTokenizer
+
+    plain = ["<|im_start|>user\n12+30<|im_end|>\n<|im_start|>assistant\n", "12+30", ""]
+    texts = ["Héllo 世界! 🤖 naïve café, and more words than three", *plain]
+    qwen3 = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    for tok, some in ((qwen3, texts), (tiny_tokenizer, plain)):  # the tiny world's vocabulary is ASCII
+        want = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in some]
+        assert prompts.token_counts(tok, some) == want
+    truncating = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    truncating.backend_tokenizer.enable_truncation(3)
+    want = [len(qwen3(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert prompts.token_counts(truncating, texts) == want and max(want) > 3
+
+
 def test_filter_keeps_everything_silently(dapo_prompts, tiny_tokenizer, recwarn):
     kept, n_dropped = prompts.filter_long_prompts(dapo_prompts, tiny_tokenizer, 100_000)
     assert n_dropped == 0 and len(kept) == 12 and not recwarn.list

@@ -219,3 +219,21 @@ def test_the_lesson_takes_a_teacher_with_another_tokenizer(tmp_path):
         records = [r for r in run.read_jsonl() if "loss" in r]
         assert len(records) == 2 and all(r["entropy"] is None for r in records)  # cross-tokenizer rows
         assert run.read_summary()["teacher_accuracy"] >= 0.75  # the teacher decodes with its own tokenizer
+
+
+def test_a_dry_run_checks_the_arms_inputs_once(monkeypatch):
+    """A dry run checks whitebox's inputs for its arms, which differ only in training settings: prepared once,
+    not once per arm."""
+    from opdkit.jobs.whitebox.inputs import Prepared
+
+    prepared_for = []
+
+    def prepare(mode, over):
+        prepared_for.append((mode, over))
+        return Prepared(load_config(WhiteboxConfig, mode, over), mode, None, None, [], [], [], 0, "")
+
+    monkeypatch.setattr(whitebox, "prepare", prepare)
+    cfg = load_config(ClipLessonConfig, "tiny", {"dry_run": True})
+    prep = cliplesson_job.prepared(cfg, "tiny")
+    assert len(prep.arms) > 2 and len(prepared_for) == 1
+    assert prepared_for[0][1]["dry_run"] is True

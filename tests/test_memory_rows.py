@@ -15,7 +15,7 @@ from opdkit.config import load_config
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.memory import ModelShape, OtherTeacher, Stage, plan
 from opdkit.models import load_model
-from opdkit.opd.arguments import distill_stage
+from opdkit.opd.stage import distill_stage
 
 VOCAB = 151936
 P, C, B = 1024, 1024, 4  # prompt and completion tokens, training rows

@@ -17,7 +17,7 @@ from opdkit.config import ConfigError, load_config
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.memory import ModelShape, Stage, plan
 from opdkit.models import load_tokenizer
-from opdkit.opd.arguments import distill_stage
+from opdkit.opd.stage import distill_stage
 from opdkit.rollout import engines, sampling, source
 from opdkit.tasks import tiny as task
 from opdkit.tiny import resolve

@@ -9,7 +9,7 @@ from opdkit import memory
 from opdkit.config import load_config
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import load_tokenizer
-from opdkit.opd.arguments import distill_stage
+from opdkit.opd.stage import distill_stage
 
 
 class _Split:
@@ -45,3 +45,15 @@ def test_tiny_crosstok_plans_its_teacher_at_the_ratio_its_tokenizers_give():
     assert memory.token_ratio(student, teacher, ascii_only) == 1.0
     assert memory.token_ratio(teacher, student, ascii_only) > 1.0  # the other way round: the student finer
     assert distill_stage(load_config(WhiteboxConfig, "tiny", {}), 1, None).teacher_token_ratio == 1.0
+
+
+def test_the_prepared_tokenizers_plan_what_loading_them_plans():
+    """A job's prepare hands its tokenizers to the plan (not loaded again): the same stage as the plan that
+    loads them, for a teacher with another tokenizer and for one with the student's."""
+    from opdkit.jobs import whitebox
+
+    for mode in ("tiny-crosstok", "tiny"):
+        prep = whitebox.prepare(mode, {"subset_size": 64, "eval_size": 8})
+        given = distill_stage(prep.cfg, 1, None, (prep.tokenizer, prep.teacher_tokenizer))
+        assert given == distill_stage(prep.cfg, 1, None)
+        assert given.cross_tokenizer == (mode == "tiny-crosstok")

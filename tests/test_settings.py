@@ -4,15 +4,20 @@ a second; the unknown name gets one line with the closest names."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from opdkit import settings
 from opdkit.config import help_text
 from opdkit.jobs.whitebox.config import WhiteboxConfig
+
+REPO = Path(__file__).resolve().parent.parent
 
 # Runs an entry point as `python -m` does, then says which heavy modules were imported when it stopped.
 WRAPPER = """
@@ -72,3 +77,63 @@ def test_the_settings_module_imports_no_torch():
     code = "import sys, opdkit.settings, opdkit.jobs.antidistill.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+# What a dry run must not import: transformers' Trainer, its TrainingArguments and its models' module (with
+# torch's compiler and distributed tensors, seconds of imports on these machines), TRL, accelerate, peft.
+TRAINING_MODULES = (
+    "transformers.modeling_utils",
+    "transformers.training_args",
+    "transformers.trainer",
+    "trl",
+    "accelerate",
+    "peft",
+    "IPython",
+)
+DRY_RUN = """
+import runpy, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_module(sys.argv[0], run_name="__main__")
+print("imported:", sorted(m for m in %r if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "module,extra",
+    [
+        ("opdkit.whitebox", ["subset_size=64", "eval_size=8"]),
+        pytest.param("opdkit.savegrad", [], marks=pytest.mark.slow),
+        pytest.param("opdkit.antidistill", [], marks=pytest.mark.slow),
+        pytest.param("opdkit.cliplesson", [], marks=pytest.mark.slow),
+    ],
+)
+def test_a_dry_run_plans_without_importing_the_trainer(module, extra, tmp_path):
+    """The memory plan reads configs and tokenizers, never weights: a dry run imports torch, the tokenizers
+    and datasets, and none of the training modules (issue 40: a plan in about five seconds)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DRY_RUN % (TRAINING_MODULES,),
+            module,
+            "--mode",
+            "tiny",
+            "--set",
+            "dry_run=true",
+        ]
+        + extra,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "CUDA_VISIBLE_DEVICES": "",
+            "OPDKIT_RUNS": str(tmp_path / "runs"),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"plan: \d+\.\d GB per process: no budget set", proc.stdout.strip().splitlines()[-1])
+    assert proc.stderr.strip().splitlines()[-1] == "imported: []", proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -182,12 +182,13 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
             super().__init__(*args, **kwargs)
             self.add_callback(_StopAt(2))
 
-    monkeypatch.setattr(students, "CompletionSFTTrainer", Stopped)
+    plain = sft.CompletionSFTTrainer  # `students.distill` takes it from its module when it trains
+    monkeypatch.setattr(sft, "CompletionSFTTrainer", Stopped)
     first = students.distill(
         students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "stopped"
     )
     assert first.state.global_step == 2 and (tmp_path / "stopped" / "sft" / "checkpoint-2").is_dir()
-    monkeypatch.setattr(students, "CompletionSFTTrainer", _KilledWhileSaving)
+    monkeypatch.setattr(sft, "CompletionSFTTrainer", _KilledWhileSaving)
     with pytest.raises(Interrupted):
         students.distill(
             students.fresh_student(cfg, torch.device("cpu"), 2), rows, cfg, tok, 2, tmp_path / "cut"
@@ -195,7 +196,7 @@ def test_an_interrupted_student_resumes_from_its_checkpoint(tok, tmp_path, monke
     cut = tmp_path / "cut" / "sft"
     assert (cut / "checkpoint-2" / "trainer_state.json").is_file()
     assert not (cut / "checkpoint-4" / "trainer_state.json").exists()
-    monkeypatch.setattr(students, "CompletionSFTTrainer", sft.CompletionSFTTrainer)
+    monkeypatch.setattr(sft, "CompletionSFTTrainer", plain)
     resumed_cfg = _cfg(sft_checkpoint_every=2, student_lora_r=4, resume=True)
     for name in ("stopped", "cut"):
         second = students.distill(

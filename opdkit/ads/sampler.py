@@ -17,17 +17,20 @@ teacher's logits, so its λ is this kit's λ/τ.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 
 from opdkit import memory
 from opdkit.ads.direction import CachedLM, Direction
 from opdkit.data import prompts
 from opdkit.models import eos_ids
 from opdkit.rollout import sampling
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 class ADSLogitsProcessor(LogitsProcessor):

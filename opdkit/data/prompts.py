@@ -123,6 +123,12 @@ def load_prompts(
     return _normalise(ds, prompt_col, reference)
 
 
+def column(ds: datasets.Dataset, name: str) -> list:
+    """`list(ds[name])` read in one go: iterating a `datasets` 4 column formats it row by row (a second for
+    20,000 prompts, in every job's prepare and so in every dry run)."""
+    return ds.select_columns([name])[:][name]
+
+
 def prompt_key(messages: list[dict]) -> str:
     """What makes two prompts the same: the conversation's turns other than system messages (an instruction,
     not the problem), each with its whitespace collapsed. Jobs keep their sets apart by it."""
@@ -183,10 +189,10 @@ def load_apart(
     distinct): (the rows, what was passed over). The head of the shuffle is read first; the whole file only
     when passing over rows leaves too few (as in raw DAPO-Math-17k, which repeats each prompt)."""
     ds = load_prompts(path, split, size, seed, reference)
-    got = apart_from(list(ds["messages"]), taken, size, distinct)
+    got = apart_from(column(ds, "messages"), taken, size, distinct)
     if size != -1 and len(got.kept) < size and len(ds) == size:
         ds = load_prompts(path, split, -1, seed, reference)
-        got = apart_from(list(ds["messages"]), taken, size, distinct)
+        got = apart_from(column(ds, "messages"), taken, size, distinct)
     return ds.select(got.kept), got
 
 
@@ -398,7 +404,7 @@ def filter_long_prompts(
 ) -> tuple[datasets.Dataset, int]:
     """(prompts whose templated length, with `tools` where given, is at most `max_prompt_length`, how many
     were dropped)."""
-    keep = short_prompts(dataset["messages"], tokenizer, max_prompt_length, enable_thinking, tools)
+    keep = short_prompts(column(dataset, "messages"), tokenizer, max_prompt_length, enable_thinking, tools)
     n_dropped = len(dataset) - len(keep)
     return (dataset.select(keep) if n_dropped else dataset), n_dropped
 
@@ -423,8 +429,19 @@ def prompt_lengths(
             enable_thinking=enable_thinking,
             **extra,
         )
-        lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths += token_counts(tokenizer, texts)
     return lengths
+
+
+def token_counts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[int]:
+    """How many tokens each text is, special tokens not added: a fast tokenizer's backend counts them (the
+    ids `tokenizer(texts)` returns, without building its Python lists: a third of the measure's time) when
+    it neither pads nor truncates; any other tokenizer through its call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.padding is None and backend.truncation is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        return [len(encoding) for encoding in encode(texts, add_special_tokens=False)]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def short_prompts(

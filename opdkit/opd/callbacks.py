@@ -1,5 +1,6 @@
 """TrainerCallbacks of white-box distillation: the gradient the optimizer applies (a debugging aid and the
-tests' window into a step), and greedy accuracy every N steps (`add_step_accuracy`).
+tests' window into a step), greedy accuracy every N steps (`add_step_accuracy`), and the logged completions as
+a table in the tracker (`report_samples`; kept here, not in `run.tracking`, which a dry run imports).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from transformers import TrainerCallback
 
 from opdkit.run import sharding
 from opdkit.run.folders import print0
+from opdkit.run.tracking import Tracker
 
 
 class GradientDump(TrainerCallback):
@@ -67,3 +69,45 @@ def add_step_accuracy(trainer, measure: Callable, every: int) -> None:
     trainer.add_callback(
         StepAccuracy(lambda model: measure(trainer.accelerator.unwrap_model(model)), every, trainer.log)
     )
+
+
+class SampleTables(TrainerCallback):
+    """02's logged completions (samples.jsonl) as a table in the tracker that the Trainer reports to."""
+
+    def __init__(self, report_to: str, run):
+        self.report_to, self.run, self.seen, self.tracker = report_to, run, 0, None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not (self.run.path / "samples.jsonl").is_file():
+            return
+        samples = self.run.read_jsonl("samples.jsonl")
+        new, self.seen = samples[self.seen :], len(samples)
+        if new:
+            self.tracker = self.tracker or Tracker.active(self.report_to, self.run)
+            self.tracker.table("samples", [sample_row(s) for s in new], step=state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tracker is not None and self.tracker.backend == "tensorboard":
+            self.tracker.finish()  # the others belong to the Trainer's integration, which finishes them
+
+
+def sample_row(sample: dict) -> dict:
+    divergence = sample.get("divergence") or [0.0]
+    return {
+        "step": sample["step"],
+        "prompt": sample["prompt"],
+        "completion": "".join(sample["tokens"]),
+        "mean_divergence": sum(divergence) / len(divergence),
+        "answer": sample.get("answer"),
+    }
+
+
+def report_samples(trainer, report_to: str, run) -> None:
+    """Send a Trainer's tensorboard scalars to `<run_dir>/tensorboard` and its sample tables to the
+    tracker."""
+    if report_to == "none":
+        return
+    for callback in trainer.callback_handler.callbacks:
+        if type(callback).__name__ == "TensorBoardCallback":
+            callback.logging_dir = str(run.path / "tensorboard")
+    trainer.add_callback(SampleTables(report_to, run))

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from opdkit.config import ConfigError
 from opdkit.opd.crosstok import (
@@ -42,6 +43,9 @@ from opdkit.opd.crosstok import (
 from opdkit.rollout import sampling
 from opdkit.rollout.multiturn import TURN_MARK
 from opdkit.rollout.source import Conversations
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | None) -> bool:

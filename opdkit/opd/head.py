@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from opdkit import tiny
 
@@ -85,6 +85,8 @@ def load_head(name: str, dtype: torch.dtype | None = None, revision: str | None 
 def _names(config: PretrainedConfig) -> tuple[list[str], str | None, torch.nn.Module | None]:
     """(the names under which the head's weight may be saved, the final norm's weight name, the norm
     module), from an empty skeleton of the architecture: tied weights are one parameter under two names."""
+    from transformers import AutoModelForCausalLM  # seconds to import: not at the kit's import (a dry run)
+
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     head = skeleton.get_output_embeddings().weight

@@ -18,14 +18,17 @@ graded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from opdkit.models import eos_ids
 from opdkit.rollout import engines, sampling
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 THINK_END = "</think>"
 

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.generation.logits_process import (
     LogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # its module imports much of torch (about 4 s): not for a plan
 
 
 @dataclass

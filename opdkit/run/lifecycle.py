@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -45,12 +46,12 @@ from opdkit.run.launch import RankFailed, default_num_processes, launch, under_e
 
 
 def in_kernel() -> bool:
-    """True inside an IPython kernel (JupyterLab, papermill, nbclient)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    """True inside an IPython kernel (JupyterLab, papermill, nbclient). A kernel has imported IPython already;
+    elsewhere it is not imported here (half a second of a dry run)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
         return False
-    shell = get_ipython()
+    shell = ipython.get_ipython()
     return shell is not None and "IPKernelApp" in shell.config
 
 

@@ -6,11 +6,12 @@
     tracker.finish()
 
 whitebox (and so every arm of 03) reports through transformers' own integrations (`report_to` of its
-TrainingArguments); 01 and 04 and 03's lesson summary go through here. A table is a native table in
-trackio and wandb, and a markdown table (TEXT tab) in tensorboard. tensorboard writes under
-`<run_dir>/tensorboard`; trackio keeps its local store (`$TRACKIO_DIR`, else under `$HF_HOME`), shown by
-`trackio show`; wandb follows its own login and `WANDB_MODE`. The tracker's package must be installed
-(trackio: `pip install "opdkit[track]"`); `check_report_to` says so before anything is written.
+TrainingArguments; its sample tables: `opd.callbacks.report_samples`); 01 and 04 and 03's lesson summary go
+through here. A table is a native table in trackio and wandb, and a markdown table (TEXT tab) in tensorboard.
+tensorboard writes under `<run_dir>/tensorboard`; trackio keeps its local store (`$TRACKIO_DIR`, else
+under `$HF_HOME`), shown by `trackio show`; wandb follows its own login and `WANDB_MODE`. The tracker's
+package must be installed (trackio: `pip install "opdkit[track]"`); `check_report_to` says so before anything
+is written.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import numbers
 from typing import Any
-
-from transformers import TrainerCallback
 
 from opdkit.config import ConfigError
 
@@ -127,45 +126,3 @@ def markdown_table(columns: list[str], data: list[list]) -> str:
     esc = lambda v: str(v).replace("|", "\\|").replace("\n", "⏎")  # noqa: E731
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(esc(v) for v in row) + " |" for row in data])
-
-
-class SampleTables(TrainerCallback):
-    """02's logged completions (samples.jsonl) as a table in the tracker that the Trainer reports to."""
-
-    def __init__(self, report_to: str, run):
-        self.report_to, self.run, self.seen, self.tracker = report_to, run, 0, None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not (self.run.path / "samples.jsonl").is_file():
-            return
-        samples = self.run.read_jsonl("samples.jsonl")
-        new, self.seen = samples[self.seen :], len(samples)
-        if new:
-            self.tracker = self.tracker or Tracker.active(self.report_to, self.run)
-            self.tracker.table("samples", [sample_row(s) for s in new], step=state.global_step)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.tracker is not None and self.tracker.backend == "tensorboard":
-            self.tracker.finish()  # the others belong to the Trainer's integration, which finishes them
-
-
-def sample_row(sample: dict) -> dict:
-    divergence = sample.get("divergence") or [0.0]
-    return {
-        "step": sample["step"],
-        "prompt": sample["prompt"],
-        "completion": "".join(sample["tokens"]),
-        "mean_divergence": sum(divergence) / len(divergence),
-        "answer": sample.get("answer"),
-    }
-
-
-def report_samples(trainer, report_to: str, run) -> None:
-    """Send a Trainer's tensorboard scalars to `<run_dir>/tensorboard` and its sample tables to the
-    tracker."""
-    if report_to == "none":
-        return
-    for callback in trainer.callback_handler.callbacks:
-        if type(callback).__name__ == "TensorBoardCallback":
-            callback.logging_dir = str(run.path / "tensorboard")
-    trainer.add_callback(SampleTables(report_to, run))

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase, TrainingArguments
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from opdkit import memory, tiny
 from opdkit.config import ConfigError
 from opdkit.data import labels, traces
 from opdkit.models import enable_activation_checkpointing
 from opdkit.run import checkpoints
-from opdkit.sft.trainer import CompletionSFTTrainer, batch_order, trained_on_problem
 from opdkit.tasks.evaluate import completion_budget
+
+if TYPE_CHECKING:  # transformers' Trainer takes seconds to import: the functions that train import it
+    from transformers import TrainingArguments
+
+    from opdkit.sft.trainer import CompletionSFTTrainer
 
 SFT_DIR = "sft"  # the Trainer's output: checkpoints, tracker logs
 STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenizer
@@ -34,6 +38,8 @@ STUDENT_DIR = "student"  # the final student (adapter or model) and its tokenize
 
 def fresh_student(cfg: Any, dev: torch.device, seed: int) -> torch.nn.Module:
     """The student as loaded, or (student_init=scratch) its architecture with weights drawn from `seed`."""
+    from transformers import AutoModelForCausalLM
+
     name = tiny.resolve(cfg.student_model)
     torch.manual_seed(seed)
     if cfg.student_init == "scratch":
@@ -79,6 +85,8 @@ def training_arguments(
     """The students' SFT recipe as `TrainingArguments`: AdamW, `round(sft_warmup_ratio * steps)` linear
     warmup steps then cosine, clipping at 1, `sft_batch_size` rows per step in micro-batches, one device, a
     log record every step; checkpoints (every `sft_checkpoint_every`) and tracker logs under `folder`/sft/."""
+    from transformers import TrainingArguments
+
     micro = cfg.sft_micro_batch()
     args = TrainingArguments(
         output_dir=str(folder / SFT_DIR),
@@ -145,6 +153,8 @@ def distill(
     the mean over all of its completion tokens; LoRA when `student_lora_r` > 0; with resume=True it continues
     from the newest complete checkpoint in `folder`/sft/, refused when that checkpoint trained on other rows
     (`trained_on_problem`). Returns the trainer (its `step_log()`, its `model` trained)."""
+    from opdkit.sft.trainer import CompletionSFTTrainer, batch_order, trained_on_problem
+
     steps = sft_steps(cfg, len(rows))
     model = with_lora(model, cfg, seed)
     args = training_arguments(cfg, folder, steps, seed, next(model.parameters()).device, name)
@@ -194,6 +204,8 @@ def keep_student(
 def load_student(cfg: Any, folder: Path, seed: int, dev: torch.device) -> torch.nn.Module:
     """A saved student from `folder`/student/, ready to evaluate: the model, or the fresh student (`seed`, as
     trained) with the saved LoRA adapter merged in."""
+    from transformers import AutoModelForCausalLM
+
     path = Path(folder) / STUDENT_DIR
     if not (path / "adapter_config.json").is_file():
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from opdkit.config import ConfigError
 from opdkit.data.prompts import PromptCollator
@@ -37,6 +38,9 @@ from opdkit.run import sharding
 from opdkit.tasks import get_environment
 from opdkit.tasks.base import Messages, Task
 from opdkit.tasks.environment import Environment
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 @dataclass

@@ -56,7 +56,7 @@ from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared, prepared, sweep_points
 from opdkit.notebook import verdicts
 from opdkit.opd import served
-from opdkit.opd.arguments import distill_stage
+from opdkit.opd.stage import distill_stage
 from opdkit.run import spread, tracking
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
@@ -100,7 +100,7 @@ def baseline_stage(cfg: AntidistillConfig, sampling: memory.Stage) -> memory.Sta
 
 
 def on_policy_stage(cfg: AntidistillConfig, budget: float | None) -> memory.Stage:
-    """The on-policy attackers: 02's trainer on one device (`opd.arguments.distill_stage`), its teacher beside
+    """The on-policy attackers: 02's trainer on one device (`opd.stage.distill_stage`), its teacher beside
     the proxy's two perturbed fp32 copies (the ADS teacher, with its stacked fp32 head), the student
     evaluated in fp32. The point's SFT student is freed before them (`points.run_once`), each attacker's
     trainer before the next, so nothing of the earlier stages is held here."""

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import PrinterCallback
 
 from opdkit.ads.sampler import sample_traces
 from opdkit.ads.steering import Steering
@@ -41,8 +40,6 @@ from opdkit.data import traces
 from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.notebook.verdicts import pct
-from opdkit.opd.arguments import training_arguments
-from opdkit.opd.build import distill_trainer
 from opdkit.rollout import engines
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
@@ -264,6 +261,11 @@ def distill_on_policy(
     """One on-policy attacker at this point: a fresh student, 02's recipe (this config's `OPDSettings` and
     `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and
     NLL."""
+    from transformers import PrinterCallback  # the trainer's imports take seconds: not at a plan's
+
+    from opdkit.opd.arguments import training_arguments
+    from opdkit.opd.build import distill_trainer
+
     cfg, dev, t0 = prep.cfg, held.device, time.time()
     teacher = scoring_teacher(attacker, point, held.steering, held.served).to(dev)
     student = sft_student.fresh_student(cfg, dev, sft_student.sft_seed(cfg, seed))

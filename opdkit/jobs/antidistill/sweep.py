@@ -125,7 +125,7 @@ def training_prompts(cfg: AntidistillConfig, task: tasks.Task) -> tuple[list[lis
     """The head of the seed-shuffled dataset (savegrad's holdout is its tail); tiny: 02's training
     stream."""
     ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
-    return with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
+    return with_system(prompts.column(ds, "messages"), cfg.system_prompt), prompts.column(ds, "answer")
 
 
 def eval_prompts(
@@ -148,7 +148,7 @@ def eval_prompts(
         ds, kept = tasks.for_dataset(cfg.eval_dataset_path).load_apart(
             cfg.eval_dataset_path, cfg.eval_dataset_split, cfg.eval_size, cfg.seed, taken
         )
-        held = with_system(list(ds["messages"]), cfg.system_prompt), list(ds["answer"])
+        held = with_system(prompts.column(ds, "messages"), cfg.system_prompt), prompts.column(ds, "answer")
     if not held[0]:
         raise ConfigError(
             f"every evaluation prompt of {cfg.eval_dataset_path or 'the held-out problems'} is a training "

@@ -45,18 +45,22 @@ class SharedInputs:
     def __init__(self) -> None:
         self.prepared: dict[str, object] = {}  # whitebox's Prepared, by the config it was made for
 
+    def prepare(self, mode: str, overrides: dict) -> object:
+        """`whitebox.prepare`, reused where an earlier arm's input fits (a dry run checks each arm's inputs
+        with it: once, not once per arm)."""
+        cfg = load_config(whitebox.WhiteboxConfig, mode, overrides)
+        key = repr({k: v for k, v in to_dict(cfg).items() if k not in TRAINING_ONLY})
+        if key in self.prepared:
+            return dataclasses.replace(self.prepared[key], cfg=cfg, mode=mode)
+        prep = self.prepared[key] = whitebox.prepare(mode, overrides)
+        return prep
+
     def run(self, mode: str, overrides: dict, **kwargs) -> RunDir | None:
         """`whitebox.run`, its prepared input reused where an earlier arm's fits (a served teacher's run
         prepares its own: its server is started there)."""
-        cfg = load_config(whitebox.WhiteboxConfig, mode, overrides)
-        if cfg.teacher_server:
+        if load_config(whitebox.WhiteboxConfig, mode, overrides).teacher_server:
             return whitebox.run(mode, overrides, **kwargs)
-        key = repr({k: v for k, v in to_dict(cfg).items() if k not in TRAINING_ONLY})
-        if key in self.prepared:
-            prep = dataclasses.replace(self.prepared[key], cfg=cfg, mode=mode)
-        else:
-            prep = self.prepared[key] = whitebox.prepare(mode, overrides)
-        return whitebox.run(mode, overrides, prepared=prep, **kwargs)
+        return whitebox.run(mode, overrides, prepared=self.prepare(mode, overrides), **kwargs)
 
 
 def run_arm(
@@ -89,8 +93,9 @@ def prepared(cfg: ClipLessonConfig, mode: str) -> Prepared:
     each arm's cheap checks (its data, tokenizers and model configs: whitebox's `prepare`)."""
     arm_list, existing = arms(cfg), existing_arms(cfg)
     if cfg.dry_run and not existing:
+        inputs = SharedInputs()
         for arm in arm_list:
-            whitebox.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
+            inputs.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
     elif cfg.dry_run:
         print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
     return Prepared(cfg, mode, arm_list, repeat_seeds(cfg), existing)

@@ -51,7 +51,7 @@ def tail_holdout(task: tasks.Task, cfg: SaveGradConfig) -> datasets.Dataset:
     prompts the head holds too, first `subset_size` of it."""
     ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, -1, cfg.seed)
     start = len(ds) - round(len(ds) * cfg.holdout_fraction)
-    msgs = list(ds["messages"])
+    msgs = prompts.column(ds, "messages")
     tail = prompts.apart_from(msgs[start:], prompts.prompt_keys(msgs[:start]), cfg.subset_size)
     if tail.overlap:
         print0(f"holdout: {tail.overlap} rows left out, their prompts are in the training part too")
@@ -63,7 +63,7 @@ def holdout_messages(cfg: SaveGradConfig) -> list[list[dict]]:
     of its supplied traces. What the other jobs keep their training prompts apart from."""
     if cfg.traces_path:
         return [t["messages"][:-1] for t in supplied_traces(cfg)]
-    return list(holdout_prompts(cfg)["messages"])
+    return prompts.column(holdout_prompts(cfg), "messages")
 
 
 def run_holdout(run_dir: str | Path) -> list[list[dict]] | None:
@@ -354,5 +354,5 @@ def prepared(cfg: SaveGradConfig, mode: str) -> Prepared:
     collator = prompts.PromptCollator(teacher_tok, cfg.max_prompt_length, cfg.enable_thinking)
     first = prompts.format_first_prompt(holdout, collator, teacher_tok)
     engines.check_available(cfg.rollout_engine, cfg.dry_run)  # an import check, after the data and tokenizers
-    messages, answers = list(holdout["messages"]), list(holdout["answer"])
+    messages, answers = prompts.column(holdout, "messages"), prompts.column(holdout, "answer")
     return Prepared(cfg, mode, task, proxy_tok, teacher_tok, messages, answers, None, dropped, first)

@@ -53,10 +53,10 @@ def split_prompts(task: Task, cfg, exclude: set[str] | frozenset[str] = frozense
 
 def _with_heldout(task: Task, cfg, exclude: set[str]) -> Split:
     ds = task.load_prompts(cfg.dataset_path, cfg.dataset_split, cfg.subset_size, cfg.seed)
-    train = prompts.apart_from(ds["messages"], exclude)
+    train = prompts.apart_from(prompts.column(ds, "messages"), exclude)
     ds = ds.select(train.kept)
     messages, answers = task.heldout(cfg.eval_size) if cfg.eval_size else ([], [])
-    held = prompts.apart_from(messages, prompts.prompt_keys(ds["messages"]))
+    held = prompts.apart_from(messages, prompts.prompt_keys(prompts.column(ds, "messages")))
     return Split(
         ds,
         [messages[i] for i in held.kept],
@@ -69,7 +69,7 @@ def _from_dataset(task: Task, cfg, exclude: set[str]) -> Split:
     path, subset_size, eval_size = cfg.dataset_path, cfg.subset_size, cfg.eval_size
     if subset_size == -1:
         ds = task.load_prompts(path, cfg.dataset_split, -1, cfg.seed)
-        msgs = list(ds["messages"])
+        msgs = prompts.column(ds, "messages")
         back = prompts.apart_from(msgs[::-1], set(), eval_size, distinct=True) if eval_size else None
         held = sorted(len(msgs) - 1 - i for i in back.kept) if back else []
         rest = sorted(set(range(len(msgs))) - set(held))
@@ -85,10 +85,10 @@ def _from_dataset(task: Task, cfg, exclude: set[str]) -> Split:
     else:
         want = subset_size + eval_size
         ds = task.load_prompts(path, cfg.dataset_split, want, cfg.seed)
-        train, held, counts = _head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+        train, held, counts = _head_split(prompts.column(ds, "messages"), subset_size, eval_size, exclude)
         if (len(train) < subset_size or len(held) < eval_size) and len(ds) == want:
             ds = task.load_prompts(path, cfg.dataset_split, -1, cfg.seed)  # passed-over rows: read further
-            train, held, counts = _head_split(list(ds["messages"]), subset_size, eval_size, exclude)
+            train, held, counts = _head_split(prompts.column(ds, "messages"), subset_size, eval_size, exclude)
     if not train or (eval_size > 0 and not held):
         raise ConfigError(
             f"{path!r} holds {len(ds)} prompts: too few for subset_size={subset_size} training prompts "
@@ -149,7 +149,7 @@ class Prepared:
 
     @property
     def train_messages(self) -> list[list[dict]]:
-        return list(self.train_dataset["messages"])
+        return prompts.column(self.train_dataset, "messages")
 
     @property
     def teacher_reads(self) -> object:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,18 +27,18 @@ from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
 from opdkit.jobs.whitebox.teacher import around_run, served_facts, served_teacher, several_teachers
 from opdkit.models import load_model, load_tokenizer, num_params, resolve
-from opdkit.notebook import live, verdicts
-from opdkit.opd import arguments as opd_arguments
+from opdkit.notebook import verdicts
 from opdkit.opd import served
-from opdkit.opd.arguments import OPDArguments, distill_stage
-from opdkit.opd.build import distill_trainer
-from opdkit.opd.callbacks import add_step_accuracy
-from opdkit.opd.trainer import DistillTrainer
-from opdkit.run import checkpoints, sharding, tracking
+from opdkit.opd.stage import distill_stage
+from opdkit.run import checkpoints, sharding
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
 from opdkit.tasks.evaluate import Accuracy, evaluation_tokens
+
+if TYPE_CHECKING:  # the trainer and its arguments import transformers' Trainer (seconds): not for a plan
+    from opdkit.opd.arguments import OPDArguments
+    from opdkit.opd.trainer import DistillTrainer
 
 
 def processes(cfg: WhiteboxConfig) -> int:
@@ -45,12 +46,15 @@ def processes(cfg: WhiteboxConfig) -> int:
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    return {"distillation": stage(prep.cfg, processes(prep.cfg), budget)}
+    tokenizers = (prep.tokenizer, prep.teacher_tokenizer)  # as prepare loaded them: not loaded again
+    return {"distillation": stage(prep.cfg, processes(prep.cfg), budget, tokenizers)}
 
 
-def stage(cfg: WhiteboxConfig, world: int, budget: float | None) -> memory.Stage:
-    """What one process of this run holds (`opd.arguments.distill_stage`)."""
-    return distill_stage(cfg, world, budget)
+def stage(
+    cfg: WhiteboxConfig, world: int, budget: float | None, tokenizers: tuple | None = None
+) -> memory.Stage:
+    """What one process of this run holds (`opd.stage.distill_stage`)."""
+    return distill_stage(cfg, world, budget, tokenizers)
 
 
 def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: int = 0) -> OPDArguments:
@@ -58,6 +62,8 @@ def training_arguments(cfg: WhiteboxConfig, run_path: Path, eval_prompt_tokens: 
     vLLM engine's context fits a rollout (with an `environment`, the longest prompt and an episode at its
     longest, `episode_tokens`) and, as it also evaluates the student, the longest evaluation prompt
     (`eval_prompt_tokens`) with its answer (an evaluation episode at its longest, `evaluation_tokens`)."""
+    from opdkit.opd import arguments as opd_arguments
+
     return opd_arguments.training_arguments(
         cfg,
         str(run_path / "checkpoints"),
@@ -84,6 +90,8 @@ def process(prep: Prepared, run: RunDir, callbacks: list | None = None, title: s
 
 def distil_once(prep: Prepared, run: RunDir, callbacks: list | None, title: str) -> None:
     """One whitebox run (in each of its processes): load, measure, distil, measure, summarise."""
+    from opdkit.opd.build import distill_trainer
+
     t0, cfg = time.time(), prep.cfg
     args = training_arguments(cfg, run.path, prep.eval_prompt_tokens)  # starts the process group (N > 1)
     world, rank = args.world_size, args.process_index
@@ -139,6 +147,9 @@ def distil(
     title: str = "",
 ) -> None:
     """Accuracy before (kept from the summary on resume), training, accuracy after, the summary."""
+    from opdkit.notebook import live
+    from opdkit.opd.callbacks import add_step_accuracy, report_samples
+
     cfg = prep.cfg
     # With vLLM the student's accuracies go through the trainer's engine (synced first), so they decode as its
     # rollouts do; the teacher's stay on the kit's loop (an engine for it would need memory of its own). A
@@ -186,7 +197,7 @@ def distil(
         **{k: v for k, v in tool_measures(cfg, before_acc, None, teacher_full).items() if "after" not in k},
     }
     run.write_summary({**head, "accuracy_precision": accuracy_precision(cfg), "status": "training"})
-    tracking.report_samples(trainer, cfg.report_to, run)
+    report_samples(trainer, cfg.report_to, run)
     live.notebook_view(
         trainer,
         max_grad_norm=cfg.max_grad_norm or None,

@@ -28,14 +28,17 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from opdkit.models import TokenizerMismatch
 from opdkit.opd.loss import DivergenceOutput
 from opdkit.rollout.source import RolloutRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,17 @@ shards it, so a teacher loaded in host memory is never whole on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
 from opdkit.opd.teachers.base import LossSettings, PlanRow, Teacher, check_rows, head_rows
 from opdkit.rollout.source import RolloutRecord
 from opdkit.run import sharding
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 def student_divergence(

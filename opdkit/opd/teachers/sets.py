@@ -7,13 +7,17 @@ line, before any step). Every teacher of a set reads the student's tokens (each 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from opdkit.opd import mixture, served
 from opdkit.opd.teachers.base import LossSettings, PlanRow, Teacher, check_rows, head_rows
 from opdkit.opd.teachers.local import LocalTeacher
 from opdkit.rollout.source import RolloutRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 def student_weighted_divergence(

@@ -6,12 +6,16 @@ approximate beside the loss in metrics.jsonl.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from opdkit.opd import topk
 from opdkit.opd.teachers.base import LossSettings, PlanRow, Teacher
 from opdkit.rollout.source import RolloutRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 def student_topk_divergence(
