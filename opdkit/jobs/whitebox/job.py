@@ -21,7 +21,7 @@ import torch
 
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds
-from opdkit.jobs.whitebox import ahead, seeds
+from opdkit.jobs.whitebox import seeds
 from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies, tool_measures
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
@@ -262,6 +262,8 @@ def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str
 def run_arms(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:
     """`ahead_arms`: after the run itself, one whitebox run per arm in arms/<arm>/ at the same seeds and
     settings, sampling ahead (`lifecycle.run_child`; resume reuses the finished ones), compared by `ahead`."""
+    from opdkit.jobs.whitebox import ahead  # with its figures (matplotlib): not for a dry run
+
     for arm in prep.cfg.arms():
         label = f"{title or f'{JOB.name} · {prep.mode}'} · ahead {arm.label}"
         print0(f"--- {label}")
@@ -282,6 +284,8 @@ def summarize(prep: Prepared, run: RunDir, failure: str | None) -> dict | None:
     summary = seeds.gather(run, prep.cfg) if prep.cfg.repeats > 1 else None
     if not prep.cfg.ahead_arms:
         return summary
+    from opdkit.jobs.whitebox import ahead
+
     return {**(summary if summary is not None else run.read_summary()), "ahead": ahead.comparison(run)}
 
 
