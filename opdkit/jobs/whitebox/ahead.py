@@ -327,7 +327,8 @@ PANELS = (
 @styled
 def draw(records: dict[str, list[list[dict]]], cap: float | None = None, path=None):
     """Accuracy over steps of every arm and the importance ratios' mean and max per step of each arm that
-    samples ahead: the seeds' mean, with their 95 % band when there are several."""
+    samples ahead: the seeds' mean, the accuracy with its 95 % band when there are several (a band per step
+    of the ratios, 300 of them, hides the lines; the max's on a log scale goes below zero)."""
     fig, axes = plt.subplots(1, 3, figsize=(MAX_WIDTH_IN, 3.9))
     steps = sorted({arm_of(n).ahead for n in records if n != SYNC})
     for ax, (key, title, unit) in zip(axes, PANELS):
@@ -339,7 +340,8 @@ def draw(records: dict[str, list[list[dict]]], cap: float | None = None, path=No
             if len(runs) > 1:
                 x, mean, low, high = run_figures.band_series(runs, key)
                 ax.plot(x, mean, lw=1.3, marker=marker, ms=3, label=label(name), **style)
-                ax.fill_between(x, low, high, color=style["color"], alpha=0.15, lw=0)
+                if key == "eval_accuracy":
+                    ax.fill_between(x, low, high, color=style["color"], alpha=0.15, lw=0)
             elif runs:
                 ax.plot(
                     *run_figures.series(runs[0], key), lw=1.2, marker=marker, ms=3, label=label(name), **style
