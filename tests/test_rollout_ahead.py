@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -436,3 +437,47 @@ def test_a_producer_on_a_gpu_of_its_own_sees_that_gpu_alone(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     assert only_gpu("cpu") == "cpu" and only_gpu("cuda") == "cuda"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+ORPHAN = """
+import functools, sys, time
+from opdkit.models import load_model
+from opdkit.rollout import ahead, engines
+student = load_model("tiny:student")
+settings = engines.SamplingSettings(
+    max_new_tokens=4, temperature=1.0, top_p=1.0, eos_token_ids=[0], pad_token_id=0
+)
+make = functools.partial(engines.make_engine, "hf", logprobs=True)
+source = ahead.AheadRollouts(make, student.config, settings, 0, 0, 1, 2, 1, "cpu")
+source.open()
+print(source.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_producer_whose_trainer_was_killed_exits_by_itself(tmp_path):
+    """A trainer killed outright cannot send "stop": its producer notices it was re-parented and exits."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env()
+    )
+    producer = int(trainer.stdout.readline())
+    trainer.kill()
+    trainer.wait()
+    deadline = time.time() + 4 * ahead.ORPHAN_POLL_S + 30
+    while time.time() < deadline and _alive(producer):
+        time.sleep(0.5)
+    assert not _alive(producer), "the orphaned producer still runs"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -64,6 +64,7 @@ from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 from opdkit.run.files import atomic_path
 
 POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive
+ORPHAN_POLL_S = 5.0  # how often an idle producer checks that its trainer is alive
 STOP_S = 10.0  # how long a closing source waits for its producer before terminating it
 READ_FAILED_WAIT_S = 2.0  # how long an unreadable message waits for its producer's exit to show
 QUEUED_FILE = "rollouts_ahead.safetensors"  # a checkpoint's queued steps and the weights that sample them
@@ -125,9 +126,13 @@ def _on(x, device):
     return x
 
 
-def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, batch_size, device, threads):
+def _produce(
+    trainer, inbox, outbox, make_engine, config, settings, seed, rank, world, batch_size, device, threads
+):
     """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
-    `inbox`, sampling each planned step with the latest weights received before the plan."""
+    `inbox`, sampling each planned step with the latest weights received before the plan. A producer whose
+    trainer (`trainer`: its pid) is gone (killed: it could not send "stop") exits by itself instead of
+    waiting for ever."""
     try:
         device = only_gpu(device)
         torch.set_num_threads(threads)  # before a vLLM engine starts (it makes the call a no-op)
@@ -135,7 +140,12 @@ def _produce(inbox, outbox, make_engine, config, settings, seed, rank, world, ba
         policy, load = _receiver(loop.engine(), config, device)
         version = None
         while True:
-            msg = inbox.get()
+            try:
+                msg = inbox.get(timeout=ORPHAN_POLL_S)
+            except queue.Empty:
+                if os.getppid() != trainer:  # re-parented: the trainer died (maybe while this one started)
+                    return
+                continue
             if msg[0] == "stop":
                 loop.close()  # a vLLM engine shut down, not left to the process's exit
                 return
@@ -264,7 +274,7 @@ class AheadRollouts(RolloutSource):
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(
             target=_produce,
-            args=(self._inbox, self._outbox, *self._args),
+            args=(os.getpid(), self._inbox, self._outbox, *self._args),
             daemon=True,
             name="opdkit-rollouts",
         )
