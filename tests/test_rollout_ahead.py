@@ -9,6 +9,7 @@ take the one-process run's steps."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import signal
@@ -191,6 +192,87 @@ def test_a_killed_producer_stops_the_run_with_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message and "rollout producer" in message and "exited with code -9" in message
     assert trainer.state.global_step <= 3 and time.time() - started < 60
+
+
+def test_the_log_probs_under_a_versions_weights_are_that_models_own(tmp_path):
+    """`ahead.logprobs_under(model, state, …)` equals, to float32 rounding, the log-softmax of the full logits
+    of a separate copy of the model holding `state` (other weights than the model's, tied embedding included),
+    at the positions the mask marks; the model's own weights are left alone."""
+    import copy
+
+    model = tiny_model("tiny:student")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids_BT = torch.randint(3, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    attn_BT = torch.ones_like(ids_BT)
+    attn_BT[0, :2] = 0  # a left-padded row
+    pred_BT = torch.zeros_like(ids_BT, dtype=torch.bool)
+    pred_BT[:, 4:8] = True
+    pos_BT = sampling.position_ids_from_mask(attn_BT)
+    fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
+    target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
+    state = ahead.weights_copy(other)
+    got_N = ahead.logprobs_under(model, state, fwd, pred_BT, target_N, chunk_size=5)
+    with torch.no_grad():
+        logp_BTV = torch.log_softmax(other(**fwd).logits.double(), dim=-1)
+    want_N = logp_BTV[pred_BT].gather(1, target_N[:, None]).squeeze(1)
+    torch.testing.assert_close(got_N.double(), want_N, rtol=0, atol=2e-5)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_the_sampler_gap_is_measured_against_the_weights_that_sampled(tmp_path):
+    """rollout_ahead 1 with a learning rate: each step's `async/sampler_logprob_gap` (the producer's
+    log-probs against the weights of the version that sampled them) is 0 to float32 rounding (the same
+    weights, the loop's KV-cached decode against one full forward: < 1e-4), while `engine_logprob_gap`,
+    against the current weights, is far larger on every step sampled by older weights."""
+    logs = _train(_trainer(tmp_path, max_steps=5, rollout_ahead=1))  # learning rate 1e-3
+    assert len(logs) == 5
+    for h in logs:
+        assert 0 <= h["async/sampler_logprob_gap"] < 1e-4, h
+    stale = [h for h in logs if h["async/staleness"]]
+    assert len(stale) >= 3
+    for h in stale:
+        gap = h["engine_logprob_gap"]
+        assert gap > 1e-3 and gap > 100 * h["async/sampler_logprob_gap"]
+
+
+def _corrupt_loads(make):
+    """An engine factory whose engine samples with a head 1.5 times the one it was sent: a producer whose
+    weight load went wrong (module level: pickled into the spawned producer)."""
+    engine = make()
+    sample = engine.sample
+
+    def corrupted(model, *args, **kwargs):
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(1.5)
+        try:
+            return sample(model, *args, **kwargs)
+        finally:
+            with torch.no_grad():
+                model.get_output_embeddings().weight.div_(1.5)
+
+    engine.sample = corrupted
+    return engine
+
+
+def test_a_producer_that_loaded_other_weights_stops_the_run_with_one_line(tmp_path):
+    """A producer whose engine samples with other weights than those it was sent: the first step's sampler
+    gap is off, and the run stops before its first update with the synchronous check's one-line
+    `WeightSyncError`."""
+    from opdkit.rollout.engines import WeightSyncError
+
+    trainer = _trainer(tmp_path, max_steps=4, rollout_ahead=1)
+    args = trainer.rollouts._args
+    trainer.rollouts._args = (functools.partial(_corrupt_loads, args[0]), *args[1:])
+    with pytest.raises(WeightSyncError) as err:
+        _train(trainer)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("step 1: the rollout producer's log-probabilities")
+    assert trainer.state.global_step == 0
 
 
 def test_the_corrected_gradient_is_the_capped_ratios_times_each_tokens_divergence_gradient(tmp_path):

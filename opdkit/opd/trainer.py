@@ -26,7 +26,9 @@ length put them in). The exception: with vLLM the first micro-batch of each
 of the first `SYNC_CHECK_STEPS` steps reads its gap and stops the run (`engines.WeightSyncError`) before the
 backward pass if the engine's log-probabilities differ from the student's by more than rounding. In a fresh
 run the engine loaded the first step's weights from the student's own folder, so a wrong sync first shows
-at the second step (after a resume, at the first).
+at the second step (after a resume, at the first). Rollouts sampled ahead (`rollout_ahead`) come from older
+weights: the same check reads instead their gap to the weights that sampled them (`_sampler_gap`, one extra
+forward on each step's first micro-batch, logged as `async/sampler_logprob_gap`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from opdkit.opd import served, teachers
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.teachers.base import LossSettings, Teacher, check_rows
 from opdkit.rollout import engines, sampling
-from opdkit.rollout.ahead import AheadRollouts, PromptLookahead, load_queued, save_queued
+from opdkit.rollout.ahead import AheadRollouts, PromptLookahead, load_queued, logprobs_under, save_queued
 from opdkit.rollout.multiturn import MultiTurnRollouts
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
 from opdkit.run import sharding
@@ -83,6 +85,9 @@ class StepStats:
     # and maximum over this process's loss tokens.
     staleness: int | None = None
     ratios: torch.Tensor | None = None
+    # Its first micro-batch's |log p_engine - log p_version| summed, and its token count: against the weights
+    # that sampled it (`DistillTrainer._sampler_gap`).
+    sampler_gap: torch.Tensor | None = None
 
     def add_ratios(self, log_ratio_N: torch.Tensor, cap: float) -> None:
         ratio_N = log_ratio_N.detach().double().exp()
@@ -157,6 +162,9 @@ class DistillTrainer(Trainer):
         self._lookahead = PromptLookahead(self.rollouts.ahead)
         self._sync_checks_left = SYNC_CHECK_STEPS
         self._check_sync_now = False  # set per step: the step's first micro-batch checks the gap
+        self._sampler_checks_left = SYNC_CHECK_STEPS
+        self._sampler_gap_now = False  # set per step: the step's first micro-batch measures the sampler gap
+        self._check_sampler_now = False  # and checks it (the first steps sampled ahead)
         self.add_callback(_NonFiniteStop(self))
         self.add_callback(_HeldRecord(self))
 
@@ -191,6 +199,12 @@ class DistillTrainer(Trainer):
             r.sampling_logprobs_BT is not None and r.policy_version is None for r in records
         )
         self._sync_checks_left -= self._check_sync_now
+        # Sampled ahead: the first micro-batch's gap against the weights that sampled it (`_sampler_gap`).
+        self._sampler_gap_now = any(
+            r.sampling_logprobs_BT is not None and r.policy_version is not None for r in records
+        )
+        self._check_sampler_now = self._sampler_checks_left > 0 and self._sampler_gap_now
+        self._sampler_checks_left -= self._check_sampler_now
         samples = [self._micro_batch(r) for r in records]
         if samples:  # e.g. a served teacher: the step's rows sent now
             self.teacher.prepare([(s["record"], s["teacher_rows"]) for s in samples], step + 1)
@@ -350,6 +364,9 @@ class DistillTrainer(Trainer):
             engine_logp_N = record.sampling_logprobs_BT[record.loss_mask_BT.bool()]
         student = self.accelerator.unwrap_model(model)
         stale = record.policy_version is not None and engine_logp_N is not None
+        if stale and self._sampler_gap_now:
+            self._sampler_gap_now = False
+            self._sampler_gap(student, record, fwd, pred_BT, target_N, engine_logp_N)
         correct = stale and self.args.async_correction == "truncated"
         loss_settings = LossSettings(
             beta=self.args.beta,
@@ -442,14 +459,37 @@ class DistillTrainer(Trainer):
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(path, json.dumps(now, indent=1))
 
-    def _check_sync(self, gap_N: torch.Tensor) -> None:
+    def _check_sync(self, gap_N: torch.Tensor, producer: bool = False) -> None:
         """The one host read before a backward pass (first steps only): every rank stops together if the
-        micro-batch's gap, summed over all processes, is off."""
+        micro-batch's gap, summed over all processes, is off. `producer`: the gap of a producer sampling ahead
+        against the weights it was sent; its engine's dtype: vLLM's as configured, the kit's loop float32."""
         sums = torch.stack([gap_N.sum(), torch.tensor(float(gap_N.shape[0]), device=gap_N.device)]).double()
         if self.args.world_size > 1 and dist.is_initialized():
             dist.all_reduce(sums)
-        engine = self.engine()
-        engines.check_sync(*sums.tolist(), dtype=engine.dtype, step=self.state.global_step + 1)
+        if producer:
+            vllm_bf16 = self.args.rollout_engine == "vllm" and self.args.bf16
+            dtype, who = ("bfloat16" if vllm_bf16 else "float32"), "rollout producer's"
+        else:
+            dtype, who = self.engine().dtype, "vLLM engine's"
+        engines.check_sync(*sums.tolist(), dtype=dtype, step=self.state.global_step + 1, who=who)
+
+    def _sampler_gap(self, student, record, fwd, pred_BT, target_N, engine_logp_N) -> None:
+        """Rollouts sampled ahead, the step's first micro-batch only (one extra forward per step, no
+        gradient): |log p_engine(y_t) - log p_version(y_t)| over its sampled tokens, p_version the student
+        under the weights that sampled them (`AheadRollouts.weights_of`, through `ahead.logprobs_under`: no
+        copy of the model, a transient one of the weights on its device), float32, temperature 1. Zero but for
+        rounding when the producer loaded what it was sent: unlike `engine_logprob_gap` (against the current
+        weights) it does not grow with staleness, so a wrong weight load in the producer shows here. In the
+        first `SYNC_CHECK_STEPS` steps sampled ahead, a gap that is off stops the run (`_check_sync`)."""
+        state = self.rollouts.weights_of(record.policy_version)
+        if state is None:
+            return
+        version_logp_N = logprobs_under(student, state, fwd, pred_BT, target_N, self.args.loss_chunk_size)
+        gap_N = (version_logp_N - engine_logp_N.to(version_logp_N)).abs()
+        self.stats.sampler_gap = torch.stack([gap_N.sum(), gap_N.new_tensor(float(gap_N.shape[0]))]).double()
+        if self._check_sampler_now:
+            self._check_sampler_now = False
+            self._check_sync(gap_N, producer=True)
 
     def _keep_samples(self, record: RolloutRecord, pred_BT, per_token_N) -> None:
         """Keep the rows sampled first in the step (micro-batches are grouped by length, so these are a
@@ -602,7 +642,8 @@ class DistillTrainer(Trainer):
     def _async_metrics(self) -> dict:
         """Rollouts sampled ahead: the step's staleness (trainer step - the sampling weights' version) and its
         importance ratios pi_student / pi_sampler over the loss tokens: mean, maximum, share above the cap
-        (capped where `async_correction` is truncated), over all processes."""
+        (capped where `async_correction` is truncated), and the engine's log-prob gap to the weights that
+        sampled (first micro-batch), over all processes."""
         ratios = self.stats.ratios
         ratios = ratios if ratios is not None else torch.zeros(4, dtype=torch.float64)
         ratios = ratios.to(self.args.device)
@@ -612,11 +653,18 @@ class DistillTrainer(Trainer):
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             ratios = torch.cat([sums, top])
         ratio_sum, tokens, capped, top = ratios.tolist()
+        gap = self.stats.sampler_gap
+        gap = (gap if gap is not None else torch.zeros(2, dtype=torch.float64)).to(self.args.device)
+        if self.args.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(gap)
+        gap_sum, gap_tokens = gap.tolist()
         return {
             "async/staleness": self.stats.staleness,
             "async/ratio_mean": ratio_sum / tokens if tokens else None,
             "async/ratio_max": top if tokens else None,
             "async/capped_share": capped / tokens if tokens else None,
+            # against the weights that sampled the step's first micro-batch (`_sampler_gap`)
+            "async/sampler_logprob_gap": gap_sum / gap_tokens if gap_tokens else None,
         }
 
 

@@ -26,6 +26,9 @@ How it stays exact and bounded:
   loop as it decodes (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the
   whole head), vLLM its own (`logprobs_mode="raw_logprobs"`, the same quantity): the trainer's importance
   ratio reads them (`async_correction`), `policy_version` which weights.
+- **Sampler gap.** The weights that sampled the step being trained stay kept until the next step
+  (`weights_of`): the trainer measures the engine's log-probs against them (`logprobs_under`), so a producer
+  that samples with other weights than it was sent shows, and in the first steps stops the run.
 - **Failure.** A producer that raises (a vLLM engine that cannot start among them) sends its error; one that
   dies is noticed while the trainer waits; either stops the run with one line (`RolloutProducerDied`).
 - **Resume.** The source keeps the weights of the versions its queued steps still need (at most s); a
@@ -203,6 +206,42 @@ def _each_once(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tens
             yield name, t
 
 
+@torch.no_grad()
+def logprobs_under(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    fwd: dict,
+    pred_BT: torch.Tensor,
+    target_N: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """log p(target) at each position `pred_BT` marks, under the weights `state` (a full state_dict of
+    `model`, e.g. on the CPU) instead of the model's own, in float32: temperature 1, log-softmax over the
+    whole head, as the engines report. One forward of the backbone (`torch.func.functional_call`, no copy
+    of the model; each tensor moved once to the model's device, a tied one once, so that functional_call
+    sees one tensor under its tied names), then the head chunk by chunk (`chunk_size` positions), as the
+    trainer's own log-probs. The moved weights are a transient copy of the model's weights on its device."""
+    device = next(model.parameters()).device
+    moved: dict[int, torch.Tensor] = {}
+    for t in state.values():
+        if id(t) not in moved:
+            moved[id(t)] = t.to(device)
+    weights = {name: moved[id(t)] for name, t in state.items()}
+    names = {m: n for n, m in model.named_modules()}
+    base, head = model.base_model, model.get_output_embeddings()
+    prefix = names[base] + "." if names[base] else ""
+    inner = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    hidden_NH = torch.func.functional_call(base, inner, (), fwd).last_hidden_state[pred_BT].float()
+    head_name = names[head] + "." if names[head] else ""
+    head_VH = weights[head_name + "weight"].float()
+    bias_V = weights.get(head_name + "bias")
+    parts = []
+    for h, t in zip(hidden_NH.split(chunk_size), target_N.split(chunk_size)):
+        logits = torch.nn.functional.linear(h, head_VH, None if bias_V is None else bias_V.float())
+        parts.append(logits.gather(1, t.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1))
+    return torch.cat(parts) if parts else hidden_NH.new_zeros(0)
+
+
 def weights_copy(student: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The student's state_dict copied to the CPU, for the producer's queue (shared memory): a tensor tied
     under several names copied once, the same tensor under each name (the queue then sends it once)."""
@@ -261,6 +300,7 @@ class AheadRollouts(RolloutSource):
         self._kept: dict[int, dict[str, torch.Tensor]] = {}
         self._sent: int | None = None  # the version the producer holds (sent last)
         self._primed: dict[int, int] = {}  # a resume: steps to regenerate -> their version (`resume`)
+        self._training: int | None = None  # the version that sampled the step being trained (`weights_of`)
         self.timeline: list[dict] = []
 
     @property
@@ -287,6 +327,7 @@ class AheadRollouts(RolloutSource):
         if not batches:
             return []
         self.open()
+        self._training = None  # the last step's sampling weights no longer needed
         if self._primed:  # a resume: the steps a checkpoint had queued, with the weights that sampled them
             self._regenerate([(step, batches), *self._pending])
         self._send_weights(step, weights_copy(student))
@@ -298,6 +339,12 @@ class AheadRollouts(RolloutSource):
         records = [_on(r, self.device) for r in self._records(step)]
         self._taken(step)
         return records
+
+    def weights_of(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The weights (a state_dict on the CPU, a tied tensor the same under each name) of `version`, while a
+        queued step needs them or, for the step `next_step` last returned, until the next `next_step`: the
+        trainer's sampler gap (`logprobs_under`) reads them. None when they are no longer kept."""
+        return self._kept.get(version)
 
     def queued(self) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
         """What a checkpoint keeps to regenerate the steps planned and not yet taken: ({step: the version of
@@ -340,12 +387,13 @@ class AheadRollouts(RolloutSource):
         self._queued[step] = self._sent
 
     def _taken(self, step: int) -> None:
-        self._queued.pop(step, None)
+        self._training = self._queued.pop(step, None)
         self._forget()
 
     def _forget(self) -> None:
-        """Drops the kept weights no queued step needs (the version just sent stays until the next)."""
-        needed = set(self._queued.values()) | set(self._primed.values()) | {self._sent}
+        """Drops the kept weights no queued step needs (the version just sent stays until the next, the step
+        being trained's until the next step: at most `ahead` + 1 versions, those sent through the queue)."""
+        needed = set(self._queued.values()) | set(self._primed.values()) | {self._sent, self._training}
         self._kept = {v: w for v, w in self._kept.items() if v in needed}
 
     def _send(self, msg) -> None:

@@ -81,15 +81,16 @@ class WeightSyncError(RunFailure, RuntimeError):
 SYNC_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 
 
-def check_sync(gap_sum: float, tokens: float, dtype: str, step: int) -> None:
+def check_sync(gap_sum: float, tokens: float, dtype: str, step: int, who: str = "vLLM engine's") -> None:
     """Stop (`WeightSyncError`) if the engine's log-probabilities of `tokens` sampled tokens differ from
-    the student's by more than `SYNC_TOLERANCE[dtype]` on average (`gap_sum`: the summed difference)."""
+    the student's by more than `SYNC_TOLERANCE[dtype]` on average (`gap_sum`: the summed difference). `who`:
+    the engine named in the line (a rollout producer's gap is against the weights it was sent)."""
     if not tokens:
         return
     gap, tol = gap_sum / tokens, SYNC_TOLERANCE.get(dtype, SYNC_TOLERANCE["bfloat16"])
     if not gap <= tol:  # NaN too
         raise WeightSyncError(
-            f"step {step}: the vLLM engine's log-probabilities of the sampled tokens differ from the "
+            f"step {step}: the {who} log-probabilities of the sampled tokens differ from the "
             f"student's by {gap:.3g} on average (tolerance {tol:g} for a {dtype} engine), so the weight sync "
             "is wrong and the samples come from other weights than the student's; the run stops before "
             "training on them. A tensor the sync leaves out keeps its old value without any error: check "
