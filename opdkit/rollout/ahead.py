@@ -222,10 +222,7 @@ def logprobs_under(
     sees one tensor under its tied names), then the head chunk by chunk (`chunk_size` positions), as the
     trainer's own log-probs. The moved weights are a transient copy of the model's weights on its device."""
     device = next(model.parameters()).device
-    moved: dict[int, torch.Tensor] = {}
-    for t in state.values():
-        if id(t) not in moved:
-            moved[id(t)] = t.to(device)
+    moved = {id(t): t.to(device) for _, t in _each_once(state)}
     weights = {name: moved[id(t)] for name, t in state.items()}
     names = {m: n for n, m in model.named_modules()}
     base, head = model.base_model, model.get_output_embeddings()
