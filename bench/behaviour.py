@@ -39,17 +39,33 @@ CASES: dict[str, tuple[str, str, list[str]]] = {
     "antidistill-tiny": (
         "antidistill",
         "tiny",
-        ["sft_max_steps=4", "max_steps=3", "eval_size=40", "lams=[0.0,0.05]", "answer_lams=[]",
-         "temperatures=[1.0]"],
+        [
+            "sft_max_steps=4",
+            "max_steps=3",
+            "eval_size=40",
+            "lams=[0.0,0.05]",
+            "answer_lams=[]",
+            "temperatures=[1.0]",
+        ],
     ),
     "antidistill-attack": (
         "antidistill",
         "tiny-attack",
-        ["sft_max_steps=4", "max_steps=3", "eval_size=40", "repeats=1", "lams=[0.0,0.05]", "temperatures=[1.0]"],
+        [
+            "sft_max_steps=4",
+            "max_steps=3",
+            "eval_size=40",
+            "repeats=1",
+            "lams=[0.0,0.05]",
+            "temperatures=[1.0]",
+        ],
     ),
 }
-IGNORED = re.compile(r"(time|_s$|seconds|per_s|wall|started|elapsed|date|path|dir|commit|host|machine|load|cpu"
-                     r"|python|version|folder|run$|created|url|pid|held)", re.I)
+IGNORED = re.compile(
+    r"(time|_s$|seconds|per_s|wall|started|elapsed|date|path|dir|commit|host|machine|load|cpu"
+    r"|python|version|folder|run$|created|url|pid|held)",
+    re.I,
+)
 
 
 def _numbers(obj, prefix: str = "") -> dict[str, object]:
@@ -103,7 +119,9 @@ def run(out: Path, only: list[str]) -> None:
 def compare(before: Path, after: Path, rtol: float) -> int:
     a, b = json.loads(before.read_text()), json.loads(after.read_text())
     bad = 0
-    for name in sorted(set(a) | set(b)):
+    for name in sorted(set(a) - set(b)):
+        print(f"{name}: not in {after}")
+    for name in sorted(set(a) & set(b)):
         x, y = _numbers(a.get(name, {})), _numbers(b.get(name, {}))
         diffs = []
         for key in sorted(set(x) | set(y)):
@@ -115,7 +133,8 @@ def compare(before: Path, after: Path, rtol: float) -> int:
                 continue
             diffs.append(f"  {key}: {u!r} -> {v!r}")
         print(f"{name}: {'same' if not diffs else f'{len(diffs)} differ'} ({len(x)} values)")
-        print("\n".join(diffs[:20]))
+        if diffs:
+            print("\n".join(diffs[:20]))
         bad += bool(diffs)
     return 1 if bad else 0
 
