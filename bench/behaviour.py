@@ -1,4 +1,4 @@
-"""Behaviour kept across a refactor: every tiny preset run for a few steps, its per-step metrics and its summary
+"""Behaviour kept across a refactor: every tiny preset run for a few steps, its per-step metrics and summary
 written to one JSON file, then two such files compared.
 
     python -m bench.behaviour run --out runs/behaviour/before.json      # on the code before the change
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# name: (job, mode, settings). A few steps each, small evaluations: what the code does, not how well it learns.
+# name: (job, mode, settings). A few steps each, small evaluations: what the code does, not how it learns.
 SHORT = ["eval_size=40", "eval_every=0", "checkpoint_every=0", "sample_every=2"]
 CASES: dict[str, tuple[str, str, list[str]]] = {
     "whitebox-tiny": ("whitebox", "tiny", ["max_steps=4", *SHORT]),
