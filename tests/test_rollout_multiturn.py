@@ -19,11 +19,23 @@ from opdkit.jobs.whitebox import tooluse
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import engines, sampling
+from opdkit.rollout.episodes import (
+    CALLED_TOOL,
+    CALLS,
+    CORRECT,
+    EPISODES,
+    MALFORMED,
+    TOOL_CORRECT,
+    TRUNCATED,
+    TURNS,
+    Environment,
+    StepResult,
+)
 from opdkit.rollout.multiturn import MultiTurnRollouts
 from opdkit.rollout.source import EngineRollouts
 from opdkit.tasks import tiny as task
 from opdkit.tasks.calculator import CalculatorEnvironment
-from opdkit.tasks.environment import Environment, Episode, NoTools, Step
+from opdkit.tasks.environment import NoTools
 from opdkit.tiny.tokenizer import build_tokenizer
 
 # Qwen3's rendering, shortened: the tools in a system turn, a tool result as a user turn with <tool_response>.
@@ -204,7 +216,7 @@ def test_rows_ending_at_different_turns_keep_batching_and_each_transcript_is_its
     env = CalculatorEnvironment(task.TinyTask())
     records, source, engine = play(tok, scripts, env, [3])
     assert engine.calls == [3, 2, 1]
-    assert source.counts["turns"] == 6 and source.counts["calls"] == 3 and source.counts["malformed"] == 0
+    assert source.counts[TURNS] == 6 and source.counts[CALLS] == 3 and source.counts[MALFORMED] == 0
     results = {"345+678": ["1023"], "999+999": ["1998", "1998"], "111+222": []}
     for prompt, (ids, loss, truncated) in rows_of(records).items():
         turns = scripts[prompt]
@@ -234,7 +246,22 @@ def test_malformed_calls_are_counted_and_the_episodes_go_on():
     records, source, engine = play(tok, scripts, env, [3, 3])
     assert engine.calls == [6, 5]
     c = source.counts
-    assert (c["episodes"], c["called_tool"], c["calls"], c["malformed"], c["turns"]) == (6, 5, 5, 4, 11)
+    assert (c[EPISODES], c[CALLED_TOOL], c[CALLS], c[MALFORMED], c[TURNS]) == (6, 5, 5, 4, 11)
+    assert (c[TOOL_CORRECT], c[CORRECT], c[TRUNCATED]) == (0, 0, 0)  # answer "x" for every prompt
+    m = source.step_metrics(lambda t: t)  # one process: the sum is the step's own
+    assert m == {
+        "tool/episodes": 6.0,
+        "tool/called_share": 5 / 6,
+        "tool/call_correct_share": 0.0,
+        "tool/calls_per_episode": 5 / 6,
+        "tool/malformed": 4.0,
+        "tool/malformed_share": 4 / 5,
+        "tool/turns_mean": 11 / 6,
+        "tool/accuracy": 0.0,
+    }
+    # two processes with the same counts: the totals double, the shares stay
+    doubled = source.step_metrics(lambda t: 2 * t)
+    assert doubled == {**m, "tool/episodes": 12.0, "tool/malformed": 8.0}
     rows = rows_of(records)
     for prompt in ("2+2", "3+3", "4+4", "5+5"):
         ids, loss, _ = rows[prompt]
@@ -251,13 +278,13 @@ def test_max_turns_and_the_episode_budget_end_an_episode():
     ids, loss, truncated = rows_of(records)["7+7"]
     # two turns sampled; the second's results are not appended (no turn would read them)
     assert engine.calls == [1, 1] and len(spans(ids, loss)) == 2 and loss[-1] == 1 and not truncated
-    assert source.counts["correct"] == 0
+    assert source.counts[CORRECT] == 0
     # a budget the second turn reaches: it is cut at what is left, the episode truncated
     records, source, engine = play(tok, scripts, env, [1], episode_max_tokens=150)
     ids, loss, truncated = rows_of(records)["7+7"]
     after = len(ids) - int(loss.nonzero()[0])  # the tokens after the prompt
     first = len(tok(call("7+7"))["input_ids"]) + 1
-    assert truncated and source.counts["truncated"] == 1 and engine.calls == [1, 1]
+    assert truncated and source.counts[TRUNCATED] == 1 and engine.calls == [1, 1]
     assert after == 150 and first < 150 - 1 and [len(x) for x in spans(ids, loss)][0] == first
 
 
@@ -271,8 +298,8 @@ def test_a_tool_turn_that_fills_the_budget_is_not_appended():
     records, source, engine = play(tok, scripts, env, [1], episode_max_tokens=first + 5)
     ids, loss, truncated = rows_of(records)["7+7"]
     after = len(ids) - int(loss.nonzero()[0])
-    assert truncated and source.counts["truncated"] == 1 and engine.calls == [1]
-    assert after == first and int(loss.sum()) == first and source.counts["calls"] == 1
+    assert truncated and source.counts[TRUNCATED] == 1 and engine.calls == [1]
+    assert after == first and int(loss.sum()) == first and source.counts[CALLS] == 1
 
 
 class Ok(Environment):
@@ -280,18 +307,11 @@ class Ok(Environment):
 
     tools = []
 
-    def start(self, messages, answer):
-        return Episode([dict(m) for m in messages], answer)
-
-    def step(self, episode, text):
-        episode.messages.append({"role": "assistant", "content": text})
-        episode.turns += 1
-        out = [{"role": "tool", "content": str(len(text))}]
-        episode.messages += out
-        return Step(out, done=False, calls=1)
+    def respond(self, episode, text):
+        return StepResult([{"role": "tool", "content": str(len(text))}], done=False, metrics={CALLS: 1})
 
     def grade(self, episode):
-        return {"correct": False, "called_tool": True, "calls": episode.turns, "malformed": 0}
+        return {CORRECT: False, CALLED_TOOL: True}
 
 
 def test_the_same_episodes_on_one_process_or_split_over_two():
@@ -464,7 +484,7 @@ def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_cou
     bs = batches(tok, [4], tools=env.tools)
     records = trainer.rollouts.next_step(trainer.model, bs, step=0)
     assert sum(r.input_ids_BT.shape[0] for r in records) == 4
-    m = trainer._tool_metrics()
+    m = trainer.rollouts.step_metrics(lambda t: t)
     assert m["tool/episodes"] == 4 and 1 <= m["tool/turns_mean"] <= 2
     assert set(m) >= {"tool/called_share", "tool/calls_per_episode", "tool/malformed", "tool/accuracy"}
     with pytest.raises(ConfigError, match="environment object"):
@@ -476,7 +496,7 @@ def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_cou
         WhiteboxConfig(environment="abacus")
 
 
-def test_single_turn_trainers_log_no_tool_metrics(tmp_path):
+def test_single_turn_sources_have_no_step_metrics_for_the_trainer_to_log(tmp_path):
     args = OPDArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
     )
@@ -486,7 +506,7 @@ def test_single_turn_trainers_log_no_tool_metrics(tmp_path):
         processing_class=tool_tokenizer(),
         teacher_model=tiny_model("tiny:teacher"),
     )
-    assert isinstance(trainer.rollouts, EngineRollouts) and trainer._tool_metrics() == {}
+    assert isinstance(trainer.rollouts, EngineRollouts) and not hasattr(trainer.rollouts, "step_metrics")
 
 
 def test_tool_results_in_qwen3s_own_template(qwen3_tokenizer):
@@ -613,7 +633,7 @@ def test_the_sampling_log_probabilities_are_the_students_own_on_the_whole_transc
         lambda: engines.HFEngine(logprobs=True), s, 1, 0, 1, 3, environment=Ok(), tokenizer=tok, max_turns=3
     )
     (record,) = src.next_step(student, bs, step=0)
-    assert src.counts["turns"] > 3  # some episodes took several turns
+    assert src.counts[TURNS] > 3  # some episodes took several turns
     with torch.no_grad():
         logits = student(
             input_ids=record.input_ids_BT,

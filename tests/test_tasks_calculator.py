@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import pytest
 
+from opdkit.rollout.episodes import CALLED_TOOL, CALLS, CORRECT, MALFORMED, TOOL_CORRECT
 from opdkit.tasks import tiny
 from opdkit.tasks.calculator import CALCULATOR, MAX_CHARS, CalculatorEnvironment, ToolError, calculate
 
@@ -105,25 +106,15 @@ def test_an_episode_with_the_calculator():
     assert env.tools == [CALCULATOR]
     ep = env.start([{"role": "user", "content": "358+467"}], answer="825")
     step = env.step(ep, call("358+467") + call("2**3") + call(5))
-    assert step.calls == 3 and step.malformed == 2 and not step.done
+    assert step.metrics == {CALLS: 3, MALFORMED: 2} and not step.done
     assert step.messages[0] == {"role": "tool", "content": "825"}
     assert step.messages[1]["content"].startswith("error: ** is not allowed")
     assert step.messages[2]["content"] == "error: calculator's argument expression must be a string"
     step = env.step(ep, "8+7=15,5+6+1=12,3+4+1=8;825")
     assert step.done
-    assert env.grade(ep) == {
-        "correct": True,
-        "called_tool": True,
-        "tool_correct": False,  # two malformed calls
-        "calls": 3,
-        "malformed": 2,
-    }
+    assert env.grade(ep) == {CORRECT: True, CALLED_TOOL: True, TOOL_CORRECT: False}  # two malformed calls
+    assert ep.metrics == {CALLS: 3, MALFORMED: 2}
     wrong = env.start([{"role": "user", "content": "358+467"}], answer="825")
     env.step(wrong, ";826")
-    assert env.grade(wrong) == {
-        "correct": False,
-        "called_tool": False,
-        "tool_correct": False,
-        "calls": 0,
-        "malformed": 0,
-    }
+    assert env.grade(wrong) == {CORRECT: False, CALLED_TOOL: False, TOOL_CORRECT: False}
+    assert wrong.metrics == {}

@@ -4,9 +4,9 @@ against an environment of functions."""
 
 from __future__ import annotations
 
+from opdkit.rollout.episodes import CALLED_TOOL, CALLS, CORRECT, MALFORMED, TOOL_CORRECT, Episode
 from opdkit.tasks.environment import (
     Call,
-    Episode,
     NoTools,
     ToolEnvironment,
     ToolError,
@@ -96,7 +96,7 @@ def test_an_episode_played_by_hand():
         + block("{not json}")
     )
     step = env.step(ep, turn1)
-    assert not step.done and step.calls == 5 and step.malformed == 4
+    assert not step.done and step.metrics == {CALLS: 5, MALFORMED: 4}
     texts = [m["content"] for m in step.messages]
     assert [m["role"] for m in step.messages] == ["tool"] * 5
     assert texts[0] == "abab"
@@ -108,35 +108,24 @@ def test_an_episode_played_by_hand():
     assert ep.messages[1] == {"role": "assistant", "content": turn1} and ep.messages[2:] == step.messages
 
     step = env.step(ep, "abab")
-    assert step.done and step.messages == [] and step.calls == 0 and ep.done
-    assert final_text(ep) == "abab" and ep.turns == 2
-    assert env.grade(ep) == {
-        "correct": True,
-        "called_tool": True,
-        "tool_correct": False,  # malformed calls
-        "calls": 5,
-        "malformed": 4,
-    }
+    assert step.done and step.messages == [] and step.metrics == {} and ep.done
+    assert final_text(ep) == "abab" and ep.turns == 2 and ep.metrics == {CALLS: 5, MALFORMED: 4}
+    assert env.grade(ep) == {CORRECT: True, CALLED_TOOL: True, TOOL_CORRECT: False}  # malformed calls
 
 
 def test_an_episode_cut_before_its_final_answer_is_not_correct():
     env = ToolEnvironment({"echo": (SCHEMA, echo)}, check=lambda completion, answer: True)
     ep = env.start([{"role": "user", "content": "x"}], answer="x")
     env.step(ep, block('{"name": "echo", "arguments": {"text": "x"}}'))
-    assert env.grade(ep)["correct"] is False  # it never answered (cut at max_turns)
+    assert env.grade(ep)[CORRECT] is False  # it never answered (cut at max_turns)
 
 
 def test_without_tools_every_turn_is_the_answer():
     env = NoTools(check=lambda completion, answer: completion.strip() == answer)
     ep = env.start([{"role": "user", "content": "1+1"}], answer="2")
     step = env.step(ep, block('{"name": "calculator", "arguments": {"expression": "1+1"}}'))
-    assert step.done and step.messages == [] and env.tools == []
+    assert step.done and step.messages == [] and step.metrics == {} and env.tools == []
+    assert ep.metrics == {} and env.grade(ep) == {CORRECT: False}  # a call is no final answer
     ep2 = env.start([{"role": "user", "content": "1+1"}], answer="2")
     env.step(ep2, " 2")
-    assert env.grade(ep2) == {
-        "correct": True,
-        "called_tool": False,
-        "tool_correct": False,
-        "calls": 0,
-        "malformed": 0,
-    }
+    assert env.grade(ep2) == {CORRECT: True}  # no tool metrics: they count 0

@@ -10,6 +10,7 @@ import torch
 from conftest import tool_episode_by_hand as by_hand
 
 from opdkit.models import load_model, load_tokenizer
+from opdkit.rollout.episodes import TOOL_CORRECT
 from opdkit.tasks import tinytools
 from opdkit.tasks.calculator import CalculatorEnvironment
 from opdkit.tasks.evaluate import episode_accuracy
@@ -89,4 +90,4 @@ def test_a_malformed_or_wrong_call_is_not_a_correct_call():
         ep = env.start([{"role": "user", "content": "390+983+105+772"}], "2250")
         env.step(ep, text)
         assert called_correctly(ep) is want, text
-        assert env.grade(ep)["tool_correct"] is want
+        assert env.grade(ep)[TOOL_CORRECT] is want

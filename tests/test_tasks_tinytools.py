@@ -11,6 +11,7 @@ import pytest
 from opdkit import models, tasks
 from opdkit.build import tool_teacher
 from opdkit.config import ConfigError
+from opdkit.rollout.episodes import CORRECT, MALFORMED, TOOL_CORRECT
 from opdkit.tasks import tinytools as task
 from opdkit.tiny.tokenizer import IM_END, IM_START
 
@@ -98,9 +99,9 @@ def test_the_calculator_answers_a_call_with_the_plain_integer_the_teacher_learne
     ep = env.start([{"role": "user", "content": "390+983+105+772"}], "2250")
     body = json.dumps({"name": call["name"], "arguments": call["arguments"]})
     step = env.step(ep, f"<tool_call>\n{body}\n</tool_call>")
-    assert step.messages == [{"role": "tool", "content": "2250"}] and step.malformed == 0
+    assert step.messages == [{"role": "tool", "content": "2250"}] and step.metrics[MALFORMED] == 0
     env.step(ep, ";2250")
-    assert env.grade(ep)["correct"] and env.grade(ep)["tool_correct"]
+    assert env.grade(ep)[CORRECT] and env.grade(ep)[TOOL_CORRECT]
 
 
 def test_the_shipped_student_neither_solves_it_nor_calls_the_tool():

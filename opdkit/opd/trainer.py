@@ -616,28 +616,16 @@ class DistillTrainer(Trainer):
         return {k: v for k, v in record.items() if k not in ("step", "loss", "grad_norm")}
 
     def _tool_metrics(self) -> dict:
-        """Multi-turn episodes (a source with `counts`): over all processes, the share of episodes that
-        called a tool, tool calls per episode, malformed calls (count and share of the calls), turns per
-        episode, and the share graded correct by the environment. Nothing for single-turn rollouts."""
-        counts = getattr(self.rollouts, "counts", None)
-        if not counts:
-            return {}
-        names = list(counts)
-        sums = torch.tensor([float(counts[k]) for k in names], dtype=torch.float64, device=self.args.device)
+        """The rollout source's own columns (`step_metrics`: multi-turn episodes'); none for single-turn."""
+        step_metrics = getattr(self.rollouts, "step_metrics", None)
+        return step_metrics(self._sum_over_processes) if step_metrics else {}
+
+    def _sum_over_processes(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the trainer's device, summed over the processes."""
+        t = t.to(self.args.device)
         if self.args.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(sums)
-        c = dict(zip(names, sums.tolist()))
-        episodes, calls = max(c["episodes"], 1.0), c["calls"]
-        return {
-            "tool/episodes": c["episodes"],
-            "tool/called_share": c["called_tool"] / episodes,
-            "tool/call_correct_share": c["tool_correct"] / episodes,
-            "tool/calls_per_episode": calls / episodes,
-            "tool/malformed": c["malformed"],
-            "tool/malformed_share": c["malformed"] / calls if calls else None,
-            "tool/turns_mean": c["turns"] / episodes,
-            "tool/accuracy": c["correct"] / episodes,
-        }
+            dist.all_reduce(t)
+        return t
 
     def _async_metrics(self) -> dict:
         """Rollouts sampled ahead: the step's staleness (trainer step - the sampling weights' version) and its

@@ -5,12 +5,14 @@ through the rollout engine, one record per micro-batch whose rows hold several s
     source = MultiTurnRollouts(make_engine, settings, seed=42, rank=0, world=1, batch_size=8,
                                environment=env, tokenizer=tok, max_turns=4, episode_max_tokens=256)
     records = source.next_step(student, batches, step)   # batches carry `messages`: PromptCollator(tools=...)
-    source.counts                                    # the step's episodes, tool calls, malformed, turns...
+    source.counts                                    # the step's metrics summed: episodes, calls, turns...
+    source.step_metrics(sum_over_processes)          # the trainer's tool/ columns, over all processes
 
 A turn: every unfinished row's transcript so far (left-padded) goes to the engine in one `engine.sample` call
 (the kit's loop or vLLM: the same call), up to `rollout_max_new_tokens` per turn and what is left of the
 episode's `episode_max_tokens`, ending at a stop token as a single-turn completion does. The environment reads
 the turn's text and answers (tool messages) or ends the episode (a turn without a call is the final answer).
+The environment is `opdkit.rollout.episodes.Environment` (its `step` answers a turn with a `StepResult`).
 The tool messages become token ids by the chat template: the conversation is rendered with them and the
 generation prompt, the student's turn stood in by a marker, and the text after the marker (less the stop
 token the student sampled itself) is tokenized; what the student sampled is never tokenized again. An episode
@@ -29,6 +31,10 @@ are regrouped into micro-batches by length as `source.EngineRollouts` does; with
 records are exactly EngineRollouts'. Each row samples turn t from its own
 stream: turn 0's key is `engines.rollout_seeds` (seed, step, place in the step's global batch), later turns'
 that key hashed with t (`turn_seeds`), so any number of processes samples the same episodes.
+
+A step's `counts` are its episodes' metrics summed (`episodes.COUNTS`: each episode's steps', its grade's,
+and the rollouts' own: the episode, its sampled turns, whether it was truncated); `step_metrics` sums them
+over the processes and derives the shares the trainer logs.
 """
 
 from __future__ import annotations
@@ -41,10 +47,23 @@ import torch
 
 from opdkit.config import ConfigError
 from opdkit.rollout import engines, microbatches, sampling
+from opdkit.rollout.episodes import (
+    CALLED_TOOL,
+    CALLS,
+    CORRECT,
+    COUNTS,
+    EPISODES,
+    MALFORMED,
+    TOOL_CORRECT,
+    TRUNCATED,
+    TURNS,
+    Environment,
+    Episode,
+    add_metrics,
+)
 from opdkit.rollout.source import Conversations, EngineRollouts, RolloutRecord
 
 TURN_MARK = "@@opdkit-student-turn@@"  # stands in for the student's turn when the template renders tools
-COUNTS = ("episodes", "called_tool", "tool_correct", "calls", "malformed", "turns", "correct", "truncated")
 
 
 def turn_seeds(seeds: list[int], turn: int) -> list[int]:
@@ -62,7 +81,7 @@ class _Row:
     engine's log-probability (0 where the student did not sample)."""
 
     prompt: list[int]
-    episode: Any
+    episode: Episode
     after: list[int] = dataclasses.field(default_factory=list)
     loss: list[int] = dataclasses.field(default_factory=list)
     logp: list[float] = dataclasses.field(default_factory=list)
@@ -83,10 +102,9 @@ class _Row:
 
 
 class MultiTurnRollouts(EngineRollouts):
-    """Episodes against `environment` (anything with `tools`, `start(messages, answer)`, `step(episode,
-    text)` and `grade(episode)`, as `opdkit.tasks.environment.Environment`), sampled through the engine
-    `make_engine` builds (`engines.make_engine`; built, synced once per optimizer step and closed as
-    `EngineRollouts` does, whose next_step this one replaces). `tokenizer` renders the tool
+    """Episodes against `environment` (an `episodes.Environment`: one of `opdkit.tasks`, built by the caller),
+    sampled through the engine `make_engine` builds (`engines.make_engine`; built, synced once per optimizer
+    step and closed as `EngineRollouts` does, whose next_step this one replaces). `tokenizer` renders the tool
     messages with its chat template (`enable_thinking` passed on); `max_turns` student turns at most per
     episode; `episode_max_tokens` tokens after the prompt at most (0: no limit but the turns')."""
 
@@ -99,7 +117,7 @@ class MultiTurnRollouts(EngineRollouts):
         world: int,
         batch_size: int,
         *,
-        environment: Any,
+        environment: Environment,
         tokenizer: Any,
         max_turns: int,
         episode_max_tokens: int = 0,
@@ -139,15 +157,9 @@ class MultiTurnRollouts(EngineRollouts):
         ]
         logprobs = self._play(engine, student, rows, keys, device)
         for row in rows:
-            graded = self.environment.grade(row.episode)
-            self.counts["episodes"] += 1
-            self.counts["called_tool"] += bool(graded.get("called_tool"))
-            self.counts["tool_correct"] += bool(graded.get("tool_correct"))
-            self.counts["calls"] += graded.get("calls", 0)
-            self.counts["malformed"] += graded.get("malformed", 0)
-            self.counts["correct"] += bool(graded.get("correct"))
-            self.counts["turns"] += row.turns
-            self.counts["truncated"] += row.truncated
+            add_metrics(self.counts, {EPISODES: 1, TURNS: row.turns, TRUNCATED: row.truncated})
+            add_metrics(self.counts, row.episode.metrics)
+            add_metrics(self.counts, self.environment.grade(row.episode))
         # Shortest first (stable), as EngineRollouts orders by completion length, then cut into the
         # micro-batches' sizes, each trimmed to its own rows.
         order = torch.argsort(torch.tensor([len(r.after) for r in rows]), stable=True).tolist()
@@ -199,11 +211,11 @@ class MultiTurnRollouts(EngineRollouts):
                     row.cut_turn = self.tokenizer.decode(ids, skip_special_tokens=False)
                     continue
                 text = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
-                answer = self.environment.step(row.episode, text)
-                if answer.done or turn == self.max_turns - 1:
+                result = self.environment.step(row.episode, text)
+                if result.done or turn == self.max_turns - 1:
                     row.done = True
                     continue
-                tool = self.tool_ids(row.episode.messages, len(answer.messages), ids[-1])
+                tool = self.tool_ids(row.episode.messages, len(result.messages), ids[-1])
                 if self.episode_max_tokens and len(row.after) + len(tool) >= self.episode_max_tokens:
                     # no turn is left to read the results: not appended, so the record keeps to the budget
                     row.done = row.truncated = True
@@ -278,3 +290,22 @@ class MultiTurnRollouts(EngineRollouts):
                 [r.conversation() for r in rows], self.environment.tools or None, self.enable_thinking
             ),
         )
+
+    def step_metrics(self, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """The step's own columns of metrics.jsonl: its `counts` summed over the processes
+        (`sum_over_processes`, the trainer's) as the share of episodes that called a tool and that called the
+        tools correctly, tool calls per episode, malformed calls (count and share of the calls), turns per
+        episode, and the share graded correct by the environment."""
+        sums = sum_over_processes(torch.tensor([float(self.counts[k]) for k in COUNTS], dtype=torch.float64))
+        c = dict(zip(COUNTS, sums.tolist()))
+        episodes, calls = max(c[EPISODES], 1.0), c[CALLS]
+        return {
+            "tool/episodes": c[EPISODES],
+            "tool/called_share": c[CALLED_TOOL] / episodes,
+            "tool/call_correct_share": c[TOOL_CORRECT] / episodes,
+            "tool/calls_per_episode": calls / episodes,
+            "tool/malformed": c[MALFORMED],
+            "tool/malformed_share": c[MALFORMED] / calls if calls else None,
+            "tool/turns_mean": c[TURNS] / episodes,
+            "tool/accuracy": c[CORRECT] / episodes,
+        }

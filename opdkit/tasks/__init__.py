@@ -10,16 +10,17 @@ its prompts, answer extraction, grading, forced-answer cue and held-out set; and
 - `math`: GSM8K, DAPO-Math-17k and MATH-style problems graded by `answers` (math-verify);
 - `evaluate`: greedy accuracy of a model (raw, and with its final answer forced; of greedy episodes with a
   tool environment), sharded over processes;
-- `environment`: what a multi-turn episode plays against (tool calls parsed, answered, graded), and
-  `calculator`, the calculator tool's environment (`get_environment`, by the `environment` setting).
+- `environment`: the environments a multi-turn episode plays against (tool calls parsed, answered, graded;
+  the interface is `opdkit.rollout.episodes`), and `calculator`, the calculator tool's environment
+  (`get_environment`, by the `environment` setting).
 """
 
 from __future__ import annotations
 
 from opdkit.config import ConfigError
+from opdkit.rollout.episodes import Environment
 from opdkit.tasks import calculator, math, tiny, tinytools
 from opdkit.tasks.base import Task
-from opdkit.tasks.environment import Environment
 
 TASKS: dict[str, type[Task]] = {
     "tiny": tiny.TinyTask,

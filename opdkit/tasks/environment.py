@@ -1,30 +1,41 @@
-"""Environments: what answers a student's turn in a multi-turn episode (a tool's output), when the episode
-ends, and how it is graded. The rollout source (`opdkit.rollout.multiturn`) plays episodes against one; a
-tool environment is one file in `opdkit/tasks/` (`calculator.py`).
+"""The environments a multi-turn episode plays against (the interface: `opdkit.rollout.episodes`): a tool
+environment of Python functions (`ToolEnvironment`; the calculator's is one file,
+`opdkit/tasks/calculator.py`), and `NoTools`, where every turn is the final answer. Here are the tool calls'
+format, their parsing and their answers, and the grading.
 
     env = CalculatorEnvironment(task)                           # tools: [CALCULATOR], JSON schemas
     ep = env.start([{"role": "user", "content": "What is 12*34?"}], answer="408")
     call = '{"name": "calculator", "arguments": {"expression": "12*34"}}'
-    step = env.step(ep, f"<tool_call>\\n{call}\\n</tool_call>")
-    step.messages    # [{"role": "tool", "content": "408"}]; step.done False, step.calls 1, step.malformed 0
-    step = env.step(ep, "408")                                  # no call: the final answer, done
-    env.grade(ep)    # {"correct": True, "called_tool": True, "tool_correct": True, "calls": 1, ...}
+    result = env.step(ep, f"<tool_call>\\n{call}\\n</tool_call>")
+    result.messages  # [{"role": "tool", "content": "408"}]; result.done False, result.metrics {CALLS: 1, ...}
+    result = env.step(ep, "408")                                # no call: the final answer, done
+    env.grade(ep)    # {CORRECT: True, CALLED_TOOL: True, TOOL_CORRECT: True}; ep.metrics {CALLS: 1.0, ...}
 
 The format is Qwen3's, as transformers, vLLM and Qwen3 render it: an assistant turn calls a tool with blocks
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in its text; a result is the message
 `{"role": "tool", "content": ...}`; tools are JSON schemas (OpenAI's function format) passed as
 `apply_chat_template(messages, tools=env.tools)`. A malformed call (bad JSON, unknown tool, wrong arguments,
-a tool's own error) is answered with a short error text the model sees, counted, never raised. The episode
-keeps the assistant's turns as the text it sampled (`content`), so rendering the conversation again gives
-the student's own text back.
+a tool's own error) is answered with a short error text the model sees, counted (`MALFORMED`), never raised.
+The episode keeps the assistant's turns as the text it sampled (`content`), so rendering the conversation
+again gives the student's own text back.
 """
 
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from opdkit.rollout.episodes import (
+    CALLED_TOOL,
+    CALLS,
+    CORRECT,
+    MALFORMED,
+    TOOL_CORRECT,
+    Environment,
+    Episode,
+    StepResult,
+)
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -78,56 +89,13 @@ def _parse_one(body: str) -> Call:
     return Call(name, arguments)
 
 
-@dataclass
-class Step:
-    """What the environment answers to one assistant turn: the tool messages to append (`[]` when done), and
-    the turn's tool calls, of them `malformed` (bad JSON, unknown tool, wrong arguments, a tool's error)."""
-
-    messages: list[dict]
-    done: bool
-    calls: int = 0
-    malformed: int = 0
-
-
-@dataclass
-class Episode:
-    """One prompt's conversation so far (the prompt, the assistant's turns as sampled, the tool results) and
-    its counts."""
-
-    messages: list[dict]
-    answer: str
-    turns: int = 0
-    calls: int = 0
-    malformed: int = 0
-    done: bool = False
-
-
-class Environment(ABC):
-    """What a multi-turn rollout plays against. `tools`: the JSON schemas passed to
-    `apply_chat_template(tools=...)` ([] for none)."""
-
-    tools: list[dict] = []
-
-    @abstractmethod
-    def start(self, messages: list[dict], answer: str) -> Episode:
-        """A fresh episode from a prompt row (its conversation and reference answer)."""
-
-    @abstractmethod
-    def step(self, episode: Episode, assistant_text: str) -> Step:
-        """The assistant's turn (the text it sampled, without its stop token) -> the tool results."""
-
-    @abstractmethod
-    def grade(self, episode: Episode) -> dict:
-        """{"correct", "called_tool", "tool_correct", "calls", "malformed"} of an episode (`tool_correct`:
-        `called_correctly`)."""
-
-
 def called_correctly(episode: Episode) -> bool:
     """Did the episode call its tools correctly: at least one call, none malformed (every call well formed
     and answered by its tool, no error), and one of the tools' results, stripped, is the reference answer
     (for the calculator: it was asked for the whole computation). The final answer is not looked at."""
     results = [str(m.get("content") or "").strip() for m in episode.messages if m.get("role") == "tool"]
-    return episode.calls > 0 and episode.malformed == 0 and str(episode.answer).strip() in results
+    calls, malformed = episode.metrics.get(CALLS, 0), episode.metrics.get(MALFORMED, 0)
+    return calls > 0 and malformed == 0 and str(episode.answer).strip() in results
 
 
 def final_text(episode: Episode) -> str:
@@ -148,25 +116,16 @@ class ToolEnvironment(Environment):
         self.functions, self.check = functions, check
         self.tools = [schema for schema, _ in functions.values()]
 
-    def start(self, messages: list[dict], answer: str) -> Episode:
-        return Episode(messages=[dict(m) for m in messages], answer=answer)
-
-    def step(self, episode: Episode, assistant_text: str) -> Step:
+    def respond(self, episode: Episode, assistant_text: str) -> StepResult:
         calls = parse_calls(assistant_text)
-        episode.messages.append({"role": "assistant", "content": assistant_text})
-        episode.turns += 1
         if not calls:
-            episode.done = True
-            return Step(messages=[], done=True)
+            return StepResult(messages=[], done=True)
         out, malformed = [], 0
         for call in calls:
             text, ok = self._answer(call)
             malformed += not ok
             out.append({"role": "tool", "content": text})
-        episode.calls += len(calls)
-        episode.malformed += malformed
-        episode.messages.extend(out)
-        return Step(messages=out, done=False, calls=len(calls), malformed=malformed)
+        return StepResult(messages=out, done=False, metrics={CALLS: len(calls), MALFORMED: malformed})
 
     def _answer(self, call: Call) -> tuple[str, bool]:
         """(the tool message's text, whether the call was well formed and ran)."""
@@ -184,14 +143,12 @@ class ToolEnvironment(Environment):
         except ToolError as e:
             return f"error: {e}", False
 
-    def grade(self, episode: Episode) -> dict:
+    def grade(self, episode: Episode) -> dict[str, float]:
         finished = episode.done and episode.turns > 0
         return {
-            "correct": bool(finished and self.check(final_text(episode), episode.answer)),
-            "called_tool": episode.calls > 0,
-            "tool_correct": called_correctly(episode),
-            "calls": episode.calls,
-            "malformed": episode.malformed,
+            CORRECT: bool(finished and self.check(final_text(episode), episode.answer)),
+            CALLED_TOOL: episode.metrics.get(CALLS, 0) > 0,
+            TOOL_CORRECT: called_correctly(episode),
         }
 
 
@@ -235,21 +192,8 @@ class NoTools(Environment):
     check: Callable[[str, str], bool] = field(default=lambda completion, answer: False)
     tools: list[dict] = field(default_factory=list)
 
-    def start(self, messages: list[dict], answer: str) -> Episode:
-        return Episode(messages=[dict(m) for m in messages], answer=answer)
+    def respond(self, episode: Episode, assistant_text: str) -> StepResult:
+        return StepResult(messages=[], done=True)
 
-    def step(self, episode: Episode, assistant_text: str) -> Step:
-        episode.messages.append({"role": "assistant", "content": assistant_text})
-        episode.turns += 1
-        episode.done = True
-        return Step(messages=[], done=True)
-
-    def grade(self, episode: Episode) -> dict:
-        correct = episode.done and self.check(final_text(episode), episode.answer)
-        return {
-            "correct": bool(correct),
-            "called_tool": False,
-            "tool_correct": False,
-            "calls": 0,
-            "malformed": 0,
-        }
+    def grade(self, episode: Episode) -> dict[str, float]:
+        return {CORRECT: bool(episode.done and self.check(final_text(episode), episode.answer))}

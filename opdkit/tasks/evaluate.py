@@ -33,11 +33,11 @@ from opdkit.config import ConfigError
 from opdkit.data.prompts import PromptCollator
 from opdkit.models import eos_ids
 from opdkit.rollout import engines, greedy
+from opdkit.rollout.episodes import CALLED_TOOL, CORRECT, TOOL_CORRECT, Environment
 from opdkit.rollout.multiturn import MultiTurnRollouts
 from opdkit.run import sharding
 from opdkit.tasks import get_environment
 from opdkit.tasks.base import Messages, Task
-from opdkit.tasks.environment import Environment
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
@@ -49,7 +49,8 @@ class Accuracy:
     None when not measured). Of greedy episodes with tools (`episode_accuracy`): `raw` is the share graded
     correct by the environment, `tool_call_share` the share that called the tools correctly
     (`environment.called_correctly`: a call, none malformed, a result that is the reference answer),
-    `called_share` the share with any call."""
+    `called_share` the share with any call (the episodes' metrics `CORRECT`, `TOOL_CORRECT`, `CALLED_TOOL`,
+    `opdkit.rollout.episodes`)."""
 
     raw: float | None
     forced: float | None = None
@@ -155,7 +156,8 @@ def episode_accuracy(
     `MultiTurnRollouts`, at temperature 0 on the kit's engine, or on `engine`, synced with `model`, which
     takes this process's episodes in one call a turn: up to `max_turns` turns of `max_new_tokens`,
     `episode_max_tokens` in all), graded by the environment: `raw` the share correct, `tool_call_share` and
-    `called_share` (`Accuracy`). This process plays its share (`rank` of `world`); the counts are summed."""
+    `called_share` (`Accuracy`), from the episodes' summed metrics (`MultiTurnRollouts.counts`). This
+    process plays its share (`rank` of `world`); the counts are summed over processes."""
     if not messages:
         return Accuracy(None, None, 0)
     if world > 1 and sharding.is_sharded(model):
@@ -184,7 +186,7 @@ def episode_accuracy(
     )
     collate = PromptCollator(tokenizer, 1 << 30, enable_thinking, list(environment.tools))
     device = next(model.parameters()).device
-    names = ("correct", "tool_correct", "called_tool")
+    names = (CORRECT, TOOL_CORRECT, CALLED_TOOL)
     totals = dict.fromkeys(names, 0.0)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for s in range(0, len(mine), batch_size):
