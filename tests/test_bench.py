@@ -528,8 +528,12 @@ NUMBER = re.compile(r"[+\-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?")
 
 def quoted_pages(root: Path = REPO) -> list[Path]:
     """The pages that may quote: the README, docs/, bench/README.md and the notes."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "bench" / "README.md",
-            *sorted((root / "bench" / "notes").glob("*.md"))]
+    return [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        root / "bench" / "README.md",
+        *sorted((root / "bench" / "notes").glob("*.md")),
+    ]
 
 
 def flat_numbers(value) -> list[float]:
@@ -549,7 +553,7 @@ def quoted_value(data, key: str):
 
 
 def quote_drift(root: Path = REPO) -> list[str]:
-    """Every quote on the pages resolves to a results file and a key in it, and its numbers equal the key's."""
+    """Every quote on the pages resolves to a results file and a key in it; its numbers equal the key's."""
     bad = []
     for page in quoted_pages(root):
         if not page.is_file():
