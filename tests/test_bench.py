@@ -1,12 +1,16 @@
 """The benchmarks' machinery at toy sizes (no timing claims): results.json has one entry per figure with
 its value, target, unit and the runs behind it; the worker protocol; the ADS baseline computes what the
-seed computes; the GPU script parses and plans without a GPU."""
+seed computes; the GPU script parses and plans without a GPU; and the pages' numbers are the results files'
+(every quote of the README, docs/ and bench/ equals the value it links to, every note is reachable from
+bench/README.md)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -512,3 +516,118 @@ def test_p10_times_both_steps_at_equal_student_tokens():
         and not fig.higher_is_better
     )
     assert "P10" in registry.FIGURES and fig.target == 1.3
+
+
+# A quote: the number as the link's text, the link to a results file and the key inside it, e.g.
+# `[+73.3 [+71.8, +74.9]](bench/results/whitebox-tiny-seeds-cpu.json#lift_points)`; `*100` after the key
+# quotes a fraction as a percentage. The numbers in the text are compared, in order, with the key's value
+# flattened (a dict's values in order, a list's items), each to the decimals the text gives.
+QUOTE = re.compile(r"\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\(([^)\s#]*results/[\w.-]+\.json)#([^)\s]+)\)")
+NUMBER = re.compile(r"[+\-\u2212]?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def quoted_pages(root: Path = REPO) -> list[Path]:
+    """The pages that may quote: the README, docs/, bench/README.md and the notes."""
+    return [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        root / "bench" / "README.md",
+        *sorted((root / "bench" / "notes").glob("*.md")),
+    ]
+
+
+def flat_numbers(value) -> list[float]:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    items = value.values() if isinstance(value, dict) else value
+    return [x for item in items for x in flat_numbers(item)]
+
+
+def quoted_value(data, key: str):
+    """The value at a dotted key (list items by index), or KeyError."""
+    for part in key.split("."):
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
+def quote_drift(root: Path = REPO) -> list[str]:
+    """Every quote on the pages resolves to a results file and a key in it; its numbers equal the key's."""
+    bad = []
+    for page in quoted_pages(root):
+        if not page.is_file():
+            continue
+        for text, target, key in QUOTE.findall(page.read_text()):
+            where = f"{page.relative_to(root)}: [{text}]({target}#{key})"
+            path = (page.parent / target).resolve()
+            key, _, scale = key.partition("*")
+            try:
+                value = quoted_value(json.loads(path.read_text()), key)
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+                bad.append(f"{where} resolves to nothing ({type(e).__name__}: {e})")
+                continue
+            wanted = [v * float(scale or 1) for v in flat_numbers(value)]
+            said = [n.replace(",", "").replace("\u2212", "-") for n in NUMBER.findall(text)]
+            if len(said) != len(wanted):
+                bad.append(f"{where} quotes {len(said)} numbers where the file has {len(wanted)}: {wanted}")
+                continue
+            for s, w in zip(said, wanted):
+                decimals = len(s.partition(".")[2])
+                if abs(float(s) - w) > 0.5 * 10**-decimals + 1e-9:
+                    bad.append(f"{where} says {s} where the file says {w:g}")
+    return bad
+
+
+def unreachable_notes(root: Path = REPO) -> list[str]:
+    """Every note of bench/notes/ is linked from bench/README.md."""
+    table = (root / "bench" / "README.md").read_text()
+    return [
+        f"bench/notes/{p.name} is not linked from bench/README.md"
+        for p in sorted((root / "bench" / "notes").glob("*.md"))
+        if f"notes/{p.name}" not in table
+    ]
+
+
+def test_every_quote_equals_its_results_file():
+    assert quote_drift() == []
+
+
+def test_every_note_is_reachable_from_the_results_table():
+    assert unreachable_notes() == []
+
+
+def test_the_pages_quote_something():
+    for page in (REPO / "README.md", REPO / "bench" / "README.md"):
+        assert QUOTE.search(page.read_text()), f"{page.relative_to(REPO)} quotes no results file"
+
+
+def _pages_copy(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copy(REPO / "README.md", root / "README.md")
+    for rel in ("docs", "bench/notes", "bench/results"):
+        shutil.copytree(REPO / rel, root / rel, ignore=shutil.ignore_patterns("*.png"))
+    shutil.copy(REPO / "bench" / "README.md", root / "bench" / "README.md")
+    return root
+
+
+def test_a_quote_changed_by_one_digit_fails(tmp_path):
+    root = _pages_copy(tmp_path)
+    readme = root / "README.md"
+    text = readme.read_text()
+    m = QUOTE.search(text)
+    digit = re.search(r"\d", m.group(1))
+    start = m.start(1) + digit.start()
+    readme.write_text(text[:start] + str((int(text[start]) + 1) % 10) + text[start + 1 :])
+    found = quote_drift(root)
+    assert len(found) == 1 and found[0].startswith("README.md: "), found
+
+
+def test_a_quote_of_a_missing_key_or_an_unlinked_note_fails(tmp_path):
+    root = _pages_copy(tmp_path)
+    page = root / "docs" / "verdicts.md"
+    page.write_text(page.read_text() + "\n[1.0](../bench/results/P9-cpu.json#figures.P9.nowhere)\n")
+    (root / "bench" / "notes" / "lonely.md").write_text("# A note nobody links\n")
+    assert any("nowhere" in v and "resolves to nothing" in v for v in quote_drift(root))
+    assert unreachable_notes(root) == ["bench/notes/lonely.md is not linked from bench/README.md"]
