@@ -278,3 +278,25 @@ class MultiTurnRollouts(EngineRollouts):
                 [r.conversation() for r in rows], self.environment.tools or None, self.enable_thinking
             ),
         )
+
+    def step_metrics(self, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """Over all processes, the share of episodes that called a tool, tool calls per episode, malformed
+        calls (count and share of the calls), turns per episode, and the share graded correct by the
+        environment."""
+        counts = self.counts
+        if not counts:
+            return {}
+        names = list(counts)
+        sums = sum_over_processes(torch.tensor([float(counts[k]) for k in names], dtype=torch.float64))
+        c = dict(zip(names, sums.tolist()))
+        episodes, calls = max(c["episodes"], 1.0), c["calls"]
+        return {
+            "tool/episodes": c["episodes"],
+            "tool/called_share": c["called_tool"] / episodes,
+            "tool/call_correct_share": c["tool_correct"] / episodes,
+            "tool/calls_per_episode": calls / episodes,
+            "tool/malformed": c["malformed"],
+            "tool/malformed_share": c["malformed"] / calls if calls else None,
+            "tool/turns_mean": c["turns"] / episodes,
+            "tool/accuracy": c["correct"] / episodes,
+        }
