@@ -198,9 +198,9 @@ def test_a_killed_producer_stops_the_run_with_one_line(tmp_path):
 
 
 def test_the_log_probs_under_a_versions_weights_are_that_models_own(tmp_path):
-    """`weights.logprobs_under(model, weights, …)` equals, to float32 rounding, the log-softmax of the full logits
-    of a separate copy of the model holding `state` (other weights than the model's, tied embedding included),
-    at the positions the mask marks; the model's own weights are left alone."""
+    """`weights.logprobs_under(model, weights, …)` equals, to float32 rounding, the log-softmax of the full
+    logits of a separate copy of the model holding them (other weights than the model's, tied embedding
+    included), at the positions the mask marks; the model's own weights are left alone."""
     import copy
 
     model = tiny_model("tiny:student")
