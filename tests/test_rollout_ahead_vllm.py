@@ -24,7 +24,7 @@ from test_rollout_ahead import _train, _trainer  # noqa: E402
 from test_rollout_engines_vllm import MEMORY  # noqa: E402
 
 from opdkit import tiny  # noqa: E402
-from opdkit.rollout import ahead, sampling  # noqa: E402
+from opdkit.rollout import ahead, build, sampling  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
