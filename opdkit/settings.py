@@ -314,10 +314,11 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
         return self.episode_max_tokens or self.max_turns * self.rollout_max_new_tokens
 
     def normalise(self) -> None:
-        """Run by the config that composes this group (and by `DistillTrainer`): what sampling ahead and its
-        correction, and a multi-turn environment, need of the settings alone, before anything is loaded (an
-        environment plays its episodes through either engine, not through a producer sampling ahead; the
-        producer samples through either engine)."""
+        """Run by whatever composes this group (a job's config, `opd.arguments.OPDArguments`): what sampling
+        ahead and its correction, and a multi-turn environment, need of the settings alone, before anything
+        is loaded (an environment plays its episodes through either engine, not through a producer sampling
+        ahead; the producer samples through either engine). What they need of the machine and the run is
+        checked by `rollout.ahead.check_settings`."""
         if self.environment and self.rollout_ahead:
             raise ConfigError(
                 f"environment={self.environment} plays episodes in the training process; sampling them ahead "
@@ -344,6 +345,16 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
                 f"async_correction={self.async_correction} corrects rollouts sampled ahead by older weights, "
                 "and rollout_ahead is 0: set rollout_ahead >= 1, or async_correction none."
             )
+
+
+@dataclass
+class EngineContextSettings:
+    """What a job derives for its trainer's vLLM engine from its own lengths (`opd.arguments.OPDArguments`
+    mixes it in; no job's config does: each sets it from its prompt and completion budgets)."""
+
+    vllm_max_model_len: int = setting(
+        0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0
+    )
 
 
 @dataclass

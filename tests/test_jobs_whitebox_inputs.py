@@ -221,3 +221,39 @@ def test_multi_turn_episodes_refuse_the_teachers_not_built_for_transcripts():
     with pytest.raises(ConfigError, match="top-K teacher over multi-turn") as err:
         check_environment(topk)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "mode, sets, says",
+    [
+        (
+            "tiny-crosstok",
+            ["rollout_ahead=1", "async_correction=truncated"],
+            "async_correction=truncated weights the exact divergence per token, and the cross-tokenizer loss",
+        ),
+        (
+            "tiny",
+            ["rollout_ahead=1", "rollout_device=cuda:3"],
+            "rollout_device=cuda:3 places the rollout producer",
+        ),
+    ],
+    ids=["correction-crosstok", "absent-gpu"],
+)
+def test_sampling_ahead_that_cannot_run_is_refused_in_one_line_before_the_run_folder(
+    tmp_path, monkeypatch, capsys, mode, sets, says
+):
+    """issue 47, item 5: a corrected run with a teacher whose divergence takes no weights, and a producer
+    on a GPU this machine lacks, are refused by the job's cheap checks: one line, exit status 2, nothing
+    written (the run folder goes under the working folder)."""
+    import torch
+
+    from opdkit import whitebox
+
+    if torch.cuda.device_count() > 3 and mode == "tiny":
+        pytest.skip("this machine has a cuda:3")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        whitebox.main(["--mode", mode, "--set", *sets])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err and err.startswith("error: ") and says in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -68,7 +68,7 @@ def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, 
         model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=routed
     )
     batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids, teacher_ids=owners))
-    trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
+    trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=0)
     loss = trainer.compute_loss(trainer.model, batch)
     with torch.no_grad():
         s_NV = _completion_logits(_model("tiny:student"), r)

@@ -333,7 +333,7 @@ def loss_and_grads(
     gets the rows first (`Teacher.prepare`), as the trainer does once per step."""
     batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
     if prepare:
-        trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
+        trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=0)
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
@@ -487,7 +487,7 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_toke
         assert trainer.teacher.tokenizer is bpe_tok
         batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
         if prepared and teacher is not bpe:
-            trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=1)
+            trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=0)
         trainer.model.zero_grad()
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()

@@ -36,7 +36,7 @@ def answers_every_call(kind: Teacher, tok, tmp_path, teacher_ids=None) -> dict:
     if teacher_ids:
         record = source.RolloutRecord(**{**record.__dict__, "teacher_ids": teacher_ids(record)})
     rows = kind.rows(record)
-    kind.prepare([(record, rows)], step=1)
+    kind.prepare([(record, rows)], step=0)  # the first step (0-based)
     n = kind.loss_count(record, rows)
     assert n.dim() == 0 and float(n) > 0
     pred_BT = record.predicting_BT()

@@ -32,7 +32,8 @@ from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import load_tokenizer
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import ahead, sampling, source
+from opdkit.rollout import ahead, build, sampling, source
+from opdkit.rollout.weights import Weights, logprobs_under
 from opdkit.tasks import tiny as task
 
 STEPS_PER_EPOCH = 3  # 24 prompts, 4 per micro-batch, 2 micro-batches a step
@@ -87,7 +88,9 @@ def test_rollout_ahead_0_is_the_synchronous_source_with_the_same_losses(tmp_path
     zero = _trainer(tmp_path / "zero", rollout_ahead=0)
     assert type(zero.rollouts) is source.EngineRollouts and zero.rollouts.ahead == 0
     default = _trainer(tmp_path / "default")
-    default.rollouts = default._engine_rollouts()
+    default.rollouts = build.rollout_source(
+        default.args, default.model, default.processing_class, default.stop_ids, sharded=False
+    )
     logs0, logs = _train(zero), _train(default)
     assert [h["loss"] for h in logs0] == [h["loss"] for h in logs] and len(logs) == 3
     assert not any(k.startswith("async/") for h in logs0 for k in h)
@@ -195,9 +198,9 @@ def test_a_killed_producer_stops_the_run_with_one_line(tmp_path):
 
 
 def test_the_log_probs_under_a_versions_weights_are_that_models_own(tmp_path):
-    """`ahead.logprobs_under(model, state, …)` equals, to float32 rounding, the log-softmax of the full logits
-    of a separate copy of the model holding `state` (other weights than the model's, tied embedding included),
-    at the positions the mask marks; the model's own weights are left alone."""
+    """`weights.logprobs_under(model, weights, …)` equals, to float32 rounding, the log-softmax of the full
+    logits of a separate copy of the model holding them (other weights than the model's, tied embedding
+    included), at the positions the mask marks; the model's own weights are left alone."""
     import copy
 
     model = tiny_model("tiny:student")
@@ -214,8 +217,7 @@ def test_the_log_probs_under_a_versions_weights_are_that_models_own(tmp_path):
     pos_BT = sampling.position_ids_from_mask(attn_BT)
     fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
     target_N = ids_BT[:, 1:][pred_BT[:, :-1]]
-    state = ahead.weights_copy(other)
-    got_N = ahead.logprobs_under(model, state, fwd, pred_BT, target_N, chunk_size=5)
+    got_N = logprobs_under(model, Weights.copy_of(other), fwd, pred_BT, target_N, chunk_size=5)
     with torch.no_grad():
         logp_BTV = torch.log_softmax(other(**fwd).logits.double(), dim=-1)
     want_N = logp_BTV[pred_BT].gather(1, target_N[:, None]).squeeze(1)
@@ -266,8 +268,7 @@ def test_a_producer_that_loaded_other_weights_stops_the_run_with_one_line(tmp_pa
     from opdkit.rollout.engines import WeightSyncError
 
     trainer = _trainer(tmp_path, max_steps=4, rollout_ahead=1)
-    args = trainer.rollouts._args
-    trainer.rollouts._args = (functools.partial(_corrupt_loads, args[0]), *args[1:])
+    trainer.rollouts.make_engine = functools.partial(_corrupt_loads, trainer.rollouts.make_engine)
     with pytest.raises(WeightSyncError) as err:
         _train(trainer)
     message = str(err.value)
@@ -350,7 +351,7 @@ def test_the_producer_goes_where_rollout_device_says(tmp_path):
     does not see is refused in one line when the trainer is built."""
     trainer = _trainer(tmp_path, rollout_ahead=1, rollout_device="cpu")
     assert isinstance(trainer.rollouts, ahead.AheadRollouts)
-    assert trainer.rollouts._args[7] == "cpu" and str(trainer.rollouts.device) == "cpu"
+    assert trainer.rollouts.rollout_device == "cpu" and str(trainer.rollouts.device) == "cpu"
     gpus = torch.cuda.device_count()
     with pytest.raises(ConfigError, match=f"rollout_device=cuda:{gpus} places the rollout producer on a GPU"):
         _trainer(tmp_path, rollout_ahead=1, rollout_device=f"cuda:{gpus}")
@@ -439,7 +440,7 @@ def test_a_resumed_asynchronous_run_regenerates_its_queued_steps_and_equals_the_
     if 2 in weights:
         model = load_file(str(folder / "checkpoint-2" / "model.safetensors"))
         for name, t in model.items():
-            torch.testing.assert_close(weights[2][name], t, rtol=0, atol=0)
+            torch.testing.assert_close(weights[2].state()[name], t, rtol=0, atol=0)
     assert ahead.load_queued(folder / "checkpoint-6")[0] == {}  # the epoch's end: nothing queued
     got = _logged_run(tmp_path, resume=str(folder / "checkpoint-4"), rollout_ahead=s)
     assert sorted(got) == [5, 6] and got[5][1] == s

@@ -24,7 +24,7 @@ from test_rollout_ahead import _train, _trainer  # noqa: E402
 from test_rollout_engines_vllm import MEMORY  # noqa: E402
 
 from opdkit import tiny  # noqa: E402
-from opdkit.rollout import ahead, sampling  # noqa: E402
+from opdkit.rollout import ahead, build, sampling  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -187,7 +187,9 @@ def test_a_vllm_engine_that_cannot_start_in_the_producer_stops_the_run_with_one_
     (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
     trainer = _trainer(tmp_path / "run", rollout_engine="vllm", **RUN)
     trainer.model.config.name_or_path = str(broken)
-    trainer.rollouts = trainer._engine_rollouts()
+    trainer.rollouts = build.rollout_source(
+        trainer.args, trainer.model, trainer.processing_class, trainer.stop_ids, sharded=False
+    )
     with pytest.raises(ahead.RolloutProducerDied) as err:
         _train(trainer)
     message = str(err.value)

@@ -478,7 +478,7 @@ def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_cou
         model=tiny_model("tiny:student"), processing_class=tok, teacher_model=tiny_model("tiny:teacher")
     )
     trainer = DistillTrainer(
-        args=args, data_collator=PromptCollator(tok, 512, tools=env.tools), environment=env, **common
+        args=args, data_collator=PromptCollator(tok, 512, tools=env.tools), env=env, **common
     )
     assert isinstance(trainer.rollouts, MultiTurnRollouts) and trainer.rollouts.max_turns == 2
     bs = batches(tok, [4], tools=env.tools)
@@ -506,7 +506,7 @@ def test_single_turn_sources_have_no_step_metrics_for_the_trainer_to_log(tmp_pat
         processing_class=tool_tokenizer(),
         teacher_model=tiny_model("tiny:teacher"),
     )
-    assert isinstance(trainer.rollouts, EngineRollouts) and not hasattr(trainer.rollouts, "step_metrics")
+    assert isinstance(trainer.rollouts, EngineRollouts) and trainer.rollouts.step_metrics(lambda t: t) == {}
 
 
 def test_tool_results_in_qwen3s_own_template(qwen3_tokenizer):
@@ -554,7 +554,7 @@ def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
     )
     trainer.run = object()  # a run folder to keep samples for
     trainer.compute_loss(trainer.model, trainer.micro_batch(records[0]))
-    kept = {r["prompt"].split("user\n")[-1].split("<|im_end|>")[0]: r for r in trainer._sample_records()}
+    kept = {r["prompt"].split("user\n")[-1].split("<|im_end|>")[0]: r for r in trainer.samples.rows(tok)}
     one, two = kept["1+2"], kept["5+6"]
     assert "turns" not in one and "".join(one["tokens"]) == ";3<|im_end|>"
     assert [t["sampled"] for t in two["turns"]] == [True, False, True]
@@ -609,7 +609,7 @@ def test_one_turn_without_tools_takes_the_single_turn_paths_first_update(tmp_pat
             teacher_model=tiny_model("tiny:teacher"),
             train_dataset=datasets.Dataset.from_list(rows),
             data_collator=PromptCollator(tok, 512, tools=None if env is None else env.tools),
-            environment=env,
+            env=env,
         )
         assert isinstance(trainer.rollouts, EngineRollouts if env is None else MultiTurnRollouts)
         out = trainer.train()

@@ -17,27 +17,25 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from opdkit.config import check_ranges, setting
+from opdkit.config import check_ranges
 from opdkit.models import checkpointing_argument
 from opdkit.run import sharding, tracking
 from opdkit.run.launch import launched_world_size
-from opdkit.settings import OPDSettings
+from opdkit.settings import EngineContextSettings, OPDSettings
 
 
 @dataclass
-class OPDArguments(OPDSettings, TrainingArguments):
+class OPDArguments(OPDSettings, EngineContextSettings, TrainingArguments):
     """`TrainingArguments` plus on-policy distillation's own settings, as TRL's `GKDConfig` extends its
-    `SFTConfig`. Each rollout row is seeded by (`seed`, step, its place in the step's global batch), not by
-    process: the number of processes does not change what is sampled."""
-
-    vllm_max_model_len: int = setting(
-        0, "vllm: longest prompt plus completion; 0 means the model's own limit", min=0
-    )
+    `SFTConfig`, checked when made (ranges, then what the settings need of each other). Each rollout row is
+    seeded by (`seed`, step, its place in the step's global batch), not by process: the number of processes
+    does not change what is sampled."""
 
     def __post_init__(self):
         TrainingArguments.__post_init__(self)
         own = tuple(f for f in fields(self) if f.name in _OWN)
         check_ranges(self, own)
+        OPDSettings.normalise(self)
 
     @classmethod
     def from_config(cls, cfg: Any, **explicit: Any) -> OPDArguments:
@@ -48,7 +46,7 @@ class OPDArguments(OPDSettings, TrainingArguments):
         return cls(**{**shared, **explicit})
 
 
-_OWN = {f.name for f in fields(OPDSettings)} | {"vllm_max_model_len"}
+_OWN = {f.name for f in fields(OPDSettings)} | {f.name for f in fields(EngineContextSettings)}
 
 
 def training_arguments(cfg: Any, output_dir: str, run_name: str, **explicit: Any) -> OPDArguments:

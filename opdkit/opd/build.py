@@ -38,10 +38,10 @@ def distill_trainer(
     itself); `run` receives its logs, `callbacks` are transformers `TrainerCallback`s. With the config's
     `environment` set, the trainer plays multi-turn episodes against it (graded by the config's task), and the
     prompts are templated with its tools."""
-    environment = None
+    env = None
     if getattr(cfg, "environment", ""):
-        environment = tasks.get_environment(cfg.environment, tasks.for_dataset(cfg.dataset_path))
-    tools = None if environment is None else environment.tools
+        env = tasks.get_environment(cfg.environment, tasks.for_dataset(cfg.dataset_path))
+    tools = None if env is None else env.tools
     return DistillTrainer(
         model=student,
         args=args,
@@ -52,5 +52,5 @@ def distill_trainer(
         teacher_tokenizer=teacher_tokenizer,
         run=run,
         callbacks=callbacks,
-        environment=environment,
+        env=env,
     )

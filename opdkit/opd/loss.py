@@ -115,7 +115,7 @@ def chunked_divergence(
     chunk_size: int = 1024,
     vocab_chunk_size: int = VOCAB_CHUNK,
     target_ids_N: torch.Tensor | None = None,
-    behaviour_logprobs_N: torch.Tensor | None = None,
+    sampling_logprobs_N: torch.Tensor | None = None,
     ratio_cap: float = math.inf,
 ) -> DivergenceOutput:
     """Summed per-token divergence from final (post-norm) hidden states and bias-free lm_head weights.
@@ -125,10 +125,10 @@ def chunked_divergence(
     tiles, instead of several N x V tensors. The price is running both heads' matmuls again in the backward
     pass (and once more in the forward pass for 0 < beta < 1). Gradient reaches the student's hidden states
     and head weight; the teacher's inputs are detached. With `target_ids_N` (the token each row predicts)
-    the output also carries the student's log-probability of it. With `behaviour_logprobs_N` too (the
+    the output also carries the student's log-probability of it. With `sampling_logprobs_N` too (the
     sampler's log-probability of each target token, for rollouts sampled by older weights) each row's
     divergence enters the sum weighted by the truncated importance ratio
-    w = min(exp(log p_student(target) - behaviour), `ratio_cap`), detached: the gradient is
+    w = min(exp(log p_student(target) - sampling), `ratio_cap`), detached: the gradient is
     sum_t w_t grad D_t, the divergence itself still the current student's against the teacher.
     """
     _check_hparams(beta, temperature)
@@ -157,9 +157,9 @@ def chunked_divergence(
             f"target_ids_N {tuple(target_ids_N.shape)} must hold one token id per hidden row, ({n_rows},); "
             "pass the token each completion position predicts"
         )
-    if behaviour_logprobs_N is not None and (target_ids_N is None or behaviour_logprobs_N.shape != (n_rows,)):
+    if sampling_logprobs_N is not None and (target_ids_N is None or sampling_logprobs_N.shape != (n_rows,)):
         raise ValueError(
-            f"behaviour_logprobs_N {tuple(behaviour_logprobs_N.shape)} must hold one log-probability per "
+            f"sampling_logprobs_N {tuple(sampling_logprobs_N.shape)} must hold one log-probability per "
             f"hidden row, ({n_rows},), with target_ids_N the tokens they are of"
         )
     div_N, entropy_N, token_logprob_N = _ChunkedDivergence.apply(
@@ -173,8 +173,8 @@ def chunked_divergence(
     # An empty batch still gives a sum attached to the student's graph (its gradient is zero): under
     # DDP/FSDP every rank must run backward through the same parameters.
     summed = div_N.sum()
-    if behaviour_logprobs_N is not None:
-        log_ratio_N = token_logprob_N - behaviour_logprobs_N.to(token_logprob_N)
+    if sampling_logprobs_N is not None:
+        log_ratio_N = token_logprob_N - sampling_logprobs_N.to(token_logprob_N)
         summed = (importance_weights(log_ratio_N, ratio_cap) * div_N).sum()
     return DivergenceOutput(
         sum=summed,

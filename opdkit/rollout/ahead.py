@@ -3,38 +3,42 @@ k+1 … k+s while the trainer trains step k, through the run's rollout engine: t
 the student, or a vLLM engine of its own.
 
     source = AheadRollouts(make_engine, student.config, settings, seed=42, rank=0, world=1, batch_size=64,
-                           ahead=1, device="cpu")           # make_engine: the trainer's engine factory
-    source.plan(step + 1, next_steps_prompt_batches)             # the trainer peeks the coming steps' prompts
-    records = source.next_step(student, prompt_batches, step)    # sends the weights, returns step's records
+                           ahead=1, device="cpu")           # make_engine: the run's engine factory
+    batches = source.prompts(epoch_iterator, num_batches, step)  # the step's; the coming steps' planned
+    records = source.next_step(student, batches, step)           # sends the weights, returns step's records
+    source.save(checkpoint_folder); source.load(checkpoint_folder)   # the queued steps, at a checkpoint
 
 How it stays exact and bounded:
 - **Prompts.** Keyed sampling (`engines.rollout_seeds`: seed, step, place) needs step j's prompts when step j
-  is sampled. The trainer peeks them: it pulls the prompt micro-batches of the next s steps from the epoch's
-  data iterator early (`PromptLookahead`) and hands each to `plan`; the steps then take them in order, so the
-  data order, and which prompt sits at which place, are those of the synchronous run. An epoch's iterator
-  cannot be peeked past its end: the first step of each epoch is sampled in its own step (staleness 0).
+  is sampled. The source peeks them (`prompts`): it pulls the prompt micro-batches of the next s steps from
+  the epoch's data iterator early (`PromptLookahead`) and plans each (`plan`); the steps then take them in
+  order, so the data order, and which prompt sits at which place, are those of the synchronous run. An
+  epoch's iterator cannot be peeked past its end: the first step of each epoch is sampled in its own step
+  (staleness 0).
 - **Weights.** `next_step(student, …, k)` (at the start of step k, after optimizer step k-1) sends a copy of
-  the student's state_dict through the producer's queue (shared memory, not the disk; a tied embedding
-  once), then the plans it was given. The producer works through its queue in order: weights replace its
+  the student's weights through the producer's queue (shared memory, not the disk; `weights.Weights`: each
+  tensor once, a tie beside it), then the plans it was given, each message typed (`WeightsMessage`,
+  `PlanMessage`, ...). The producer works through its queue in order: weights replace its
   copy's (the kit's loop) or go into the engine through vLLM's weight-update path (`VLLMEngine.load`, the
   `LLM.apply_model` + `load_weights` path the synchronous sync takes), a plan is sampled with the latest
   weights before it in the queue. So step j is sampled by the weights of step max(j - s, epoch
   start), whatever the timing: the same versions, hence the same rollouts, in every run.
 - **Bound.** The trainer plans at most s steps beyond the one it trains, and the producer samples only what
   was planned: it never runs more than s steps ahead.
-- **Behaviour log-probs.** The producer's engine reports each sampled token's log-probability: the kit's
+- **Sampling log-probs.** The producer's engine reports each sampled token's log-probability: the kit's
   loop as it decodes (`HFEngine(logprobs=True)`: log-softmax at temperature 1 of the raw logits, over the
   whole head), vLLM its own (`logprobs_mode="raw_logprobs"`, the same quantity): the trainer's importance
   ratio reads them (`async_correction`), `policy_version` which weights.
 - **Sampler gap.** The weights that sampled the step being trained stay kept until the next step
-  (`weights_of`): the trainer measures the engine's log-probs against them (`logprobs_under`), so a producer
-  that samples with other weights than it was sent shows, and in the first steps stops the run.
+  (`weights_of`): the trainer measures the engine's log-probs against them (`weights.logprobs_under`), so
+  a producer that samples with other weights than it was sent shows, and in the first steps stops the run.
 - **Failure.** A producer that raises (a vLLM engine that cannot start among them) sends its error; one that
   dies is noticed while the trainer waits; either stops the run with one line (`RolloutProducerDied`).
 - **Resume.** The source keeps the weights of the versions its queued steps still need (at most s); a
-  checkpoint stores them with each queued step's version (`save_queued`, `QUEUED_FILE`), and a resumed
-  source (`resume`) hands the producer those steps after those weights before anything else: the resumed
-  run samples what the unbroken one did (the prompts come from the resumed data iterator, the same).
+  checkpoint stores them with each queued step's version (`save`: `save_queued`, `QUEUED_FILE`, ties
+  included), and a resumed source (`load`: `load_queued`, `resume`) hands the producer those steps after
+  those weights before anything else: the resumed run samples what the unbroken one did (the prompts come
+  from the resumed data iterator, the same).
 - **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
   samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
   the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
@@ -54,6 +58,7 @@ import os
 import queue
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,9 +66,10 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from opdkit.config import RunFailure, one_line
+from opdkit.config import ConfigError, RunFailure, one_line
 from opdkit.rollout import engines
 from opdkit.rollout.source import EngineRollouts, RolloutRecord, RolloutSource
+from opdkit.rollout.weights import Weights
 from opdkit.run.files import atomic_path
 
 POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive
@@ -129,12 +135,52 @@ def _on(x, device):
     return x
 
 
+@dataclass(frozen=True)
+class WeightsMessage:
+    """To the producer: the weights `version` (optimizer steps taken) replace those it samples with."""
+
+    version: int
+    weights: Weights
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """To the producer: sample step `step` (0-based) for these prompt micro-batches."""
+
+    step: int
+    batches: list[dict]
+
+
+@dataclass(frozen=True)
+class StopMessage:
+    """To the producer: shut the engine down and exit."""
+
+
+@dataclass(frozen=True)
+class RecordsMessage:
+    """From the producer: step `step`'s records, sampled by weights `version`, when it started and finished
+    them (wall clock)."""
+
+    step: int
+    version: int | None
+    records: list[RolloutRecord]
+    started: float
+    finished: float
+
+
+@dataclass(frozen=True)
+class ErrorMessage:
+    """From the producer: why it failed (one line)."""
+
+    reason: str
+
+
 def _produce(
     trainer, inbox, outbox, make_engine, config, settings, seed, rank, world, batch_size, device, threads
 ):
     """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
     `inbox`, sampling each planned step with the latest weights received before the plan. A producer whose
-    trainer (`trainer`: its pid) is gone (killed: it could not send "stop") exits by itself instead of
+    trainer (`trainer`: its pid) is gone (killed: it could not send a stop) exits by itself instead of
     waiting for ever."""
     try:
         device = only_gpu(device)
@@ -149,21 +195,20 @@ def _produce(
                 if os.getppid() != trainer:  # re-parented: the trainer died (maybe while this one started)
                     return
                 continue
-            if msg[0] == "stop":
+            if isinstance(msg, StopMessage):
                 loop.close()  # a vLLM engine shut down, not left to the process's exit
                 return
-            if msg[0] == "weights":
-                version = msg[1]
-                load(msg[2])
+            if isinstance(msg, WeightsMessage):
+                version = msg.version
+                load(msg.weights)
                 continue
-            _, step, batches = msg
             started = time.time()
-            records = loop.sampled(policy, _on(batches, device), step)
+            records = loop.sampled(policy, _on(msg.batches, device), msg.step)
             records = [dataclasses.replace(r, policy_version=version) for r in records]
-            outbox.put(("records", step, version, _on(records, "cpu"), started, time.time()))
+            outbox.put(RecordsMessage(msg.step, version, _on(records, "cpu"), started, time.time()))
     except BaseException as e:  # noqa: BLE001 (sent to the trainer, which stops the run with it)
         reason = f"{type(e).__name__}: {one_line(e)}"
-        outbox.put(("error", reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " …"))
+        outbox.put(ErrorMessage(reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " …"))
 
 
 def only_gpu(device: str) -> str:
@@ -179,85 +224,59 @@ def only_gpu(device: str) -> str:
     return "cuda:0"
 
 
-def _receiver(engine, config, device) -> tuple[torch.nn.Module | None, Callable[[dict], None]]:
-    """(what `engine` samples with, how a received state_dict reaches it). The kit's loop: a copy of the
-    student built from its config, the state_dict loaded into it. vLLM: the engine started now (tens of
-    seconds, while the trainer gets ready; a failure is the run's first message) and each state_dict fed to
-    its weight-update path (`VLLMEngine.load`), a tensor tied under several names once, cast to the engine's
-    dtype as it is drawn."""
+def _receiver(engine, config, device) -> tuple[torch.nn.Module | None, Callable[[Weights], None]]:
+    """(what `engine` samples with, how received weights reach it). The kit's loop: a copy of the student
+    built from its config, the weights loaded into it (a tie restored: both names). vLLM: the engine started
+    now (tens of seconds, while the trainer gets ready; a failure is the run's first message) and each
+    tensor fed once to its weight-update path (`VLLMEngine.load`), cast to the engine's dtype as it is
+    drawn."""
     if engine.name == "vllm":
         _ = engine.llm  # built now
         dtype = getattr(torch, engine.dtype)
-        return None, lambda state: engine.load((k, v.to(device, dtype)) for k, v in _each_once(state))
+        return None, lambda w: engine.load((k, v.to(device, dtype)) for k, v in w.each())
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
     model.requires_grad_(False)
-    return model, lambda state: model.load_state_dict({k: v.to(device) for k, v in state.items()})
+    return model, lambda w: model.load_state_dict(w.on(device).state())
 
 
-def _each_once(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A state_dict's entries, a tensor listed under several names (a tied embedding: `weights_copy` sends
-    one tensor) under its first only, as `named_parameters` lists it."""
-    seen = set()
-    for name, t in state.items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield name, t
-
-
-@torch.no_grad()
-def logprobs_under(
-    model: torch.nn.Module,
-    state: dict[str, torch.Tensor],
-    fwd: dict,
-    pred_BT: torch.Tensor,
-    target_N: torch.Tensor,
-    chunk_size: int,
-) -> torch.Tensor:
-    """log p(target) at each position `pred_BT` marks, under the weights `state` (a full state_dict of
-    `model`, e.g. on the CPU) instead of the model's own, in float32: temperature 1, log-softmax over the
-    whole head, as the engines report. One forward of the backbone (`torch.func.functional_call`, no copy
-    of the model; each tensor moved once to the model's device, a tied one once, so that functional_call
-    sees one tensor under its tied names), then the head chunk by chunk (`chunk_size` positions), as the
-    trainer's own log-probs. The moved weights are a transient copy of the model's weights on its device."""
-    device = next(model.parameters()).device
-    moved = {id(t): t.to(device) for _, t in _each_once(state)}
-    weights = {name: moved[id(t)] for name, t in state.items()}
-    names = {m: n for n, m in model.named_modules()}
-    base, head = model.base_model, model.get_output_embeddings()
-    prefix = names[base] + "." if names[base] else ""
-    inner = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-    hidden_NH = torch.func.functional_call(base, inner, (), fwd).last_hidden_state[pred_BT].float()
-    head_name = names[head] + "." if names[head] else ""
-    head_VH = weights[head_name + "weight"].float()
-    bias_V = weights.get(head_name + "bias")
-    parts = []
-    for h, t in zip(hidden_NH.split(chunk_size), target_N.split(chunk_size)):
-        logits = torch.nn.functional.linear(h, head_VH, None if bias_V is None else bias_V.float())
-        parts.append(logits.gather(1, t.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1))
-    return torch.cat(parts) if parts else hidden_NH.new_zeros(0)
-
-
-def weights_copy(student: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The student's state_dict copied to the CPU, for the producer's queue (shared memory): a tensor tied
-    under several names copied once, the same tensor under each name (the queue then sends it once)."""
-    copies, state = {}, {}
-    for name, t in student.state_dict().items():
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        if key not in copies:
-            copies[key] = t.detach().to("cpu", copy=True)
-        state[name] = copies[key]
-    return state
+def check_settings(s, sharded: bool, dry_run: bool = False) -> None:
+    """What sampling ahead (`rollout_ahead` >= 1) needs beyond its settings alone (`OPDSettings.normalise`):
+    an unsharded student, a producer GPU this process sees, an engine that can run here; each failure one
+    line. Run by a job before its run folder is written and by `build.rollout_source`. A dry run, which
+    plans for another machine, only notes a GPU it does not see."""
+    if not s.rollout_ahead:
+        return
+    if sharded:
+        raise ConfigError(
+            f"rollout_ahead={s.rollout_ahead} sends each process's producer the whole student, and a "
+            "sharded student (parallelism fsdp) holds a part of it in each process: use parallelism "
+            "ddp, or rollout_ahead 0."
+        )
+    device = s.rollout_device
+    gpu = int(device.partition(":")[2] or 0) if device.startswith("cuda") else -1
+    if gpu >= torch.cuda.device_count():
+        line = (
+            f"rollout_device={device} places the rollout producer on a GPU this process does not see "
+            f"({torch.cuda.device_count()} visible)"
+        )
+        if dry_run:
+            print(f"note: {line}; the run needs it", flush=True)
+        else:
+            raise ConfigError(
+                f"{line}: name a visible one, or leave rollout_device empty for the trainer's device."
+            )
+    engines.check_available(s.rollout_engine, dry_run)  # here, in one line, not in the producer
 
 
 class AheadRollouts(RolloutSource):
     """Rollouts sampled up to `ahead` steps ahead of training by a producer process (torch.multiprocessing,
     spawn) running the engine `make_engine` builds (picklable: the trainer's factory): the kit's loop on its
     own copy of the student (`config`: the student's config), or a vLLM engine started from the student's
-    folder; either way the weights come from the trainer, step by step, on `producer_device`
-    (`rollout_device`; None: `device`, the trainer's, where the records are handed over). Each record carries
-    the weights' version that sampled it and their log-probabilities of its tokens. `timeline`: per sampled
+    folder; either way the weights come from the trainer, step by step, on `rollout_device` (None: `device`,
+    the trainer's, where the records are handed over). Each record carries the weights' version that sampled
+    it and their log-probabilities of its tokens, computed in `dtype` (the engine's). `timeline`: per sampled
     step, its version and when the producer started and finished it (wall clock), for tests and
     measurements."""
 
@@ -266,35 +285,38 @@ class AheadRollouts(RolloutSource):
         make_engine: Callable[[], engines.HFEngine | engines.VLLMEngine],
         config,
         settings: engines.SamplingSettings,
-        seed,
-        rank,
-        world,
-        batch_size,
-        ahead,
+        seed: int,
+        rank: int,
+        world: int,
+        batch_size: int,
+        ahead: int,
         device,
-        producer_device=None,
+        rollout_device: str | None = None,
+        dtype: str = "float32",
     ):
-        self.ahead = ahead
+        self.ahead, self.rank, self.dtype = ahead, rank, dtype
+        self.make_engine = make_engine
+        self.rollout_device = str(rollout_device or device)
         self._args = (
-            make_engine,
             config,
             settings,
             seed,
             rank,
             world,
             batch_size,
-            str(producer_device or device),
+            self.rollout_device,
             torch.get_num_threads(),
         )
         self.device = device
         self._proc = None
         self._inbox = self._outbox = None
+        self._lookahead = PromptLookahead(ahead)
         self._pending: list[tuple[int, list[dict]]] = []
         self._planned: set[int] = set()
         # What sampled the steps planned and not yet taken: each one's weights version, and those versions'
         # weights (kept until no queued step needs them: at most `ahead` versions), for a checkpoint.
         self._queued: dict[int, int] = {}
-        self._kept: dict[int, dict[str, torch.Tensor]] = {}
+        self._kept: dict[int, Weights] = {}
         self._sent: int | None = None  # the version the producer holds (sent last)
         self._primed: dict[int, int] = {}  # a resume: steps to regenerate -> their version (`resume`)
         self._training: int | None = None  # the version that sampled the step being trained (`weights_of`)
@@ -311,13 +333,22 @@ class AheadRollouts(RolloutSource):
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(
             target=_produce,
-            args=(os.getpid(), self._inbox, self._outbox, *self._args),
+            args=(os.getpid(), self._inbox, self._outbox, self.make_engine, *self._args),
             daemon=True,
             name="opdkit-rollouts",
         )
         self._proc.start()
 
+    def prompts(self, epoch_iterator: Iterator, num_batches: int, step: int) -> list[dict]:
+        """The step's prompt micro-batches; the coming steps' are peeked (`PromptLookahead`) and planned, in
+        the order the steps would take them."""
+        batches, coming = self._lookahead.take(epoch_iterator, num_batches, step)
+        for later, prompts in coming:
+            self.plan(later, prompts)
+        return batches
+
     def plan(self, step: int, batches: list[dict]) -> None:
+        """The prompt micro-batches of a coming step, sampled early (sent with the next weights)."""
         self._pending.append((step, batches))
 
     def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
@@ -327,7 +358,7 @@ class AheadRollouts(RolloutSource):
         self._training = None  # the last step's sampling weights no longer needed
         if self._primed:  # a resume: the steps a checkpoint had queued, with the weights that sampled them
             self._regenerate([(step, batches), *self._pending])
-        self._send_weights(step, weights_copy(student))
+        self._send_weights(step, Weights.copy_of(student))
         if step not in self._planned:  # the first step of a run or an epoch: nothing peeked it
             self._pending.insert(0, (step, batches))
         for s, b in self._pending:
@@ -337,19 +368,37 @@ class AheadRollouts(RolloutSource):
         self._taken(step)
         return records
 
-    def weights_of(self, version: int) -> dict[str, torch.Tensor] | None:
-        """The weights (a state_dict on the CPU, a tied tensor the same under each name) of `version`, while a
-        queued step needs them or, for the step `next_step` last returned, until the next `next_step`: the
-        trainer's sampler gap (`logprobs_under`) reads them. None when they are no longer kept."""
+    def weights_of(self, version: int) -> Weights | None:
+        """The weights of `version`, while a queued step needs them or, for the step `next_step` last
+        returned, until the next `next_step`: the trainer's sampler gap (`weights.logprobs_under`) reads
+        them. None when they are no longer kept."""
         return self._kept.get(version)
 
-    def queued(self) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]]:
+    def logprob_dtype(self) -> str:
+        return self.dtype
+
+    def queued(self) -> tuple[dict[int, int], dict[int, Weights]]:
         """What a checkpoint keeps to regenerate the steps planned and not yet taken: ({step: the version of
         the weights that sample it}, {version: those weights, on the CPU}). Between steps k-1 and k these are
         the steps k … k+s-1 of the epoch and the versions max(j - s, epoch start) < k of each."""
         return dict(self._queued), {v: self._kept[v] for v in sorted(set(self._queued.values()))}
 
-    def resume(self, plans: dict[int, int], weights: dict[int, dict[str, torch.Tensor]]) -> None:
+    def save(self, folder: Path) -> None:
+        save_queued(self, folder)
+
+    def load(self, folder: Path) -> None:
+        queued = load_queued(folder)
+        if queued is None:
+            if self.rank == 0:
+                print(
+                    f"resume: {folder} keeps no rollouts sampled ahead; its first step is sampled by the "
+                    "current weights (staleness 0)",
+                    flush=True,
+                )
+            return
+        self.resume(*queued)
+
+    def resume(self, plans: dict[int, int], weights: dict[int, Weights]) -> None:
         """Primes a resumed run with a checkpoint's `queued()`: the first step hands each queued step to the
         producer after its own weights version, as the unbroken run had, then the current weights; the steps'
         prompts are those the resumed data iterator gives (the same, in the same order)."""
@@ -373,13 +422,13 @@ class AheadRollouts(RolloutSource):
         self._primed = {}
         self._forget()
 
-    def _send_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        self._send(("weights", version, state))
-        self._sent, self._kept[version] = version, state
+    def _send_weights(self, version: int, weights: Weights) -> None:
+        self._send(WeightsMessage(version, weights), version)
+        self._sent, self._kept[version] = version, weights
         self._forget()
 
     def _send_plan(self, step: int, batches: list[dict]) -> None:
-        self._send(("plan", step, _on(batches, "cpu")))
+        self._send(PlanMessage(step, _on(batches, "cpu")), step)
         self._planned.add(step)
         self._queued[step] = self._sent
 
@@ -393,8 +442,8 @@ class AheadRollouts(RolloutSource):
         needed = set(self._queued.values()) | set(self._primed.values()) | {self._sent, self._training}
         self._kept = {v: w for v, w in self._kept.items() if v in needed}
 
-    def _send(self, msg) -> None:
-        self._check_alive(f"before step {msg[1] + 1}")
+    def _send(self, msg: WeightsMessage | PlanMessage, step: int) -> None:
+        self._check_alive(f"before step {step + 1}")
         self._inbox.put(msg)
 
     def _records(self, step: int) -> list[RolloutRecord]:
@@ -411,16 +460,17 @@ class AheadRollouts(RolloutSource):
                     f"step {step + 1}'s rollouts could not be read from the rollout producer "
                     f"({type(e).__name__}: {one_line(e)}); the run stops."
                 ) from e
-            if msg[0] == "error":
+            if isinstance(msg, ErrorMessage):
                 raise RolloutProducerDied(
-                    f"the rollout producer failed before step {step + 1}'s rollouts: {msg[1]}; the run stops "
-                    "(rollout_ahead 0 samples in the training process)."
+                    f"the rollout producer failed before step {step + 1}'s rollouts: {msg.reason}; the run "
+                    "stops (rollout_ahead 0 samples in the training process)."
                 )
-            _, s, version, records, started, finished = msg
-            self.timeline.append({"step": s, "version": version, "started": started, "finished": finished})
-            self._planned.discard(s)
-            if s == step:
-                return records
+            self.timeline.append(
+                {"step": msg.step, "version": msg.version, "started": msg.started, "finished": msg.finished}
+            )
+            self._planned.discard(msg.step)
+            if msg.step == step:
+                return msg.records
 
     def _check_alive(self, when: str) -> None:
         if self._proc is not None and not self._proc.is_alive():
@@ -436,7 +486,7 @@ class AheadRollouts(RolloutSource):
         proc, self._proc = self._proc, None
         if proc.is_alive():
             try:
-                self._inbox.put(("stop",))
+                self._inbox.put(StopMessage())
             except (OSError, ValueError):
                 pass
             proc.join(STOP_S)
@@ -450,31 +500,31 @@ class AheadRollouts(RolloutSource):
 
 def save_queued(source: AheadRollouts, folder: str | Path) -> Path:
     """Writes `source.queued()` into a checkpoint folder (`QUEUED_FILE`, atomically): each kept version's
-    weights as tensors `<version>/<name>`, the steps' versions in the metadata."""
+    weights as tensors `<version>/<name>` (each tensor once, `Weights.flat`), the steps' versions and the
+    ties in the metadata."""
     plans, weights = source.queued()
-    tensors, seen = {}, set()
-    for v, state in weights.items():
-        for name, t in state.items():  # a tied tensor (one copy under several names) saved under each
-            t = t.contiguous()
-            tensors[f"{v}/{name}"] = t.clone() if t.data_ptr() in seen else t
-            seen.add(t.data_ptr())
+    tensors, ties = {}, {}
+    for v, w in weights.items():
+        t, tied = w.flat(f"{v}/")
+        tensors.update(t)
+        ties.update(tied)
     path = Path(folder) / QUEUED_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"plans": json.dumps({str(k): v for k, v in plans.items()}), "ties": json.dumps(ties)}
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"plans": json.dumps({str(k): v for k, v in plans.items()})})
+        save_file(tensors, str(tmp), metadata=meta)
     return path
 
 
-def load_queued(folder: str | Path) -> tuple[dict[int, int], dict[int, dict[str, torch.Tensor]]] | None:
-    """A checkpoint's queued steps and their weights (`save_queued`), or None when it has none (a checkpoint
-    of a synchronous run)."""
+def load_queued(folder: str | Path) -> tuple[dict[int, int], dict[int, Weights]] | None:
+    """A checkpoint's queued steps and their weights (`save_queued`), ties restored, or None when it has none
+    (a checkpoint of a synchronous run)."""
     path = Path(folder) / QUEUED_FILE
     if not path.is_file():
         return None
     with safe_open(str(path), "pt") as f:
-        plans = {int(k): int(v) for k, v in json.loads(f.metadata()["plans"]).items()}
-    weights: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in load_file(str(path)).items():
-        version, name = key.split("/", 1)
-        weights.setdefault(int(version), {})[name] = t
-    return plans, weights
+        meta = f.metadata()
+    plans = {int(k): int(v) for k, v in json.loads(meta["plans"]).items()}
+    tensors, ties = load_file(str(path)), json.loads(meta["ties"])
+    versions = sorted({int(k.split("/", 1)[0]) for k in tensors})
+    return plans, {v: Weights.unflat(tensors, ties, f"{v}/") for v in versions}

@@ -129,6 +129,7 @@ class HFEngine:
     sampled token's raw log-probability, as vLLM does (`sampling.sample(keep_logprobs=True)`)."""
 
     name = "hf"
+    dtype = "float32"  # of the log-probabilities it reports: the student's own
 
     def __init__(self, synced: bool = False, logprobs: bool = False):
         self.synced, self.logprobs = synced, logprobs

@@ -21,13 +21,16 @@ environment's turns masked out) would give the same records.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from opdkit.rollout import engines, microbatches, sampling
+from opdkit.rollout.weights import Weights
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class RolloutRecord:
         pred_BT = torch.zeros_like(self.attention_mask_BT, dtype=torch.bool)
         pred_BT[:, :-1] = self.loss_mask_BT[:, 1:].bool()
         return pred_BT
+
+    def position_ids_BT(self) -> torch.Tensor:
+        """Each token's position, counted from the row's first attended token (left padding skipped)."""
+        return sampling.position_ids_from_mask(self.attention_mask_BT)
 
     def context_BT(self) -> torch.Tensor:
         """The attended tokens before each row's first loss token (a single-turn row's prompt)."""
@@ -124,14 +131,21 @@ def record_of(
 
 
 class RolloutSource(ABC):
-    """What the trainer asks for a step's rollouts. `ahead`: how many coming steps' prompts the source wants
-    before their turn (`plan`); 0, the trainer hands each step's prompts in its own step only."""
+    """What the trainer asks for a step's rollouts, and the optional calls it makes of every source (each a
+    no-op by default): the step's prompts, the source's own metrics, its state at a checkpoint and on resume,
+    the weights that sampled a record. `ahead`: how many steps ahead of training the source samples (0: each
+    step's rollouts in the step, by the current weights).
+
+    A `step` argument is the optimizer step's index, 0-based (the optimizer steps taken before it, the
+    trainer's `global_step` when the step starts); what is logged and said to a person numbers it from 1
+    (`step + 1`, metrics.jsonl's `step`)."""
 
     ahead: int = 0
 
-    def plan(self, step: int, batches: list[dict]) -> None:  # noqa: B027
-        """The prompt micro-batches of a coming optimizer step (a source with `ahead` > 0 samples them
-        early)."""
+    def prompts(self, epoch_iterator: Iterator, num_batches: int, step: int) -> list[dict]:
+        """The step's prompt micro-batches: the next `num_batches` of the epoch's data iterator (fewer at its
+        end), as `Trainer.get_batch_samples` pulls them."""
+        return list(itertools.islice(epoch_iterator, num_batches))
 
     @abstractmethod
     def open(self) -> None:
@@ -140,8 +154,30 @@ class RolloutSource(ABC):
 
     @abstractmethod
     def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
-        """The rollouts of optimizer step `step` (0-based) for the step's prompt micro-batches (`batches`, as
-        the prompt collator makes them), one record per micro-batch, with `student` the current policy."""
+        """The rollouts of optimizer step `step` for the step's prompt micro-batches (`batches`, as the
+        prompt collator makes them), one record per micro-batch, with `student` the current policy."""
+
+    def step_metrics(self, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """The source's own columns of a step's metrics.jsonl record (none by default);
+        `sum_over_processes(t)` takes a float64 tensor, moves it to the trainer's device and sums it over
+        processes (identity in one process)."""
+        return {}
+
+    def save(self, folder: Path) -> None:  # noqa: B027 - most sources keep nothing
+        """Write what the source needs to resume into checkpoint `folder` (before the trainer's own files)."""
+
+    def load(self, folder: Path) -> None:  # noqa: B027 - most sources keep nothing
+        """Resume from checkpoint `folder` (what `save` wrote there, if anything)."""
+
+    def weights_of(self, version: int) -> Weights | None:
+        """The weights that sampled records of `policy_version` `version`, while the source keeps them (the
+        trainer measures the sampler's log-probabilities against them); None: not kept."""
+        return None
+
+    def logprob_dtype(self) -> str:
+        """The dtype the engine computes the log-probabilities it reports in (`sampling_logprobs_BT`), which
+        sets the tolerance of the trainer's check of them."""
+        return "float32"
 
     @abstractmethod
     def close(self) -> None:
@@ -179,6 +215,9 @@ class EngineRollouts(RolloutSource):
 
     def open(self) -> None:
         self.engine()
+
+    def logprob_dtype(self) -> str:
+        return self.engine().dtype
 
     def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
         if not batches:

@@ -27,7 +27,7 @@ from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
 from opdkit.opd import crossteacher, served
-from opdkit.rollout import engines
+from opdkit.rollout import ahead, engines
 from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
 
@@ -187,6 +187,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     teacher_tok = load_tokenizer(cfg.teacher_model)
     cross = crossteacher.differ(tok, teacher_tok)
     check_environment(cfg)
+    check_ahead(cfg, bool(cross))
     check_ahead_arms(cfg, bool(cross))
     if cross:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
@@ -228,6 +229,24 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         split.removed,
         teacher_tok if cross else None,
     )
+
+
+def check_ahead(cfg: WhiteboxConfig, cross: bool) -> None:
+    """Sampling ahead (`rollout_ahead`) beyond what its settings alone say (`OPDSettings.normalise`): what
+    it needs of the machine and the run (`rollout.ahead.check_settings`: an unsharded student, a producer GPU
+    this machine has), and a corrected run (`async_correction`) a teacher whose divergence takes per-token
+    weights (neither one with another tokenizer nor a served top-K one); each failure one line, before the
+    run folder is written."""
+    world = run_processes(cfg.num_processes)
+    ahead.check_settings(cfg, cfg.parallelism == "fsdp" and world > 1, cfg.dry_run)
+    if cfg.async_correction != "none" and (cross or (cfg.teacher_server and cfg.topk())):
+        kind = (
+            "the cross-tokenizer loss (a teacher with another tokenizer)" if cross else "a top-K divergence"
+        )
+        raise ConfigError(
+            f"async_correction={cfg.async_correction} weights the exact divergence per token, and {kind} "
+            "takes no weights: use async_correction none."
+        )
 
 
 def check_ahead_arms(cfg: WhiteboxConfig, cross: bool) -> None:

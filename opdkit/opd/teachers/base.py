@@ -47,14 +47,14 @@ class LossSettings:
     compared at, the compared vocabulary (the student tokenizer's size), the rows per chunk, and the
     sampled token each predicting position was followed by (the engine gap's, None without it); with
     `async_correction` truncated, the sampler's log-probability of each of those tokens
-    (`behaviour_logprobs_N`) and the cap of the importance weights (`loss.chunked_divergence`)."""
+    (`sampling_logprobs_N`) and the cap of the importance weights (`loss.chunked_divergence`)."""
 
     beta: float
     temperature: float
     vocab_size: int
     chunk_size: int
     target_ids_N: torch.Tensor | None = None
-    behaviour_logprobs_N: torch.Tensor | None = None
+    sampling_logprobs_N: torch.Tensor | None = None
     ratio_cap: float = math.inf
 
     def one_vocabulary(self) -> dict:
@@ -67,8 +67,8 @@ class LossSettings:
             temperature=self.temperature,
             vocab_size=self.vocab_size,
         )
-        if self.behaviour_logprobs_N is not None:
-            out.update(behaviour_logprobs_N=self.behaviour_logprobs_N, ratio_cap=self.ratio_cap)
+        if self.sampling_logprobs_N is not None:
+            out.update(sampling_logprobs_N=self.sampling_logprobs_N, ratio_cap=self.ratio_cap)
         return out
 
 
@@ -119,8 +119,8 @@ class Teacher(ABC):
         return {}
 
     def prepare(self, batches: list[Prepared], step: int) -> None:
-        """Once per step (`step` counted from 1), before its micro-batches: the rows it reads (`reads`) handed
-        to `prepare_rows`."""
+        """Once per step (`step`: its 0-based index, as `RolloutSource.next_step`'s), before its
+        micro-batches: the rows it reads (`reads`) handed to `prepare_rows`."""
         self.prepare_rows([reads(record) for record, _ in batches], step)
 
     def prepare_rows(self, rows: list[dict], step: int) -> None:  # noqa: B027 - in process: nothing to wait for

@@ -82,7 +82,7 @@ class ServedExact(LocalTeacher):
         tolerance = served.FINGERPRINT_TOLERANCE.get(dtype, 0.1)
         if not gap <= tolerance:
             raise served.ServedTeacherMismatch(
-                f"teacher_logprob_gap {gap:.3g} at step {self._step} (tolerance "
+                f"teacher_logprob_gap {gap:.3g} at step {self._step + 1} (tolerance "
                 f"{tolerance:g} for a {dtype} server): the served states times this run's teacher head "
                 "give other log-probabilities of the sampled tokens than the teacher in this process; the "
                 "server serves another model than teacher_model, or the head is not its own. Stopped before "
