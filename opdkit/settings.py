@@ -187,7 +187,7 @@ class EvalSettings:
     )
 
 
-# A teacher with another tokenizer (opdkit/opd/crosstok/).
+# A teacher with another tokenizer (opdkit/opd/teachers/cross/).
 @dataclass
 class CrossTokenizerSettings:
     """GOLD's knobs for a teacher with another tokenizer (mixed into a job's config like `OPDSettings`)."""
@@ -420,7 +420,7 @@ class OPDTraining:
         return total // (per_device * processes)
 
 
-# A served teacher (opdkit/opd/served/).
+# A served teacher (opdkit/opd/teachers/served/).
 @dataclass
 class ServedSettings:
     """A teacher served elsewhere (02): its final hidden states from a vLLM pooling server, its head here."""
@@ -495,7 +495,7 @@ def parse_topk(spec: str) -> int | None:
     raise ValueError(f"teacher_logprobs={spec!r}: expected exact, or topk:K with K a positive integer")
 
 
-# Several teachers (opdkit/opd/mixture.py).
+# Several teachers (opdkit/opd/teachers/sets.py).
 @dataclass(frozen=True)
 class TeacherSpec:
     """One teacher of `teachers`: its id, the model (its head and tokenizer, or the whole teacher), and the

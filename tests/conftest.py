@@ -22,7 +22,7 @@ from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.cliplesson.config import ClipLessonConfig
 from opdkit.jobs.savegrad.config import SaveGradConfig
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.opd.crosstok import TokenBytes
+from opdkit.opd.teachers.cross import TokenBytes
 from opdkit.rollout import sampling
 from opdkit.run.folders import RunDir
 from opdkit.tasks import tiny as tiny_task

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from opdkit.build.bpe_teacher import VOCAB_SIZE, build_bpe_teacher, build_bpe_tokenizer
-from opdkit.opd.crosstok import TokenBytes, align_ends
+from opdkit.opd.teachers.cross import TokenBytes, align_ends
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def test_the_teacher_shares_the_students_tokenizer_and_copies_the_tools_result(t
 def test_the_bpe_tool_teacher_reads_another_tokenizer_and_solves_held_out_sums_with_the_tool():
     """`tiny:teacher-bpe-tools` (`--tokenizer bpe`): teacher-bpe's tokenizer, not the student's; with the tool
     it solves held-out sums, greedy episodes through its own tokenizer and template."""
-    from opdkit.opd.crossteacher import differ
+    from opdkit.opd.teachers.cross.retokenize import differ
 
     tok, model = models.load_tokenizer("tiny:teacher-bpe-tools"), models.load_model("tiny:teacher-bpe-tools")
     assert tok.get_vocab() == models.load_tokenizer("tiny:teacher-bpe").get_vocab()

@@ -125,11 +125,11 @@ def test_with_teacher_server_the_scoring_teacher_takes_the_served_states(grads_r
     """`teacher_server` (a stub pooling server serving 04's tiny teacher): the attackers' ADS teacher, on
     the trainer's path (base_model states x stacked head), gives the in-process one's logits; the config
     refuses what 04 cannot use."""
-    from test_opd_served import StubPoolingServer
+    from test_opd_teachers_served import StubPoolingServer
 
     from opdkit.models import load_tokenizer
-    from opdkit.opd import served
-    from opdkit.opd.head import load_head
+    from opdkit.opd.teachers import served
+    from opdkit.opd.teachers.served.head import load_head
 
     prep = antidistill.prepare("tiny", {**SHORT, "grads_run": str(grads_run)})
     steering, _ = sweep.load_steering(

@@ -432,7 +432,7 @@ def test_cheap_errors_before_anything_is_written(tmp_path, overrides, error, mat
 
 
 def test_a_teacher_tokenizer_that_cannot_be_aligned_is_caught_before_loading_models(tmp_path):
-    """Another vocabulary takes the cross-tokenizer path (`opd.crossteacher`); a WordPiece teacher's byte
+    """Another vocabulary takes the cross-tokenizer path (`opd.teachers.cross`); a WordPiece teacher's byte
     offsets are not exact, so it is refused in prepare, before anything is written."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

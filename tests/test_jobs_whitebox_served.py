@@ -1,9 +1,9 @@
-"""02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_served.py's stub: the tiny
-teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss on full
-logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run stops the
-run with one error and the run resumes; the memory plan holds the head, not the teacher. Through tool turns
-(`environment`), the served teacher reads each transcript whole and takes the in-process first update.
-tests/test_opd_served_vllm.py runs the same job against a real vLLM server."""
+"""02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_teachers_served.py's stub:
+the tiny teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss
+on full logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run
+stops the run with one error and the run resumes; the memory plan holds the head, not the teacher. Through
+tool turns (`environment`), the served teacher reads each transcript whole and takes the in-process first
+update. tests/test_opd_teachers_served_vllm.py runs the same job against a real vLLM server."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import secrets
 import pytest
 import torch
 from test_jobs_whitebox import assert_grads_close, direct_gradient, run_tiny
-from test_opd_served import StubPoolingServer
+from test_opd_teachers_served import StubPoolingServer
 from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns
 from transformers import AutoModelForCausalLM, TrainerCallback
 
@@ -22,10 +22,10 @@ from opdkit import tiny
 from opdkit.config import ConfigError, load_config
 from opdkit.jobs import whitebox
 from opdkit.models import load_tokenizer
-from opdkit.opd import served
 from opdkit.opd.callbacks import GradientDump
-from opdkit.opd.head import load_head
-from opdkit.opd.served import wiring
+from opdkit.opd.teachers import served
+from opdkit.opd.teachers.served import wiring
+from opdkit.opd.teachers.served.head import load_head
 from opdkit.run.lifecycle import RunFailed
 from opdkit.run.server import free_port
 
@@ -284,7 +284,7 @@ def test_whitebox_with_two_weighted_teachers_logs_each_and_refuses_a_resume_with
     assert run.read_summary()["teachers"] == ["a", "b"]
     assert (run.path / "checkpoints" / "teachers.json").exists()
     # another set by its settings: refused by the run folder's settings check; by its weights (the same
-    # names, other models): by the trainer's fingerprints (tests/test_opd_mixture.py)
+    # names, other models): by the trainer's fingerprints (tests/test_opd_teachers_sets_trainer.py)
     with pytest.raises(ConfigError, match="differ from the run.*'teachers'"):
         run_tiny(tmp_path, "r", **{**two, "teachers": "a=tiny:teacher,b=tiny:teacher", "resume": True})
     with pytest.raises(ConfigError, match="teacher_id column"):

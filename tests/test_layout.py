@@ -11,11 +11,12 @@ Rooms, from the bottom up; a module imports its own room and rooms of a lower ra
   3  opdkit.rollout (sampling, engines, greedy decoding)
   4  opdkit.data (prompts, labels, traces, data files)
   5  opdkit.tasks (the tiny task, math tasks, grading, accuracy)
-  6  opdkit.sft, opdkit.opd, opdkit.ads (the three methods, independent of each other)
-  7  opdkit.notebook
-  8  opdkit.jobs (one folder per job; another job only through its package), opdkit.build (the tiny world's
+  6  opdkit.sft, opdkit.opd (two methods, independent of each other)
+  7  opdkit.ads (antidistillation; its scoring teacher is a kind of opd's teacher in process)
+  8  opdkit.notebook
+  9  opdkit.jobs (one folder per job; another job only through its package), opdkit.build (the tiny world's
      recipe)
-  9  the entry points `python -m opdkit.<job>`
+  10 the entry points `python -m opdkit.<job>`
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ ROOMS = {  # the longest matching prefix decides a module's room
     "opdkit.tasks": 5,
     "opdkit.sft": 6,
     "opdkit.opd": 6,
-    "opdkit.ads": 6,
-    "opdkit.notebook": 7,
-    "opdkit.jobs": 8,
-    "opdkit.build": 8,
-    **{name: 9 for name in ENTRY_POINTS},
+    "opdkit.ads": 7,  # its teacher is a kind of opd's teacher in process (`ads.teacher.ADSTeacher`)
+    "opdkit.notebook": 8,
+    "opdkit.jobs": 9,
+    "opdkit.build": 9,
+    **{name: 10 for name in ENTRY_POINTS},
 }
 
 
@@ -271,10 +272,10 @@ def mirrored_test_names(root: Path = REPO) -> list[str]:
 
 
 def teacher_kind_classes(root: Path = REPO) -> set[str]:
-    """The teacher kinds' class names: every class of opdkit/opd/teachers/ but the interface's own module
-    (`base`: what the trainer holds), and every teacher module a kind wraps (a class of opdkit named
-    `...Teacher` or `...Teachers`: `ServedTeacher`, `TopKTeacher`, `RoutedTeacher`, `CrossTeacher`,
-    `ADSTeacher`, ...)."""
+    """The teacher kinds' class names: every class of opdkit/opd/teachers/'s own modules but the interface's
+    (`base`: what the trainer holds), and every class of opdkit named `...Teacher` or `...Teachers` (the kinds
+    in their packages: `ServedTeacher`, `TopKTeacher`, `RoutedTeacher`, `CrossTokenizerTeacher`, `ADSTeacher`,
+    ...)."""
     names = set()
     for path in (root / "opdkit").rglob("*.py"):
         kinds_room = path.parent == root / "opdkit" / "opd" / "teachers" and path.name != "base.py"
@@ -296,7 +297,17 @@ def teacher_kinds_in_trainer(root: Path = REPO) -> list[str]:
     return [f"opd/trainer.py names the teacher kind {k}" for k in sorted(teacher_kind_classes(root) & words)]
 
 
-LOSS_PATH = ("opdkit/opd/trainer.py", "opdkit/opd/teachers", "opdkit/opd/crossteacher.py")
+# The trainer and the teacher kinds; of `teachers.cross`, the kind and the re-tokenized rows (its GOLD maths,
+# `settings`, `alignment`, `divergence`, `sortedl1`, `tokenbytes`, read completions alone).
+LOSS_PATH = (
+    "opdkit/opd/trainer.py",
+    *(f"opdkit/opd/teachers/{m}.py" for m in ("base", "local", "sets")),
+    "opdkit/opd/teachers/served",
+    "opdkit/opd/teachers/topk",
+    "opdkit/opd/teachers/cross/teacher.py",
+    "opdkit/opd/teachers/cross/retokenize.py",
+    "opdkit/ads/teacher.py",
+)
 
 
 def completion_without_the_mask(root: Path = REPO) -> list[str]:
@@ -716,18 +727,16 @@ UNTESTED = {
     "tests/test_jobs_antidistill_points_attackers.py (04's on-policy attackers)",
     "opdkit.opd.callbacks": "tests/test_jobs_whitebox.py: GradientDump is the gradient checks' window into a "
     "step, StepAccuracy logs eval_every's accuracy",
-    "opdkit.opd.served.checks": "tests/test_opd_served.py (the package's tests against a stub server: "
-    "state_gap on final-norm and other states, the start checks' refusals, the tokenizer, a resume against "
-    "another model), tests/test_opd_served_vllm.py (the start checks against a real server)",
-    "opdkit.opd.served.client": "tests/test_opd_served.py: decoding both encodings and refusing misshapen "
-    "answers, retries then one error naming the URL, timeouts, the key from the environment and a 401/403 "
-    "in one line",
-    "opdkit.opd.served.teacher": "tests/test_opd_served.py (the trainer with a served teacher computes the "
-    "in-process loss and gradient, prepared steps, rows with padding inside, another tokenizer), "
-    "tests/test_opd_teachers_served.py (as a teacher kind)",
-    "opdkit.opd.served.wiring": "tests/test_jobs_whitebox_served.py (a job's start check, a server gone "
-    "mid-run, teacher_server local started and stopped, teacher_gpus split, the local server's plan), "
-    "tests/test_opd_served.py (local_server's command)",
+    "opdkit.opd.teachers.served.checks": "tests/test_opd_teachers_served.py (the package's tests against a "
+    "stub server: state_gap on final-norm and other states, the start checks' refusals, the tokenizer, a "
+    "resume against another model), tests/test_opd_teachers_served_vllm.py (the start checks against a real "
+    "server)",
+    "opdkit.opd.teachers.served.client": "tests/test_opd_teachers_served.py: decoding both encodings and "
+    "refusing misshapen answers, retries then one error naming the URL, timeouts, the key from the "
+    "environment and a 401/403 in one line",
+    "opdkit.opd.teachers.served.wiring": "tests/test_jobs_whitebox_served.py (a job's start check, a server "
+    "gone mid-run, teacher_server local started and stopped, teacher_gpus split, the local server's plan), "
+    "tests/test_opd_teachers_served.py (local_server's command)",
     "opdkit.opd.trainer": "tests/test_jobs_whitebox.py (a step's gradient against TRL's loss, batch shape "
     "and process count, resume, non-finite steps), tests/test_ads_teacher.py (a step with the ADS teacher), "
     "tests/test_models.py (rollouts end at the stop list)",

@@ -1,23 +1,21 @@
 """opdkit.opd.teachers.base: every teacher kind answers every call of the interface (`answers_every_call`, run
-by each kind's own test file on its kind), and `teachers.of` picks the kind of each teacher module."""
+by each kind's own test file on its kind), every kind has a name, and `teachers.of` takes a kind as it is and
+any other module as a teacher in process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import tiny_model, tiny_rollout
-from test_opd_topk import _LogitsClient
+from test_opd_teachers_topk_divergence import _LogitsClient
 
 from opdkit.models import load_tokenizer
-from opdkit.opd import mixture, topk
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import DivergenceOutput
-from opdkit.opd.teachers import of
-from opdkit.opd.teachers.base import LossSettings, PlanRow, Teacher
+from opdkit.opd.teachers import of, sets, topk
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher
 from opdkit.opd.teachers.cross import CrossTokenizerTeacher
 from opdkit.opd.teachers.local import LocalTeacher
-from opdkit.opd.teachers.sets import Routed, Weighted
-from opdkit.opd.teachers.topk import TopK
 from opdkit.rollout import sampling, source
 
 
@@ -35,9 +33,9 @@ def answers_every_call(kind: Teacher, tok, tmp_path, teacher_ids=None) -> dict:
     record = source.record_of(tiny_rollout(tiny_model("tiny:teacher"), tok), [tok.eos_token_id])
     if teacher_ids:
         record = source.RolloutRecord(**{**record.__dict__, "teacher_ids": teacher_ids(record)})
-    rows = kind.rows(record)
-    kind.prepare([(record, rows)], step=0)  # the first step (0-based)
-    n = kind.loss_count(record, rows)
+    own = kind.inputs(record)
+    kind.prepare([(record, own)], step=0)  # the first step (0-based)
+    n = kind.loss_count(record, own)
     assert n.dim() == 0 and float(n) > 0
     pred_BT = record.predicting_BT()
     fwd = dict(
@@ -46,9 +44,9 @@ def answers_every_call(kind: Teacher, tok, tmp_path, teacher_ids=None) -> dict:
         position_ids=sampling.position_ids_from_mask(record.attention_mask_BT),
         use_cache=False,
     )
-    part = kind.score(record, rows, fwd, pred_BT)
-    loss = LossSettings(beta=1.0, temperature=1.0, vocab_size=len(tok), chunk_size=16)
-    parts = kind.student_divergence(student, fwd, pred_BT, part, loss)
+    part = kind.score(record, own, fwd, pred_BT)
+    given = DivergenceInputs(beta=1.0, temperature=1.0, vocab_size=len(tok), chunk_size=16)
+    parts = kind.student_divergence(student, fwd, pred_BT, part, given)
     out, sums = kind.output(parts, record, part)
     assert isinstance(out, DivergenceOutput) and out.per_token_N.shape == (int(pred_BT.sum()),)
     assert torch.isfinite(out.sum) and out.student_entropy_N.shape == out.per_token_N.shape
@@ -65,35 +63,47 @@ def answers_every_call(kind: Teacher, tok, tmp_path, teacher_ids=None) -> dict:
     fingerprint = kind.fingerprint(probe)
     if fingerprint is not None:
         kind.check_same(fingerprint, kind.fingerprint(probe))  # the same teacher passes
-    plan = kind.plan_rows()
-    assert plan and all(isinstance(r, PlanRow) and r.bytes_per_token > 0 for r in plan)
+    assert isinstance(kind.name, str) and kind.name  # how the log and the errors call it
     described = kind.describe("tiny:teacher")
     assert described is None or isinstance(described, str)
     assert isinstance(kind.exact, bool) and isinstance(kind.module, torch.nn.Module)
     return {"out": out, "n": n, "metrics": metrics, "fingerprint": fingerprint, "sums": sums}
 
 
-def test_of_picks_each_teacher_modules_kind(tmp_path):
+def test_of_takes_a_kind_as_it_is_and_a_module_as_a_teacher_in_process(tmp_path):
     tok, bpe = load_tokenizer("tiny:student"), load_tokenizer("tiny:teacher-bpe")
     t = tiny_model("tiny:teacher")
     assert type(of(t, tok)) is LocalTeacher
-    assert type(of(topk.TopKTeacher(_LogitsClient(t), 3), tok)) is TopK
-    assert type(of(mixture.RoutedTeacher({"a": t}), tok)) is Routed
-    assert type(of(mixture.WeightedTeachers({"a": t}, {"a": 1.0}), tok)) is Weighted
-    kind = LocalTeacher(t)
-    assert of(kind, tok) is kind  # a kind is taken as it is
+    for kind in (
+        LocalTeacher(t),
+        topk.TopKTeacher(_LogitsClient(t), 3),
+        sets.RoutedTeacher({"a": t}),
+        sets.WeightedTeachers({"a": t}, {"a": 1.0}),
+    ):
+        assert of(kind, tok) is kind and kind.module is not None
     cross = of(tiny_model("tiny:teacher-bpe"), tok, bpe, args(tmp_path))
     assert type(cross) is CrossTokenizerTeacher and type(cross.inner) is LocalTeacher
     with pytest.raises(ValueError, match="topk needs a teacher with the student's tokenizer"):
         of(topk.TopKTeacher(_LogitsClient(t), 3), tok, bpe, args(tmp_path))
     with pytest.raises(ValueError, match="several teachers need the student's tokenizer"):
-        of(mixture.RoutedTeacher({"a": t}), tok, bpe, args(tmp_path))
+        of(sets.RoutedTeacher({"a": t}), tok, bpe, args(tmp_path))
 
 
 def test_a_kind_must_score_and_give_the_students_side():
     class Half(Teacher):
-        def plan_rows(self):
-            return []
+        name = "half"
 
     with pytest.raises(TypeError, match="abstract"):
         Half()
+
+
+def test_every_kind_has_a_name():
+    """`Teacher.name` is declared by the interface and set by every kind (the trainer's errors read it)."""
+    from opdkit.ads.teacher import ADSTeacher
+    from opdkit.opd.teachers.served import ServedTeacher
+
+    kinds = [LocalTeacher, ServedTeacher, topk.TopKTeacher, CrossTokenizerTeacher, ADSTeacher]
+    kinds += [sets.RoutedTeacher, sets.WeightedTeachers]
+    names = [k.name for k in kinds]
+    assert all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names)
+    assert "name" in Teacher.__annotations__

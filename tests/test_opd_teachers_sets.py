@@ -9,8 +9,7 @@ from conftest import tiny_model
 from test_opd_teachers_base import answers_every_call
 
 from opdkit.models import load_tokenizer
-from opdkit.opd import mixture
-from opdkit.opd.teachers.sets import Routed, Weighted
+from opdkit.opd.teachers import sets
 
 
 def _other_teacher() -> torch.nn.Module:
@@ -22,7 +21,7 @@ def _other_teacher() -> torch.nn.Module:
 
 def test_a_routed_set_answers_every_call_and_logs_each_teachers_rows(tmp_path):
     tok = load_tokenizer("tiny:student")
-    kind = Routed(mixture.RoutedTeacher({"a": tiny_model("tiny:teacher"), "b": _other_teacher()}))
+    kind = sets.RoutedTeacher({"a": tiny_model("tiny:teacher"), "b": _other_teacher()})
     owners = lambda r: ["a" if b % 2 else "b" for b in range(r.input_ids_BT.shape[0])]  # noqa: E731
     got = answers_every_call(kind, tok, tmp_path, teacher_ids=owners)
     sums = got["sums"].tolist()
@@ -35,11 +34,11 @@ def test_a_routed_set_answers_every_call_and_logs_each_teachers_rows(tmp_path):
 def test_a_weighted_set_answers_every_call_and_refuses_another_set_at_a_resume(tmp_path):
     tok = load_tokenizer("tiny:student")
     pair = {"a": tiny_model("tiny:teacher"), "b": _other_teacher()}
-    kind = Weighted(mixture.WeightedTeachers(pair, {"a": 0.7, "b": 0.3}))
+    kind = sets.WeightedTeachers(pair, {"a": 0.7, "b": 0.3})
     got = answers_every_call(kind, tok, tmp_path)
     n = got["out"].per_token_N.shape[0]
-    assert got["sums"].tolist()[2:] == [n, n] and len(kind.plan_rows()) == 2
-    other = Weighted(mixture.WeightedTeachers({"a": _other_teacher()}, {"a": 1.0}))
+    assert got["sums"].tolist()[2:] == [n, n] and kind.module is kind
+    other = sets.WeightedTeachers({"a": _other_teacher()}, {"a": 1.0})
     probe = tok("12+34=46", add_special_tokens=False)["input_ids"]
-    with pytest.raises(mixture.TeacherSetMismatch):
+    with pytest.raises(sets.TeacherSetMismatch):
         kind.check_same(got["fingerprint"], other.fingerprint(probe))

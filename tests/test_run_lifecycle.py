@@ -444,7 +444,7 @@ def known_failures() -> list[BaseException]:
     import torch
     from safetensors import SafetensorError
 
-    from opdkit.opd.served import TeacherServerError
+    from opdkit.opd.teachers.served import TeacherServerError
     from opdkit.rollout.engines import WeightSyncError
     from opdkit.run.checkpoints import CheckpointUnreadable
 
@@ -499,7 +499,7 @@ def test_an_unknown_failure_keeps_its_traceback_and_is_written_too(tmp_path):
 def test_open_progress_bars_are_closed_before_the_error_line(tmp_path, monkeypatch, capsys):
     from tqdm import tqdm
 
-    from opdkit.opd.served import TeacherServerError
+    from opdkit.opd.teachers.served import TeacherServerError
     from opdkit.run.cli import run_from_cli
 
     def process(prep, run, *extra, **kwargs):

@@ -17,8 +17,8 @@ raw: the temperature (and, when sampling, top-k and top-p) is applied by whoever
 which divides the student's logits too; a teacher that serves the log-probabilities of the distribution it
 samples from at τ is `temperature=τ`: (z_teacher + λ·Δ) / τ, the ADS term first, as in sampling.
 
-How it plugs into `DistillTrainer`, which never asks a teacher for logits: to the trainer it is a teacher
-in process (the kind `opd.teachers.local.LocalTeacher`, which takes any module that presents these two):
+How it plugs into `DistillTrainer`, which never asks a teacher for logits: it is a teacher in process (a
+kind of `opd.teachers.local.LocalTeacher`, which reads any module that presents these two, here itself):
 its final hidden states (`base_model(...).last_hidden_state`) and its head weight
 (`get_output_embeddings().weight`), from which the divergence forms the logits a chunk of rows at a time
 (`chunked_divergence`). Logits linear in a hidden state stay linear when models are added, so the wrapper
@@ -46,6 +46,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput
 
 from opdkit.ads.direction import Direction, FiniteDifference
+from opdkit.opd.teachers.local import LocalTeacher
 from opdkit.rollout import sampling
 
 
@@ -109,19 +110,22 @@ def _check_head(model: torch.nn.Module) -> None:
         )
 
 
-class ADSTeacher(torch.nn.Module):
+class ADSTeacher(LocalTeacher, torch.nn.Module):
     """A frozen teacher whose logits at every position are the ADS logits (z_teacher + λ·Δ) / τ, for scoring a
-    student's rollouts (`DistillTrainer(teacher_model=ADSTeacher(...))`). τ = `temperature` = 1 serves them
-    raw, for a consumer that applies its own temperature.
+    student's rollouts (`DistillTrainer(teacher_model=ADSTeacher(...))`: a teacher kind in process, the
+    module it holds itself). τ = `temperature` = 1 serves them raw, for a consumer that applies its own
+    temperature.
 
     `forward` returns `.logits` (B, T, V) for any `Direction` (its `full`); the trainer's path
     (`base_model`, `get_output_embeddings`) stacks the perturbed proxies of a `FiniteDifference`.
     """
 
+    name = "ADS teacher"
+
     def __init__(
         self, teacher: torch.nn.Module, direction: Direction | None, lam: float, temperature: float = 1.0
     ):
-        super().__init__()
+        torch.nn.Module.__init__(self)
         lam, temperature = float(lam), float(temperature)
         if lam != 0 and direction is None:
             raise ValueError(
@@ -143,6 +147,12 @@ class ADSTeacher(torch.nn.Module):
             for model in stack:
                 _check_head(model)
             self.backbone, self.head = StackedBackbone(stack, coefficients), stacked_head(stack)
+        self.sharded = False
+        self.eval().requires_grad_(False)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self
 
     @property
     def base_model(self) -> torch.nn.Module:

@@ -22,7 +22,7 @@ ways to cut the rest (`--pieces`):
 
 With the same Qwen-style chat template and special tokens as the character tokenizer, a teacher trained on
 it reads the same conversations in other tokens, which is what distilling across tokenizers
-(`opdkit.opd.crosstok`) needs to be tried on a CPU. Same architecture, optimiser and data stream as the
+(`opdkit.opd.teachers.cross`) needs to be tried on a CPU. Same architecture, optimiser and data stream as the
 shipped teacher, stopping at `--stop-accuracy` held-out; only the tokenizer (and so the embedding's rows)
 differs. Writes the model, its tokenizer and `recipe.json` (held-out accuracy, build time) into one folder;
 `recipe.json` holds the accuracy history while it trains.

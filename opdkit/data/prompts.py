@@ -351,9 +351,9 @@ class PromptCollator:
     """`data_collator` for prompt-only batches: left-padded prompts plus their reference answers.
 
     Returns `prompts` (B×P, pad_token_id on the left), `prompt_attention_mask` (B×P) and `answers`; and
-    `teacher_id` where the rows have that column (`opd.mixture.RoutedTeacher` routes by it). With `tools`
-    (a multi-turn environment's JSON schemas, [] for none) the prompts are templated with them and the batch
-    keeps each row's conversation, `messages`, which the episodes start from (`rollout.multiturn`).
+    `teacher_id` where the rows have that column (`opd.teachers.sets.RoutedTeacher` routes by it). With
+    `tools` (a multi-turn environment's JSON schemas, [] for none) the prompts are templated with them and the
+    batch keeps each row's conversation, `messages`, which the episodes start from (`rollout.multiturn`).
     P is the longest prompt of the batch; a prompt over `max_prompt_length` is an error (filter first).
     """
 

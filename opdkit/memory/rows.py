@@ -175,7 +175,7 @@ def _cross_tokenizer_rows(s: Stage, m: ModelShape, n_pred: int) -> list[Row]:
 def _cross_tokenizer_chunk(s: Stage, m: ModelShape, n_pred: int) -> Row:
     """GOLD's loss, `loss_chunk_size` groups at a time (at most one per student token): each side's log-probs
     and merged probabilities in fp32 at its own vocabulary, and the sorted L1's keys and buckets; the
-    backward pass (`crosstok.divergence._StudentLoss`) rebuilds each chunk into the same buffers."""
+    backward pass (`cross.divergence._StudentLoss`) rebuilds each chunk into the same buffers."""
     chunk, both = min(s.loss_chunk_size, n_pred), m.vocab_size + s.teacher.vocab_size
     how = f"{_n(chunk)} groups x ({_n(m.vocab_size)} + {_n(s.teacher.vocab_size)} teacher) x 16 B"
     return Row("cross-tokenizer chunk", chunk * both * 16, how, "train")
@@ -333,9 +333,9 @@ def _sharded_teacher_rows(s: Stage) -> list[Row]:
 
 
 def _served_teacher_rows(s: Stage) -> list[Row]:
-    """A served teacher (`opd.served.ServedTeacher`): its head, and one micro-batch's states in the padded
-    layout; the step's states as received (each row's that predict a loss token: at most its completion's, a
-    multi-turn episode's at its longest) wait in host memory."""
+    """A served teacher (`opd.teachers.served.ServedTeacher`): its head, and one micro-batch's states in the
+    padded layout; the step's states as received (each row's that predict a loss token: at most its
+    completion's, a multi-turn episode's at its longest) wait in host memory."""
     m, dt = s.model("teacher")
     h, sb, tb = m.hidden_size, dtype_bytes(s.served_dtype), dtype_bytes(dt)
     kept = _teacher_tokens(s, s.sampled_rows * s.completion_len)
@@ -427,7 +427,7 @@ def rows_of(s: Stage, budget: float | None) -> list[Row]:
 def _other_teacher_rows(s: Stage) -> list[Row]:
     """Each teacher of a set beyond the first: its weights (sharded as the first is), or a served one's head
     and one micro-batch's states; routed, every teacher's head stacked side by side once, at the rows all
-    of them have (`opd.mixture.RoutedTeacher`)."""
+    of them have (`opd.teachers.sets.RoutedTeacher`)."""
     b, dt = dtype_bytes(s.teacher_dtype), s.teacher_dtype
     div = s.world_size if (s.sharded and s.shard_teacher) else 1
     padded = _teacher_tokens(s, s.train_batch_size * (s.prompt_len + s.completion_len))

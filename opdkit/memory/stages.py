@@ -130,7 +130,7 @@ class Stage:
         with rollout_engine "vllm" the engine's share replaces it.
     eval_model, eval_batch_size: decoded with the kit's loop under autocast (0: no evaluation here).
     sync_streamed: the vLLM weight sync hands over one tensor at a time (as VLLMEngine.sync does).
-    teacher_served: the teacher's final hidden states come from a server (`opd.served`, `teacher_server`):
+    teacher_served: the teacher's final states come from a server (`teacher_server`, `opd.teachers.served`):
         the process holds its head (vocabulary x hidden, in `teacher_dtype`) and a micro-batch's states (a
         step's, received in `served_dtype`, wait in host memory), never its layers; it neither decodes nor
         is sharded here.
@@ -139,7 +139,7 @@ class Stage:
     trainable_params: the student's parameters the optimizer updates, when not all of them (LoRA: the
         adapters, `ModelShape.lora_params`); gradients and optimizer state are theirs, the frozen weights
         have none. 0: every parameter trains.
-    cross_tokenizer: the teacher has another tokenizer (`opd.crossteacher`): the loss's chunks hold rows of
+    cross_tokenizer: the teacher has another tokenizer (`opd.teachers.cross`): the loss's chunks hold rows of
         both vocabularies, the student's and the teacher's own, and its backward pass returns the student
         head's gradient whole (vocabulary x hidden), beside `.grad` while micro-batches accumulate.
     teacher_token_ratio: the teacher's tokens per student token of the same text (a teacher with another
@@ -148,7 +148,7 @@ class Stage:
     other_teachers: a teacher set (`teachers`) beyond its first (`teacher`, `teacher_served`): each one's
         weights in process (sharded as `teacher` is), or a served one's head and states; its final states
         beside the first's in training; `teachers_routed` (rows routed by `teacher_id`, no `teacher_weights`):
-        the heads of all stacked side by side once (`opd.mixture.RoutedTeacher`).
+        the heads of all stacked side by side once (`opd.teachers.sets.RoutedTeacher`).
     eval_student: the student is evaluated too (02: before, during and after training, on the kit's loop
         under the run's autocast), in a phase of its own beside `eval_model`'s evaluation.
     rollout_ahead: the student's rollouts are sampled up to this many steps ahead by a producer process

@@ -11,7 +11,7 @@ from typing import Any
 
 from opdkit import memory
 from opdkit.models import load_tokenizer
-from opdkit.opd import crossteacher
+from opdkit.opd.teachers import cross
 from opdkit.settings import OPDSettings, parse_teachers, parse_weights
 from opdkit.tasks.evaluate import evaluation_tokens
 
@@ -81,7 +81,7 @@ def producer_place(rollout_device: str, budget: float | None) -> str:
 
 
 def teacher_token_ratio(cfg: Any, tokenizers: tuple | None = None) -> float | None:
-    """With a teacher of another tokenizer (`opd.crossteacher.differ`), its tokens per student token
+    """With a teacher of another tokenizer (`opd.teachers.cross.differ`), its tokens per student token
     (`memory.token_ratio`, at least 1); None when the teacher reads the student's tokens. `tokenizers`: (the
     student's, the teacher's where it differs, else None) as a job's prepare loaded them, not loaded again
     (0.75 s a Qwen3 tokenizer)."""
@@ -89,6 +89,6 @@ def teacher_token_ratio(cfg: Any, tokenizers: tuple | None = None) -> float | No
         if cfg.teacher_model == cfg.student_model:
             return None
         student, teacher = load_tokenizer(cfg.student_model), load_tokenizer(cfg.teacher_model)
-        tokenizers = (student, teacher if crossteacher.differ(student, teacher) else None)
+        tokenizers = (student, teacher if cross.differ(student, teacher) else None)
     student, teacher = tokenizers
     return None if teacher is None else memory.token_ratio(student, teacher)

@@ -40,12 +40,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from opdkit.config import ConfigError
 from opdkit.models import eos_ids, load_model
-from opdkit.opd import served, teachers
+from opdkit.opd import teachers
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.guards import HeldRecord, NonFiniteStop, SamplerChecks, guarded_step
 from opdkit.opd.metrics import Processes, StepStats, async_columns, step_columns
 from opdkit.opd.samples import SampleKeeper
-from opdkit.opd.teachers.base import LossSettings, Teacher, check_rows
+from opdkit.opd.teachers import served
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers
 from opdkit.rollout.build import rollout_source
 from opdkit.rollout.source import RolloutRecord, RolloutSource
 from opdkit.run import sharding
@@ -83,7 +84,7 @@ class DistillTrainer(Trainer):
             raise ValueError("DistillTrainer needs the student's tokenizer as processing_class=...")
         self.teacher = teachers.of(teacher_model, tok, teacher_tokenizer, self.args)
         # The number of logits compared: the tokenizer's size (models may pad their vocabulary beyond it).
-        check_rows("student", self.model, tok)
+        check_head_covers("student", self.model, tok)
         self.vocab_size = len(tok)
         self.teacher.start(self.model, tok, self.args)
         # A completion ends at the tokenizer's EOS or any the student's generation config lists (Qwen3:
@@ -130,9 +131,9 @@ class DistillTrainer(Trainer):
             sharding.keep_fp32_outputs(self.accelerator.state.fsdp_plugin)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The step's prompt micro-batches, sampled (`rollouts.prompts`, `rollouts.next_step`), each with what
-        the teacher makes of it (`Teacher.rows`), the teacher prepared for the step, and the step's loss count
-        across processes (N: loss tokens, or what the teacher's divergence is a mean over)."""
+        """The step's prompt micro-batches, sampled (`rollouts.prompts`, `rollouts.next_step`), each with the
+        teacher's own inputs of it (`Teacher.inputs`), the teacher prepared for the step, and the step's loss
+        count across processes (N: loss tokens, or what the teacher's divergence is a mean over)."""
         step = self.state.global_step
         batches = self.rollouts.prompts(epoch_iterator, num_batches, step)
         self.rollouts.open()  # an engine built (vLLM: tens of seconds) before the step's clock starts
@@ -148,11 +149,11 @@ class DistillTrainer(Trainer):
             self.stats.add_rollouts(record)
             inputs.append(self.micro_batch(record))
         if inputs:  # e.g. a served teacher: the step's rows sent now
-            self.teacher.prepare([(s["record"], s["teacher_rows"]) for s in inputs], step)
+            self.teacher.prepare([(s["record"], s["teacher_inputs"]) for s in inputs], step)
         if self.args.save_rollouts and self.run:
             self._save_rollouts(inputs, step)
         n_local = sum(
-            (self.teacher.loss_count(s["record"], s["teacher_rows"]) for s in inputs),
+            (self.teacher.loss_count(s["record"], s["teacher_inputs"]) for s in inputs),
             torch.zeros((), device=device),
         ).float()
         n_global = self.accelerator.reduce(n_local, reduction="sum") if self.args.world_size > 1 else n_local
@@ -178,27 +179,31 @@ class DistillTrainer(Trainer):
         self.rollouts.close()
 
     def micro_batch(self, record: RolloutRecord) -> dict:
-        """What `compute_loss` takes for a record: the record, what the teacher makes of it (`Teacher.rows`),
-        and its `input_ids` (transformers' `Trainer` counts a step's tokens from them)."""
-        return {"input_ids": record.input_ids_BT, "record": record, "teacher_rows": self.teacher.rows(record)}
+        """What `compute_loss` takes for a record: the record, the teacher's own inputs of it
+        (`Teacher.inputs`), and its `input_ids` (transformers' `Trainer` counts a step's tokens from them)."""
+        return {
+            "input_ids": record.input_ids_BT,
+            "record": record,
+            "teacher_inputs": self.teacher.inputs(record),
+        }
 
     def _save_rollouts(self, inputs: list[dict], step: int) -> None:
         folder = self.run.path / "rollouts"
         folder.mkdir(exist_ok=True)
         keep = []
         for s in inputs:
-            tensors = {**s["record"].tensors(), **self.teacher.saved(s["teacher_rows"])}
+            tensors = {**s["record"].tensors(), **self.teacher.saved(s["teacher_inputs"])}
             keep.append({k: v.cpu() for k, v in tensors.items()})
         torch.save(keep, folder / f"step{step + 1:06d}-rank{self.args.process_index}.pt")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        record, rows = inputs["record"], inputs["teacher_rows"]
+        record, own = inputs["record"], inputs["teacher_inputs"]
         ids_BT, attn_BT, step = record.input_ids_BT, record.attention_mask_BT, self.state.global_step
         pred_BT = record.predicting_BT()  # the loss mask shifted by one: the state at t predicts token t+1
         fwd = dict(
             input_ids=ids_BT, attention_mask=attn_BT, position_ids=record.position_ids_BT(), use_cache=False
         )
-        part = self.teacher.score(record, rows, fwd, pred_BT)
+        part = self.teacher.score(record, own, fwd, pred_BT)
         target_N = sampling_logprobs_N = None
         if record.sampling_logprobs_BT is not None:
             # Selected here, where the scoring above has already waited for the device, not after the
@@ -215,7 +220,7 @@ class DistillTrainer(Trainer):
             if gap is not None:
                 self.stats.sampler_gap = gap
         correct = stale and self.args.async_correction == "truncated"
-        loss_settings = LossSettings(
+        given = DivergenceInputs(
             beta=self.args.beta,
             temperature=self.args.kl_temperature,
             vocab_size=self.vocab_size,
@@ -226,7 +231,7 @@ class DistillTrainer(Trainer):
         )
 
         def student_part(**fwd):
-            return self.teacher.student_divergence(student, fwd, pred_BT, part, loss_settings)
+            return self.teacher.student_divergence(student, fwd, pred_BT, part, given)
 
         # The model's own forward runs under accelerate's autocast (bf16); the redirected one must too.
         with self.accelerator.autocast():
@@ -235,7 +240,7 @@ class DistillTrainer(Trainer):
         if num_items_in_batch is not None:
             n = num_items_in_batch
         else:  # the micro-batch's own loss count
-            n = self.teacher.loss_count(record, rows).clamp(min=1)
+            n = self.teacher.loss_count(record, own).clamp(min=1)
         # DDP and FSDP average gradients over processes, so each process's share is scaled back up.
         loss = out.sum / n * self.args.world_size
         self.stats.entropy_sum += out.student_entropy_N.sum()

@@ -55,8 +55,8 @@ from opdkit.jobs.antidistill import points as pt
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.antidistill.sweep import Prepared, prepared, sweep_points
 from opdkit.notebook import verdicts
-from opdkit.opd import served
 from opdkit.opd.stage import distill_stage
+from opdkit.opd.teachers import served
 from opdkit.run import spread, tracking
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0

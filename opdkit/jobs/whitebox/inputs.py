@@ -26,7 +26,7 @@ from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
-from opdkit.opd import crossteacher, served
+from opdkit.opd.teachers import cross, served
 from opdkit.rollout import ahead, engines
 from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
@@ -160,7 +160,7 @@ class Prepared:
 def check_environment(cfg: WhiteboxConfig) -> None:
     """Multi-turn episodes (`environment`) are scored by a teacher in this process, served exactly (its states
     over the whole transcript) or a set of them; a teacher of another tokenizer renders each transcript with
-    its own chat template (`crossteacher.CrossTeacher.prepare_transcripts`). A served top-K teacher is not
+    its own chat template (`cross.Retokenizer.prepare_transcripts`). A served top-K teacher is not
     tested over one, for now."""
     if not cfg.environment:
         return
@@ -185,23 +185,23 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     tok = load_tokenizer(cfg.student_model)
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
-    cross = crossteacher.differ(tok, teacher_tok)
+    other_vocabulary = cross.differ(tok, teacher_tok)
     check_environment(cfg)
-    check_ahead(cfg, bool(cross))
-    check_ahead_arms(cfg, bool(cross))
-    if cross:  # the cross-tokenizer loss; refused here if it cannot align
+    check_ahead(cfg, other_vocabulary)
+    check_ahead_arms(cfg, other_vocabulary)
+    if other_vocabulary:  # the cross-tokenizer loss; refused here if it cannot align
         if cfg.teacher_server and cfg.topk():
             raise ConfigError(
                 f"teacher_logprobs {cfg.teacher_logprobs} needs a teacher with the student's tokenizer (the "
                 f"served top-K ids are its vocabulary) and {cfg.teacher_model} has another; use "
                 "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
             )
-        crossteacher.CrossTeacher.of(tok, teacher_tok, cfg)
+        cross.Retokenizer.of(tok, teacher_tok, cfg)
         check_chat_template(teacher_tok, cfg.teacher_model)  # the teacher reads its own chat
     else:
         check_tokenizers(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
-        served.check_job_server(cfg, teacher_tok if cross else tok)
+        served.check_job_server(cfg, teacher_tok if other_vocabulary else tok)
     # A multi-turn environment's tools are in every prompt (its system turn): measured with them.
     tools = tasks.get_environment(cfg.environment, task).tools if cfg.environment else None
     train, dropped = prompts.filter_long_prompts(
@@ -227,11 +227,11 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
         first,
         longest,
         split.removed,
-        teacher_tok if cross else None,
+        teacher_tok if other_vocabulary else None,
     )
 
 
-def check_ahead(cfg: WhiteboxConfig, cross: bool) -> None:
+def check_ahead(cfg: WhiteboxConfig, other_vocabulary: bool) -> None:
     """Sampling ahead (`rollout_ahead`) beyond what its settings alone say (`OPDSettings.normalise`): what
     it needs of the machine and the run (`rollout.ahead.check_settings`: an unsharded student, a producer GPU
     this machine has), and a corrected run (`async_correction`) a teacher whose divergence takes per-token
@@ -239,9 +239,11 @@ def check_ahead(cfg: WhiteboxConfig, cross: bool) -> None:
     run folder is written."""
     world = run_processes(cfg.num_processes)
     ahead.check_settings(cfg, cfg.parallelism == "fsdp" and world > 1, cfg.dry_run)
-    if cfg.async_correction != "none" and (cross or (cfg.teacher_server and cfg.topk())):
+    if cfg.async_correction != "none" and (other_vocabulary or (cfg.teacher_server and cfg.topk())):
         kind = (
-            "the cross-tokenizer loss (a teacher with another tokenizer)" if cross else "a top-K divergence"
+            "the cross-tokenizer loss (a teacher with another tokenizer)"
+            if other_vocabulary
+            else "a top-K divergence"
         )
         raise ConfigError(
             f"async_correction={cfg.async_correction} weights the exact divergence per token, and {kind} "
@@ -249,7 +251,7 @@ def check_ahead(cfg: WhiteboxConfig, cross: bool) -> None:
         )
 
 
-def check_ahead_arms(cfg: WhiteboxConfig, cross: bool) -> None:
+def check_ahead_arms(cfg: WhiteboxConfig, other_vocabulary: bool) -> None:
     """`ahead_arms` beyond what its settings alone say (`WhiteboxConfig.check_ahead_arms`): the comparison
     runs in one training process (each arm beside its producer; several processes sampling ahead are a
     setting of their own, not yet an arm), so this run does too, and a corrected arm needs a teacher whose
@@ -264,7 +266,7 @@ def check_ahead_arms(cfg: WhiteboxConfig, cross: bool) -> None:
             "alike), or no ahead_arms."
         )
     corrected = [a.name for a in cfg.arms() if a.correction != "none"]
-    if cross and corrected:
+    if other_vocabulary and corrected:
         raise ConfigError(
             f"ahead_arms: arms {','.join(corrected)} weight the divergence per token, and the "
             "cross-tokenizer loss of a teacher with another tokenizer takes no weights: use arms without t."

@@ -28,8 +28,8 @@ from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
 from opdkit.jobs.whitebox.teacher import around_run, served_facts, served_teacher, several_teachers
 from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import verdicts
-from opdkit.opd import served
 from opdkit.opd.stage import distill_stage
+from opdkit.opd.teachers import served
 from opdkit.run import checkpoints, sharding
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes

@@ -1,5 +1,5 @@
-"""The white-box run's teacher when it is served (`teacher_server`, `opd.served`): its head checked against
-the server before training, what its states cost, and `teacher_server: local`'s server around the run
+"""The white-box run's teacher when it is served (`teacher_server`, `opd.teachers.served`): its head checked
+against the server before training, what its states cost, and `teacher_server: local`'s server around the run
 (`around_run`)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from opdkit.config import ConfigError
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared
 from opdkit.models import load_model
-from opdkit.opd import mixture, served, topk
-from opdkit.opd.head import load_head
+from opdkit.opd.teachers import served, sets, topk
+from opdkit.opd.teachers.base import Teacher
 from opdkit.run.files import atomic_write_text
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import under_external_launcher
@@ -28,7 +28,7 @@ from opdkit.run.launch import under_external_launcher
 SERVED_CHECK_FILE = "teacher_server.json"  # what the start check of a served teacher found
 
 
-def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> torch.nn.Module:
+def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torch.dtype) -> Teacher:
     """`teacher_server`: the teacher's head alone (in `dtype`, as an in-process teacher's), its states from
     the server, checked before training (`served.job_teacher`); the check is kept in the run folder, and a
     resume against another served model than the run's first is refused (`served.check_same_teacher`). With
@@ -60,10 +60,10 @@ def served_teacher(cfg: WhiteboxConfig, prep: Prepared, run: RunDir, dtype: torc
     return teacher
 
 
-def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.dtype) -> torch.nn.Module:
+def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.dtype) -> Teacher:
     """`teachers`: each loaded in process (in `dtype`, on `device`) or, with a server, its head alone and its
     states from there (checked as `teacher_server`'s are); routed by the data's `teacher_id` column
-    (`mixture.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
+    (`sets.RoutedTeacher`) or, with `teacher_weights`, all of them on every row (`WeightedTeachers`). The
     trainer logs each one's divergence and refuses a resume with another set (its `teachers.json`)."""
     found: dict[str, torch.nn.Module] = {}
     longest = served.longest(cfg)  # with `environment`, a multi-turn episode at its longest
@@ -71,7 +71,7 @@ def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.d
         if t.server:
             client = served.PoolingClient(t.server, dtype=cfg.teacher_server_dtype)
             teacher = served.ServedTeacher(
-                client, load_head(t.model, dtype), served_dtype=cfg.teacher_server_dtype
+                client, served.load_head(t.model, dtype), served_dtype=cfg.teacher_server_dtype
             )
             teacher.check(tokenizer=prep.tokenizer, expect_name=t.model, min_model_len=longest)
             where = f"served by {t.server}, its head here"
@@ -82,9 +82,9 @@ def several_teachers(cfg: WhiteboxConfig, prep: Prepared, device, dtype: torch.d
     weights = cfg.weights()
     if weights:
         print0("teachers weighted: loss = " + " + ".join(f"{w:g} D({k})" for k, w in weights.items()))
-        return mixture.WeightedTeachers(found, weights)
+        return sets.WeightedTeachers(found, weights)
     print0(f"teachers routed by the data's teacher_id column: {', '.join(found)}")
-    return mixture.RoutedTeacher(found)
+    return sets.RoutedTeacher(found)
 
 
 def served_facts(cfg: WhiteboxConfig, teacher) -> dict:

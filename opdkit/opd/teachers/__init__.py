@@ -1,8 +1,10 @@
-"""Teacher kinds behind one interface (`base.Teacher`): `local` (in this process: a Hugging Face model, or
-antidistillation's `ADSTeacher`, which presents its ADS logits as states and a head), `served` (exact, its
-states from a vLLM pooling server), `topk` (its top-K log-probabilities: approximate), `cross` (another
-tokenizer), `sets` (several teachers, routed or weighted). `of` picks the kind of a teacher model; the
-trainer asks the kind for everything else.
+"""Teacher kinds behind one interface (`base.Teacher`), one home each: `local` (in this process: a Hugging
+Face model; antidistillation's `ads.teacher.ADSTeacher`, which presents its ADS logits as states and a head,
+is a kind of it where it lives), `served` (exact, its states from a vLLM pooling server: client, head, checks,
+job wiring), `topk` (its top-K log-probabilities from a generation server: approximate), `cross` (another
+tokenizer: the re-tokenized batch, the alignment and GOLD's divergence), `sets` (several teachers, routed or
+weighted). A job builds the kind it wants; `of` takes a kind as it is and any other module as a teacher in
+process; the trainer asks the kind for everything else.
 """
 
 from __future__ import annotations
@@ -11,25 +13,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opdkit.models import check_tokenizers
-from opdkit.opd.crossteacher import differ
-from opdkit.opd.mixture import RoutedTeacher, WeightedTeachers
-from opdkit.opd.served import ServedTeacher
 from opdkit.opd.teachers.base import Teacher
-from opdkit.opd.teachers.cross import CrossTokenizerTeacher
+from opdkit.opd.teachers.cross import CrossTokenizerTeacher, differ
 from opdkit.opd.teachers.local import LocalTeacher
-from opdkit.opd.teachers.served import ServedExact
-from opdkit.opd.teachers.sets import Routed, Weighted
-from opdkit.opd.teachers.topk import TopK
-from opdkit.opd.topk import TopKTeacher
-
-# A teacher module's class -> its kind; any other module with states and a head is a teacher in process.
-# (Classes imported by name: this package's own `served` and `topk` modules are the kinds.)
-KINDS = {
-    ServedTeacher: ServedExact,
-    TopKTeacher: TopK,
-    RoutedTeacher: Routed,
-    WeightedTeachers: Weighted,
-}
 
 
 def of(
@@ -38,9 +24,10 @@ def of(
     teacher_tokenizer: PreTrainedTokenizerBase | None = None,
     settings=None,
 ) -> Teacher:
-    """The kind of `model` (a `Teacher` is taken as it is); read through another tokenizer where
-    `teacher_tokenizer` is another vocabulary than `tokenizer` (`settings`: the `crosstok_*` fields)."""
-    kind = model if isinstance(model, Teacher) else KINDS.get(type(model), LocalTeacher)(model)
+    """The teacher kind of `model` (a `Teacher` as it is, any other module a `LocalTeacher`); read through
+    another tokenizer where `teacher_tokenizer` is another vocabulary than `tokenizer` (`settings`: the
+    `crosstok_*` fields)."""
+    kind = model if isinstance(model, Teacher) else LocalTeacher(model)
     if differ(tokenizer, teacher_tokenizer):
         return CrossTokenizerTeacher(kind, tokenizer, teacher_tokenizer, settings)
     check_tokenizers(tokenizer, teacher_tokenizer or tokenizer)

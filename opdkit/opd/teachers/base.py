@@ -1,26 +1,29 @@
 """The calls every teacher kind answers, so that `DistillTrainer` names none of them.
 
-    teacher = teachers.of(teacher_model, student_tokenizer, teacher_tokenizer, args)  # picks the kind
+    teacher = teachers.of(teacher_model, student_tokenizer, teacher_tokenizer, args)  # a module or a kind
     teacher.start(student, tokenizer, args)        # its checks at start (vocabularies, settings)
     teacher.place(device, shard)                   # what this process holds, on the device (sharded)
-    rows = teacher.rows(record)                    # per micro-batch, when the step's rollouts arrive
-    teacher.prepare([(record, rows), ...], step)   # once per step: e.g. a served teacher's requests
-    n = teacher.loss_count(record, rows)           # what the step's summed loss is divided by (its share)
-    part = teacher.score(record, rows, fwd, pred_BT)                       # the teacher side (no gradient)
-    parts = teacher.student_divergence(student, fwd, pred_BT, part, loss)  # the student side, in its forward
+    own = teacher.inputs(record)                   # per micro-batch, when the step's rollouts arrive
+    teacher.prepare([(record, own), ...], step)    # once per step: e.g. a served teacher's requests
+    n = teacher.loss_count(record, own)            # what the step's summed loss is divided by (its share)
+    part = teacher.score(record, own, fwd, pred_BT)                        # the teacher side (no gradient)
+    parts = teacher.student_divergence(student, fwd, pred_BT, part, given)  # the student side, in its forward
     out, sums = teacher.output(parts, record, part)  # a `DivergenceOutput`, and the kind's step sums
 
-A micro-batch reaches a teacher as a `source.RolloutRecord` (token rows and the loss mask), plus what the
-teacher made of it itself (`rows`: a teacher with another tokenizer re-tokenizes and aligns it there).
+A micro-batch reaches a teacher as a `source.RolloutRecord` (token rows and the loss mask), plus the
+teacher's own inputs of it (`inputs`: a teacher with another tokenizer re-tokenizes and aligns it there).
 `pred_BT` marks the positions whose state predicts a loss token (the loss mask shifted by one); `fwd` is the
 student's forward arguments over the record's rows. What `score` returns is the kind's own business: final
 hidden states and a head, top-K ids and log-probabilities, another tokenizer's states and an alignment; its
 `student_divergence` is the one function that reads it. Besides: `exact` (False: an approximate divergence,
-labelled in the metrics), `fingerprint` (what a run saves and compares at a resume), `plan_rows` (what the
-teacher holds in this process per scored token), `metrics` (its own columns of metrics.jsonl).
+labelled in the metrics), `fingerprint` (what a run saves and compares at a resume), `metrics` (its own
+columns of metrics.jsonl), `name` (how the run's log and its errors call it).
 
-Adding a kind is one file in this package (a `Teacher` subclass) and its test; `teachers.of` picks it (a
-line in its `KINDS` where the kind wraps a module class of its own).
+Each kind is one class in one module or package of `opd.teachers`, holding its client, head and checks. A
+kind that holds a module of its own (a served teacher's head, a set's teachers) is that module too
+(`module` is itself), so a job builds the kind and hands it to the trainer as it is; any other module with
+states and a head is taken as a teacher in process (`teachers.of`). Adding a kind is one module here (a
+`Teacher` subclass) and its test.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class LossSettings:
-    """What every divergence is given: generalized JSD's `beta`, the temperature both distributions are
-    compared at, the compared vocabulary (the student tokenizer's size), the rows per chunk, and the
-    sampled token each predicting position was followed by (the engine gap's, None without it); with
-    `async_correction` truncated, the sampler's log-probability of each of those tokens
-    (`sampling_logprobs_N`) and the cap of the importance weights (`loss.chunked_divergence`)."""
+class DivergenceInputs:
+    """A micro-batch's runtime inputs of every divergence (from `OPDSettings` and the record): generalized
+    JSD's `beta`, the temperature both distributions are compared at, the compared vocabulary (the student
+    tokenizer's size), the rows per chunk, and the sampled token each predicting position was followed by
+    (the engine gap's, None without it); with `async_correction` truncated, the sampler's log-probability
+    of each of those tokens (`sampling_logprobs_N`) and the cap of the importance weights
+    (`loss.chunked_divergence`)."""
 
     beta: float
     temperature: float
@@ -72,30 +76,22 @@ class LossSettings:
         return out
 
 
-@dataclass(frozen=True)
-class PlanRow:
-    """What a teacher holds in the training process: `fixed_bytes` whatever the batch (a head), and
-    `bytes_per_token` for each token it scores in a micro-batch (hidden states, top-K entries)."""
-
-    name: str
-    fixed_bytes: int
-    bytes_per_token: int
-
-
-# One micro-batch as a teacher's `prepare` sees it: the record and what `rows` made of it.
+# One micro-batch as a teacher's `prepare` sees it: the record and the teacher's own `inputs` of it.
 Prepared = tuple[RolloutRecord, Any]
 
 
 class Teacher(ABC):
-    """One kind of teacher. `module`: what this process holds of it (placed on the device by `place`,
-    recorded in held/); `tokenizer`: its own tokenizer where it reads other tokens than the student's."""
+    """One kind of teacher. `name`: how the run's log and errors call it; `module`: what this process holds
+    of it (placed on the device by `place`, recorded in held/; None: nothing); `tokenizer`: its own tokenizer
+    where it reads other tokens than the student's."""
 
+    name: str
     exact: bool = True  # False: the loss is an approximation of the divergence, labelled as such
     gives_entropy: bool = True  # False: its divergence never forms the student's full rows (no entropy)
     # True: its divergence is `loss.chunked_divergence`'s, which takes the importance weights of stale
     # rollouts (`async_correction`); a kind with a divergence of its own refuses them.
     importance_weighted: bool = False
-    module: torch.nn.Module
+    module: torch.nn.Module | None
     tokenizer: PreTrainedTokenizerBase | None = None
     # Why the kind cannot read another tokenizer's rows (None: it can, through `cross.CrossTokenizerTeacher`).
     another_tokenizer_refusal: str | None = None
@@ -109,35 +105,36 @@ class Teacher(ABC):
         whose frozen teacher may be sharded like the student, where the kind holds layers."""
         self.module.to(device)
 
-    def rows(self, record: RolloutRecord) -> Any:
-        """What the teacher makes of a micro-batch when the step's rollouts arrive (host work; None:
-        nothing)."""
+    def inputs(self, record: RolloutRecord) -> Any:
+        """The teacher's own inputs of a micro-batch, made when the step's rollouts arrive (host work; None:
+        it reads the record as it is)."""
         return None
 
-    def saved(self, rows: Any) -> dict[str, torch.Tensor]:
-        """The tensors of `rows` that save_rollouts keeps beside the record (none: nothing of its own)."""
+    def saved(self, own: Any) -> dict[str, torch.Tensor]:
+        """The tensors of its `inputs` that save_rollouts keeps beside the record (none: nothing of its
+        own)."""
         return {}
 
     def prepare(self, batches: list[Prepared], step: int) -> None:
         """Once per step (`step`: its 0-based index, as `RolloutSource.next_step`'s), before its
-        micro-batches: the rows it reads (`reads`) handed to `prepare_rows`."""
-        self.prepare_rows([reads(record) for record, _ in batches], step)
+        micro-batches: the token rows it reads (`reads`) handed to `prepare_batches`."""
+        self.prepare_batches([reads(record) for record, _ in batches], step)
 
-    def prepare_rows(self, rows: list[dict], step: int) -> None:  # noqa: B027 - in process: nothing to wait for
-        """The step's rows as the teacher reads them (`reads`' dicts), before its micro-batches: e.g. a served
-        teacher sends them to its server now."""
+    def prepare_batches(self, batches: list[dict], step: int) -> None:  # noqa: B027 - in process: no wait
+        """The step's micro-batches as the teacher reads them (`reads`' dicts), before it scores them: e.g. a
+        served teacher sends their rows to its server now."""
 
-    def loss_count(self, record: RolloutRecord, rows: Any) -> torch.Tensor:
+    def loss_count(self, record: RolloutRecord, own: Any) -> torch.Tensor:
         """What the step's summed loss is divided by, this micro-batch's share: its loss tokens."""
         return record.loss_mask_BT.sum()
 
     @abstractmethod
-    def score(self, record: RolloutRecord, rows: Any, fwd: dict, pred_BT: torch.Tensor) -> Any:
+    def score(self, record: RolloutRecord, own: Any, fwd: dict, pred_BT: torch.Tensor) -> Any:
         """The divergence's teacher side for a micro-batch, without gradients."""
 
     @abstractmethod
     def student_divergence(
-        self, student: PreTrainedModel, fwd: dict, pred_BT: torch.Tensor, part: Any, loss: LossSettings
+        self, student: PreTrainedModel, fwd: dict, pred_BT: torch.Tensor, part: Any, given: DivergenceInputs
     ) -> tuple[torch.Tensor | None, ...]:
         """The student's side, run as the student's forward (`sharding.call_inside_forward`): its backbone
         over `fwd`, its states where `pred_BT` marks, the divergence against `part`. A tuple of tensors
@@ -168,17 +165,13 @@ class Teacher(ABC):
     def check_same(self, saved: dict, now: dict) -> None:  # noqa: B027 - without a fingerprint: never called
         """Refuse a resume whose `fingerprint` differs from the saved one (one line)."""
 
-    @abstractmethod
-    def plan_rows(self) -> list[PlanRow]:
-        """What the teacher holds in this process (`PlanRow`s)."""
-
     def describe(self, name: str) -> str | None:
         """One line for the run's log about the teacher `name`, where the kind has something to say."""
         return None
 
 
 def reads(record: RolloutRecord) -> dict:
-    """A micro-batch's rows as a teacher module's `prepare_step` takes them: `input_ids`, `attention_mask`,
+    """A micro-batch's token rows as a teacher's `prepare_step` takes them: `input_ids`, `attention_mask`,
     `pred_BT` (the positions whose states the divergence reads) and each row's `teacher_id` (None: none)."""
     return {
         "input_ids": record.input_ids_BT,
@@ -188,17 +181,11 @@ def reads(record: RolloutRecord) -> dict:
     }
 
 
-def check_rows(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+def check_head_covers(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """A model's head covers its tokenizer (models may pad their vocabulary beyond it)."""
-    rows = model.get_output_embeddings().weight.shape[0]
-    if rows < len(tokenizer):
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if vocab < len(tokenizer):
         raise TokenizerMismatch(
-            f"the {name} has {rows} output rows but the tokenizer has {len(tokenizer)} tokens; "
+            f"the {name} has {vocab} output rows but the tokenizer has {len(tokenizer)} tokens; "
             "the model and tokenizer do not belong together."
         )
-
-
-def head_rows(name: str, module: torch.nn.Module) -> list[PlanRow]:
-    """A teacher that gives final hidden states and its head: the head once, each scored token's state."""
-    w = module.get_output_embeddings().weight
-    return [PlanRow(f"{name} head", w.numel() * w.element_size(), w.shape[1] * w.element_size())]

@@ -1,6 +1,7 @@
 """A teacher in this process: any frozen module that presents final hidden states (`base_model(...)
 .last_hidden_state`) and an output head (`get_output_embeddings().weight`): a Hugging Face model, or
-antidistillation's `ADSTeacher`, whose stacked states and head give its ADS logits. The divergence is the
+antidistillation's `ADSTeacher` (a kind of this one, where it lives), whose stacked states and head give its
+ADS logits. The divergence is the
 exact, chunked one over the whole vocabulary (`loss.chunked_divergence`).
 
 Under FSDP the frozen teacher is sharded like the student (weights only: it has no gradients or optimizer
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
-from opdkit.opd.teachers.base import LossSettings, PlanRow, Teacher, check_rows, head_rows
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers
 from opdkit.rollout.source import RolloutRecord
 from opdkit.run import sharding
 
@@ -71,7 +72,7 @@ class LocalTeacher(Teacher):
         self.sharded = False
 
     def start(self, student, tokenizer, args) -> None:
-        check_rows("teacher", self.module, tokenizer)
+        check_head_covers("teacher", self.module, tokenizer)
 
     def place(self, device, shard: bool) -> None:
         self.sharded = shard
@@ -80,7 +81,7 @@ class LocalTeacher(Teacher):
         else:
             self.module.to(device)
 
-    def score(self, record: RolloutRecord, rows, fwd: dict, pred_BT: torch.Tensor) -> States:
+    def score(self, record: RolloutRecord, own, fwd: dict, pred_BT: torch.Tensor) -> States:
         """The final hidden states where `pred_BT` marks and the head weight, run as the teacher's forward."""
         with torch.no_grad():  # the backbone alone: no other layer's output is kept
             hidden_NH, head_VH = sharding.call_inside_forward(
@@ -97,12 +98,9 @@ class LocalTeacher(Teacher):
         head_VH = self.module.get_output_embeddings().weight
         return t_hidden_NH, head_VH.detach().clone() if self.sharded else head_VH
 
-    def student_divergence(self, student, fwd, pred_BT, part: States, loss: LossSettings):
-        divergence = loss.one_vocabulary()
+    def student_divergence(self, student, fwd, pred_BT, part: States, given: DivergenceInputs):
+        divergence = given.one_vocabulary()
         return student_divergence(student, fwd, pred_BT, part.hidden_NH, part.head_VH, **divergence)
 
     def output(self, parts: tuple, record: RolloutRecord, part: States):
         return DivergenceOutput(*parts[:4]), part.sums
-
-    def plan_rows(self) -> list[PlanRow]:
-        return head_rows(self.name, self.module)

@@ -12,10 +12,10 @@ import torch
 
 from opdkit import tiny
 from opdkit.config import ConfigError
-from opdkit.opd.head import load_head
-from opdkit.opd.served.checks import ServedCheck, ServedTeacherMismatch, ServerFound, check_server
-from opdkit.opd.served.client import PoolingClient, TeacherServerError
-from opdkit.opd.served.teacher import ServedTeacher
+from opdkit.opd.teachers.served.checks import ServedCheck, ServedTeacherMismatch, ServerFound, check_server
+from opdkit.opd.teachers.served.client import PoolingClient, TeacherServerError
+from opdkit.opd.teachers.served.head import load_head
+from opdkit.opd.teachers.served.teacher import ServedTeacher
 from opdkit.run.server import ServerProcess, free_port, gpu_env, vllm_command
 
 LOCAL = "local"  # teacher_server: a server the run starts on teacher_gpus

@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from opdkit.opd.crosstok.settings import CrossTokenizerSettings, check_settings
-from opdkit.opd.crosstok.tokenbytes import Tokens
+from opdkit.opd.teachers.cross.settings import CrossTokenizerSettings, check_settings
+from opdkit.opd.teachers.cross.tokenbytes import Tokens
 
 
 def align_ends(s_ends: Sequence[int], t_ends: Sequence[int]) -> list[tuple[list[int], list[int]]]:

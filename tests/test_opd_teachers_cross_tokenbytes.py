@@ -1,6 +1,6 @@
-"""Tests for opdkit.opd.crosstok.tokenbytes: byte offsets of real tokenizers (Qwen3, DeepSeek) on emoji, CJK
-and multi-byte text, a completion cut inside a character, the character-offset fallback, refused tokenizers,
-and the shared vocabulary."""
+"""Tests for opdkit.opd.teachers.cross.tokenbytes: byte offsets of real tokenizers (Qwen3, DeepSeek) on emoji,
+CJK and multi-byte text, a completion cut inside a character, the character-offset fallback, refused
+tokenizers, and the shared vocabulary."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from opdkit.config import ConfigError
-from opdkit.opd.crosstok import (
+from opdkit.opd.teachers.cross import (
     CrossTokenizerSettings,
     TokenBytes,
     Tokens,

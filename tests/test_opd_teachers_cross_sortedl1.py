@@ -1,5 +1,5 @@
-"""Tests for opdkit.opd.crosstok.sortedl1: the sorted L1 without sorting against a plain sort (ties, zeros,
-values equal to 1e-4), and how few values it sorts at Qwen3's size."""
+"""Tests for opdkit.opd.teachers.cross.sortedl1: the sorted L1 without sorting against a plain sort (ties,
+zeros, values equal to 1e-4), and how few values it sorts at Qwen3's size."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import sorted_l1_reference
 
-from opdkit.opd.crosstok import sorted_l1, sortedl1
+from opdkit.opd.teachers.cross import sorted_l1, sortedl1
 
 
 def _cases(seed: int):

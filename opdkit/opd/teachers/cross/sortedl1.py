@@ -1,6 +1,6 @@
 """ULD's sorted-probability L1 without a full sort (`sorted_l1`, `l1_signs`): values bucketed by their float32
 exponent and top mantissa bits, each value's sign read from the two sides' bucket counts, only the buckets
-where the two sides' ranks meet sorted (see `opdkit.opd.crosstok`)."""
+where the two sides' ranks meet sorted (see `opdkit.opd.teachers.cross`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Tests for opdkit.opd.crosstok.settings: the settings' names, and the rows a completion's tokens are
+"""Tests for opdkit.opd.teachers.cross.settings: the settings' names, and the rows a completion's tokens are
 read from."""
 
 from __future__ import annotations
 
 import itertools
 
-from opdkit.opd.crosstok import (
+from opdkit.opd.teachers.cross import (
     CrossTokenizerSettings,
     prediction_positions,
 )

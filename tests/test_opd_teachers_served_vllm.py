@@ -6,7 +6,7 @@ its last checkpoint once the server is back (and through multi-turn tool episode
 whole), and the top-K divergence from a generation server's
 prompt_logprobs is measured against the exact one.
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -m vllm tests/test_opd_served_vllm.py
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -m vllm tests/test_opd_teachers_served_vllm.py
 
 Each server start takes 20-50 s on an idle 2-core machine (minutes on a busy one): the pooling server is
 started once for the module (and restarted once by the test that stops it), the generation server once.
@@ -25,10 +25,10 @@ pytest.importorskip("vllm")
 from opdkit import tiny  # noqa: E402
 from opdkit.data.prompts import PromptCollator  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
-from opdkit.opd import served, topk  # noqa: E402
 from opdkit.opd.arguments import OPDArguments  # noqa: E402
-from opdkit.opd.head import load_head  # noqa: E402
 from opdkit.opd.loss import per_token_divergence  # noqa: E402
+from opdkit.opd.teachers import served, topk  # noqa: E402
+from opdkit.opd.teachers.served.head import load_head  # noqa: E402
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
 from opdkit.rollout import sampling  # noqa: E402
 from opdkit.run.checkpoints import resume_checkpoint, trainer_layout  # noqa: E402

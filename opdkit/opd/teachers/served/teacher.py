@@ -1,5 +1,11 @@
-"""`ServedTeacher`: a frozen teacher for `DistillTrainer` whose final hidden states come from a pooling
-server (`client.PoolingClient`) and whose output head is read alone from the checkpoint (`head.load_head`).
+"""`ServedTeacher`: a frozen teacher whose final hidden states come from a pooling server
+(`client.PoolingClient`) and whose output head is read alone from the checkpoint (`head.load_head`), so the
+divergence is the in-process teacher's (`local.LocalTeacher`, the kind it extends). What differs: the step's
+rows are sent before its micro-batches (`prepare_batches`), nothing is sharded (only the head is here), and
+with a reference (the same teacher in this process, `reference`) the served states x head are compared with
+it on the first `CHECK_STEPS` steps (`teacher_logprob_gap`): past the server dtype's tolerance the run stops
+before the step's update (`ServedTeacherMismatch`, one line). The start checks cannot see a wrong head; this
+can.
 
 Pitfalls this module exists for:
 - the server must return the *final, post-norm* states as they are: vLLM's pooling runner does so only with
@@ -23,10 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers.modeling_outputs import BaseModelOutput
 
-from opdkit.opd.head import TeacherHead
-from opdkit.opd.served.checks import (
+from opdkit.opd.teachers.local import LocalTeacher, States
+from opdkit.opd.teachers.served.checks import (
+    FINGERPRINT_TOLERANCE,
     STATE_TOLERANCE,
     ServedCheck,
     ServedTeacherMismatch,
@@ -35,15 +43,18 @@ from opdkit.opd.served.checks import (
     probe_text,
     state_gap,
 )
-from opdkit.opd.served.client import PoolingClient, TeacherServerError, TransferStats
+from opdkit.opd.teachers.served.client import PoolingClient, TeacherServerError, TransferStats
+from opdkit.opd.teachers.served.head import TeacherHead
+from opdkit.rollout.source import RolloutRecord
 
 # Rows per request: vLLM describes each row of a bytes answer in one header line (~110 B a row), which a
 # client reads up to a limit (Python's http.client 64 KiB, httpx's 100 KiB): 256 rows stay below both.
 MAX_REQUEST_ROWS = 256
+CHECK_STEPS = 2  # steps whose first micro-batch is compared with the reference (`teacher_logprob_gap`)
 
 
 class _ServedBackbone(torch.nn.Module):
-    """What `DistillTrainer` calls `base_model`: the served states in the padded (B, T, H) layout."""
+    """The teacher's `base_model`: the served states in the padded (B, T, H) layout."""
 
     def __init__(self, states):
         super().__init__()
@@ -59,13 +70,17 @@ class _Cached:
     states_NH: torch.Tensor
 
 
-class ServedTeacher(torch.nn.Module):
-    """A frozen teacher for `DistillTrainer` whose final hidden states come from a pooling server and whose
-    head is `head` (read alone from the checkpoint). `check_calls`: how many requests have every state
-    checked against the checkpoint's final norm (`state_gap`, tolerance `STATE_TOLERANCE[served_dtype]`);
-    `max_request_tokens` / `in_flight`: how a step's rows are cut into requests and how many go at once;
-    `reference`: the same teacher in process, for `DistillTrainer`'s `teacher_logprob_gap` on the first steps
-    (the state check cannot see a wrong head; this can)."""
+class ServedTeacher(LocalTeacher, torch.nn.Module):
+    """A frozen teacher whose final hidden states come from a pooling server and whose head is `head` (read
+    alone from the checkpoint); the module this process holds of it is itself (its head, and the reference
+    if any), which presents `base_model` and `get_output_embeddings` as a model does, so a teacher set or the
+    ADS teacher takes it as one. `check_calls`: how many requests have every state checked against the
+    checkpoint's final norm (`state_gap`, tolerance `STATE_TOLERANCE[served_dtype]`); `max_request_tokens` /
+    `in_flight`: how a step's rows are cut into requests and how many go at once; `reference`: the same
+    teacher in process, for `teacher_logprob_gap` on the first `CHECK_STEPS` steps (the state check cannot
+    see a wrong head; this can)."""
+
+    name = "served teacher"
 
     def __init__(
         self,
@@ -77,11 +92,11 @@ class ServedTeacher(torch.nn.Module):
         in_flight: int = 2,
         reference: torch.nn.Module | None = None,
     ):
-        super().__init__()
-        # The teacher in this process as well, where one fits: `DistillTrainer` compares the served
-        # states x head with it on the first steps (`teacher_logprob_gap`) and stops a wrong run.
+        torch.nn.Module.__init__(self)
+        # The teacher in this process as well, where one fits: the served states x head are compared with it
+        # on the first steps (`teacher_logprob_gap`) and a wrong run stopped.
         self.reference = reference.eval().requires_grad_(False) if reference is not None else None
-        self.client, self.name, self.head_source = client, head.name, head.source
+        self.client, self.model_name, self.head_source = client, head.name, head.source
         self.config = head.config
         self.served_dtype = served_dtype
         # The coarser of the server's dtype and the one the states travel in decides the rounding.
@@ -98,6 +113,14 @@ class ServedTeacher(torch.nn.Module):
         self._pool = ThreadPoolExecutor(max_workers=max(1, in_flight), thread_name_prefix="served-teacher")
         self._pending: list[Future] = []
         self._cache: dict[bytes, list[_Cached]] = {}
+        self.sharded = False
+        self._gap_checks_left, self._check_now, self._step = 0, False, 0
+        self.vocab_size = 0  # the tokenizer its rows are in (`start`)
+        self.eval().requires_grad_(False)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self
 
     @property
     def base_model(self) -> torch.nn.Module:
@@ -120,7 +143,7 @@ class ServedTeacher(torch.nn.Module):
         positions whose states the divergence reads) now, each row whole (a multi-turn transcript with its
         tools' tokens), in requests of at most `max_request_tokens` tokens, `in_flight` at a time; `states`
         then waits for them. Only the states at the positions `pred_BT` marks are kept (a teacher with
-        another tokenizer sends its own tokens and marks, `crossteacher.CrossTeacher.prepare`)."""
+        another tokenizer sends its own tokens and marks, `cross.Retokenizer.prepare`)."""
         self._wait()
         rows, kept = [], []
         for b in batches:
@@ -141,7 +164,7 @@ class ServedTeacher(torch.nn.Module):
         with self.client.lock:
             check, self.checks_left = self.checks_left > 0, self.checks_left - 1
         if check and self.norm_weight_H is not None:
-            self._check(torch.cat(states) if states else torch.zeros(0, self.lm_head.in_features))
+            self._check_states(torch.cat(states) if states else torch.zeros(0, self.lm_head.in_features))
         return states
 
     def _wait(self, keys: list[bytes] | None = None) -> None:
@@ -181,16 +204,16 @@ class ServedTeacher(torch.nn.Module):
             del self._cache[_key(ids)]
         return c
 
-    def _check(self, states_NH: torch.Tensor) -> None:
+    def _check_states(self, states_NH: torch.Tensor) -> None:
         gap = state_gap(states_NH, self.norm_weight_H)
         self.state_gaps.append(gap)
         if not gap <= self.tolerance:  # NaN too
             self.checks_left = 0
             raise ServedTeacherMismatch(
-                f"the states served by {self.client.url} are not the output of {self.name}'s final norm "
-                f"(rms(h / g) off 1 by {gap:.3g}, tolerance {self.tolerance:g} for a {self.served_dtype} "
-                "server): it serves another model, or pre-norm or normalised states; serve the teacher whose "
-                "head this run holds, with --runner pooling --pooler-config "
+                f"the states served by {self.client.url} are not the output of {self.model_name}'s final "
+                f"norm (rms(h / g) off 1 by {gap:.3g}, tolerance {self.tolerance:g} for a "
+                f"{self.served_dtype} server): it serves another model, or pre-norm or normalised states; "
+                "serve the teacher whose head this run holds, with --runner pooling --pooler-config "
                 '\'{"task":"token_embed","tok_pooling_type":"ALL","use_activation":false}\'.'
             )
 
@@ -223,12 +246,12 @@ class ServedTeacher(torch.nn.Module):
             ) from None
         if states_TH.shape[1] != self.lm_head.in_features:
             raise ServedTeacherMismatch(
-                f"{self.client.url} serves states of width {states_TH.shape[1]} but the head of {self.name} "
-                f"takes {self.lm_head.in_features}: another model is served."
+                f"{self.client.url} serves states of width {states_TH.shape[1]} but the head of "
+                f"{self.model_name} takes {self.lm_head.in_features}: another model is served."
             )
         gap = float("nan")
         if self.norm_weight_H is not None:
-            self._check(states_TH)
+            self._check_states(states_TH)
             gap = self.state_gaps.pop()
         return ServedCheck(
             url=self.client.url,
@@ -243,6 +266,74 @@ class ServedTeacher(torch.nn.Module):
             probe_ids=list(probe_ids),
             probe_logprobs=probe_logprobs(states_TH, self.lm_head.weight, list(probe_ids)),
         )
+
+    def start(self, student, tokenizer, args) -> None:
+        super().start(student, tokenizer, args)
+        self.vocab_size, self.chunk_size = len(tokenizer), args.loss_chunk_size
+        self.world_size = args.world_size
+        self._gap_checks_left = CHECK_STEPS if self.reference is not None else 0  # each run's first steps
+
+    def place(self, device, shard: bool) -> None:
+        self.to(device)
+
+    def prepare_batches(self, batches: list[dict], step: int) -> None:
+        self._check_now, self._step = self._gap_checks_left > 0, step
+        self._gap_checks_left -= self._check_now
+        if batches:
+            self.prepare_step(batches)
+
+    def score(self, record: RolloutRecord, own, fwd: dict, pred_BT: torch.Tensor) -> States:
+        part = super().score(record, own, fwd, pred_BT)
+        if self._check_now:  # the step's first micro-batch
+            self._check_now = False
+            part.sums = self._check_reference(part, fwd, pred_BT)
+        return part
+
+    @torch.no_grad()
+    def _check_reference(self, part: States, fwd: dict, pred_BT: torch.Tensor) -> torch.Tensor:
+        """`teacher_logprob_gap`: the mean |log p_served - log p_reference| of the tokens the teacher reads
+        (the student's, or with another tokenizer its own), the served states x this run's head against the
+        reference, over the micro-batch summed across processes; past `FINGERPRINT_TOLERANCE` of the
+        server's dtype the run stops before the step's update. Returns (gap sum, tokens), to log."""
+        ref = self.reference
+        target_N = fwd["input_ids"][:, 1:][pred_BT[:, :-1]]
+        r_hidden_NH = ref.base_model(**fwd).last_hidden_state[pred_BT]
+        r_head_VH = ref.get_output_embeddings().weight
+        V, chunk = self.vocab_size, self.chunk_size
+        gaps = []
+        for s in range(0, target_N.shape[0], chunk):
+            rows, tgt = slice(s, s + chunk), target_N[s : s + chunk, None]
+            lp = [
+                torch.log_softmax(h[rows].float() @ w[:V].float().T, -1).gather(1, tgt).squeeze(1)
+                for h, w in ((part.hidden_NH, part.head_VH), (r_hidden_NH, r_head_VH))
+            ]
+            gaps.append((lp[0] - lp[1]).abs())
+        gap_N = torch.cat(gaps) if gaps else part.hidden_NH.new_zeros(0)
+        sums = torch.stack([gap_N.sum().double(), torch.tensor(float(gap_N.shape[0]), device=gap_N.device)])
+        total = sums.clone()
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(total)
+        gap = float(total[0] / total[1].clamp(min=1))
+        dtype = self.served_dtype
+        tolerance = FINGERPRINT_TOLERANCE.get(dtype, 0.1)
+        if not gap <= tolerance:
+            raise ServedTeacherMismatch(
+                f"teacher_logprob_gap {gap:.3g} at step {self._step + 1} (tolerance "
+                f"{tolerance:g} for a {dtype} server): the served states times this run's teacher head "
+                "give other log-probabilities of the sampled tokens than the teacher in this process; the "
+                "server serves another model than teacher_model, or the head is not its own. Stopped before "
+                "the update."
+            )
+        return sums
+
+    def new_sums(self, device) -> torch.Tensor | None:
+        return None if self.reference is None else torch.zeros(2, dtype=torch.float64, device=device)
+
+    def metrics(self, sums: list[float] | None) -> dict:
+        if self.reference is None:
+            return {}
+        gap, tokens = sums
+        return {"teacher_logprob_gap": gap / tokens if tokens else None}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

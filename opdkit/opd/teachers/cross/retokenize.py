@@ -1,16 +1,15 @@
-"""A teacher with another tokenizer inside `DistillTrainer`: its inputs re-tokenized, and the student's part
-of the loss as GOLD's cross-tokenizer divergence (`opdkit.opd.crosstok`).
+"""A micro-batch re-tokenized for a teacher with another tokenizer (`Retokenizer`), and aligned with the
+student's tokens for GOLD's cross-tokenizer divergence (`cross.divergence`); the kind that reads it is
+`cross.teacher.CrossTokenizerTeacher`.
 
-    cross = CrossTeacher.of(student_tok, teacher_tok, args)     # None when both tokenizers are one vocabulary
-    extra = cross.prepare(ids_BT, attn_BT, loss_mask_BT, stop_ids)   # per micro-batch, at rollout time
-    parts = student_cross_divergence(student, fwd, pred_BT, t_hidden_MH, t_head_WH,
-                                     extra["crosstok_alignment"], cross, beta=..., chunk_size=...)
+    retok = Retokenizer.of(student_tok, teacher_tok, args)           # a ConfigError where they cannot align
+    own = retok.prepare(ids_BT, attn_BT, loss_mask_BT, stop_ids)     # per micro-batch, at rollout time
 
 What the teacher reads, as GOLD builds it (`build_teacher_inputs_from_texts`): the student's chat-templated
 prompt decoded with its special tokens and tokenized by the teacher's tokenizer (its own BOS added, a trailing
 EOS removed), then the completion's text in the teacher's tokens, then the teacher's EOS where the student's
 completion ended with a stop token (GOLD appends it to truncated completions too). The teacher's rows are the
-positions that predict each of its completion tokens (`crosstok.prediction_positions`).
+positions that predict each of its completion tokens (`cross.prediction_positions`).
 
 The loss of a step is the mean over the step's groups (all micro-batches and processes: the trainer counts the
 groups when it counts tokens), so batch size, accumulation and processes never change the gradient, as in the
@@ -23,29 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from opdkit.config import ConfigError
-from opdkit.opd.crosstok import (
-    Alignment,
-    CrossTokenizerSettings,
-    TokenBytes,
-    Tokens,
-    VocabMatch,
-    align,
-    cross_tokenizer_divergence,
-    prediction_positions,
-)
+from opdkit.opd.teachers.cross.alignment import align
+from opdkit.opd.teachers.cross.settings import CrossTokenizerSettings, prediction_positions
+from opdkit.opd.teachers.cross.tokenbytes import TokenBytes, Tokens, VocabMatch
 from opdkit.rollout import sampling
 from opdkit.rollout.multiturn import TURN_MARK
 from opdkit.rollout.source import Conversations
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel  # annotations only: its module takes seconds to import
 
 
 def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | None) -> bool:
@@ -54,8 +41,10 @@ def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | 
 
 
 @dataclass
-class CrossTeacher:
-    """Both tokenizers, their token bytes and shared vocabulary, and the cross-tokenizer settings."""
+class Retokenizer:
+    """Both tokenizers, their token bytes and shared vocabulary, and the cross-tokenizer settings: what
+    re-tokenizes a micro-batch into the teacher's tokens and aligns the two (`prepare`,
+    `prepare_transcripts`)."""
 
     student_tokenizer: PreTrainedTokenizerBase
     teacher_tokenizer: PreTrainedTokenizerBase
@@ -65,7 +54,7 @@ class CrossTeacher:
     match: VocabMatch
 
     @classmethod
-    def of(cls, student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, settings) -> CrossTeacher:
+    def of(cls, student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, settings) -> Retokenizer:
         """From the two tokenizers and any object with the `crosstok_*` fields (`OPDArguments`, a job's
         config); a ConfigError of one line when the two cannot be aligned."""
         own = CrossTokenizerSettings(
@@ -313,61 +302,3 @@ def teacher_forward_inputs(sample: dict) -> tuple[dict, torch.Tensor]:
         use_cache=False,
     )
     return fwd, sample["teacher_pred_BT"]
-
-
-def student_cross_divergence(
-    student: PreTrainedModel,
-    fwd: dict,
-    pred_BT: torch.Tensor,
-    t_hidden_MH: torch.Tensor,
-    t_head_WH: torch.Tensor,
-    plan: Alignment,
-    cross: CrossTeacher,
-    *,
-    beta: float,
-    student_vocab_size: int,
-    teacher_vocab_size: int,
-    chunk_size: int,
-    target_ids_N: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The student's part of the cross-tokenizer loss, run as its forward like `trainer.student_divergence`:
-    (summed group losses, each group's loss on the student token that closes the group (0 elsewhere), the
-    student's log-probability of each `target_ids_N` token if given)."""
-    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-    s_head_VH = student.get_output_embeddings().weight
-    with torch.autocast(s_hidden_NH.device.type, enabled=False):
-        out = cross_tokenizer_divergence(
-            s_hidden_NH,
-            s_head_VH,
-            t_hidden_MH,
-            t_head_WH,
-            plan,
-            cross.settings,
-            match=cross.match,
-            beta=beta,
-            student_vocab_size=student_vocab_size,
-            teacher_vocab_size=teacher_vocab_size,
-            chunk_size=chunk_size,
-        )
-        token_logp_N = None
-        if target_ids_N is not None:
-            token_logp_N = _token_logprobs(
-                s_hidden_NH.detach(), s_head_VH.detach(), target_ids_N, student_vocab_size, chunk_size
-            )
-    al = plan.to(s_hidden_NH.device)
-    last_G = al.s_base_G.clone()
-    if len(al.s_scalar_Q):
-        last_G = last_G.scatter_reduce(0, al.s_scalar_group_Q, al.s_scalar_Q, "amax")
-    per_token_N = torch.zeros(s_hidden_NH.shape[0], dtype=out.per_group_G.dtype, device=s_hidden_NH.device)
-    per_token_N[last_G] = out.per_group_G
-    return out.sum, per_token_N, token_logp_N
-
-
-@torch.no_grad()
-def _token_logprobs(hidden_NH, head_VH, target_N, vocab: int, chunk_size: int) -> torch.Tensor:
-    """The student's log-probability of each sampled token (the vLLM engine's gap check), chunk by chunk."""
-    parts = []
-    for h, t in zip(hidden_NH.split(chunk_size), target_N.split(chunk_size)):
-        logits = F.linear(h.to(head_VH.dtype), head_VH[:vocab]).float()
-        parts.append(logits.gather(1, t.unsqueeze(1)).squeeze(1) - logits.logsumexp(-1))
-    return torch.cat(parts) if parts else hidden_NH.new_zeros(0)

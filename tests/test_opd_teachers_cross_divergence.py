@@ -1,4 +1,4 @@
-"""Tests for opdkit.opd.crosstok.divergence: the loss and its gradient against TRL's `ULDLoss` (GOLD) in
+"""Tests for opdkit.opd.teachers.cross.divergence: the loss and its gradient against TRL's `ULDLoss` (GOLD) in
 float64 and against a brute-force chain rule; the closed-form backward (`_StudentLoss`) against plain
 autograd."""
 
@@ -13,7 +13,7 @@ from conftest import CROSSTOK_TEXTS as TEXTS
 from conftest import sorted_l1_reference
 
 from opdkit.config import ConfigError
-from opdkit.opd.crosstok import (
+from opdkit.opd.teachers.cross import (
     CrossTokenizerSettings,
     Tokens,
     VocabMatch,

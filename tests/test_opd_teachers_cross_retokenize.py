@@ -17,8 +17,8 @@ from opdkit.build.bpe_teacher import build_bpe_tokenizer
 from opdkit.config import ConfigError
 from opdkit.data.prompts import PromptCollator
 from opdkit.models import load_tokenizer, small_qwen3
-from opdkit.opd import crossteacher
 from opdkit.opd.arguments import OPDArguments
+from opdkit.opd.teachers import cross
 from opdkit.opd.teachers.local import student_divergence
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling, source
@@ -156,11 +156,11 @@ def test_trainer_loss_and_gradient_equal_trl_uld_loss(tmp_path, tok, bpe, hybrid
 
 
 def test_the_start_message_names_the_overlap(tmp_path, tok, bpe):
-    cross = crossteacher.CrossTeacher.of(tok, bpe, _args(tmp_path))
-    shared, vocab = cross.overlap()
+    retokenizer = cross.Retokenizer.of(tok, bpe, _args(tmp_path))
+    shared, vocab = retokenizer.overlap()
     spelled_alike = set(tok.get_vocab()) & set(bpe.get_vocab())
     assert (shared, vocab) == (len(spelled_alike), len(bpe))
-    assert f"{shared:,} of the teacher's {vocab:,}" in cross.describe("tiny:teacher-bpe")
+    assert f"{shared:,} of the teacher's {vocab:,}" in retokenizer.describe("tiny:teacher-bpe")
 
 
 def test_the_same_tokenizer_keeps_the_same_tokenizer_path(tmp_path, tok):
@@ -169,7 +169,7 @@ def test_the_same_tokenizer_keeps_the_same_tokenizer_path(tmp_path, tok):
     assert trainer.teacher.tokenizer is None
     r = _rollout(tok)
     inputs = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
-    assert inputs["teacher_rows"] is None
+    assert inputs["teacher_inputs"] is None
     loss = trainer.compute_loss(trainer.model, inputs)
     # The same-tokenizer divergence called directly, as the trainer did before cross-tokenizer teachers.
     P = r.prompt_len
@@ -194,11 +194,11 @@ def test_what_cannot_be_aligned_is_refused_in_one_line(tmp_path, tok):
     word.pre_tokenizer = pre_tokenizers.Whitespace()
     wordpiece = PreTrainedTokenizerFast(tokenizer_object=word, eos_token="[UNK]")
     with pytest.raises(ConfigError, match="differs from the student's and .*positional") as err:
-        crossteacher.CrossTeacher.of(tok, wordpiece, _args(tmp_path))
+        cross.Retokenizer.of(tok, wordpiece, _args(tmp_path))
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="comparisons only"):
         trl_rows = _args(tmp_path, crosstok_merge="observed-trl")
-        crossteacher.CrossTeacher.of(tok, build_bpe_tokenizer(), trl_rows)
+        cross.Retokenizer.of(tok, build_bpe_tokenizer(), trl_rows)
 
 
 def test_micro_batches_add_up_to_the_whole_batch(tmp_path, tok, bpe):
@@ -207,7 +207,7 @@ def test_micro_batches_add_up_to_the_whole_batch(tmp_path, tok, bpe):
     trainer = _trainer(tmp_path, tok, bpe, _teacher(len(bpe)))
     r = _rollout(tok)
     whole = trainer.micro_batch(source.record_of(r, trainer.stop_ids))
-    n = whole["teacher_rows"]["crosstok_groups"]
+    n = whole["teacher_inputs"]["crosstok_groups"]
     trainer.compute_loss(trainer.model, whole, num_items_in_batch=n).backward()
     want = {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
     trainer.model.zero_grad()

@@ -12,8 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
-from opdkit.opd import topk
 from opdkit.opd.loss import per_token_divergence
+from opdkit.opd.teachers import topk
+from opdkit.opd.teachers.topk import teacher as topk_teacher
 from opdkit.rollout.sampling import position_ids_from_mask
 from opdkit.settings import parse_topk
 
@@ -144,7 +145,7 @@ def test_vllm_prompt_logprobs_are_laid_out_as_teacher_topk():
         chosen = order[:2] + ([row[t]] if row[t] not in order[:2] else [])
         entries.append({str(i): {"logprob": float(lp_V[i]), "rank": order.index(i) + 1} for i in chosen})
     choice = json.loads(json.dumps({"prompt_logprobs": entries}))["prompt_logprobs"]
-    ids_TK, lp_TK = topk._topk_row(choice, row, 2, "stub")
+    ids_TK, lp_TK = topk_teacher._topk_row(choice, row, 2, "stub")
     want_ids, want_lp = topk.teacher_topk(logits_TV[:-1], 2, torch.tensor(row[1:]))
     assert torch.equal(ids_TK, want_ids)
     torch.testing.assert_close(lp_TK, want_lp)

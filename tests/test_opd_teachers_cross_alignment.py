@@ -1,12 +1,12 @@
-"""Tests for opdkit.opd.crosstok.alignment: the two-pointer walk over byte ends on real tokenizers (Qwen3,
-DeepSeek, the tiny world's character tokenizer): every group spells the same bytes on both sides."""
+"""Tests for opdkit.opd.teachers.cross.alignment: the two-pointer walk over byte ends on real tokenizers
+(Qwen3, DeepSeek, the tiny world's character tokenizer): every group spells the same bytes on both sides."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import CROSSTOK_TEXTS as TEXTS
 
-from opdkit.opd.crosstok import (
+from opdkit.opd.teachers.cross import (
     TokenBytes,
     align_ends,
 )

@@ -1,6 +1,6 @@
 """GOLD's cross-tokenizer divergence over an `Alignment`: each group's merged distributions compared by the
 sorted L1 (or the hybrid), the student's side one autograd node (`_StudentLoss`) whose backward pass
-recomputes each chunk and writes its gradient in closed form (see `opdkit.opd.crosstok`)."""
+recomputes each chunk and writes its gradient in closed form (see `opdkit.opd.teachers.cross`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from opdkit.opd.crosstok.alignment import Alignment
-from opdkit.opd.crosstok.settings import CrossTokenizerSettings, check_settings
-from opdkit.opd.crosstok.sortedl1 import Buffers, l1_signs
-from opdkit.opd.crosstok.tokenbytes import VocabMatch
+from opdkit.opd.teachers.cross.alignment import Alignment
+from opdkit.opd.teachers.cross.settings import CrossTokenizerSettings, check_settings
+from opdkit.opd.teachers.cross.sortedl1 import Buffers, l1_signs
+from opdkit.opd.teachers.cross.tokenbytes import VocabMatch
 
 EPS = 1e-8  # GOLD's floor on a merged token's probability and on the hybrid's matched probabilities
 

@@ -1,8 +1,8 @@
 """The approximate divergence from a teacher's top-K log-probabilities (`teacher_logprobs: topk:K`), what
-serving kits that send log-probabilities instead of states compute, and the client that gets them.
+serving kits that send log-probabilities instead of states compute: pure maths, no teacher (the kind that
+gets them from a server is `topk.teacher.TopKTeacher`).
 
-    client = PromptLogprobsClient("http://node7:8000")            # an ordinary `vllm serve` generation server
-    ids_TK, logp_TK = client.topk([row_ids], k=20)[0]              # entry t: the top-K for token t+1
+    ids_NK, logp_NK = teacher_topk(teacher_logits_NV, k=20)                  # as a server sends them
     div_N = topk_divergence(student_logits_NV, ids_NK, logp_NK, beta=1.0)     # approximate, labelled so
 
 What it computes, precisely. At each position the server names a support S: the teacher's K most likely
@@ -31,29 +31,18 @@ Pitfalls this module exists for:
   (the tiny teacher gives some tokens 1e-8) has its tail floored at `TAIL_FLOOR`: one more under-statement,
   where the student puts mass the teacher rules out. Measured on the tiny world (reverse KL, 6 rows of
   greedy tiny-task text): 52 %, 29 %, 10 % and 0.12 % of the exact divergence missing at K = 1, 5, 20, 100
-  of V = 101 (tests/test_opd_served_vllm.py).
+  of V = 101 (tests/test_opd_teachers_served_vllm.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opdkit.opd.loss import DivergenceOutput
-from opdkit.opd.served import (
-    ServedCheck,
-    ServedTeacherMismatch,
-    ServerClient,
-    TeacherServerError,
-    check_server,
-    job_client,
-    probe_text,
-)
 
 # The smallest teacher tail mass: float32 log-probabilities (as served) fix their sum to ~1e-8.
 TAIL_FLOOR = 1e-7
@@ -202,182 +191,3 @@ def chunked_topk_divergence(
         student_entropy_N=torch.cat([e for _, e, _ in parts]),
         student_token_logprob_N=torch.cat([t for _, _, t in parts]) if want_target else None,
     )
-
-
-class PromptLogprobsClient(ServerClient):
-    """An ordinary vLLM generation server's log-probabilities of given sequences: POST /v1/completions with
-    the token ids as the prompt, `max_tokens` 1 and `prompt_logprobs` K (the server's --max-logprobs must
-    allow K)."""
-
-    def __init__(self, url: str, model: str | None = None, **kwargs):
-        super().__init__(url, **kwargs)
-        self._model = model
-
-    @property
-    def model(self) -> str:
-        if self._model is None:
-            self._model = self.models()[0]["id"]
-        return self._model
-
-    def topk(self, rows: list[list[int]], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per row (ids (T-1, K+1), log-probabilities): entry t is the teacher's top-K for token t+1 (what the
-        state at t predicts), plus the actual token t+1 in the last slot where it is outside them (else id
-        -1, log-prob -inf), as `teacher_topk` lays them out."""
-        payload = {
-            "model": self.model,
-            "prompt": rows,
-            "max_tokens": 1,
-            "temperature": 1.0,
-            "prompt_logprobs": k,
-        }
-        t0 = time.perf_counter()
-        body = self.call("POST", "/v1/completions", payload)
-        t1 = time.perf_counter()
-        with self.lock:
-            self.stats.request_s += t1 - t0
-        choices = sorted(json.loads(body)["choices"], key=lambda c: c["index"])
-        if len(choices) != len(rows):
-            raise TeacherServerError(f"{self.url} answered {len(choices)} rows to a request of {len(rows)}.")
-        out = [_topk_row(c["prompt_logprobs"], row, k, self.url) for c, row in zip(choices, rows)]
-        with self.lock:
-            s = self.stats
-            s.requests += 1
-            s.rows += len(rows)
-            s.tokens += sum(len(r) for r in rows)
-            s.bytes += len(body)
-            s.decode_s += time.perf_counter() - t1
-        return out
-
-
-class TopKTeacher(torch.nn.Module):
-    """`teacher_logprobs: topk:K`: the teacher's top-K log-probabilities (ids and values) at the positions a
-    trainer's `pred_BT` marks, from a `PromptLogprobsClient`. Approximate (see the module's docstring);
-    `chunked_topk_divergence` takes what `sparse` returns. `DistillTrainer` recognises it (no head, no
-    hidden states) and computes the top-K divergence instead of the exact one; `prepare_step` sends a step's
-    rows in one request before its micro-batches, as `served.ServedTeacher` does. A module without
-    parameters: the training process holds nothing of the teacher."""
-
-    approximate = True
-
-    def __init__(self, client: PromptLogprobsClient, k: int, name: str = ""):
-        super().__init__()
-        if k < 1:
-            raise ValueError(f"k={k}: the top-K needs K >= 1")
-        self.client, self.k, self.name = client, k, name
-        self._cache: dict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    @property
-    def label(self) -> str:
-        """How a run names its divergence: approximate, and at which K."""
-        return f"topk:{self.k} (approximate: the teacher's top-{self.k} log-probabilities plus a tail bin)"
-
-    @property
-    def stats(self):
-        return self.client.stats
-
-    def prepare_step(self, batches: list[dict]) -> None:
-        """Every row of a step's micro-batches (`input_ids`, `attention_mask`) asked for in one request now;
-        `sparse` then reads them from here."""
-        rows = [r for b in batches for r in _unpadded_rows(b["input_ids"], b["attention_mask"])[0]]
-        if rows:
-            for row, got in zip(rows, self.client.topk(rows, self.k)):
-                self._cache.setdefault(_row_key(row), []).append(got)
-
-    def sparse(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, pred_BT: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids (N, K+1), log-probabilities) for the N positions `pred_BT` marks, row after row (the order of
-        `hidden[pred_BT]`); the last slot holds the actual next token where it is outside the top K."""
-        rows, firsts = _unpadded_rows(input_ids_BT, attention_mask_BT)
-        out: list = [None] * len(rows)
-        for b, row in enumerate(rows):
-            cached = self._cache.get(_row_key(row))
-            if cached:
-                out[b] = cached.pop(0)
-                if not cached:
-                    del self._cache[_row_key(row)]
-        missing = [b for b, o in enumerate(out) if o is None]
-        if missing:
-            for b, got in zip(missing, self.client.topk([rows[b] for b in missing], self.k)):
-                out[b] = got
-        pred_BT = pred_BT.cpu()
-        ids, logps = [], []
-        for b, (first, (ids_TK, logp_TK)) in enumerate(zip(firsts, out)):
-            at_T = pred_BT[b].nonzero().squeeze(1) - first  # a state at unpadded t predicts token t+1
-            ids.append(ids_TK[at_T])
-            logps.append(logp_TK[at_T])
-        device = input_ids_BT.device
-        return torch.cat(ids).to(device), torch.cat(logps).to(device)
-
-    def close(self) -> None:
-        self._cache.clear()
-
-
-def job_topk_teacher(cfg, tokenizer) -> tuple[TopKTeacher, ServedCheck]:
-    """A job's `teacher_logprobs: topk:K` teacher: the generation server at `teacher_server` checked as a
-    served teacher is (`served.check_server`: one model, its name, context, tokenizer), then asked for a
-    probe's top-K (refused: its --max-logprobs is below K, or its vocabulary is smaller than the
-    tokenizer's). Returns the teacher and what was found, the probe's log-probabilities as its fingerprint."""
-    k = cfg.topk()
-    pooling = job_client(cfg)  # the URL checked, the timeouts and retries of a served teacher
-    client = PromptLogprobsClient(pooling.url, timeout_s=pooling.timeout_s, retries=pooling.retries)
-    found = check_server(
-        client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.rollout_max_new_tokens
-    )
-    probe = tokenizer(probe_text(tokenizer), add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
-    try:
-        ((ids_TK, logp_TK),) = client.topk([probe], k)
-    except (TeacherServerError, KeyError) as e:
-        raise ServedTeacherMismatch(
-            f"{client.url} refused a probe with prompt_logprobs {k} (teacher_logprobs topk:{k}): it must be "
-            f"a generation server (not --runner pooling) started with --max-logprobs {k} or more, for a "
-            f"model taking the tokenizer's {len(tokenizer)} ids ({e})"
-        ) from None
-    actual_T = torch.tensor(probe[1:])[:, None]
-    probe_logprobs = logp_TK.masked_fill(ids_TK != actual_T, 0.0).sum(1).tolist()  # the actual token's
-    check = ServedCheck(
-        url=client.url,
-        served_name=found.name,
-        served_root=found.root,
-        max_model_len=found.max_model_len,
-        hidden_size=0,
-        head_rows=0,
-        head_source=f"none (teacher_logprobs topk:{k})",
-        tokenizer_checked=found.tokenizer_checked,
-        state_gap=float("nan"),
-        probe_ids=list(probe),
-        probe_logprobs=probe_logprobs,
-    )
-    return TopKTeacher(client, k, cfg.teacher_model), check
-
-
-def _unpadded_rows(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
-    """Each row's real tokens (from its first to its last attended one) and where they start."""
-    ids_BT, attn_BT = input_ids_BT.cpu(), attention_mask_BT.cpu().bool()
-    rows, firsts = [], []
-    for b in range(ids_BT.shape[0]):
-        where = attn_BT[b].nonzero().squeeze(1)
-        first = int(where[0]) if where.numel() else 0
-        rows.append(ids_BT[b, first : first + where.numel()].tolist())
-        firsts.append(first)
-    return rows, firsts
-
-
-def _row_key(row: list[int]) -> bytes:
-    return torch.tensor(row, dtype=torch.int64).numpy().tobytes()
-
-
-def _topk_row(entries: list, row: list[int], k: int, url: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if entries is None or len(entries) != len(row):
-        raise TeacherServerError(f"{url} sent no prompt_logprobs for a row of {len(row)} tokens.")
-    ids_TK = torch.full((len(row) - 1, k + 1), -1, dtype=torch.long)
-    logp_TK = torch.full((len(row) - 1, k + 1), -math.inf)
-    for t, entry in enumerate(entries[1:]):
-        ranked = sorted(((int(i), v) for i, v in entry.items()), key=lambda x: x[1]["rank"])
-        top = [(i, v["logprob"]) for i, v in ranked if v["rank"] <= k][:k]
-        for j, (i, lp) in enumerate(top):
-            ids_TK[t, j], logp_TK[t, j] = i, lp
-        actual = row[t + 1]
-        if actual not in {i for i, _ in top}:
-            ids_TK[t, k], logp_TK[t, k] = actual, entry[str(actual)]["logprob"]
-    return ids_TK, logp_TK

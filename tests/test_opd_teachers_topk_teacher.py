@@ -1,5 +1,5 @@
-"""opdkit.opd.teachers.topk: a top-K teacher answers every call, says it is approximate, and refuses another
-temperature than 1 at start."""
+"""opdkit.opd.teachers.topk.teacher: a top-K teacher answers every call, says it is approximate, and refuses
+another temperature than 1 at start."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ from conftest import tiny_model
 from test_opd_teachers_base import _LogitsClient, answers_every_call, args
 
 from opdkit.models import load_tokenizer
-from opdkit.opd import topk
-from opdkit.opd.teachers.topk import TopK
+from opdkit.opd.teachers import topk
 
 
 def test_a_topk_teacher_answers_every_call_and_is_labelled_approximate(tmp_path):
     tok = load_tokenizer("tiny:student")
-    kind = TopK(topk.TopKTeacher(_LogitsClient(tiny_model("tiny:teacher")), 4))
+    kind = topk.TopKTeacher(_LogitsClient(tiny_model("tiny:teacher")), 4)
     got = answers_every_call(kind, tok, tmp_path)
     assert not kind.exact and got["metrics"] == {"teacher_logprobs": "topk:4 (approximate)"}
-    assert kind.plan_rows()[0].bytes_per_token == 5 * 12  # K + 1 ids and log-probabilities
+    assert kind.module is kind and not list(kind.parameters())  # this process holds none of it
     with pytest.raises(ValueError, match="kl_temperature=2.0"):
         kind.start(tiny_model("tiny:student"), tok, args(tmp_path, kl_temperature=2.0))

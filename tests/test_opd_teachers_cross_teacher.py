@@ -1,5 +1,5 @@
-"""opdkit.opd.teachers.cross: a teacher with another tokenizer answers every call: its rows are its own
-tokens, the step's loss is a mean over its groups, and it gives no entropy."""
+"""opdkit.opd.teachers.cross.teacher: a teacher with another tokenizer answers every call: its rows are its
+own tokens, the step's loss is a mean over its groups, and it gives no entropy."""
 
 from __future__ import annotations
 

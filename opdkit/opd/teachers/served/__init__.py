@@ -7,18 +7,20 @@ output head here, so the divergence is the same chunked, full-vocabulary one as 
     trainer = DistillTrainer(..., teacher_model=teacher)         # the trainer is unchanged
     teacher.prepare_step(rows)       # optional: the step's rows sent at once, before its micro-batches
 
-`DistillTrainer` uses a teacher through `base_model(...).last_hidden_state` and
-`get_output_embeddings().weight` only: here the first comes from the server, the second is the head read
-from the checkpoint (`head.load_head`), so the training process never loads the teacher's layers. H numbers
+`ServedTeacher` is a teacher kind (`teachers.base.Teacher`, extending `local.LocalTeacher`) and the module
+this process holds of it: it presents `base_model(...).last_hidden_state` and `get_output_embeddings().weight`
+as a model does, the first from the server, the second the head read from the checkpoint (`head.load_head`),
+so the training process never loads the teacher's layers. H numbers
 move per token instead of V logits (Qwen3-4B: 2,560 against 151,936), and nothing is truncated.
 
-By idea: `client` (HTTP, retries, the server's key), `teacher` (`ServedTeacher`: rows unpadded, requests
-in flight, states cached for the step), `checks` (start checks, the final-norm check, the probe's
-fingerprint), `wiring` (a job's client, start check and teacher from its settings, and `teacher_server:
+By idea: `client` (HTTP, retries, the server's key), `head` (the output head read alone from the
+checkpoint), `teacher` (`ServedTeacher`: rows unpadded, requests in flight, states cached for the step, the
+reference's gap on the first steps), `checks` (start checks, the final-norm check, the probe's fingerprint),
+`wiring` (a job's client, start check and teacher from its settings, and `teacher_server:
 local`, the server a run starts itself). The names below are the package's: import them from here.
 """
 
-from opdkit.opd.served.checks import (
+from opdkit.opd.teachers.served.checks import (
     FINGERPRINT_TOLERANCE,
     PROBE_TEXT,
     ServedCheck,
@@ -29,7 +31,7 @@ from opdkit.opd.served.checks import (
     probe_text,
     state_gap,
 )
-from opdkit.opd.served.client import (
+from opdkit.opd.teachers.served.client import (
     API_KEY_ENV,
     PoolingClient,
     ServerClient,
@@ -37,8 +39,9 @@ from opdkit.opd.served.client import (
     TransferStats,
     decode_pooling,
 )
-from opdkit.opd.served.teacher import ServedTeacher
-from opdkit.opd.served.wiring import (
+from opdkit.opd.teachers.served.head import TeacherHead, load_head
+from opdkit.opd.teachers.served.teacher import CHECK_STEPS, ServedTeacher
+from opdkit.opd.teachers.served.wiring import (
     LOCAL,
     check_job_server,
     job_client,
@@ -52,6 +55,7 @@ from opdkit.opd.served.wiring import (
 
 __all__ = [
     "API_KEY_ENV",
+    "CHECK_STEPS",
     "FINGERPRINT_TOLERANCE",
     "LOCAL",
     "PROBE_TEXT",
@@ -60,6 +64,7 @@ __all__ = [
     "ServedTeacher",
     "ServedTeacherMismatch",
     "ServerClient",
+    "TeacherHead",
     "TeacherServerError",
     "TransferStats",
     "check_job_server",
@@ -69,6 +74,7 @@ __all__ = [
     "job_client",
     "job_server",
     "job_teacher",
+    "load_head",
     "local_server",
     "longest",
     "probe_logprobs",

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 from opdkit import tiny
 from opdkit.data.prompts import PromptCollator
 from opdkit.models import load_tokenizer
-from opdkit.opd import mixture
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.loss import per_token_divergence
+from opdkit.opd.teachers import sets
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
@@ -60,7 +60,7 @@ def _completion_logits(model, r: sampling.Rollout) -> torch.Tensor:
 def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, teachers, rollout):
     r = rollout
     owners = ["big", "small", "small", "big", "small"]
-    routed = mixture.RoutedTeacher(teachers)
+    routed = sets.RoutedTeacher(teachers)
     args = OPDArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
     )
@@ -68,7 +68,7 @@ def test_routed_rows_score_with_their_own_teacher_in_the_trainer(tmp_path, tok, 
         model=_model("tiny:student"), args=args, processing_class=tok, teacher_model=routed
     )
     batch = trainer.micro_batch(source.record_of(r, trainer.stop_ids, teacher_ids=owners))
-    trainer.teacher.prepare([(batch["record"], batch["teacher_rows"])], step=0)
+    trainer.teacher.prepare([(batch["record"], batch["teacher_inputs"])], step=0)
     loss = trainer.compute_loss(trainer.model, batch)
     with torch.no_grad():
         s_NV = _completion_logits(_model("tiny:student"), r)
@@ -99,7 +99,7 @@ def test_the_weighted_divergence_is_the_weighted_sum_of_each_teachers(teachers, 
         (0.7, torch.randn(9, 8, generator=g), torch.randn(101, 8, generator=g)),
         (0.3, *(torch.randn(9, 24, generator=g), torch.randn(101, 24, generator=g))),
     ]
-    out, each = mixture.weighted_divergence(s_NH, s_VH, parts, beta=0.5, temperature=1.3)
+    out, each = sets.weighted_divergence(s_NH, s_VH, parts, beta=0.5, temperature=1.3)
     out.sum.backward()
     s2_NH, s2_VH = s_NH.detach().clone().requires_grad_(), s_VH.detach().clone().requires_grad_()
     direct_N = [per_token_divergence(s2_NH @ s2_VH.T, h @ w.T, 0.5, 1.3) for _, h, w in parts]
@@ -113,13 +113,13 @@ def test_the_weighted_divergence_is_the_weighted_sum_of_each_teachers(teachers, 
 
 def test_a_resume_with_another_teacher_set_is_refused(teachers):
     probe = [5, 6, 7, 8, 9]
-    saved = mixture.fingerprints(teachers, probe)
-    mixture.check_same_teachers(saved, mixture.fingerprints(dict(teachers), probe))
+    saved = sets.fingerprints(teachers, probe)
+    sets.check_same_teachers(saved, sets.fingerprints(dict(teachers), probe))
     swapped = {"big": teachers["small"], "small": teachers["big"]}
-    with pytest.raises(mixture.TeacherSetMismatch, match="teacher 'big' scores the probe differently"):
-        mixture.check_same_teachers(saved, mixture.fingerprints(swapped, probe))
-    with pytest.raises(mixture.TeacherSetMismatch, match="resumed with \\['big'\\]"):
-        mixture.check_same_teachers(saved, mixture.fingerprints({"big": teachers["big"]}, probe))
+    with pytest.raises(sets.TeacherSetMismatch, match="teacher 'big' scores the probe differently"):
+        sets.check_same_teachers(saved, sets.fingerprints(swapped, probe))
+    with pytest.raises(sets.TeacherSetMismatch, match="resumed with \\['big'\\]"):
+        sets.check_same_teachers(saved, sets.fingerprints({"big": teachers["big"]}, probe))
 
 
 def _perturbed(name: str, seed: int = 0) -> torch.nn.Module:
@@ -137,7 +137,7 @@ def test_the_trainer_with_weighted_teachers_takes_the_weighted_sum_and_logs_each
     (0.7 D1 + 0.3 D2) / N from full logits, and each teacher's own divergence is kept for its metric."""
     r = rollout
     teachers = {"a": _model("tiny:teacher"), "b": _perturbed("tiny:teacher")}
-    mix = mixture.WeightedTeachers(teachers, {"a": 0.7, "b": 0.3})
+    mix = sets.WeightedTeachers(teachers, {"a": 0.7, "b": 0.3})
     args = OPDArguments(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, sample_every=0, save_strategy="no", max_steps=1
     )
@@ -156,7 +156,7 @@ def test_the_trainer_with_weighted_teachers_takes_the_weighted_sum_and_logs_each
     sums = trainer.stats.teacher_sums.tolist()
     assert sums[:2] == pytest.approx([d["a"], d["b"]], rel=1e-5) and sums[2:] == [float(n)] * 2
     with pytest.raises(ValueError, match="one weight per teacher id"):
-        mixture.WeightedTeachers(teachers, {"a": 1.0})
+        sets.WeightedTeachers(teachers, {"a": 1.0})
 
 
 def _train(tmp_path, tok, teacher, steps: int, resume: str | None = None) -> DistillTrainer:
@@ -199,12 +199,12 @@ def test_routed_training_logs_each_teachers_divergence_and_a_resume_with_another
     logs divergence/a and divergence/b; the fingerprints are saved with the run; a resume with the same
     set continues, with another (a teacher swapped for a perturbed copy) it stops with one line."""
     a, b = _model("tiny:teacher"), _perturbed("tiny:teacher")
-    first = _train(tmp_path, tok, mixture.RoutedTeacher({"a": a, "b": b}), steps=1)
+    first = _train(tmp_path, tok, sets.RoutedTeacher({"a": a, "b": b}), steps=1)
     logged = [h for h in first.state.log_history if "loss" in h][0]
     assert logged["divergence/a"] > 0 and logged["divergence/b"] > 0
     assert (tmp_path / "teachers.json").exists()
-    again = _train(tmp_path, tok, mixture.RoutedTeacher({"a": a, "b": b}), 2, str(tmp_path / "checkpoint-1"))
+    again = _train(tmp_path, tok, sets.RoutedTeacher({"a": a, "b": b}), 2, str(tmp_path / "checkpoint-1"))
     assert again.state.global_step == 2
-    other = mixture.RoutedTeacher({"a": a, "b": _perturbed("tiny:teacher", seed=1)})
-    with pytest.raises(mixture.TeacherSetMismatch, match="teacher 'b' scores the probe differently"):
+    other = sets.RoutedTeacher({"a": a, "b": _perturbed("tiny:teacher", seed=1)})
+    with pytest.raises(sets.TeacherSetMismatch, match="teacher 'b' scores the probe differently"):
         _train(tmp_path, tok, other, 3, str(tmp_path / "checkpoint-2"))

@@ -1,4 +1,5 @@
-"""Distilling from a teacher with another tokenizer: GOLD's cross-tokenizer divergence, vectorised and exact.
+"""Distilling from a teacher with another tokenizer: the kind (`CrossTokenizerTeacher`), the micro-batch
+re-tokenized and aligned for it (`Retokenizer`), and GOLD's cross-tokenizer divergence, vectorised and exact.
 
     s_bytes, t_bytes = TokenBytes.of(student_tok), TokenBytes.of(teacher_tok)       # once per tokenizer
     match = VocabMatch.of(student_tok, teacher_tok)                             # once per pair (hybrid)
@@ -18,7 +19,8 @@ tokens. Each group's loss is ULD's sorted-probability L1 between the two merged 
 vocabularies differ, so probabilities are compared rank by rank), or the hybrid: generalized JSD on the
 vocabulary both tokenizers share (matched by exact token string) plus the sorted L1 on the rest, weighted
 fixed or by the share of the teacher's vocabulary that matched. This follows TRL's GOLD (`ULDLoss`,
-trl/experimental/gold) to 1e-6 in float64 (tests/test_opd_crosstok_divergence.py), with the exceptions below.
+trl/experimental/gold) to 1e-6 in float64 (tests/test_opd_teachers_cross_divergence.py), with the exceptions
+below.
 
 Tensor names: N student completion tokens (flattened over the batch), V the student's vocabulary, M the
 teacher's completion tokens, W the teacher's vocabulary, G groups, Q the scalar (non-base) tokens of
@@ -51,7 +53,7 @@ Pitfalls this module exists for:
   the two sides' ranks meet are sorted, a few percent of the values when the two distributions differ
   in shape (a row where they hold over a quarter, two distributions of one shape, is sorted in full).
   The result is exact: the same terms as the full sort, summed in another order (float rounding only),
-  and the same subgradient; tests/test_opd_crosstok_sortedl1.py checks it against the sort with ties,
+  and the same subgradient; tests/test_opd_teachers_cross_sortedl1.py checks it against the sort with ties,
   zeros and values equal to 1e-4.
 - nothing is materialised over the whole batch's vocabulary: scalar tokens need only their own
   probability, base rows are processed `chunk_size` groups at a time, and the student's side is one
@@ -60,29 +62,38 @@ Pitfalls this module exists for:
   bucket, for it), so memory is a few chunk x vocabulary buffers, reused from chunk to chunk (GOLD keeps
   full B x T x V logits, ~10 GB per model at 64 x 256 tokens and Qwen3's vocabulary in float32).
 
-One module per idea: `settings` (GOLD's knobs, declared in `opdkit.settings`; the rows they read),
-`tokenbytes` (token bytes, the shared vocabulary), `alignment` (groups and rows), `divergence` (the loss and
-its closed-form backward), `sortedl1` (the sorted L1 without a sort). The names below are the package's
+One module per idea: `teacher` (the kind, and the student's side of its loss), `retokenize` (a micro-batch in
+the teacher's tokens, single- and multi-turn, and `differ`: whether two tokenizers are two vocabularies), and
+the pure maths: `settings` (GOLD's knobs, declared in `opdkit.settings`; the rows they read), `tokenbytes`
+(token bytes, the shared vocabulary), `alignment` (groups and rows), `divergence` (the loss and its
+closed-form backward), `sortedl1` (the sorted L1 without a sort). The names below are the package's
 interface.
 """
 
-from opdkit.opd.crosstok.alignment import Alignment, align, align_ends
-from opdkit.opd.crosstok.divergence import EPS, CrossTokenizerOutput, cross_tokenizer_divergence
-from opdkit.opd.crosstok.settings import CrossTokenizerSettings, prediction_positions
-from opdkit.opd.crosstok.sortedl1 import sorted_l1
-from opdkit.opd.crosstok.tokenbytes import TokenBytes, Tokens, VocabMatch
+from opdkit.opd.teachers.cross.alignment import Alignment, align, align_ends
+from opdkit.opd.teachers.cross.divergence import EPS, CrossTokenizerOutput, cross_tokenizer_divergence
+from opdkit.opd.teachers.cross.retokenize import Retokenizer, differ, teacher_forward_inputs
+from opdkit.opd.teachers.cross.settings import CrossTokenizerSettings, prediction_positions
+from opdkit.opd.teachers.cross.sortedl1 import sorted_l1
+from opdkit.opd.teachers.cross.teacher import CrossTokenizerTeacher, student_cross_divergence
+from opdkit.opd.teachers.cross.tokenbytes import TokenBytes, Tokens, VocabMatch
 
 __all__ = [
     "EPS",
     "Alignment",
     "CrossTokenizerOutput",
     "CrossTokenizerSettings",
+    "CrossTokenizerTeacher",
+    "Retokenizer",
     "TokenBytes",
     "Tokens",
     "VocabMatch",
     "align",
     "align_ends",
     "cross_tokenizer_divergence",
+    "differ",
     "prediction_positions",
     "sorted_l1",
+    "student_cross_divergence",
+    "teacher_forward_inputs",
 ]

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
 from opdkit.models import small_qwen3
-from opdkit.opd import head as head_mod
-from opdkit.opd.head import load_head
+from opdkit.opd.teachers.served import head as head_mod
+from opdkit.opd.teachers.served.head import load_head
 
 
 def test_the_tied_tiny_teacher_head_is_its_embedding():

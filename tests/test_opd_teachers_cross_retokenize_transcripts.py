@@ -1,4 +1,4 @@
-"""A teacher with another tokenizer over multi-turn transcripts (`CrossTeacher.prepare_transcripts`): the
+"""A teacher with another tokenizer over multi-turn transcripts (`Retokenizer.prepare_transcripts`): the
 trainer's loss and the student's gradient equal a direct computation over the student's turns (the teacher's
 own chat template renders the conversation, one plain forward of each model, groups where both sides' byte
 ends coincide inside each turn, the bayesian merge, ULD's sorted L1, the mean over groups); a teacher whose
@@ -173,7 +173,7 @@ def test_the_loss_over_a_transcript_equals_the_direct_computation_on_the_student
     # multi-character teacher tokens: fewer groups than the student's turn tokens
     assert groups < int(record.loss_mask_BT.sum()) - 4  # 4 stop tokens, skipped
     want.backward()
-    assert float(inputs["teacher_rows"]["crosstok_groups"]) == groups
+    assert float(inputs["teacher_inputs"]["crosstok_groups"]) == groups
     assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-9)
     for name, p in student.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-8, atol=1e-12)
