@@ -1,4 +1,4 @@
-"""02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_served.py's stub: the tiny
+"""02 with `teacher_server`: a tiny run against a pooling server (tests/helpers.py's stub: the tiny
 teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss on full
 logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run stops the
 run with one error and the run resumes; the memory plan holds the head, not the teacher. Through tool turns
@@ -13,9 +13,15 @@ import secrets
 
 import pytest
 import torch
-from test_jobs_whitebox import assert_grads_close, direct_gradient, run_tiny
-from test_opd_served import StubPoolingServer
-from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns
+from helpers import (
+    TOOL_RUN,
+    StubPoolingServer,
+    assert_grads_close,
+    direct_gradient,
+    episodes,
+    run_tiny,
+    tool_turns,
+)
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit import tiny

@@ -4,7 +4,7 @@ DeepSeek, the tiny world's character tokenizer): every group spells the same byt
 from __future__ import annotations
 
 import pytest
-from conftest import CROSSTOK_TEXTS as TEXTS
+from helpers import CROSSTOK_TEXTS as TEXTS
 
 from opdkit.opd.crosstok import (
     TokenBytes,

@@ -4,8 +4,7 @@ temperature than 1 at start."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
-from test_opd_teachers_base import _LogitsClient, answers_every_call, args
+from helpers import LogitsClient, answers_every_call, args, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd import topk
@@ -14,7 +13,7 @@ from opdkit.opd.teachers.topk import TopK
 
 def test_a_topk_teacher_answers_every_call_and_is_labelled_approximate(tmp_path):
     tok = load_tokenizer("tiny:student")
-    kind = TopK(topk.TopKTeacher(_LogitsClient(tiny_model("tiny:teacher")), 4))
+    kind = TopK(topk.TopKTeacher(LogitsClient(tiny_model("tiny:teacher")), 4))
     got = answers_every_call(kind, tok, tmp_path)
     assert not kind.exact and got["metrics"] == {"teacher_logprobs": "topk:4 (approximate)"}
     assert kind.plan_rows()[0].bytes_per_token == 5 * 12  # K + 1 ids and log-probabilities
