@@ -14,12 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import MEMORY
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("vllm")
 
-from helpers import InterruptAt, Interrupted, generalized_jsd  # noqa: E402
+from helpers import MEMORY, InterruptAt, Interrupted, generalized_jsd  # noqa: E402
 
 from opdkit import tiny  # noqa: E402
 from opdkit.config import ConfigError  # noqa: E402
