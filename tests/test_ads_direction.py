@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_prompts, tiny_rollout
+from helpers import tiny_model, tiny_prompts, tiny_rollout
 
 from opdkit.ads import gradfile
 from opdkit.ads.direction import JVP, Direction, FiniteDifference, make_direction, rounded_away_fraction

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_prompts
+from helpers import tiny_prompts
 
 from opdkit.ads.direction import FiniteDifference, make_direction
 from opdkit.ads.gradient import global_norm

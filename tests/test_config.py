@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
-from conftest import CONFIGS
+from helpers import CONFIGS
 
 from opdkit import config
 from opdkit.config import ConfigError, load_config

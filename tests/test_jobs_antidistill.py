@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_SWEEP
+from helpers import SMALL_SWEEP
 
 from opdkit.ads import gradfile
 from opdkit.jobs import antidistill

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SMALL_SWEEP
+from helpers import SMALL_SWEEP
 
 from opdkit.data.traces import completion
 from opdkit.jobs import antidistill

@@ -125,7 +125,7 @@ def test_with_teacher_server_the_scoring_teacher_takes_the_served_states(grads_r
     """`teacher_server` (a stub pooling server serving 04's tiny teacher): the attackers' ADS teacher, on
     the trainer's path (base_model states x stacked head), gives the in-process one's logits; the config
     refuses what 04 cannot use."""
-    from test_opd_teachers_served import StubPoolingServer
+    from helpers import StubPoolingServer
 
     from opdkit.models import load_tokenizer
     from opdkit.opd.teachers import served

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from opdkit.ads import gradfile, gradient
 from opdkit.config import ConfigError, load_config

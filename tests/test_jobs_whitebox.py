@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import InterruptAt, Interrupted
+from helpers import FIXED, InterruptAt, Interrupted, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM
 
 from opdkit import memory, tiny
@@ -25,60 +25,8 @@ from opdkit.models import small_qwen3
 from opdkit.opd.callbacks import GradientDump
 from opdkit.opd.loss import chunked_divergence
 from opdkit.opd.trainer import DistillTrainer
-from opdkit.rollout import microbatches, sampling
+from opdkit.rollout import microbatches
 from opdkit.run import checkpoints
-
-# Near-greedy sampling makes completions independent of how prompts are batched, so that runs with
-# different batch shapes see the same completions.
-FIXED = dict(
-    max_steps=1,
-    eval_size=0,
-    sample_every=0,
-    checkpoint_every=0,
-    max_grad_norm=0.0,
-    save_rollouts=True,
-    rollout_temperature=0.001,
-    subset_size=64,
-)
-
-
-def run_tiny(tmp_path: Path, name: str, callbacks=None, **overrides):
-    over = {**FIXED, "run_dir": str(tmp_path / name), **overrides}
-    return whitebox.run("tiny", over, callbacks=callbacks)
-
-
-def direct_gradient(
-    run_path: Path, beta: float = 1.0, student: str = "tiny:student", teacher: str = "tiny:teacher"
-) -> dict[str, torch.Tensor]:
-    """The step's gradient computed from scratch: full logits, TRL's loss over all completion tokens (the
-    tokens of loss mask 1: a multi-turn transcript's student turns)."""
-    from trl.experimental.gkd import GKDTrainer
-
-    student = AutoModelForCausalLM.from_pretrained(tiny.resolve(student))
-    teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve(teacher))
-    s_rows, t_rows = [], []
-    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
-        for mb in torch.load(f):
-            ids, attn, sampled_BT = mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()
-            pos = sampling.position_ids_from_mask(attn)
-            s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            sel = sampled_BT[:, 1:]  # the logits at t predict token t+1
-            s_rows.append(s_logits[:, :-1][sel])
-            t_rows.append(t_logits[:, :-1][sel])
-    s, t = torch.cat(s_rows)[None], torch.cat(t_rows)[None]
-    loss = GKDTrainer.generalized_jsd_loss(s, t, labels=torch.zeros(s.shape[:2], dtype=torch.long), beta=beta)
-    loss.backward()
-    return {n: p.grad for n, p in student.named_parameters()}
-
-
-def assert_grads_close(a: dict, b: dict, rtol=2e-4):
-    assert a.keys() == b.keys()
-    for name in a:
-        scale = b[name].abs().max().item() + 1e-12
-        err = (a[name] - b[name]).abs().max().item() / scale
-        assert err < rtol, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("batch,accum", [(4, 1), (2, 2), (1, 4)])

@@ -44,10 +44,10 @@ def test_before_and_after_decode_at_one_precision(tmp_path, monkeypatch, bf16):
 
 def test_with_an_environment_the_summary_reports_greedy_episodes_and_their_tool_calls(tmp_path):
     """tiny-tools: the accuracies are greedy episodes' with the calculator, the teacher's and the student's as
-    played and graded by hand (conftest.tool_episode_by_hand); eval_every logs the tool share."""
+    played and graded by hand (helpers.tool_episode_by_hand); eval_every logs the tool share."""
     import json
 
-    from conftest import tool_episode_by_hand as by_hand
+    from helpers import tool_episode_by_hand as by_hand
 
     from opdkit.models import load_model, load_tokenizer
     from opdkit.tasks import tinytools

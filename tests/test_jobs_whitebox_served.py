@@ -1,9 +1,9 @@
-"""02 with `teacher_server`: a tiny run against a pooling server (tests/test_opd_teachers_served.py's stub:
-the tiny teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss
-on full logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run
-stops the run with one error and the run resumes; the memory plan holds the head, not the teacher. Through
-tool turns (`environment`), the served teacher reads each transcript whole and takes the in-process first
-update. tests/test_opd_teachers_served_vllm.py runs the same job against a real vLLM server."""
+"""02 with `teacher_server`: a tiny run against a pooling server (tests/helpers.py's stub: the tiny
+teacher's states over HTTP) takes the in-process teacher's first update, checked against TRL's loss on full
+logits; an unreachable or wrong server is refused before anything is written; a server gone mid-run stops the
+run with one error and the run resumes; the memory plan holds the head, not the teacher. Through tool turns
+(`environment`), the served teacher reads each transcript whole and takes the in-process first update.
+tests/test_opd_teachers_served_vllm.py runs the same job against a real vLLM server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,15 @@ import secrets
 
 import pytest
 import torch
-from test_jobs_whitebox import assert_grads_close, direct_gradient, run_tiny
-from test_opd_teachers_served import StubPoolingServer
-from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns
+from helpers import (
+    TOOL_RUN,
+    StubPoolingServer,
+    assert_grads_close,
+    direct_gradient,
+    episodes,
+    run_tiny,
+    tool_turns,
+)
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit import tiny

@@ -187,7 +187,8 @@ REPORTS = {"report", "tooluse", "ahead"}  # a job's report modules a notebook ma
 
 def notebook_imports(root: Path = REPO) -> list[str]:
     """A notebook imports its job's package (`from opdkit.jobs import whitebox`) and that job's report (05
-    also whitebox's report of a tool-use run, `tooluse`), and nothing else of opdkit."""
+    also whitebox's report of a tool-use run, `tooluse`), and nothing else of opdkit but the progress bars
+    it installs first (`from opdkit.notebook import progress`)."""
     bad = []
     for nb in sorted((root / "notebooks").glob("*.ipynb")):
         code = "\n".join(
@@ -203,14 +204,18 @@ def notebook_imports(root: Path = REPO) -> list[str]:
             if isinstance(node, ast.Import) and any(a.name.startswith("opdkit") for a in node.names):
                 bad.append(f"{nb.name}: import {', '.join(a.name for a in node.names)}")
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("opdkit"):
-                ok = node.module == "opdkit.jobs" or (
-                    node.module in {f"opdkit.jobs.{j}" for j in jobs}
-                    and {a.name for a in node.names} <= REPORTS
-                    and "report" in {a.name for a in node.names}
+                names = [a.name for a in node.names]
+                ok = (
+                    node.module == "opdkit.jobs"
+                    or (node.module == "opdkit.notebook" and names == ["progress"])
+                    or (
+                        node.module in {f"opdkit.jobs.{j}" for j in jobs}
+                        and set(names) <= REPORTS
+                        and "report" in names
+                    )
                 )
                 if not ok:
-                    names = ", ".join(a.name for a in node.names)
-                    bad.append(f"{nb.name}: from {node.module} import {names}")
+                    bad.append(f"{nb.name}: from {node.module} import {', '.join(names)}")
         if len(jobs) != 1:
             bad.append(f"{nb.name} imports the jobs {sorted(jobs)}; a notebook calls one job")
     return bad

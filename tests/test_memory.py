@@ -19,77 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HAND_PARAMS, QWEN3, SMALL
 
 from opdkit import memory
 from opdkit.memory import ModelShape, Stage, kv_bytes_per_token, largest_batch, plan
 from opdkit.rollout import sampling
 
-# The published config.json of each model (Qwen/Qwen3-*), the fields that shape it.
-_QWEN3_COMMON = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "attention_bias": False,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 40960,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000,
-    "torch_dtype": "bfloat16",
-    "vocab_size": 151936,
-}
-QWEN3 = {
-    "Qwen3-0.6B": {
-        **_QWEN3_COMMON,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 28,
-        "tie_word_embeddings": True,
-    },
-    "Qwen3-1.7B": {
-        **_QWEN3_COMMON,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 28,
-        "tie_word_embeddings": True,
-    },
-    "Qwen3-4B": {
-        **_QWEN3_COMMON,
-        "hidden_size": 2560,
-        "intermediate_size": 9728,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 36,
-        "tie_word_embeddings": True,
-    },
-    "Qwen3-8B": {
-        **_QWEN3_COMMON,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_attention_heads": 32,
-        "num_hidden_layers": 36,
-        "tie_word_embeddings": False,
-    },
-}
 SIZES = list(QWEN3)
 
-# By hand: embedding + layers x (q + k + v + o + gate/up/down + two RMSNorms + q_norm/k_norm) + final norm
-# (+ the untied head of 8B). q is heads x 128 wide, k and v 8 x 128 = 1024.
-HAND_PARAMS = {
-    "Qwen3-0.6B": 151936 * 1024
-    + 28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128)
-    + 1024,
-    "Qwen3-1.7B": 151936 * 2048
-    + 28 * (2048 * 2048 + 2 * 2048 * 1024 + 2048 * 2048 + 3 * 2048 * 6144 + 2 * 2048 + 2 * 128)
-    + 2048,
-    "Qwen3-4B": 151936 * 2560
-    + 36 * (2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128)
-    + 2560,
-    "Qwen3-8B": 2 * 151936 * 4096
-    + 36 * (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128)
-    + 4096,
-}
 # The model cards' "Number of Parameters (Non-Embedding)": 0.44B, 1.4B, 3.6B, 6.95B.
 NON_EMBEDDING_B = {"Qwen3-0.6B": 0.44, "Qwen3-1.7B": 1.4, "Qwen3-4B": 3.6, "Qwen3-8B": 6.95}
 
@@ -129,19 +66,6 @@ def test_qwen3_parameter_counts_match_hand_and_transformers(size):
     non_embedding = HAND_PARAMS[size] - d["V"] * d["h"] * (1 if d["tied"] else 2)
     assert non_embedding / 1e9 == pytest.approx(NON_EMBEDDING_B[size], rel=0.01)  # the cards round
     assert (shape.head_dim, shape.kv_dim) == (128, 1024)  # explicit: 0.6B's hidden / heads is 64, 4B's 80
-
-
-SMALL = {
-    "model_type": "qwen3",
-    "hidden_size": 96,
-    "intermediate_size": 200,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "num_hidden_layers": 3,
-    "vocab_size": 1000,
-    "tie_word_embeddings": True,
-}
 
 
 @pytest.mark.parametrize(

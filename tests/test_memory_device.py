@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_memory import SMALL
+from helpers import SMALL
 
 from opdkit import memory
 

@@ -343,9 +343,9 @@ def test_04_plans_its_students_evaluation_in_fp32_and_its_rollouts_under_autocas
 def test_02_full_with_its_rollout_producer_on_a_gpu_of_its_own(hub_cache, monkeypatch):
     """issue 39, the README's command: 02 full in one training process on cuda:0, the producer sampling one
     step ahead with the kit's loop on cuda:1. The trainer's plan loses its rollout (and the vLLM engine); the
-    producer's GPU holds its rows by hand (`test_memory_rows_producer`) and its reserve; the queue is in host
+    producer's GPU holds its rows by hand (`helpers.producer_by_hand`) and its reserve; the queue is in host
     memory."""
-    from test_memory_rows_producer import OWN_GPU, QUEUE, _producer_by_hand
+    from helpers import OWN_GPU, QUEUE, producer_by_hand
 
     from opdkit.jobs import whitebox
     from opdkit.jobs.whitebox.job import JOB
@@ -365,7 +365,7 @@ def test_02_full_with_its_rollout_producer_on_a_gpu_of_its_own(hub_cache, monkey
     _, job_plan = plan_job(JOB, whitebox.prepare("full", over))
     assert not [r for r in job_plan.plan.rows if "rollout" in r.component or "vllm" in r.component]
     producer = job_plan.beside[OWN_GPU]
-    assert {r.component: r.bytes for r in producer.rows} == {**_producer_by_hand(), "reserve": 4e9}
+    assert {r.component: r.bytes for r in producer.rows} == {**producer_by_hand(), "reserve": 4e9}
     assert list(job_plan.beside) == [OWN_GPU, QUEUE] and job_plan.fits
 
 

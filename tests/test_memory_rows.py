@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_memory import HAND_PARAMS, QWEN3
+from helpers import HAND_PARAMS, QWEN3
 
 from opdkit import memory
 from opdkit.config import load_config

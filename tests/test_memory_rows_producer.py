@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_memory import HAND_PARAMS, QWEN3
+from helpers import HIDDEN, OWN_GPU, PARAMS, QUEUE, QWEN3, ROWS, VOCAB, C, P, producer_by_hand
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from opdkit import memory
@@ -21,13 +21,6 @@ from opdkit.opd.stage import distill_stage
 from opdkit.rollout import engines, sampling, source
 from opdkit.tasks import tiny as task
 from opdkit.tiny import resolve
-
-VOCAB, HIDDEN = 151936, 1024  # Qwen3-0.6B
-P, C, ROWS = 1024, 1024, 64  # 02 full: prompt and completion tokens, a step's rows on one process
-PARAMS = HAND_PARAMS["Qwen3-0.6B"]
-KV_FP32 = 2 * 28 * 8 * 128 * 4  # K and V per token, both fp32: the producer decodes without autocast
-QUEUE = "the rollout producer's queue in host memory"
-OWN_GPU = "the rollout producer on a GPU of its own"
 
 
 def _stage(**change) -> Stage:
@@ -46,32 +39,17 @@ def _stage(**change) -> Stage:
     return dataclasses.replace(base, **change)
 
 
-def _producer_by_hand() -> dict[str, int]:
-    """The producer's rows for `_stage`, by hand: its fp32 copy; the state_dict sent to it (the tied embedding
-    under both names) on the device at once; its fp32 KV cache; the prefill's one layer for every prompt token
-    (residual x 3, q x 2, k/v x 2, MLP x 3, 4 B), one layer's cache being extended and three fp32 rows of
-    logits per row."""
-    prefill = ROWS * P * 4 * (3 * 1024 + 2 * 2048 + 2 * 1024 + 3 * 3072)
-    kv = ROWS * (P + C) * KV_FP32
-    return {
-        "rollout producer weights": PARAMS * 4,
-        "rollout producer weight update": (PARAMS + VOCAB * HIDDEN) * 4,
-        "KV cache, rollout producer": kv,
-        "decoding working set, rollout producer": prefill + kv // 28 + 3 * ROWS * VOCAB * 4,
-    }
-
-
 def test_a_producer_beside_the_trainer_replaces_its_rollout_rows_with_the_producers_held_always():
     sync, ahead = plan(_stage(), 80), plan(_stage(rollout_ahead=1), 80)
     producer = [r for r in ahead.rows if "rollout producer" in r.component]
-    assert {r.component: r.bytes for r in producer} == _producer_by_hand()
+    assert {r.component: r.bytes for r in producer} == producer_by_hand()
     assert {r.phase for r in producer} == {memory.ALWAYS}  # it samples beside every phase of the trainer
     # Everything else is the synchronous plan's, less the rollout the trainer no longer decodes.
     rest = [r for r in ahead.rows if r not in producer]
     assert rest == [r for r in sync.rows if "student rollout" not in r.component]
     assert {r.phase for r in sync.rows if "student rollout" in r.component} == {"rollout"}
     others = max(b for phase, b in sync.phase_totals().items() if phase != "rollout")
-    assert ahead.total == others + sum(_producer_by_hand().values())
+    assert ahead.total == others + sum(producer_by_hand().values())
 
 
 def test_the_queue_holds_s_plus_1_weight_copies_and_s_steps_of_records_and_prompts_in_host_memory():
@@ -131,7 +109,7 @@ def test_a_producer_on_a_gpu_of_its_own_is_planned_there_with_its_own_reserve_an
     job = memory.plan_job({"distillation": _stage(rollout_ahead=1, producer_place="gpu")}, 80)
     trainer, own = job.plan, job.beside[OWN_GPU]
     assert not [r for r in trainer.rows if "rollout" in r.component]
-    assert {r.component: r.bytes for r in own.rows} == {**_producer_by_hand(), "reserve": 4e9}
+    assert {r.component: r.bytes for r in own.rows} == {**producer_by_hand(), "reserve": 4e9}
     assert own.budget_bytes == 80e9 and own.fits and job.fits
     assert list(job.beside) == [OWN_GPU, QUEUE]
     # 256 rows of fp32 cache (120 GB) do not fit the producer's GPU, though the trainer's plan still does.

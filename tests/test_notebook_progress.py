@@ -7,12 +7,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from tqdm import std
 
 from opdkit.notebook import progress
 from opdkit.run.lifecycle import RunFailed
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 class FakeHandle:
@@ -128,7 +131,10 @@ def test_a_kernel_run_cell_holds_one_text_display_and_no_widget(tmp_path):
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("from opdkit.jobs import whitebox  # installs the cell bars first"),
+        nbformat.v4.new_code_cell(
+            "from opdkit.notebook import progress\nprogress.install()  # first, as every notebook\n"
+            "from opdkit.jobs import whitebox"
+        ),
         nbformat.v4.new_code_cell(
             "from tqdm.auto import tqdm\nfrom transformers.trainer_callback import tqdm as hf_tqdm\n"
             "for _ in tqdm(range(50), desc='kit'): pass\n"
@@ -154,3 +160,14 @@ def test_a_kernel_run_cell_holds_one_text_display_and_no_widget(tmp_path):
     assert "kit: 100%" in text and "transformers: 100%" in text
     assert "application/vnd.jupyter.widget-view+json" not in json.dumps(outputs)
     assert len(outputs) <= 3  # the display and the print
+
+
+def test_every_notebook_installs_the_cell_bars_before_it_imports_anything():
+    """Importing a job installs nothing (`opdkit.jobs`): each notebook's first cell that imports calls
+    `progress.install()` first (its job's report imports transformers, and so tqdm.auto)."""
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        first = next(c for c in cells if c["cell_type"] == "code" and "import" in "".join(c["source"]))
+        lines = [line for line in "".join(first["source"]).splitlines() if line.strip()]
+        assert lines[0] == "from opdkit.notebook import progress", path.name
+        assert lines[1].startswith("progress.install()"), path.name

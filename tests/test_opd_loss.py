@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import generalized_jsd
 from torch.profiler import ProfilerActivity, profile
 
-from opdkit.opd.loss import chunked_divergence, generalized_jsd, per_token_divergence
+from opdkit.opd.loss import chunked_divergence, per_token_divergence
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CROSSTOK_TEXTS as TEXTS
+from helpers import CROSSTOK_TEXTS as TEXTS
 
 from opdkit.opd.teachers.cross import (
     TokenBytes,

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CROSSTOK_PROMPTS as PROMPTS
-from conftest import CROSSTOK_TEXTS as TEXTS
-from conftest import sorted_l1_reference
+from helpers import CROSSTOK_PROMPTS as PROMPTS
+from helpers import CROSSTOK_TEXTS as TEXTS
+from helpers import sorted_l1_reference
 
 from opdkit.config import ConfigError
 from opdkit.opd.teachers.cross import (

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from test_rollout_multiturn import call, play
+from helpers import call, play
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sorted_l1_reference
+from helpers import sorted_l1_reference
 
 from opdkit.opd.teachers.cross import sorted_l1, sortedl1
 

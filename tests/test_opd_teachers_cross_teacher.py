@@ -3,8 +3,7 @@ own tokens, the step's loss is a mean over its groups, and it gives no entropy."
 
 from __future__ import annotations
 
-from conftest import tiny_model
-from test_opd_teachers_base import answers_every_call, args
+from helpers import answers_every_call, args, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd.teachers.cross import CrossTokenizerTeacher

@@ -5,7 +5,7 @@ tokenizers, and the shared vocabulary."""
 from __future__ import annotations
 
 import pytest
-from conftest import CROSSTOK_TEXTS as TEXTS
+from helpers import CROSSTOK_TEXTS as TEXTS
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_opd_teachers_base import answers_every_call
+from helpers import answers_every_call, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd.loss import per_token_divergence
@@ -24,7 +23,7 @@ def test_a_teacher_in_process_answers_every_call_with_the_full_logits_divergence
 
 def test_the_divergence_per_token_is_the_full_logits_one(tmp_path):
     """The chunked states-and-head divergence against `per_token_divergence` of the two models' logits."""
-    from conftest import tiny_rollout
+    from helpers import tiny_rollout
 
     from opdkit.opd.teachers.base import DivergenceInputs
     from opdkit.rollout import sampling, source

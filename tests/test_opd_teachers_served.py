@@ -9,13 +9,12 @@ import base64
 import json
 import math
 import os
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
+from helpers import StubPoolingServer, pooling_client
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
@@ -28,121 +27,6 @@ from opdkit.opd.teachers.served.head import load_head
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import sampling, source
 from opdkit.tasks import tiny as task
-
-
-class StubPoolingServer:
-    """A pooling server in a thread: POST /pooling answers each row's final hidden states from `model` (one
-    unpadded forward per row) as base64 float32 or JSON floats, GET /v1/models names `name`, POST /tokenize
-    uses `tokenizer`. `fail_next` requests get `fail_status`; `delay_s` delays every /pooling answer. With
-    `api_key` every request but GET /health needs `Authorization: Bearer <api_key>` (401 without); the
-    Authorization headers received are kept in `authorizations`."""
-
-    def __init__(self, model, name: str = "tiny-teacher", tokenizer=None, root: str | None = None):
-        self.model, self.name, self.tokenizer, self.root = model, name, tokenizer, root or name
-        self.fail_next, self.fail_status, self.delay_s = 0, 503, 0.0
-        self.pooling_requests: list[dict] = []
-        self.transform = None  # states -> states, to serve something else than the model's final states
-        self.api_key, self.authorizations = "", []
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, obj) -> None:
-                body = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def refused(self) -> bool:
-                stub.authorizations.append(self.headers.get("Authorization", ""))
-                if stub.api_key and stub.authorizations[-1] != f"Bearer {stub.api_key}":
-                    self._send(401, {"error": "Unauthorized"})
-                    return True
-                return False
-
-            def do_GET(self):
-                if self.path != "/health" and self.refused():
-                    return
-                if self.path == "/health":
-                    self._send(200, {})
-                elif self.path == "/v1/models":
-                    self._send(200, {"data": [{"id": stub.name, "root": stub.root, "max_model_len": 256}]})
-                else:
-                    self._send(404, {"error": {"message": "no such path"}})
-
-            def do_POST(self):
-                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.refused():
-                    return
-                if stub.fail_next:
-                    stub.fail_next -= 1
-                    self._send(stub.fail_status, {"error": {"message": "stub failure"}})
-                    return
-                if self.path == "/tokenize":
-                    if stub.tokenizer is None:
-                        self._send(404, {"error": {"message": "no tokenizer"}})
-                        return
-                    ids = stub.tokenizer(payload["prompt"], add_special_tokens=False)["input_ids"]
-                    self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": 256})
-                    return
-                stub.pooling_requests.append(payload)
-                if max(max(r) for r in payload["input"]) >= stub.model.config.vocab_size:
-                    self._send(400, {"error": {"message": "Token id is out of vocabulary"}})
-                    return
-                assert payload["task"] == "token_embed" and payload["use_activation"] is False
-                time.sleep(stub.delay_s)
-                states = []
-                for row in payload["input"]:
-                    with torch.no_grad():
-                        h_TH = stub.model.model(input_ids=torch.tensor([row])).last_hidden_state[0].float()
-                    states.append(h_TH if stub.transform is None else stub.transform(h_TH))
-                dtype = getattr(torch, payload["embed_dtype"])
-                raws = [h.to(dtype).contiguous().view(torch.uint8).numpy().tobytes() for h in states]
-                if payload["encoding_format"] == "bytes":  # vLLM's layout: raw body, a metadata header
-                    items, start = [], 0
-                    for i, (raw, h) in enumerate(zip(raws, states)):
-                        items.append(
-                            dict(
-                                index=i,
-                                embed_dtype=payload["embed_dtype"],
-                                start=start,
-                                end=start + len(raw),
-                                shape=list(h.shape),
-                                endianness="little",
-                            )
-                        )
-                        start += len(raw)
-                    body = b"".join(raws)
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/octet-stream")
-                    self.send_header("metadata", json.dumps({"data": items}))
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                    return
-                if payload["encoding_format"] == "base64":
-                    data = [base64.b64encode(raw).decode() for raw in raws]
-                else:
-                    data = [h.tolist() for h in states]
-                self._send(
-                    200, {"data": [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)]}
-                )
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +45,13 @@ def stub(teacher, tok):
         yield s
 
 
-def _client(url: str, **kw) -> served.PoolingClient:
-    return served.PoolingClient(url, **{"timeout_s": 5.0, "retries": 2, "backoff_s": 0.05, **kw})
-
-
 def test_decoding_gives_the_models_states_in_both_encodings(stub, teacher):
     rows = [[3, 4, 5, 6], [7, 8]]
     with torch.no_grad():
         want = [teacher.model(input_ids=torch.tensor([r])).last_hidden_state[0] for r in rows]
     for encoding in ("bytes", "base64", "float"):
         for dtype in ("float32", "bfloat16"):
-            got = _client(stub.url, encoding=encoding, dtype=dtype).hidden_states(rows)
+            got = pooling_client(stub.url, encoding=encoding, dtype=dtype).hidden_states(rows)
             assert [tuple(g.shape) for g in got] == [(4, 128), (2, 128)]
             for g, w in zip(got, want):
                 if encoding == "float":  # JSON numbers of the float32 states, whatever dtype was asked
@@ -191,7 +71,7 @@ def test_decoding_refuses_pooled_or_misshapen_answers():
 
 
 def test_a_failing_server_is_retried_then_one_error_names_the_url(stub):
-    client = _client(stub.url)
+    client = pooling_client(stub.url)
     stub.fail_next = 2  # two 503s, then an answer: within the 1 + 2 tries
     assert len(client.hidden_states([[1, 2, 3]])) == 1
     assert client.stats.retries == 2
@@ -206,16 +86,16 @@ def test_a_failing_server_is_retried_then_one_error_names_the_url(stub):
 
 def test_the_api_key_in_the_environment_goes_with_every_request(stub, monkeypatch):
     monkeypatch.delenv(served.API_KEY_ENV, raising=False)
-    _client(stub.url).models()
+    pooling_client(stub.url).models()
     assert stub.authorizations[-1] == ""
     monkeypatch.setenv(served.API_KEY_ENV, "sekrit")
-    _client(stub.url).models()
+    pooling_client(stub.url).models()
     assert stub.authorizations[-1] == "Bearer sekrit"
 
 
 def test_a_slow_or_absent_server_times_out_into_the_same_error(stub):
     stub.delay_s = 1.0
-    client = _client(stub.url, timeout_s=0.2, retries=1)
+    client = pooling_client(stub.url, timeout_s=0.2, retries=1)
     t0 = time.monotonic()
     with pytest.raises(served.TeacherServerError, match="after 2 tries.*timed out"):
         client.hidden_states([[1, 2]])
@@ -225,7 +105,7 @@ def test_a_slow_or_absent_server_times_out_into_the_same_error(stub):
 
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(served.TeacherServerError, match=f"{dead} did not answer.*Connection"):
-        _client(dead).hidden_states([[1, 2]])
+        pooling_client(dead).hidden_states([[1, 2]])
 
 
 def test_state_gap_is_zero_for_final_norm_outputs_and_large_otherwise(teacher):
@@ -243,7 +123,9 @@ def test_state_gap_is_zero_for_final_norm_outputs_and_large_otherwise(teacher):
 
 
 def test_check_reports_the_server_and_refuses_mismatches(stub, tok):
-    teacher = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
+    teacher = served.ServedTeacher(
+        pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32"
+    )
     report = teacher.check(tokenizer=tok, expect_name="some/folder/tiny-teacher", min_model_len=200)
     assert report.served_name == "tiny-teacher" and report.hidden_size == 128 and report.tokenizer_checked
     assert report.state_gap < 1e-5 and len(report.probe_logprobs) == len(report.probe_ids) - 1
@@ -261,13 +143,15 @@ def test_check_reports_the_server_and_refuses_mismatches(stub, tok):
 
 def test_a_server_whose_tokenizer_splits_otherwise_is_refused(teacher, tok, qwen3_tokenizer):
     with StubPoolingServer(teacher, tokenizer=qwen3_tokenizer) as stub:
-        st = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
+        st = served.ServedTeacher(pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
         with pytest.raises(served.ServedTeacherMismatch, match="token ids would mean different things"):
             st.check(tokenizer=tok)
 
 
 def test_a_resume_against_another_served_model_is_refused(stub, tok):
-    teacher = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
+    teacher = served.ServedTeacher(
+        pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32"
+    )
     saved = teacher.check(tokenizer=tok).as_dict()
     served.check_same_teacher(saved, teacher.check(tokenizer=tok), "float32")
     stub.model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
@@ -347,7 +231,7 @@ def test_the_trainer_with_a_served_teacher_computes_the_in_process_loss_and_grad
     r = _rollout(tok)
     want_loss, want_grads = loss_and_grads(_trainer(tmp_path / "local", teacher, tok), r)
     st = served.ServedTeacher(
-        _client(stub.url), load_head("tiny:teacher"), served_dtype="float32", max_request_tokens=150
+        pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32", max_request_tokens=150
     )
     got_loss, got_grads = loss_and_grads(_trainer(tmp_path / "served", st, tok), r, prepare=prepared)
     assert got_loss == pytest.approx(want_loss, rel=1e-6)
@@ -371,7 +255,7 @@ def test_a_micro_batch_waits_only_for_the_requests_holding_its_rows(stub, tok):
     r = _rollout(tok, 6)
     rows = [reads(source.record_of(r.rows(torch.arange(i, i + 2)), [tok.eos_token_id])) for i in (0, 2, 4)]
     st = served.ServedTeacher(
-        _client(stub.url), load_head("tiny:teacher"), "float32", max_request_tokens=1, in_flight=1
+        pooling_client(stub.url), load_head("tiny:teacher"), "float32", max_request_tokens=1, in_flight=1
     )
     stub.delay_s = 0.2
     st.prepare_step(rows)  # one request per row: 6 requests
@@ -383,7 +267,7 @@ def test_a_micro_batch_waits_only_for_the_requests_holding_its_rows(stub, tok):
 
 
 def test_rows_with_padding_inside_are_refused(stub):
-    st = served.ServedTeacher(_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
+    st = served.ServedTeacher(pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32")
     ids = torch.tensor([[0, 5, 6, 7]])
     with pytest.raises(ValueError, match="not one run"):
         st.states(ids, torch.tensor([[1, 0, 1, 1]]))
@@ -449,13 +333,13 @@ def test_a_wrong_head_is_stopped_by_the_teacher_logprob_gap_on_the_first_step(tm
     import dataclasses
 
     head = load_head("tiny:teacher")
-    right = served.ServedTeacher(_client(stub.url), head, served_dtype="float32", reference=teacher)
+    right = served.ServedTeacher(pooling_client(stub.url), head, served_dtype="float32", reference=teacher)
     ok = _training(tmp_path / "right", right, tok, steps=3)
     ok.train()
     gaps = [h.get("teacher_logprob_gap") for h in ok.state.log_history if "loss" in h]
     assert gaps[0] < 1e-5 and gaps[1] < 1e-5 and gaps[2] is None, gaps  # checked on the first 2 steps
     scaled = dataclasses.replace(head, weight_VH=head.weight_VH * 1.5)
-    wrong = served.ServedTeacher(_client(stub.url), scaled, served_dtype="float32", reference=teacher)
+    wrong = served.ServedTeacher(pooling_client(stub.url), scaled, served_dtype="float32", reference=teacher)
     bad = _training(tmp_path / "wrong", wrong, tok, steps=3)
     before = {n: p.detach().clone() for n, p in bad.model.named_parameters()}
     with pytest.raises(
@@ -497,7 +381,10 @@ def test_a_served_teacher_with_another_tokenizer_gives_the_in_process_cross_toke
     want_loss, want_grads, batch = run(bpe, "local")
     with StubPoolingServer(bpe, tokenizer=bpe_tok) as stub:
         st = served.ServedTeacher(
-            _client(stub.url), load_head("tiny:teacher-bpe"), served_dtype="float32", max_request_tokens=150
+            pooling_client(stub.url),
+            load_head("tiny:teacher-bpe"),
+            served_dtype="float32",
+            max_request_tokens=150,
         )
         assert st.check(tokenizer=bpe_tok).tokenizer_checked
         got_loss, got_grads, _ = run(st, "served")

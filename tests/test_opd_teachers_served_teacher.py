@@ -5,9 +5,7 @@ gap."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
-from test_opd_teachers_base import answers_every_call
-from test_opd_teachers_served import StubPoolingServer, _client
+from helpers import StubPoolingServer, answers_every_call, pooling_client, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd.teachers import served
@@ -20,7 +18,7 @@ def test_a_served_teacher_answers_every_call_as_the_teacher_in_process(tmp_path)
     want = answers_every_call(LocalTeacher(teacher), tok, tmp_path / "local")
     with StubPoolingServer(teacher) as stub:
         kind = served.ServedTeacher(
-            _client(stub.url), load_head("tiny:teacher"), served_dtype="float32", reference=teacher
+            pooling_client(stub.url), load_head("tiny:teacher"), served_dtype="float32", reference=teacher
         )
         got = answers_every_call(kind, tok, tmp_path / "served")
         assert len(stub.pooling_requests) == 1  # the step's rows, prepared in one request
@@ -35,6 +33,6 @@ def test_a_wrong_head_stops_the_first_step(tmp_path):
     head = load_head("tiny:teacher")
     head.weight_VH = head.weight_VH * 1.5
     with StubPoolingServer(teacher) as stub:
-        kind = served.ServedTeacher(_client(stub.url), head, "float32", reference=teacher)
+        kind = served.ServedTeacher(pooling_client(stub.url), head, "float32", reference=teacher)
         with pytest.raises(served.ServedTeacherMismatch, match="teacher_logprob_gap .* at step 1"):
             answers_every_call(kind, tok, tmp_path)

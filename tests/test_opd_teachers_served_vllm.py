@@ -386,7 +386,7 @@ def test_whitebox_through_tool_turns_with_teacher_server_takes_the_in_process_fi
     1.0-1.15e-5 (measured, three draws; 2-4e-7 in float64), and every fp32 gradient here is ~6e-5 off the
     float64 one. Through the stub server (transformers' states, tests/test_jobs_whitebox_served.py) the same
     run gives the in-process gradient to the bit."""
-    from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns
+    from helpers import TOOL_RUN, episodes, tool_turns
 
     runs = _local_and_served(
         tmp_path, "tiny", pooling.url, 2e-5, **TOOL_RUN, per_device_train_batch_size=4, save_rollouts=True

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_opd_teachers_base import answers_every_call
+from helpers import answers_every_call, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd.teachers import sets

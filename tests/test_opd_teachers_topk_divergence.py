@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import LogitsClient
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
@@ -151,21 +152,6 @@ def test_vllm_prompt_logprobs_are_laid_out_as_teacher_topk():
     torch.testing.assert_close(lp_TK, want_lp)
 
 
-class _LogitsClient:
-    """What `PromptLogprobsClient.topk` returns, computed from a model's logits (no server)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def topk(self, rows, k):
-        out = []
-        for row in rows:
-            with torch.no_grad():
-                logits_TV = self.model(input_ids=torch.tensor([row])).logits[0, :-1]
-            out.append(topk.teacher_topk(logits_TV, k, torch.tensor(row[1:])))
-        return out
-
-
 def test_the_topk_teacher_gives_the_support_at_the_trainers_positions():
     """Left-padded rows: the sparse rows line up with `hidden[pred_BT]` of the padded batch."""
     model = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher")).eval()
@@ -174,7 +160,7 @@ def test_the_topk_teacher_gives_the_support_at_the_trainers_positions():
     pred_BT = torch.zeros_like(attn_BT, dtype=torch.bool)
     pred_BT[:, 3:6] = True  # prompt width 4: positions 3.. predict the completion
     pred_BT[1, 5] = False  # the second row's completion ends sooner
-    ids_NK, logp_NK = topk.TopKTeacher(_LogitsClient(model), 3).sparse(ids_BT, attn_BT, pred_BT)
+    ids_NK, logp_NK = topk.TopKTeacher(LogitsClient(model), 3).sparse(ids_BT, attn_BT, pred_BT)
     pos_BT = position_ids_from_mask(attn_BT)
     with torch.no_grad():
         logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT, position_ids=pos_BT).logits
@@ -204,7 +190,7 @@ def test_the_trainer_with_a_topk_teacher_computes_the_topk_divergence_and_refuse
         model=student,
         args=OPDArguments(**args),
         processing_class=tok,
-        teacher_model=topk.TopKTeacher(_LogitsClient(teacher), k),
+        teacher_model=topk.TopKTeacher(LogitsClient(teacher), k),
     )
     ids_BT = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 11, 0]])
     attn_BT = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
@@ -230,5 +216,5 @@ def test_the_trainer_with_a_topk_teacher_computes_the_topk_divergence_and_refuse
             model=student,
             args=OPDArguments(**args, kl_temperature=2.0),
             processing_class=tok,
-            teacher_model=topk.TopKTeacher(_LogitsClient(teacher), k),
+            teacher_model=topk.TopKTeacher(LogitsClient(teacher), k),
         )

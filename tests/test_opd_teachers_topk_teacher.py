@@ -4,8 +4,7 @@ another temperature than 1 at start."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
-from test_opd_teachers_base import _LogitsClient, answers_every_call, args
+from helpers import LogitsClient, answers_every_call, args, tiny_model
 
 from opdkit.models import load_tokenizer
 from opdkit.opd.teachers import topk
@@ -13,7 +12,7 @@ from opdkit.opd.teachers import topk
 
 def test_a_topk_teacher_answers_every_call_and_is_labelled_approximate(tmp_path):
     tok = load_tokenizer("tiny:student")
-    kind = topk.TopKTeacher(_LogitsClient(tiny_model("tiny:teacher")), 4)
+    kind = topk.TopKTeacher(LogitsClient(tiny_model("tiny:teacher")), 4)
     got = answers_every_call(kind, tok, tmp_path)
     assert not kind.exact and got["metrics"] == {"teacher_logprobs": "topk:4 (approximate)"}
     assert kind.module is kind and not list(kind.parameters())  # this process holds none of it

@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import weakref
 
-from conftest import tiny_model
 from datasets import Dataset
+from helpers import tiny_model
 
 from opdkit.data.prompts import PromptCollator
 from opdkit.models import load_tokenizer

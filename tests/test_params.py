@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import CONFIGS
+from helpers import CONFIGS
 
 from opdkit import config
 from opdkit.config import ConfigError, load_config

@@ -21,77 +21,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_rollout
-from datasets import Dataset
+from helpers import tiny_model, tiny_rollout, tiny_trainer, train_logs
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from opdkit.config import ConfigError
-from opdkit.data.prompts import PromptCollator
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.models import load_tokenizer
-from opdkit.opd.arguments import OPDArguments
-from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import ahead, build, sampling, source
 from opdkit.rollout.weights import Weights, logprobs_under
-from opdkit.tasks import tiny as task
 
 STEPS_PER_EPOCH = 3  # 24 prompts, 4 per micro-batch, 2 micro-batches a step
-
-
-def _trainer(tmp_path, callbacks=(), prompts=24, **kw) -> DistillTrainer:
-    tok = load_tokenizer("tiny:student")
-    rows = [
-        {"messages": [{"role": "user", "content": p.prompt}], "answer": p.answer}
-        for p in task.problems(prompts, 1)
-    ]
-    settings = dict(
-        output_dir=str(tmp_path),
-        report_to=[],
-        use_cpu=True,
-        sample_every=0,
-        save_strategy="no",
-        max_steps=3,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        rollout_max_new_tokens=10,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        learning_rate=1e-3,
-        logging_steps=1,
-        seed=0,
-        data_seed=0,
-    )
-    return DistillTrainer(
-        model=tiny_model("tiny:student"),
-        args=OPDArguments(**{**settings, **kw}),
-        train_dataset=Dataset.from_list(rows),
-        data_collator=PromptCollator(tok, 64),
-        processing_class=tok,
-        teacher_model=tiny_model("tiny:teacher"),
-        callbacks=list(callbacks),
-    )
-
-
-def _train(trainer: DistillTrainer) -> list[dict]:
-    """The per-step log records (loss and the step's metrics)."""
-    try:
-        trainer.train()
-    finally:
-        trainer.close_engine()
-    return [h for h in trainer.state.log_history if "loss" in h]
 
 
 def test_rollout_ahead_0_is_the_synchronous_source_with_the_same_losses(tmp_path):
     """rollout_ahead 0 builds today's `EngineRollouts` and logs the same per-step losses, to the bit, as a
     trainer handed that source explicitly; nothing of the asynchronous mode is logged."""
-    zero = _trainer(tmp_path / "zero", rollout_ahead=0)
+    zero = tiny_trainer(tmp_path / "zero", rollout_ahead=0)
     assert type(zero.rollouts) is source.EngineRollouts and zero.rollouts.ahead == 0
-    default = _trainer(tmp_path / "default")
+    default = tiny_trainer(tmp_path / "default")
     default.rollouts = build.rollout_source(
         default.args, default.model, default.processing_class, default.stop_ids, sharded=False
     )
-    logs0, logs = _train(zero), _train(default)
+    logs0, logs = train_logs(zero), train_logs(default)
     assert [h["loss"] for h in logs0] == [h["loss"] for h in logs] and len(logs) == 3
     assert not any(k.startswith("async/") for h in logs0 for k in h)
 
@@ -121,7 +72,7 @@ def slowed_run(tmp_path_factory):
     a zero learning rate (the producer's weights are then the trainer's at every step): its per-step logs, the
     producer's timeline by step, and when the trainer asked for each step's rollouts. One run for the tests
     below: a producer process takes seconds to start (it imports torch and transformers)."""
-    trainer = _trainer(
+    trainer = tiny_trainer(
         tmp_path_factory.mktemp("slowed"),
         [_Slow(0.4)],
         max_steps=STEPS,
@@ -137,7 +88,7 @@ def slowed_run(tmp_path_factory):
         return next_step(student, batches, step)
 
     trainer.rollouts.next_step = timed
-    logs = _train(trainer)
+    logs = train_logs(trainer)
     return logs, {t["step"]: t for t in trainer.rollouts.timeline}, asked
 
 
@@ -146,7 +97,7 @@ def test_unchanged_weights_give_ratios_of_one_and_the_synchronous_losses(slowed_
     is 1 to rounding on every token, and each step's loss is the synchronous run's (the peeked prompts sit
     at the same places, so the keyed samples are the same) to float32 rounding, across an epoch boundary."""
     logs_a, line, _ = slowed_run
-    logs_s = _train(_trainer(tmp_path, max_steps=STEPS, learning_rate=0.0))
+    logs_s = train_logs(tiny_trainer(tmp_path, max_steps=STEPS, learning_rate=0.0))
     assert len(logs_a) == STEPS
     for h in logs_a:
         assert abs(h["async/ratio_mean"] - 1) < 1e-5 and abs(h["async/ratio_max"] - 1) < 1e-4
@@ -187,11 +138,11 @@ class _Kill(TrainerCallback):
 
 def test_a_killed_producer_stops_the_run_with_one_line(tmp_path):
     box = []
-    trainer = _trainer(tmp_path, [_Kill(box, 1)], max_steps=6, rollout_ahead=1)
+    trainer = tiny_trainer(tmp_path, [_Kill(box, 1)], max_steps=6, rollout_ahead=1)
     box.append(trainer)
     started = time.time()
     with pytest.raises(ahead.RolloutProducerDied) as err:
-        _train(trainer)
+        train_logs(trainer)
     message = str(err.value)
     assert "\n" not in message and "rollout producer" in message and "exited with code -9" in message
     assert trainer.state.global_step <= 3 and time.time() - started < 60
@@ -231,7 +182,7 @@ def test_the_sampler_gap_is_measured_against_the_weights_that_sampled(tmp_path):
     log-probs against the weights of the version that sampled them) is 0 to float32 rounding (the same
     weights, the loop's KV-cached decode against one full forward: < 1e-4), while `engine_logprob_gap`,
     against the current weights, is far larger on every step sampled by older weights."""
-    logs = _train(_trainer(tmp_path, max_steps=5, rollout_ahead=1))  # learning rate 1e-3
+    logs = train_logs(tiny_trainer(tmp_path, max_steps=5, rollout_ahead=1))  # learning rate 1e-3
     assert len(logs) == 5
     for h in logs:
         assert 0 <= h["async/sampler_logprob_gap"] < 1e-4, h
@@ -267,10 +218,10 @@ def test_a_producer_that_loaded_other_weights_stops_the_run_with_one_line(tmp_pa
     `WeightSyncError`."""
     from opdkit.rollout.engines import WeightSyncError
 
-    trainer = _trainer(tmp_path, max_steps=4, rollout_ahead=1)
+    trainer = tiny_trainer(tmp_path, max_steps=4, rollout_ahead=1)
     trainer.rollouts.make_engine = functools.partial(_corrupt_loads, trainer.rollouts.make_engine)
     with pytest.raises(WeightSyncError) as err:
-        _train(trainer)
+        train_logs(trainer)
     message = str(err.value)
     assert "\n" not in message and message.startswith("step 1: the rollout producer's log-probabilities")
     assert trainer.state.global_step == 0
@@ -281,7 +232,7 @@ def test_the_corrected_gradient_is_the_capped_ratios_times_each_tokens_divergenc
     trainer's loss and gradient equal sum_t min(exp(log p(y_t) - behaviour_t), cap) KL_t(student || teacher)
     / N, with the student's and teacher's full logits, log-softmax and the reverse KL written out here."""
     cap = 2.0
-    trainer = _trainer(tmp_path, rollout_ahead=1, async_correction="truncated", async_ratio_cap=cap)
+    trainer = tiny_trainer(tmp_path, rollout_ahead=1, async_correction="truncated", async_ratio_cap=cap)
     tok = trainer.processing_class
     teacher = tiny_model("tiny:teacher")
     r = tiny_rollout(teacher, tok)
@@ -336,25 +287,25 @@ def test_the_settings_that_cannot_hold_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
         WhiteboxConfig(async_correction="truncated")
     with pytest.raises(ConfigError, match="rollout_ahead is 0"):
-        _trainer(tmp_path, async_correction="truncated")
+        tiny_trainer(tmp_path, async_correction="truncated")
     assert WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm").rollout_ahead == 1
     with pytest.raises(ConfigError, match="set vllm_sleep false"):
         WhiteboxConfig(rollout_ahead=1, rollout_engine="vllm", vllm_sleep=True)
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(ConfigError, match="needs the vllm package") as err:
-            _trainer(tmp_path, rollout_ahead=1, rollout_engine="vllm")
+            tiny_trainer(tmp_path, rollout_ahead=1, rollout_engine="vllm")
         assert "\n" not in str(err.value)
 
 
 def test_the_producer_goes_where_rollout_device_says(tmp_path):
     """`rollout_device` is the producer's device (the records come back to the trainer's); a GPU this process
     does not see is refused in one line when the trainer is built."""
-    trainer = _trainer(tmp_path, rollout_ahead=1, rollout_device="cpu")
+    trainer = tiny_trainer(tmp_path, rollout_ahead=1, rollout_device="cpu")
     assert isinstance(trainer.rollouts, ahead.AheadRollouts)
     assert trainer.rollouts.rollout_device == "cpu" and str(trainer.rollouts.device) == "cpu"
     gpus = torch.cuda.device_count()
     with pytest.raises(ConfigError, match=f"rollout_device=cuda:{gpus} places the rollout producer on a GPU"):
-        _trainer(tmp_path, rollout_ahead=1, rollout_device=f"cuda:{gpus}")
+        tiny_trainer(tmp_path, rollout_ahead=1, rollout_device=f"cuda:{gpus}")
 
 
 def test_the_lookahead_hands_out_the_batches_in_the_order_the_steps_take_them():
@@ -392,7 +343,7 @@ class _Logged(TrainerCallback):
 
 def _logged_run(folder, callbacks=(), resume=None, **kw) -> dict[int, tuple]:
     logged = _Logged()
-    trainer = _trainer(folder, [logged, *callbacks], **{**RESUME, **kw})
+    trainer = tiny_trainer(folder, [logged, *callbacks], **{**RESUME, **kw})
     try:
         trainer.train(resume_from_checkpoint=resume)
     finally:
@@ -456,7 +407,7 @@ def test_a_run_whose_producer_died_resumes_from_its_last_checkpoint_to_the_unbro
     box = []
     with pytest.raises(ahead.RolloutProducerDied):
         logged = _Logged()
-        trainer = _trainer(tmp_path / "broken", [logged, _Kill(box, 3)], **{**RESUME, "rollout_ahead": 1})
+        trainer = tiny_trainer(tmp_path / "broken", [logged, _Kill(box, 3)], **{**RESUME, "rollout_ahead": 1})
         box.append(trainer)
         try:
             trainer.train()
@@ -475,7 +426,7 @@ def test_two_gloo_processes_each_with_its_producer_take_the_one_process_runs_ste
     batch (keyed by place), against 1 process with rollout_ahead 1 at the same global batch (8, micro-batches
     of 2): the same per-step losses and importance ratios (relative 1e-5) and staleness over 4 steps of one
     epoch."""
-    from test_jobs_whitebox import FIXED, run_tiny
+    from helpers import FIXED, run_tiny
 
     from opdkit.run.files import read_jsonl
 

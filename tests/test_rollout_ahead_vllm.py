@@ -19,16 +19,21 @@ from transformers import TrainerCallback
 
 pytest.importorskip("vllm")
 
-from conftest import tiny_model  # noqa: E402
-from test_rollout_ahead import _train, _trainer  # noqa: E402
-from test_rollout_engines_vllm import MEMORY  # noqa: E402
+from helpers import (  # noqa: E402
+    MEMORY,  # noqa: E402
+    tiny_model,  # noqa: E402
+    tiny_trainer,
+    train_logs,
+)
 
 from opdkit import tiny  # noqa: E402
 from opdkit.rollout import ahead, build, sampling  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-STEPS = 3  # one epoch of _trainer's data: step 0 is sampled in its step, step 1 ahead by the first weights
+STEPS = (
+    3  # one epoch of tiny_trainer's data: step 0 is sampled in its step, step 1 ahead by the first weights
+)
 VERSIONS = [0, 0, 1]  # which weights sample each step at s = 1 (the schedule, docs/async.md)
 RUN = dict(
     max_steps=STEPS,
@@ -62,7 +67,7 @@ def _run(tmp_path, engine: str) -> dict:
     """A 3-step run with rollout_ahead 1 through `engine`'s producer: its per-step logs, the records each step
     got, the weights after each optimizer step."""
     weights = _Weights()
-    trainer = _trainer(tmp_path / engine, [weights], rollout_engine=engine, **RUN)
+    trainer = tiny_trainer(tmp_path / engine, [weights], rollout_engine=engine, **RUN)
     assert isinstance(trainer.rollouts, ahead.AheadRollouts)
     records = {}
     next_step = trainer.rollouts.next_step
@@ -72,7 +77,7 @@ def _run(tmp_path, engine: str) -> dict:
         return records[step]
 
     trainer.rollouts.next_step = keep
-    logs = _train(trainer)
+    logs = train_logs(trainer)
     return {"logs": logs, "records": records, "weights": weights.after}
 
 
@@ -185,13 +190,13 @@ def test_a_vllm_engine_that_cannot_start_in_the_producer_stops_the_run_with_one_
     shutil.copytree(tiny.resolve("tiny:student"), broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
-    trainer = _trainer(tmp_path / "run", rollout_engine="vllm", **RUN)
+    trainer = tiny_trainer(tmp_path / "run", rollout_engine="vllm", **RUN)
     trainer.model.config.name_or_path = str(broken)
     trainer.rollouts = build.rollout_source(
         trainer.args, trainer.model, trainer.processing_class, trainer.stop_ids, sharded=False
     )
     with pytest.raises(ahead.RolloutProducerDied) as err:
-        _train(trainer)
+        train_logs(trainer)
     message = str(err.value)
     assert "\n" not in message and "rollout producer failed" in message and "NoSuchForCausalLM" in message
     assert trainer.state.global_step == 0

@@ -6,7 +6,7 @@ starts."""
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
+from helpers import tiny_model
 
 from opdkit.config import ConfigError
 from opdkit.models import load_tokenizer

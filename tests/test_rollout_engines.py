@@ -8,11 +8,11 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import hf_greedy, micro_batches
 from transformers import AutoModelForCausalLM
 
 from opdkit import tiny
 from opdkit.config import ConfigError
-from opdkit.data import prompts
 from opdkit.jobs import whitebox
 from opdkit.jobs.whitebox import job as wb_job
 from opdkit.models import load_tokenizer
@@ -22,29 +22,6 @@ from opdkit.rollout import engines, microbatches, sampling
 @pytest.fixture(scope="module")
 def student_tok():
     return AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student")), load_tokenizer("tiny:student")
-
-
-def micro_batches(tok, sizes=(3, 1, 2)):
-    collate = prompts.PromptCollator(tok, 64)
-    problems = ["7+5", "358+467", "12+1", "999+999", "1+1", "40+2"]
-    out, i = [], 0
-    for n in sizes:
-        out.append(collate([{"messages": [{"role": "user", "content": p}]} for p in problems[i : i + n]]))
-        i += n
-    return out
-
-
-def hf_greedy(model, tok, ids, mask, max_new_tokens=12) -> sampling.Rollout:
-    """The kit's loop, greedy, called directly (not through an engine)."""
-    return sampling.sample(
-        model,
-        ids,
-        mask,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-    )
 
 
 def settings(tok, max_new_tokens=12):

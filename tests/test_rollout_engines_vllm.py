@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 pytest.importorskip("vllm")
 
-from conftest import InterruptAt, Interrupted  # noqa: E402
+from helpers import MEMORY, InterruptAt, Interrupted, generalized_jsd  # noqa: E402
 
 from opdkit import tiny  # noqa: E402
 from opdkit.config import ConfigError  # noqa: E402
@@ -27,7 +27,6 @@ from opdkit.jobs import whitebox  # noqa: E402
 from opdkit.jobs.whitebox import job as wb_job  # noqa: E402
 from opdkit.models import load_tokenizer  # noqa: E402
 from opdkit.opd.callbacks import GradientDump  # noqa: E402
-from opdkit.opd.loss import generalized_jsd
 from opdkit.opd.trainer import DistillTrainer  # noqa: E402
 from opdkit.rollout import engines, sampling, vllm_engine
 from opdkit.rollout import greedy as evaluate
@@ -36,7 +35,6 @@ from opdkit.tasks.evaluate import completion_budget
 
 pytestmark = pytest.mark.vllm
 
-MEMORY = 0.04  # on CPU a share of RAM; the tiny models need a few hundred MB
 VLLM = dict(
     rollout_engine="vllm", vllm_gpu_memory_utilization=MEMORY, eval_size=0, sample_every=0, checkpoint_every=0
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rollout_engines import hf_greedy, micro_batches
+from helpers import hf_greedy, micro_batches
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from transformers import AutoModelForCausalLM
 

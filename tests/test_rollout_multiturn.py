@@ -9,10 +9,8 @@ a test-local template that renders tools, tool calls and role tool in Qwen3's fo
 
 from __future__ import annotations
 
-import json
-
 import torch
-from conftest import tiny_model
+from helpers import call, play, settings, tiny_model
 
 from opdkit.data.prompts import PromptCollator
 from opdkit.jobs.whitebox import tooluse
@@ -72,10 +70,6 @@ def tool_tokenizer():
     return tok
 
 
-def settings(tok, max_new_tokens=task.MAX_COMPLETION_TOKENS, temperature=1.0) -> engines.SamplingSettings:
-    return engines.SamplingSettings(max_new_tokens, temperature, 1.0, [tok.eos_token_id], tok.pad_token_id)
-
-
 def batches(tok, sizes, tools, seed=5) -> list[dict]:
     collate = PromptCollator(tok, 512, tools=tools)
     probs = task.problems(sum(sizes), seed)
@@ -88,39 +82,6 @@ def batches(tok, sizes, tools, seed=5) -> list[dict]:
         out.append(collate(rows))
         at += n
     return out
-
-
-def call(expression) -> str:
-    body = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-class Scripted:
-    """An engine whose rows write scripted turns: the script of a row is looked up by its prompt (the user
-    turn's text), its turn by the assistant turns its context already holds. Records each call's batch
-    size."""
-
-    name = "scripted"
-
-    def __init__(self, tok, scripts: dict[str, list[str]]):
-        self.tok, self.scripts, self.calls = tok, scripts, []
-
-    def sync(self, model):
-        pass
-
-    def close(self):
-        pass
-
-    def sample(self, model, ids_BP, mask_BP, s, seeds) -> sampling.Rollout:
-        self.calls.append(ids_BP.shape[0])
-        tokens = []
-        for ids, mask in zip(ids_BP, mask_BP):
-            text = self.tok.decode(ids[mask.bool()], skip_special_tokens=False)
-            prompt = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-            turn = text.count("<|im_start|>assistant\n") - 1
-            out = self.tok(self.scripts[prompt][turn], add_special_tokens=False)["input_ids"]
-            tokens.append((out + [self.tok.eos_token_id])[: s.max_new_tokens])
-        return sampling.assemble(ids_BP, mask_BP, tokens, None, s)
 
 
 def test_one_turn_without_tools_gives_the_engine_sources_records():
@@ -148,33 +109,6 @@ def test_one_turn_without_tools_gives_the_engine_sources_records():
             x, y = getattr(a, name), getattr(b, name)
             assert x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y), name
         assert a.sampled_as == b.sampled_as and a.answers == b.answers and b.teacher_ids is None
-
-
-def play(tok, scripts, env, sizes, max_turns=4, episode_max_tokens=0, max_new_tokens=200):
-    prompts = list(scripts)
-    collate = PromptCollator(tok, 512, tools=env.tools)
-    bs, at = [], 0
-    for n in sizes:
-        bs.append(
-            collate(
-                [{"messages": [{"role": "user", "content": p}], "answer": "x"} for p in prompts[at : at + n]]
-            )
-        )
-        at += n
-    engine = Scripted(tok, scripts)
-    source = MultiTurnRollouts(
-        lambda: engine,
-        settings(tok, max_new_tokens),
-        0,
-        0,
-        1,
-        sizes[0],
-        environment=env,
-        tokenizer=tok,
-        max_turns=max_turns,
-        episode_max_tokens=episode_max_tokens,
-    )
-    return source.next_step(None, bs, 0), source, engine
 
 
 def rows_of(records):

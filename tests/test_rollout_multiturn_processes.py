@@ -13,42 +13,11 @@ import textwrap
 
 import pytest
 import torch
+from helpers import FIXED, TOOL_RUN, assert_grads_close, direct_gradient, episodes, run_tiny, tool_turns
 from safetensors.torch import load_file
-from test_jobs_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
 
 from opdkit import tiny
 from opdkit.opd.callbacks import GradientDump
-
-# Episodes of at most 2 turns of the tiny tool world: the prompt (83 tokens with the tools), a call (~96), the
-# tool's result with the template's tokens, an answer; 96 + 160 fit the tiny models' 256 positions.
-TOOL_RUN = dict(
-    dataset_path="tiny-tools",
-    student_model="tiny:teacher-tools",
-    teacher_model="tiny:teacher",
-    environment="calculator",
-    max_turns=2,
-    max_prompt_length=96,
-    rollout_max_new_tokens=100,
-    episode_max_tokens=160,
-    subset_size=16,
-)
-
-
-def episodes(run_path) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(the row's token ids, its loss mask) of each row of the first step, whichever process played it."""
-    rows = []
-    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
-        for mb in torch.load(f):
-            for ids, attn, m in zip(mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"]):
-                real = attn.bool()
-                rows.append((tuple(ids[real].tolist()), tuple(m[real].tolist())))
-    return rows
-
-
-def tool_turns(mask: tuple[int, ...]) -> int:
-    """Runs of context tokens between two of the student's turns."""
-    s = "".join(map(str, mask)).strip("0")
-    return len([gap for gap in s.split("1") if gap])
 
 
 @pytest.mark.slow

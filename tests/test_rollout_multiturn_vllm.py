@@ -15,9 +15,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_jobs_whitebox import FIXED, run_tiny  # noqa: E402
-from test_rollout_engines_vllm import MEMORY  # noqa: E402
-from test_rollout_multiturn_processes import TOOL_RUN, episodes, tool_turns  # noqa: E402
+from helpers import (  # noqa: E402  # noqa: E402
+    FIXED,
+    MEMORY,  # noqa: E402
+    TOOL_RUN,
+    episodes,
+    run_tiny,
+    tool_turns,
+)
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@ the records the trainer reads."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model, tiny_rollout
+from helpers import tiny_model, tiny_rollout
 
 from opdkit.data.prompts import PromptCollator
 from opdkit.models import load_tokenizer

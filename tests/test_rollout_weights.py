@@ -7,7 +7,7 @@ tests/test_rollout_ahead.py."""
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from opdkit.rollout import ahead, engines
 from opdkit.rollout.weights import Weights

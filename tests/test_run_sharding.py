@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_jobs_whitebox import FIXED, assert_grads_close, direct_gradient, run_tiny
+from helpers import FIXED, assert_grads_close, direct_gradient, run_tiny
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from opdkit import memory

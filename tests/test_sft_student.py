@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Interrupted
+from helpers import Interrupted
 from transformers import TrainerCallback, get_cosine_schedule_with_warmup
 
 from opdkit import tasks

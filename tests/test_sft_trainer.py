@@ -6,7 +6,7 @@ gradient accumulation. Its losses, checkpoints and resume are tested through the
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import TrainingArguments
 
 from opdkit.sft.trainer import CompletionSFTTrainer, StepBatches, batch_order

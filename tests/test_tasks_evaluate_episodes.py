@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tool_episode_by_hand as by_hand
+from helpers import tool_episode_by_hand as by_hand
 
 from opdkit.models import load_model, load_tokenizer
 from opdkit.rollout.episodes import TOOL_CORRECT

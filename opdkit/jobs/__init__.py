@@ -1,7 +1,8 @@
 """The notebooks' jobs, one folder each, named as the job: `config.py` (its settings), `job.py` (`prepare`,
-`run`, `process`, `main`), `report.py` (a finished run as tables, text and figures). A notebook calls its
-job's `parameters`, `prepare` and `run`, then its report. One name per job: its folder, config class,
-entry point (`python -m opdkit.<job>`), presets (`params/<job>/`) and runs (`runs/<job>/`).
+`run`, `process`, `main`), `report.py` (a finished run as tables, text and figures). A notebook first calls
+`opdkit.notebook.progress.install()` (before anything imports tqdm.auto: importing a job installs nothing),
+then its job's `parameters`, `prepare` and `run`, then its report. One name per job: its folder, config
+class, entry point (`python -m opdkit.<job>`), presets (`params/<job>/`) and runs (`runs/<job>/`).
 
 | notebook                | job         | config            |
 |-------------------------|-------------|-------------------|
@@ -16,9 +17,3 @@ Which room may import which (tests/test_layout.py checks it):
 - the library imports no job (the `python -m opdkit.<job>` entry points are thin shims, not library);
 - nothing below `if __name__ == "__main__":` but the call of `main`.
 """
-
-from opdkit.notebook import progress
-
-# First, before any job imports transformers (which imports tqdm.auto): in a notebook kernel every progress
-# bar becomes a line of its cell's one progress display, not an ipywidget (`notebook.progress`).
-progress.install()

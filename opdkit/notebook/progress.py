@@ -1,7 +1,7 @@
 """Progress bars in a notebook kernel: every bar of a cell is one line of text in one display, updated in
 place, instead of an ipywidget per bar.
 
-    progress.install()        # before anything imports tqdm.auto: what `opdkit.jobs` does first
+    progress.install()        # before anything imports tqdm.auto: a notebook's first cell, first
 
 In a kernel, tqdm.auto draws each bar as an ipywidget. A headless run (papermill) saves them as widget
 outputs that read "Error displaying widget: model not found" when the notebook is reopened (a JupyterLab run

@@ -1,6 +1,6 @@
 """The distillation loss: generalized Jensen-Shannon divergence between student and teacher tokens.
 
-    loss = generalized_jsd(student_logits_BTV, teacher_logits_BTV, mask=completion_mask_BT, beta=1.0)
+    per_token_N = per_token_divergence(student_logits_NV, teacher_logits_NV, beta=1.0)   # full logits
     out = chunked_divergence(s_hidden_NH, student.lm_head.weight, t_hidden_NH, teacher.lm_head.weight,
                              beta=1.0, vocab_size=len(tokenizer))
     (out.sum / num_completion_tokens_in_step).backward()
@@ -50,44 +50,6 @@ class DivergenceOutput:
     # Detached log-probability of each row's target token at temperature 1 over the student's whole head
     # (padding rows included, as a sampler's); None without `target_ids_N`.
     student_token_logprob_N: torch.Tensor | None = None
-
-
-def generalized_jsd(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    beta: float = 1.0,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """Mean over masked tokens of the per-token generalized JSD; logits (..., V), mask (...).
-
-    Gradient flows to whichever logits require it; a frozen teacher's simply do not.
-    """
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(
-            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
-            f"{tuple(teacher_logits.shape)} must have the same shape; slice both to the tokenizer's "
-            "vocabulary (logits[..., :len(tokenizer)]) if the models pad their heads differently"
-        )
-    vocab = student_logits.shape[-1]
-    student_logits_NV = student_logits.reshape(-1, vocab)
-    teacher_logits_NV = teacher_logits.reshape(-1, vocab)
-    if mask is not None:
-        if mask.shape != student_logits.shape[:-1]:
-            raise ValueError(
-                f"mask {tuple(mask.shape)} must match the logits without their vocabulary dimension, "
-                f"{tuple(student_logits.shape[:-1])}; pass the completion mask of the same batch"
-            )
-        mask_N = mask.reshape(-1).bool()
-        # Selecting rows first skips the softmax work on padding.
-        student_logits_NV = student_logits_NV[mask_N]
-        teacher_logits_NV = teacher_logits_NV[mask_N]
-    if student_logits_NV.shape[0] == 0:
-        raise ValueError(
-            "the mask selects no tokens, so the mean divergence is undefined; drop empty batches or "
-            "check that the mask marks completion tokens with 1/True"
-        )
-    return per_token_divergence(student_logits_NV, teacher_logits_NV, beta, temperature).mean()
 
 
 def per_token_divergence(

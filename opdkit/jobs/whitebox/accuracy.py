@@ -1,5 +1,10 @@
 """How the white-box run measures accuracy: greedy, raw and forced, split across its processes, every model
-decoded under the run's one precision (`tasks.evaluate.configured_accuracy`)."""
+decoded under the run's one precision (`tasks.evaluate.configured_accuracy`); and what its summary and its
+`eval_every` steps say of them.
+
+    before = kept_before(earlier_summary) or sharded_accuracies(student, prep, world, rank)
+    summary = {**accuracy_facts(cfg, before, after, teacher), ...}
+"""
 
 from __future__ import annotations
 
@@ -62,3 +67,43 @@ def tool_measures(cfg: WhiteboxConfig, student_before, student_after, teacher) -
         "student_tool_call_share_after": share(student_after),
         "teacher_tool_call_share": share(teacher),
     }
+
+
+def kept_before(summary: dict) -> Accuracy | None:
+    """The student's accuracy before training as a resumed run's summary kept it; None when it holds none."""
+    before = summary.get("student_accuracy_before")
+    if before is None:
+        return None
+    forced, share = (
+        summary.get("student_accuracy_before_forced"),
+        summary.get("student_tool_call_share_before"),
+    )
+    return Accuracy(before, forced, tool_call_share=share)
+
+
+def accuracy_facts(
+    cfg: WhiteboxConfig, before: Accuracy, after: Accuracy | None, teacher: Accuracy | None
+) -> dict:
+    """The summary's accuracies: the student's before and (once trained, `after`) after, the teacher's (None:
+    not measured here), the forced ones with `forced_accuracy`, the tool-call shares with an `environment`
+    (`tool_measures`), and how they decode (`accuracy_precision`)."""
+    facts = {"student_accuracy_before": before.raw}
+    if after is not None:
+        facts["student_accuracy_after"] = after.raw
+    facts["teacher_accuracy"] = None if teacher is None else teacher.raw
+    if cfg.forced_accuracy:
+        facts["student_accuracy_before_forced"] = before.forced
+        facts["teacher_accuracy_forced"] = None if teacher is None else teacher.forced
+        if after is not None:
+            facts["student_accuracy_after_forced"] = after.forced
+    tools = tool_measures(cfg, before, after, teacher)
+    facts.update({k: v for k, v in tools.items() if after is not None or "after" not in k})
+    return {**facts, "accuracy_precision": accuracy_precision(cfg)}
+
+
+def step_measure(acc: Accuracy) -> float | dict | None:
+    """What `eval_every` logs: the accuracy (`eval_accuracy`), with an environment also the share of episodes
+    that call the tools correctly (`eval_tool_call_share`)."""
+    if acc.tool_call_share is None:
+        return acc.raw
+    return {"eval_accuracy": acc.raw, "eval_tool_call_share": acc.tool_call_share}

@@ -22,7 +22,7 @@ import torch
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds
 from opdkit.jobs.whitebox import seeds
-from opdkit.jobs.whitebox.accuracy import accuracy_precision, sharded_accuracies, tool_measures
+from opdkit.jobs.whitebox.accuracy import accuracy_facts, kept_before, sharded_accuracies, step_measure
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.jobs.whitebox.inputs import Prepared, overlap_facts, prepared
 from opdkit.jobs.whitebox.teacher import around_run, served_facts, served_teacher, several_teachers
@@ -34,7 +34,7 @@ from opdkit.run import checkpoints, sharding
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
 from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
-from opdkit.tasks.evaluate import Accuracy, evaluation_tokens
+from opdkit.tasks.evaluate import evaluation_tokens
 
 if TYPE_CHECKING:  # the trainer and its arguments import transformers' Trainer (seconds): not for a plan
     from opdkit.opd.arguments import OPDArguments
@@ -163,46 +163,25 @@ def distil(
         else None
     )
     earlier = run.read_summary() if last is not None and (run.path / "summary.json").exists() else {}
-    before, before_forced = earlier.get("student_accuracy_before"), None
-    before_acc = teacher_full = None
-    if before is not None:
-        before_forced = earlier.get("student_accuracy_before_forced")
-        before_acc = Accuracy(
-            before, before_forced, tool_call_share=earlier.get("student_tool_call_share_before")
-        )
     # A served teacher has no decoding loop here: its accuracy is the server's to measure.
     # A teacher with another tokenizer decodes with its own; several teachers or a served one: no one
     # teacher's accuracy here (measure each with its own run).
-    t_tok = trainer.teacher.tokenizer
-    teacher_acc, teacher_forced = None, None
-    if not (cfg.teacher_server or cfg.teachers):
-        teacher_full = sharded_accuracies(teacher, prep, world, rank, tokenizer=t_tok)
-        teacher_acc, teacher_forced = teacher_full.raw, teacher_full.forced
-    if before is None:
-        before_acc = acc(trainer.model, engine)
-        before, before_forced = before_acc.raw, before_acc.forced
-    teacher_text = verdicts.pct(teacher_acc)
     if cfg.teacher_server or cfg.teachers:
+        teacher_acc = None
         teacher_text = "served, not measured here" if cfg.teacher_server else "several, not measured"
-    print0(f"accuracy before: teacher {teacher_text}, student {verdicts.pct(before)}")
-    forced_before = (
-        {"student_accuracy_before_forced": before_forced, "teacher_accuracy_forced": teacher_forced}
-        if cfg.forced_accuracy
-        else {}
-    )
-    head = {
-        "student_accuracy_before": before,
-        **forced_before,
-        "teacher_accuracy": teacher_acc,
-        **{k: v for k, v in tool_measures(cfg, before_acc, None, teacher_full).items() if "after" not in k},
-    }
-    run.write_summary({**head, "accuracy_precision": accuracy_precision(cfg), "status": "training"})
+    else:
+        teacher_acc = sharded_accuracies(teacher, prep, world, rank, tokenizer=trainer.teacher.tokenizer)
+        teacher_text = verdicts.pct(teacher_acc.raw)
+    before = kept_before(earlier) or acc(trainer.model, engine)
+    print0(f"accuracy before: teacher {teacher_text}, student {verdicts.pct(before.raw)}")
+    head = accuracy_facts(cfg, before, None, teacher_acc)
+    run.write_summary({**head, "status": "training"})
     report_samples(trainer, cfg.report_to, run)
     live.notebook_view(
         trainer,
         max_grad_norm=cfg.max_grad_norm or None,
         title=title or f"{JOB.name} · {prep.mode}",
-        reference={"teacher_accuracy": teacher_acc, "student_accuracy_before": before},
+        reference={k: head[k] for k in ("teacher_accuracy", "student_accuracy_before")},
     )
     if cfg.eval_every and prep.eval_messages:
 
@@ -216,16 +195,9 @@ def distil(
     trainer.save_model(str(run.path / "model"))
     if rank == 0:
         prep.tokenizer.save_pretrained(run.path / "model")
-    after_acc = acc(trainer.trained_model(run.path / "model"), engine)
-    after, after_forced = after_acc.raw, after_acc.forced
+    after = acc(trainer.trained_model(run.path / "model"), engine)
     summary = {
-        "student_accuracy_before": before,
-        "student_accuracy_after": after,
-        "teacher_accuracy": teacher_acc,
-        **forced_before,
-        **({"student_accuracy_after_forced": after_forced} if cfg.forced_accuracy else {}),
-        **tool_measures(cfg, before_acc, after_acc, teacher_full),
-        "accuracy_precision": accuracy_precision(cfg),
+        **accuracy_facts(cfg, before, after, teacher_acc),
         "steps": trainer.state.global_step,
         "first_nonfinite_step": trainer.first_nonfinite_step,
         "prompts_dropped": prep.dropped,
@@ -237,15 +209,7 @@ def distil(
     }
     summary["finding"] = seeds.finding([summary])
     run.write_summary(summary)
-    print0(f"accuracy after: student {verdicts.pct(after)}")
-
-
-def step_measure(acc: Accuracy) -> float | dict | None:
-    """What `eval_every` logs: the accuracy (`eval_accuracy`), with an environment also the share of episodes
-    that call the tools correctly (`eval_tool_call_share`)."""
-    if acc.tool_call_share is None:
-        return acc.raw
-    return {"eval_accuracy": acc.raw, "eval_tool_call_share": acc.tool_call_share}
+    print0(f"accuracy after: student {verdicts.pct(after.raw)}")
 
 
 def run_seeds(prep: Prepared, parent: RunDir, callbacks: list | None, title: str) -> None:
