@@ -347,6 +347,80 @@ def completion_without_the_mask(root: Path = REPO) -> list[str]:
     return bad
 
 
+def _classes(root: Path) -> dict[str, tuple[Path, list[str]]]:
+    """Every class of opdkit by name: its file and its bases' names (the last dotted part)."""
+    out = {}
+    for path in (root / "opdkit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
+                out[node.name] = (path, bases)
+    return out
+
+
+def _subclasses_of(base: str, classes: dict[str, tuple[Path, list[str]]]) -> set[str]:
+    """The classes of opdkit that derive from `base`, directly or through other opdkit classes."""
+    found: set[str] = set()
+    grew = True
+    while grew:
+        grew = False
+        for name, (_, bases) in classes.items():
+            if name not in found and any(b == base or b in found for b in bases):
+                found.add(name)
+                grew = True
+    return found
+
+
+TEACHER_HOMES = ("opdkit/opd/teachers", "opdkit/ads/teacher.py")  # the ADS teacher is a kind where it lives
+
+
+def teacher_kinds_in_one_place(root: Path = REPO) -> list[str]:
+    """Each teacher kind is one class, in one place: every class of opdkit named `...Teacher` or
+    `...Teachers` is a `teachers.base.Teacher` (no module class beside a kind class that wraps it, paired by
+    a type table), and every `Teacher` lives under opdkit/opd/teachers/ (the ADS-scored teacher in
+    opdkit/ads/teacher.py, where antidistillation keeps it), holding its client, head and checks there."""
+    classes = _classes(root)
+    kinds = _subclasses_of("Teacher", classes)
+    bad = []
+    for name, (path, _) in sorted(classes.items()):
+        rel = path.relative_to(root).as_posix()
+        named = name.endswith(("Teacher", "Teachers")) and name != "Teacher"
+        if named and name not in kinds:
+            bad.append(
+                f"{rel}: {name} is named a teacher but is no Teacher kind (a second class for one kind)"
+            )
+        if name in kinds and not rel.startswith(TEACHER_HOMES):
+            bad.append(f"{rel}: the teacher kind {name} lives outside opdkit/opd/teachers/")
+    return bad
+
+
+TRAINER_ROLLOUT_IMPORTS = {"opdkit.rollout.source", "opdkit.rollout.build"}
+
+
+def trainer_names_no_rollout_kind(root: Path = REPO) -> list[str]:
+    """`DistillTrainer` names no rollout kind and no engine: of opdkit.rollout it imports only the interface
+    and its records (`rollout.source`) and what builds a source from the settings (`rollout.build`), and no
+    rollout source's class (a `RolloutSource` subclass) or engine class (`...Engine`) appears in
+    opd/trainer.py, neither imported nor used (an isinstance, a docstring that says which kind it branches
+    on). A new rollout source is then a class in opdkit/rollout/ and a line in `build`, and the trainer does
+    not change."""
+    path = root / "opdkit" / "opd" / "trainer.py"
+    known = modules(root)
+    bad = [
+        f"opd/trainer.py imports {m}, a rollout kind or engine (only {sorted(TRAINER_ROLLOUT_IMPORTS)})"
+        for m in sorted(imports(path, known))
+        if m.startswith("opdkit.rollout") and m not in TRAINER_ROLLOUT_IMPORTS
+    ]
+    classes = _classes(root)
+    sources = _subclasses_of("RolloutSource", classes)
+    engines = {n for n, (p, _) in classes.items() if n.endswith("Engine") and "rollout" in p.parts}
+    words = set(re.findall(r"\b\w+\b", path.read_text()))
+    bad += [
+        f"opd/trainer.py names the rollout kind or engine {k}" for k in sorted((sources | engines) & words)
+    ]
+    return bad
+
+
 RULES = [
     mirrored_test_names,
     private_imports,
@@ -357,6 +431,8 @@ RULES = [
     unlisted_packages,
     readme_layout,
     teacher_kinds_in_trainer,
+    teacher_kinds_in_one_place,
+    trainer_names_no_rollout_kind,
     completion_without_the_mask,
 ]
 
@@ -405,6 +481,22 @@ BREAKS = {  # rule -> (edits, a fragment of the violation it must report)
     "teacher_kinds_in_trainer": (
         {"opdkit/opd/trainer.py": "\n\ndef _approximate(t):\n    return isinstance(t, topk.TopKTeacher)\n"},
         "TopKTeacher",
+    ),
+    "teacher_kinds_in_one_place": (
+        {
+            "opdkit/opd/teachers/topk/teacher.py": (
+                "\n\nclass PromptLogprobsTeacher(torch.nn.Module):\n    pass\n"
+            ),
+            "opdkit/jobs/whitebox/teacher.py": (
+                "\n\nfrom opdkit.opd.teachers.local import LocalTeacher\n\n\n"
+                "class JobTeacher(LocalTeacher):\n    pass\n"
+            ),
+        },
+        "PromptLogprobsTeacher",
+    ),
+    "trainer_names_no_rollout_kind": (
+        {"opdkit/opd/trainer.py": "\n\nfrom opdkit.rollout.ahead import AheadRollouts\n"},
+        "opdkit.rollout.ahead",
     ),
     "completion_without_the_mask": (
         {

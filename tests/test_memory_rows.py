@@ -13,7 +13,7 @@ from helpers import HAND_PARAMS, QWEN3
 from opdkit import memory
 from opdkit.config import load_config
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.memory import ModelShape, OtherTeacher, Stage, plan
+from opdkit.memory import ModelShape, SetMemberShape, Stage, plan
 from opdkit.models import load_model
 from opdkit.opd.stage import distill_stage
 
@@ -43,8 +43,8 @@ def test_every_teacher_of_a_set_is_planned():
     """Qwen3-8B first, then 4B in process and 1.7B served, routed: the 4B's weights, the 1.7B's head and
     states, the three heads stacked, and every teacher's final states in training (bf16 teachers)."""
     others = (
-        OtherTeacher(ModelShape.from_config(QWEN3["Qwen3-4B"])),
-        OtherTeacher(ModelShape.from_config(QWEN3["Qwen3-1.7B"]), served=True),
+        SetMemberShape(ModelShape.from_config(QWEN3["Qwen3-4B"])),
+        SetMemberShape(ModelShape.from_config(QWEN3["Qwen3-1.7B"]), served=True),
     )
     one, routed = _rows(_stage()), _rows(_stage(other_teachers=others, teachers_routed=True))
     assert routed["teacher weights"].bytes == one["teacher weights"].bytes == HAND_PARAMS["Qwen3-8B"] * 2

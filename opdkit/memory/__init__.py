@@ -73,7 +73,7 @@ from opdkit.memory.rows import ALWAYS, PHASES, Row, rows_of
 from opdkit.memory.shapes import DTYPE_BYTES, GB, ModelShape, dtype_bytes, dtype_name
 from opdkit.memory.stages import (
     TOKEN_SAMPLE,
-    OtherTeacher,
+    SetMemberShape,
     Stage,
     activation_bytes_per_token,
     forward_working_bytes,
@@ -84,7 +84,7 @@ from opdkit.memory.stages import (
 )
 
 __all__ = [
-    "OtherTeacher",
+    "SetMemberShape",
     "TOKEN_SAMPLE",
     "token_ratio",
     "empty_cuda_cache",

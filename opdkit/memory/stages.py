@@ -66,7 +66,7 @@ def forward_working_bytes(shape: ModelShape, tokens: int, compute_bytes: int) ->
 
 
 @dataclass(frozen=True)
-class OtherTeacher:
+class SetMemberShape:
     """A teacher of a set beyond its first (`Stage.other_teachers`): its shape, and whether it is served."""
 
     shape: ModelShape
@@ -198,7 +198,7 @@ class Stage:
     gpu_memory_gb: float = 0.0
     cross_tokenizer: bool = False
     teacher_token_ratio: float = 1.0
-    other_teachers: tuple[OtherTeacher, ...] = ()
+    other_teachers: tuple[SetMemberShape, ...] = ()
     teachers_routed: bool = False
     eval_student: bool = False
     rollout_ahead: int = 0

@@ -64,7 +64,7 @@ def distill_stage(
         served_dtype=getattr(cfg, "teacher_server_dtype", "bfloat16"),
         cross_tokenizer=ratio is not None,
         teacher_token_ratio=ratio or 1.0,
-        other_teachers=tuple(memory.OtherTeacher(shape(t.model), bool(t.server)) for t in specs[1:]),
+        other_teachers=tuple(memory.SetMemberShape(shape(t.model), bool(t.server)) for t in specs[1:]),
         teachers_routed=bool(specs) and not parse_weights(getattr(cfg, "teacher_weights", "")),
         rollout_ahead=getattr(cfg, "rollout_ahead", 0),
         producer_place=producer_place(getattr(cfg, "rollout_device", ""), budget),

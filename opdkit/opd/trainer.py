@@ -175,7 +175,7 @@ class DistillTrainer(Trainer):
 
     def close_engine(self) -> None:
         """Shut the rollout source down when the run is over (a vLLM engine gives its memory back; see
-        `engines.VLLMEngine.close`); the job calls it however the run ends."""
+        a vLLM engine's `close`); the job calls it however the run ends."""
         self.rollouts.close()
 
     def micro_batch(self, record: RolloutRecord) -> dict:
