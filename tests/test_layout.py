@@ -812,7 +812,8 @@ UNTESTED = {
     "opdkit.notebook.figures": "drawn from real runs: tests/test_jobs_whitebox.py (the curves with held-out "
     "accuracy, the accuracy bars), tests/test_notebooks.py (02's three figures saved; slow)",
     "opdkit.opd.stage": "distill_stage's plan: tests/test_memory_stages.py (tokens and rows per stage) and "
-    "tests/test_memory_rows.py (its rows against hand counts); tests/test_memory_jobs.py: every job's preset",
+    "tests/test_memory_components.py (its components against hand counts); tests/test_memory_jobs.py: every "
+    "job's preset",
     "opdkit.notebook.live": "a kernel's view: tests/test_notebooks.py (headless plain logs, OPDKIT_LIVE=1's "
     "one live figure; slow) and tests/test_notebooks_jupyterlab.py",
     "opdkit.notebook.parameters": "tests/test_config.py: the parameters cell from the kernel's history, "

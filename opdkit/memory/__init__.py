@@ -43,6 +43,7 @@ One module per idea: `shapes` (a model's sizes), `stages` (what a process holds,
 machine has, what a process holds). The names below are the package's interface.
 """
 
+from opdkit.memory.components import ALWAYS, PHASES, Component, components_of
 from opdkit.memory.device import (
     HELD_DIR,
     budget_gb,
@@ -69,7 +70,6 @@ from opdkit.memory.plans import (
     reserve_bytes,
     suggestions,
 )
-from opdkit.memory.rows import ALWAYS, PHASES, Row, rows_of
 from opdkit.memory.shapes import DTYPE_BYTES, GB, ModelShape, dtype_bytes, dtype_name
 from opdkit.memory.stages import (
     TOKEN_SAMPLE,
@@ -100,7 +100,7 @@ __all__ = [
     "Plan",
     "RESERVE_MIN_GB",
     "RESERVE_SHARE",
-    "Row",
+    "Component",
     "Stage",
     "Suggestion",
     "activation_bytes_per_token",
@@ -121,7 +121,7 @@ __all__ = [
     "plan_job",
     "producer_plans",
     "reserve_bytes",
-    "rows_of",
+    "components_of",
     "suggestions",
     "visible_gpu_memory_gb",
 ]

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opdkit.config import ConfigError
+from opdkit.memory.components import ALWAYS, Component, components_of, producer_components, queue_components
 from opdkit.memory.device import host_memory_gb
-from opdkit.memory.rows import ALWAYS, Row, producer_rows, queue_rows, rows_of
 from opdkit.memory.shapes import GB
 from opdkit.memory.stages import Stage
 
@@ -38,7 +38,7 @@ class Suggestion:
 class Plan:
     """Rows, the total (the always rows plus the largest phase), the budget, and what would fit it."""
 
-    rows: list[Row]
+    rows: list[Component]
     budget_bytes: float | None = None
     suggestions: list[Suggestion] = field(default_factory=list)
     where: str = "per process"  # what the total is of, as the summary says it
@@ -63,7 +63,7 @@ class Plan:
     def fits(self) -> bool:
         return self.budget_bytes is None or self.total <= self.budget_bytes
 
-    def row(self, component: str) -> Row:
+    def row(self, component: str) -> Component:
         for r in self.rows:
             if r.component == component:
                 return r
@@ -110,9 +110,9 @@ def plan(stage: Stage, budget_gb: float | None = None, suggest: bool = True) -> 
     """The plan of `stage` against `budget_gb` (None: no budget, nothing enforced); when it does not fit,
     `suggestions` holds settings that would bring it under, each checked by planning again."""
     budget = None if budget_gb is None else budget_gb * GB
-    rows = rows_of(stage, budget)
+    rows = components_of(stage, budget)
     if budget is not None:
-        rows.append(_reserve_row(budget))
+        rows.append(_reserve_component(budget))
     p = Plan(rows, budget)
     if suggest and not p.fits:
         p.suggestions = suggestions(stage, budget_gb)
@@ -127,12 +127,12 @@ def reserve_bytes(budget_bytes: float) -> int:
     return int(max(RESERVE_MIN_GB * GB, RESERVE_SHARE * budget_bytes))
 
 
-def _reserve_row(budget: float) -> Row:
+def _reserve_component(budget: float) -> Component:
     how = (
         f"max({RESERVE_MIN_GB:g} GB, {RESERVE_SHARE:.0%} of {budget / GB:.1f} GB): CUDA context, cuBLAS "
         "workspaces, NCCL buffers, allocator fragmentation"
     )
-    return Row("reserve", reserve_bytes(budget), how)
+    return Component("reserve", reserve_bytes(budget), how)
 
 
 def largest_batch(stage: Stage, budget_gb: float, field: str = "sampled_rows", limit: int = 65536) -> int:
@@ -326,20 +326,21 @@ def plan_job(stages: Mapping[str, Stage], budget: float | None, gpu_gb: float | 
 def producer_plans(stage: Stage, budget: float | None) -> dict[str, Plan]:
     """What a stage's rollout producer (`Stage.rollout_ahead`) holds away from the training process's
     device, by where: on a GPU of its own (`producer_place` gpu) the producer, against `budget` with its own
-    reserve; in host memory the producer placed on the CPU, and always its queue (`rows.queue_rows`), neither
-    checked against a budget. {} without a producer; one beside the trainer is in the stage's own plan."""
+    reserve; in host memory the producer placed on the CPU, and always its queue (`queue_components`),
+    neither checked against a budget. {} without a producer; one beside the trainer is in the stage's own
+    plan."""
     if not stage.rollout_ahead:
         return {}
     out = {}
     sizing = budget if budget is not None else host_memory_gb()  # a vLLM share where no budget is set
     if stage.producer_place == "gpu":
-        rows = producer_rows(stage, sizing * GB)
+        rows = producer_components(stage, sizing * GB)
         budget_bytes = None if budget is None else budget * GB
         if budget_bytes is not None:
-            rows.append(_reserve_row(budget_bytes))
+            rows.append(_reserve_component(budget_bytes))
         out["the rollout producer on a GPU of its own"] = Plan(rows, budget_bytes)
     elif stage.producer_place == "cpu":
-        rows = producer_rows(stage, sizing * GB)
+        rows = producer_components(stage, sizing * GB)
         out["the rollout producer on the CPU"] = Plan(rows, where="in host memory")
-    out["the rollout producer's queue in host memory"] = Plan(queue_rows(stage), where="in host memory")
+    out["the rollout producer's queue in host memory"] = Plan(queue_components(stage), where="in host memory")
     return out

@@ -155,7 +155,8 @@ class Stage:
         (`rollout.ahead`), never in this one: the producer holds a float32 copy of the student, on a GPU the
         state_dict it loads at each weight update, and its engine's sampling memory for `sampled_rows` rows
         (the kit's loop without autocast; vLLM: its share), all beside every phase of the trainer; its queue
-        holds weight copies, rollouts and prompts in host memory (`rows.producer_rows`, `rows.queue_rows`).
+        holds weight copies, rollouts and prompts in host memory (`components.producer_components`,
+        `components.queue_components`).
     producer_place: where that producer lives: "beside" this process (the same device: its rows are this
         stage's), "gpu" (a GPU of its own: a plan of its own, `plans.producer_plans`), "cpu" (host memory).
     """

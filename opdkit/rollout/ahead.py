@@ -43,7 +43,7 @@ How it stays exact and bounded:
   samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
   the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
 - **Placement.** The producer runs on `rollout_device` (a GPU of its own, `cuda:1`, or the trainer's device);
-  the memory plan counts it there and its queue in host memory (`memory.rows.producer_rows`, `queue_rows`).
+  the memory plan counts it there and its queue in host memory (`memory.components`).
 
 Not yet: weights to a vLLM producer on the same GPU through CUDA IPC or NCCL (`collective_rpc`, vLLM's weight
 transfer engine) instead of a copy through the CPU.

@@ -1,7 +1,7 @@
-"""Tests for opdkit.memory.rows' rollout producer (`rollout_ahead`, issue 39): what the producer process and
-its queue hold, counted by hand from Qwen3's published configs and from the tiny world's real model and a real
-rollout record; where the producer is planned (`rollout_device`: beside the trainer, a GPU of its own, the
-CPU); and `rollout_ahead` 0 planning exactly as the synchronous run."""
+"""Tests for opdkit.memory.components' rollout producer (`rollout_ahead`, issue 39): what the producer process
+and its queue hold, counted by hand from Qwen3's published configs and from the tiny world's real model and a
+real rollout record; where the producer is planned (`rollout_device`: beside the trainer, a GPU of its own,
+the CPU); and `rollout_ahead` 0 planning exactly as the synchronous run."""
 
 from __future__ import annotations
 
@@ -95,11 +95,11 @@ def test_the_producers_rows_are_what_a_real_producer_and_a_real_record_hold():
         completion_len=T - ids_BP.shape[1],
         rollout_ahead=1,
     )
-    rows = {r.component: r.bytes for r in memory.rows_of(stage, None)}
+    rows = {r.component: r.bytes for r in memory.components_of(stage, None)}
     assert rows["rollout producer weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
     sent = sum(v.numel() * v.element_size() for v in model.state_dict().values())
     assert rows["rollout producer weight update"] == sent
-    queue = {r.component: r.bytes for r in memory.rows.queue_rows(stage)}
+    queue = {r.component: r.bytes for r in memory.components.queue_components(stage)}
     assert queue["weights in the producer's queue"] == 2 * sent
     assert queue["rollouts in the producer's queue"] == held
     assert queue["prompts planned ahead"] == sum(t.numel() * t.element_size() for t in batch.values())

@@ -1,6 +1,7 @@
-"""Tests for opdkit.memory.rows: what the plan counts of a teacher set, of a teacher that reads its own token
-count, of the cross-tokenizer backward's head gradient, and of 02's student evaluation under autocast, each
-against a count by hand (Qwen3's published configs) or from the models themselves (the tiny world)."""
+"""Tests for opdkit.memory.components: what the plan counts of a teacher set, of a teacher that reads its
+own token count, of the cross-tokenizer backward's head gradient, and of 02's student evaluation under
+autocast, each against a count by hand (Qwen3's published configs) or from the models themselves (the tiny
+world)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _stage(**change) -> Stage:
     return dataclasses.replace(base, **change)
 
 
-def _rows(stage: Stage) -> dict[str, memory.Row]:
+def _rows(stage: Stage) -> dict[str, memory.Component]:
     return {r.component: r for r in plan(stage).rows}
 
 
