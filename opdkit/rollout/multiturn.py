@@ -184,18 +184,21 @@ class MultiTurnRollouts(EngineRollouts):
         """Every episode to its end, one engine call per turn for the rows still playing; whether the engine
         reported log-probabilities."""
         s, stops = self.settings, set(self.settings.eos_token_ids)
+        cached = engine.turns(student, s) if isinstance(engine, engines.HFEngine) else None
         logprobs = False
         for turn in range(self.max_turns):
             live = [i for i, r in enumerate(rows) if not r.done]
             if not live:
                 break
             limit = {i: self._turn_limit(rows[i]) for i in live}
-            ctx_BT, ctx_mask_BT = sampling.left_pad(
-                [rows[i].prompt + rows[i].after for i in live], s.pad_token_id, device
-            )
+            contexts = [rows[i].prompt + rows[i].after for i in live]
             turn_settings = dataclasses.replace(s, max_new_tokens=max(limit.values()))
             seeds = turn_seeds([keys[i] for i in live], turn)
-            r = engine.sample(student, ctx_BT, ctx_mask_BT, turn_settings, seeds)
+            if cached is not None:  # the kit's loop: only the tokens new since the last turn are read
+                r = cached.sample(live, contexts, turn_settings.max_new_tokens, seeds, device)
+            else:  # another engine reads each whole transcript (vLLM: its prefix cache spares the re-read)
+                ctx_BT, ctx_mask_BT = sampling.left_pad(contexts, s.pad_token_id, device)
+                r = engine.sample(student, ctx_BT, ctx_mask_BT, turn_settings, seeds)
             logprobs = r.logprobs_BC is not None
             ids_BC, mask_BC = r.completion_ids_BC.tolist(), r.completion_mask_BC.tolist()
             lp_BC = r.logprobs_BC.tolist() if logprobs else None
