@@ -1,6 +1,6 @@
 """P10 and P10s (issues 38 and 48): a multi-turn optimizer step against a single-turn step at equal student
-tokens: P10 its rollouts' time per sampled token, P10s the whole step's time per transcript token (the student's
-and the tools').
+tokens: P10 its rollouts' time per sampled token, P10s the whole step's time per transcript token (the
+student's and the tools').
 
     python -m bench.run --only P10,P10s --reps 5
 

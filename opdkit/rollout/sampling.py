@@ -12,7 +12,10 @@ Pitfalls this module exists for:
   on how many processes split the prompts): with `row_seeds_B` each row draws from its own counter-based
   stream instead (`keyed_draw`: the n-th uniform of a row is a hash of its seed and n, turned into a token by
   the inverse of its own distribution's CDF), so a row's completion depends on its seed and its own logits
-  alone.
+  alone;
+- a multi-turn episode's next turn would re-read its whole transcript to sample a few tokens: `Turns` keeps
+  the batch's KV cache between turns and prefills only each row's new tokens, placed so that positions,
+  masks and draws are those of the whole transcript left-padded.
 """
 
 from __future__ import annotations
