@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import DynamicCache, PreTrainedTokenizerBase
@@ -117,14 +119,15 @@ def encode_prompts(
 def left_pad(
     ids: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(x) for x in ids)
-    out = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, x in enumerate(ids):
-        if x:
-            out[i, width - len(x) :] = torch.tensor(x)
-            mask[i, width - len(x) :] = 1
-    return out.to(device), mask.to(device)
+    """Token-id lists as one batch, right-aligned: (ids_BT, mask_BT), padding on the left."""
+    lengths_B = torch.tensor([len(x) for x in ids], dtype=torch.long)
+    width = int(lengths_B.max())
+    mask_BT = (torch.arange(width)[None] >= width - lengths_B[:, None]).long()
+    out_BT = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+    # one copy of all the ids (numpy reads a Python iterable ~7x faster than torch.tensor), row by row
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths_B.sum()))
+    out_BT[mask_BT.bool()] = torch.from_numpy(flat)
+    return out_BT.to(device), mask_BT.to(device)
 
 
 def warpers(temperature: float, top_p: float, top_k: int = 0) -> list[LogitsProcessor]:
