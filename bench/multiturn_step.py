@@ -1,7 +1,8 @@
-"""P10 (issue 38): a multi-turn optimizer step's time per student token against a single-turn step's at equal
-student tokens.
+"""P10 and P10s (issues 38 and 48): a multi-turn optimizer step against a single-turn step at equal student
+tokens: P10 its rollouts' time per sampled token, P10s the whole step's time per transcript token (the
+student's and the tools').
 
-    python -m bench.run --only P10 --reps 5
+    python -m bench.run --only P10,P10s --reps 5
 
 Both sides are `DistillTrainer` steps (rollouts, the teacher's scoring, the loss, the backward, the optimizer)
 on the tiny tool world's prompts (`tiny-tools`, templated with the calculator listed, so both sides read the
@@ -10,21 +11,23 @@ teacher `tiny:teacher-tools`, at 05 tiny's shapes (32 prompts a step, 110 new to
 forward KL (beta 0), float32, one process:
 
 - `multi-turn`: episodes against the calculator (`rollout.multiturn.MultiTurnRollouts`, `max_turns` 2,
-  `episode_max_tokens` 164): the call, the tool's result rendered by the chat template, the answer; the loss
-  on the student's two turns only, the teacher scoring the whole transcript;
+  `episode_max_tokens` 164) on the kit's loop, the KV cache kept between turns (`sampling.Turns`): the call,
+  the tool's result rendered by the chat template (the second turn prefills only it), the answer; the loss on
+  the student's two turns only, the teacher scoring the whole transcript;
 - `single-turn`: the single-turn source (`rollout.source.EngineRollouts`) on the same prompts, its stop tokens
   replaced by one never sampled so every row samples exactly `single_turn_tokens` tokens, all of them in the
   loss: set to the multi-turn side's student tokens per row (measured, `student_tokens_per_row` in both
   sides' results) so both steps train on the same number of tokens, with no padding on this side.
 
-After `warmup` steps, `steps` steps are timed (a callback at each step's end), in wall time (the figure) and
-in the process's CPU time (`cpu_ms_per_token`: with one thread, what other jobs on a shared machine change
-least); student tokens are the step's
-loss tokens (`DistillTrainer.stats.completion_tokens`). Phases per step: `rollout` (the source's next_step),
-within it `engine` (the engine's sample calls) and `template` (`MultiTurnRollouts.tool_ids`: the tool turns'
-chat-template rendering and tokenizing), and `rest` (the teacher's and student's forwards, the loss, the
-backward and the optimizer). The learning rate is tiny (1e-6) so the student, which starts equal to the
-teacher, keeps writing the same episodes through the timed steps.
+After `warmup` steps, `steps` steps are timed (a callback at each step's end), in wall time and in the
+process's CPU time (the figures: with one thread, what other jobs on a shared machine change least). Student
+(sampled) tokens are the step's loss tokens (`DistillTrainer.stats.completion_tokens`); transcript tokens the
+records' attended tokens after the prompts (single-turn: the student's alone). Phases per step, in wall
+(`phase_s`) and CPU time (`phase_cpu_s`): `rollout` (the source's next_step), within it `engine` (the loop's
+sample calls) and `template` (`MultiTurnRollouts.tool_ids`: the tool turns' chat-template rendering and
+tokenizing), and `rest` (the teacher's and student's forwards, the loss, the backward and the optimizer). The
+learning rate is tiny (1e-6) so the student, which starts equal to the teacher, keeps writing the same
+episodes through the timed steps.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class _Probe:
 
         self.trainer = trainer
         self.seconds = {"rollout": 0.0, "engine": 0.0, "template": 0.0}
-        self.tokens = self.context = self.rows = 0
+        self.cpu = dict.fromkeys(self.seconds, 0.0)
+        self.tokens = self.context = self.prompt = self.rows = 0
         self.counts: dict[str, float] = {}
         self._patched: list[
             tuple[Any, str, Any]
@@ -77,13 +81,15 @@ class _Probe:
         def timed_next_step(student, batches, step):
             records = self._timed("rollout", next_step, student, batches, step)
             self.context += sum(int(r.attention_mask_BT.sum()) for r in records)
+            self.prompt += sum(int(b["prompt_attention_mask"].sum()) for b in batches)
             self.rows += sum(r.input_ids_BT.shape[0] for r in records)
             for k, v in getattr(source, "counts", {}).items():
                 self.counts[k] = self.counts.get(k, 0.0) + v
             return records
 
         source.next_step = timed_next_step
-        self._patch(sampling, "sample", "engine")
+        self._patch(sampling, "sample", "engine")  # a single-turn call
+        self._patch(sampling.Turns, "sample", "engine")  # a turn of the episodes, their cache kept
         self._patch(multiturn.MultiTurnRollouts, "tool_ids", "template")
 
     def _patch(self, owner, name: str, phase: str) -> None:
@@ -100,11 +106,12 @@ class _Probe:
             setattr(owner, name, fn)
 
     def _timed(self, phase: str, fn, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
             self.seconds[phase] += time.perf_counter() - t0
+            self.cpu[phase] += time.process_time() - c0
 
     def snapshot(self) -> dict[str, Any]:
         self.tokens += int(self.trainer.stats.completion_tokens)  # this step's loss tokens
@@ -113,8 +120,10 @@ class _Probe:
             cpu=time.process_time(),
             tokens=self.tokens,
             context=self.context,
+            prompt=self.prompt,
             rows=self.rows,
             seconds=dict(self.seconds),
+            cpu_seconds=dict(self.cpu),
             counts=dict(self.counts),
         )
 
@@ -215,18 +224,29 @@ def measure(side: str, p: dict) -> dict[str, Any]:
     a, b = clock.marks["start"], clock.marks["end"]
     n = p["steps"]
     wall, tokens, rows = b["t"] - a["t"], b["tokens"] - a["tokens"], b["rows"] - a["rows"]
+    cpu = b["cpu"] - a["cpu"]
+    transcript = (b["context"] - a["context"]) - (b["prompt"] - a["prompt"])
     phases = {k: (b["seconds"][k] - a["seconds"][k]) / n for k in a["seconds"]}
     phases["rest"] = wall / n - phases["rollout"]
+    cpu_phases = {k: (b["cpu_seconds"][k] - a["cpu_seconds"][k]) / n for k in a["cpu_seconds"]}
+    cpu_phases["rest"] = cpu / n - cpu_phases["rollout"]
     counts = {k: (b["counts"].get(k, 0.0) - a["counts"].get(k, 0.0)) / n for k in b["counts"]}
     return {
         "ms_per_token": 1000 * wall / tokens,
         # this process's CPU time (one thread): what other jobs on a shared machine change least
-        "cpu_ms_per_token": 1000 * (b["cpu"] - a["cpu"]) / tokens,
+        "cpu_ms_per_token": 1000 * cpu / tokens,
+        # the two figures: the rollouts per sampled token, the whole step per transcript token
+        "rollout_cpu_ms_per_token": 1000 * cpu_phases["rollout"] * n / tokens,
+        "cpu_ms_per_transcript_token": 1000 * cpu / transcript,
+        "rollout_ms_per_token": 1000 * phases["rollout"] * n / tokens,
+        "ms_per_transcript_token": 1000 * wall / transcript,
         "step_s": wall / n,
         "student_tokens_per_step": tokens / n,
         "student_tokens_per_row": tokens / rows,
+        "transcript_tokens_per_row": transcript / rows,
         "context_tokens_per_row": (b["context"] - a["context"]) / rows,
         "phase_s": {k: round(v, 5) for k, v in phases.items()},
+        "phase_cpu_s": {k: round(v, 5) for k, v in cpu_phases.items()},
         "episode_counts_per_step": counts,
         "load_average": os.getloadavg()[0],  # the machine is shared: the 1-minute load at the run's end
     }

@@ -487,10 +487,11 @@ def test_call_path_counts_functions_places_and_climbs(monkeypatch):
 
 
 def test_p10_times_both_steps_at_equal_student_tokens():
-    """P10 (issue 38) at quick size: the multi-turn side plays tool episodes (a call, then the answer: more
-    turns than episodes, the tool's tokens in the context but not in the loss), the single-turn side samples
-    exactly `single_turn_tokens` per row, the two within 10 % of each other in student tokens; the phases add
-    up to the step and the figure is the ratio of the two sides' time per student token."""
+    """P10 and P10s (issues 38, 48) at quick size: the multi-turn side plays tool episodes (a call, then the
+    answer: more turns than episodes, the tool's tokens in the transcript but not in the loss) through the
+    loop that keeps its KV cache between turns, the single-turn side samples exactly `single_turn_tokens` per
+    row, the two within 10 % of each other in student tokens; the phases add up to the step, and the figures
+    are the two sides' CPU time per sampled token in the rollouts and per transcript token in the step."""
     from bench import multiturn_step, registry
 
     p = registry.BENCHES["P10"].default_params(quick=True)
@@ -502,20 +503,28 @@ def test_p10_times_both_steps_at_equal_student_tokens():
         single["student_tokens_per_row"] == p["single_turn_tokens"] and not single["episode_counts_per_step"]
     )
     assert multi["student_tokens_per_row"] == pytest.approx(single["student_tokens_per_row"], rel=0.1)
-    context = {s: r["context_tokens_per_row"] - r["student_tokens_per_row"] for s, r in got.items()}
-    assert context["multi-turn"] > context["single-turn"] > 0  # the prompt, and on one side the tool turn
+    tools = {s: r["transcript_tokens_per_row"] - r["student_tokens_per_row"] for s, r in got.items()}
+    assert tools["multi-turn"] > 0 == tools["single-turn"]  # the tool turn is in the transcript
+    prompt = {s: r["context_tokens_per_row"] - r["transcript_tokens_per_row"] for s, r in got.items()}
+    assert prompt["multi-turn"] == pytest.approx(prompt["single-turn"]) and prompt["single-turn"] > 0
     for r in got.values():
         assert r["ms_per_token"] == pytest.approx(1000 * r["step_s"] / r["student_tokens_per_step"])
-        ph = r["phase_s"]
-        assert ph["rollout"] + ph["rest"] == pytest.approx(r["step_s"], abs=1e-4)
-        assert 0 < ph["engine"] <= ph["rollout"] and r["cpu_ms_per_token"] > 0
+        for ph, step in ((r["phase_s"], r["step_s"]), (r["phase_cpu_s"], None)):
+            if step is not None:
+                assert ph["rollout"] + ph["rest"] == pytest.approx(step, abs=1e-4)
+            assert 0 < ph["engine"] <= ph["rollout"] + 1e-9
+        assert r["rollout_cpu_ms_per_token"] == pytest.approx(
+            1000 * r["phase_cpu_s"]["rollout"] / r["student_tokens_per_step"], rel=1e-3
+        )
+        assert r["cpu_ms_per_transcript_token"] * r["transcript_tokens_per_row"] == pytest.approx(
+            r["cpu_ms_per_token"] * r["student_tokens_per_row"]
+        )
     assert multi["phase_s"]["template"] > 0 == single["phase_s"]["template"]
-    (fig,) = registry._p10({s: [r] for s, r in got.items()}, p, 1)
-    assert (
-        fig.value == pytest.approx(multi["ms_per_token"] / single["ms_per_token"])
-        and not fig.higher_is_better
-    )
-    assert "P10" in registry.FIGURES and fig.target == 1.3
+    figs = {f.figure: f for f in registry._p10({s: [r] for s, r in got.items()}, p, 1)}
+    for name, key in (("P10", "rollout_cpu_ms_per_token"), ("P10s", "cpu_ms_per_transcript_token")):
+        assert figs[name].value == pytest.approx(multi[key] / single[key]) and not figs[name].higher_is_better
+        assert name in registry.FIGURES and figs[name].target == 1.15
+    assert registry.BENCHES["P10s"] is registry.BENCHES["P10"]  # one set of runs gives both
 
 
 # A quote: the number as the link's text, the link to a results file and the key inside it, e.g.

@@ -289,3 +289,41 @@ def test_the_loops_own_logprobs_are_the_raw_log_softmax_of_a_full_forward(studen
     want_BC = logp_BCV.gather(-1, kept.completion_ids_BC[:, :, None])[:, :, 0] * kept.completion_mask_BC
     assert kept.completion_mask_BC.sum() > 20
     torch.testing.assert_close(kept.logprobs_BC.double(), want_BC, rtol=0, atol=1e-4)
+
+
+def test_turns_keep_the_cache_and_draw_what_a_whole_re_read_draws(student_and_tok):
+    """`Turns`: three calls on growing transcripts (each extended by its completion and "tool" tokens of
+    different lengths, one by none; rows leaving between calls) draw the tokens `sample` draws on the whole
+    transcripts left-padded, with the same masks, and log-probabilities within the float32 floor (the first
+    call's exactly: the same forwards); a transcript that does not extend the cached one, or rows that were
+    not in the previous call, are refused."""
+    model, tok = student_and_tok
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=0.7, top_p=0.9)
+    turns = sampling.Turns(model, keep_logprobs=True, **kw)
+    ids, mask = _mixed_prompts(tok, n=4)
+    transcripts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    rows = [0, 1, 2, 3]
+    tools = tok("<tool_response>17</tool_response>", add_special_tokens=False)["input_ids"]
+    for call, max_new in enumerate((40, 9, 12)):
+        seeds = [100 * call + r for r in rows]
+        got = turns.sample(rows, transcripts, max_new, seeds)
+        want = sampling.sample(
+            model, *sampling.left_pad(transcripts, tok.pad_token_id), max_new_tokens=max_new,
+            row_seeds_B=seeds, keep_logprobs=True, **kw,
+        )  # fmt: skip
+        for name in ("input_ids_BT", "attention_mask_BT", "completion_mask_BC"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (call, name)
+        atol = 0 if call == 0 else 1e-5
+        torch.testing.assert_close(got.logprobs_BC, want.logprobs_BC, rtol=0, atol=atol)
+        done = [ids[m.bool()].tolist() for ids, m in zip(got.completion_ids_BC, got.completion_mask_BC)]
+        if call == 0:  # the shortest completion was fed whole: with no tool tokens, nothing is new
+            assert min(len(d) for d in done) < got.completion_mask_BC.shape[1]
+        extra = {k: tools[: (5 * k) % len(tools)] for k in range(len(rows))}
+        extra[min(range(len(rows)), key=lambda k: len(done[k]))] = []
+        transcripts = [t + d + extra[k] for k, (t, d) in enumerate(zip(transcripts, done))]
+        keep = [k for k in range(len(rows)) if k != 1]  # the second row's episode ends
+        rows, transcripts = [rows[k] for k in keep], [transcripts[k] for k in keep]
+    with pytest.raises(ValueError, match="does not extend"):
+        turns.sample(rows, [t[:-2] for t in transcripts], 4, [1] * len(rows))
+    with pytest.raises(ValueError, match="previous call"):
+        turns.sample([7], transcripts[:1], 4, [1])

@@ -6,6 +6,7 @@
     r = engine.sample(student, prompt_ids_BP, prompt_mask_BP, settings, seed)   # a `sampling.Rollout`
     seeds = rollout_seeds(seed, step, places)                # one seed per row: its own stream
     r = engine.sample(student, prompt_ids_BP, prompt_mask_BP, settings, seeds)
+    turns = engine.turns(student, settings)                  # hf only: episodes, KV cache kept between turns
 
 A call's `seed` is one int (the call's rows drawn from one stream: torch's global generator in the kit's loop,
 per-request seeds drawn from it in vLLM) or one seed per row, each row then drawn from its own stream in both
@@ -153,14 +154,25 @@ class HFEngine:
             model,
             prompt_ids_BP,
             prompt_mask_BP,
+            max_new_tokens=s.max_new_tokens,
+            row_seeds_B=list(seed) if per_row else None,
+            **self.loop_settings(s),
+        )
+
+    def turns(self, model, s: SamplingSettings) -> sampling.Turns:
+        """The loop over a batch of multi-turn episodes with their KV cache kept between turns
+        (`sampling.Turns`: a turn prefills only its new tokens); a turn's `max_new_tokens` is its call's."""
+        return sampling.Turns(model, **self.loop_settings(s))
+
+    def loop_settings(self, s: SamplingSettings) -> dict:
+        """`s` as the loop's keywords (temperature 0 is greedy, as in vLLM), with this engine's own."""
+        return dict(
             eos_token_id=s.eos_token_ids,
             pad_token_id=s.pad_token_id,
-            max_new_tokens=s.max_new_tokens,
             temperature=s.temperature or 1.0,
             top_p=s.top_p,
-            do_sample=s.temperature > 0,  # temperature 0 is greedy, as in vLLM
+            do_sample=s.temperature > 0,
             synced_gpus=self.synced,
-            row_seeds_B=list(seed) if per_row else None,
             keep_logprobs=self.logprobs,
         )
 

@@ -8,10 +8,14 @@ through the rollout engine, one record per micro-batch whose rows hold several s
     source.counts                                    # the step's metrics summed: episodes, calls, turns...
     source.step_metrics(sum_over_processes)          # the trainer's tool/ columns, over all processes
 
-A turn: every unfinished row's transcript so far (left-padded) goes to the engine in one `engine.sample` call
-(the kit's loop or vLLM: the same call), up to `rollout_max_new_tokens` per turn and what is left of the
-episode's `episode_max_tokens`, ending at a stop token as a single-turn completion does. The environment reads
-the turn's text and answers (tool messages) or ends the episode (a turn without a call is the final answer).
+A turn: every unfinished row's transcript so far goes to the engine in one call, up to
+`rollout_max_new_tokens` per turn and what is left of the episode's `episode_max_tokens`, ending at a stop
+token as a single-turn completion does. The kit's loop keeps the episodes' KV cache between turns
+(`HFEngine.turns`, `sampling.Turns`): a turn prefills only the tokens new since the last (the end of the
+student's turn, the tools' tokens), and draws what a re-read of the whole transcript would; any other engine
+(vLLM) gets each transcript whole, left-padded, in `engine.sample`, its prefix cache sparing the re-read.
+The environment reads the turn's text and answers (tool messages) or ends the episode (a turn without a call
+is the final answer).
 The environment is `opdkit.rollout.episodes.Environment` (its `step` answers a turn with a `StepResult`).
 The tool messages become token ids by the chat template: the conversation is rendered with them and the
 generation prompt, the student's turn stood in by a marker, and the text after the marker (less the stop
@@ -184,18 +188,21 @@ class MultiTurnRollouts(EngineRollouts):
         """Every episode to its end, one engine call per turn for the rows still playing; whether the engine
         reported log-probabilities."""
         s, stops = self.settings, set(self.settings.eos_token_ids)
+        cached = engine.turns(student, s) if isinstance(engine, engines.HFEngine) else None
         logprobs = False
         for turn in range(self.max_turns):
             live = [i for i, r in enumerate(rows) if not r.done]
             if not live:
                 break
             limit = {i: self._turn_limit(rows[i]) for i in live}
-            ctx_BT, ctx_mask_BT = sampling.left_pad(
-                [rows[i].prompt + rows[i].after for i in live], s.pad_token_id, device
-            )
+            contexts = [rows[i].prompt + rows[i].after for i in live]
             turn_settings = dataclasses.replace(s, max_new_tokens=max(limit.values()))
             seeds = turn_seeds([keys[i] for i in live], turn)
-            r = engine.sample(student, ctx_BT, ctx_mask_BT, turn_settings, seeds)
+            if cached is not None:  # the kit's loop: only the tokens new since the last turn are read
+                r = cached.sample(live, contexts, turn_settings.max_new_tokens, seeds, device)
+            else:  # another engine reads each whole transcript (vLLM: its prefix cache spares the re-read)
+                ctx_BT, ctx_mask_BT = sampling.left_pad(contexts, s.pad_token_id, device)
+                r = engine.sample(student, ctx_BT, ctx_mask_BT, turn_settings, seeds)
             logprobs = r.logprobs_BC is not None
             ids_BC, mask_BC = r.completion_ids_BC.tolist(), r.completion_mask_BC.tolist()
             lp_BC = r.logprobs_BC.tolist() if logprobs else None
