@@ -175,7 +175,9 @@ class RecordsMessage:
     records: list[RolloutRecord]
     started: float
     finished: float
-    counts: dict[str, float] = dataclasses.field(default_factory=dict)  # the source's (`EngineRollouts.counts`)
+    counts: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # the source's (`EngineRollouts.counts`)
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,19 @@ class ErrorMessage:
 
 
 def _produce(
-    trainer, inbox, outbox, make_engine, make_loop, config, settings, seed, rank, world, batch_size, device, threads
+    trainer,
+    inbox,
+    outbox,
+    make_engine,
+    make_loop,
+    config,
+    settings,
+    seed,
+    rank,
+    world,
+    batch_size,
+    device,
+    threads,
 ):
     """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
     `inbox`, sampling each planned step through the source `make_loop` builds with it (single-turn or
