@@ -1,5 +1,5 @@
-"""02 over multi-turn transcripts (`environment`, the tiny tool world: every episode calls the calculator) with
-the two served teacher kinds issue 48 builds there, against tests/test_opd_teachers_served.py's stub server
+"""02 over multi-turn transcripts (`environment`, the tiny tool world: every episode calls the calculator)
+with the two served teacher kinds issue 48 builds there, against tests/test_opd_teachers_served.py's stub server
 (transformers' tiny teachers over HTTP): a served top-K teacher (`teacher_logprobs topk:K`) is sent each
 transcript whole and its first loss and update are the top-K divergence computed here from the teacher's own
 logits at the positions predicting the student's tokens; a served teacher of another tokenizer takes the

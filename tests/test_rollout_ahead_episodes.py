@@ -1,5 +1,5 @@
-"""Multi-turn episodes sampled ahead (`environment` with `rollout_ahead` >= 1, issue 48): the producer plays the
-episodes of the tiny tool world (tool calls, the calculator's results) against its own copy of the
+"""Multi-turn episodes sampled ahead (`environment` with `rollout_ahead` >= 1, issue 48): the producer plays
+the episodes of the tiny tool world (tool calls, the calculator's results) against its own copy of the
 environment. With unchanged weights (learning rate 0) the run sampling one step ahead, corrected, takes the
 synchronous run's episodes, losses and `tool/` columns (which come back from the producer) with importance
 ratios of 1; killed after step 2 and resumed from checkpoint-2, a run sampling ahead regenerates its queued
