@@ -1,10 +1,10 @@
 """02 over multi-turn transcripts (`environment`, the tiny tool world: every episode calls the calculator)
-with the two served teacher kinds issue 48 builds there, against tests/test_opd_teachers_served.py's stub server
-(transformers' tiny teachers over HTTP): a served top-K teacher (`teacher_logprobs topk:K`) is sent each
-transcript whole and its first loss and update are the top-K divergence computed here from the teacher's own
-logits at the positions predicting the student's tokens; a served teacher of another tokenizer takes the
-in-process cross-tokenizer teacher's first update. (The exact served teacher over transcripts:
-tests/test_jobs_whitebox_served.py.)"""
+with the two served teacher kinds issue 48 builds there, against the stub server of
+tests/test_opd_teachers_served.py (transformers' tiny teachers over HTTP): a served top-K teacher
+(`teacher_logprobs topk:K`) is sent each transcript whole, and its first loss and update are the top-K
+divergence computed here from the teacher's own logits at the positions predicting the student's tokens; a
+served teacher of another tokenizer takes the in-process cross-tokenizer teacher's first update. (The exact
+served teacher over transcripts: tests/test_jobs_whitebox_served.py.)"""
 
 from __future__ import annotations
 

@@ -305,10 +305,11 @@ class AheadRollouts(RolloutSource):
     folder; either way the weights come from the trainer, step by step, on `rollout_device` (None: `device`,
     the trainer's, where the records are handed over). Each record carries the weights' version that sampled
     it and their log-probabilities of its tokens, computed in `dtype` (the engine's). `loop` is the
-    synchronous source the producer samples through, called there as `loop(make_engine, settings, seed, rank,
-    world, batch_size)` (picklable: `EngineRollouts`, or a `functools.partial` of `multiturn.MultiTurnRollouts`
-    with its environment and tokenizer, whose episodes the producer then plays). `timeline`: per sampled step,
-    its version and when the producer started and finished it (wall clock), for tests and measurements."""
+    synchronous source the producer samples through, called there as `loop(make_engine, settings, seed,
+    rank, world, batch_size)` (picklable: `EngineRollouts`, or a `functools.partial` of
+    `multiturn.MultiTurnRollouts` with its environment and tokenizer, whose episodes the producer then
+    plays). `timeline`: per sampled step, its version and when the producer started and finished it (wall
+    clock), for tests and measurements."""
 
     def __init__(
         self,
