@@ -126,7 +126,7 @@ TESTED: dict[tuple[str, str, str, str], tuple[str, str]] = {
         "test_whitebox_with_teacher_logprobs_topk_runs_against_a_generation_server",
     ),
     ("served, top-K", "episodes", "hf", "1"): (
-        "test_jobs_whitebox_served_transcripts.py",
+        "test_jobs_whitebox_transcripts.py",
         "test_a_served_topk_teacher_over_transcripts_is_the_teachers_topk_at_the_students_positions",
     ),
     ("another tokenizer", "single-turn", "hf", "1"): (
@@ -150,7 +150,7 @@ TESTED: dict[tuple[str, str, str, str], tuple[str, str]] = {
         "test_a_served_teacher_with_another_tokenizer_takes_the_in_process_first_update",
     ),
     ("another tokenizer, served", "episodes", "hf", "1"): (
-        "test_jobs_whitebox_served_transcripts.py",
+        "test_jobs_whitebox_transcripts.py",
         "test_a_served_teacher_of_another_tokenizer_over_transcripts_takes_the_in_process_first_update",
     ),
     ("a set (weighted)", "single-turn", "hf", "1"): (
