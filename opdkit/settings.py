@@ -315,15 +315,9 @@ class OPDSettings(EngineSettings, CrossTokenizerSettings):
 
     def normalise(self) -> None:
         """Run by whatever composes this group (a job's config, `opd.arguments.OPDArguments`): what sampling
-        ahead and its correction, and a multi-turn environment, need of the settings alone, before anything
-        is loaded (an environment plays its episodes through either engine, not through a producer sampling
-        ahead; the producer samples through either engine). What they need of the machine and the run is
-        checked by `rollout.ahead.check_settings`."""
-        if self.environment and self.rollout_ahead:
-            raise ConfigError(
-                f"environment={self.environment} plays episodes in the training process; sampling them ahead "
-                "is not built yet: use rollout_ahead 0, or no environment."
-            )
+        ahead and its correction need of the settings alone, before anything is loaded (the producer samples
+        through either engine, single-turn completions or a multi-turn environment's episodes). What they need
+        of the machine and the run is checked by `rollout.ahead.check_settings`."""
         if self.vllm_sleep and self.rollout_ahead:
             raise ConfigError(
                 "vllm_sleep frees the engine's memory between rollouts for training in the same process; "

@@ -415,14 +415,17 @@ class LogitsClient:
 class StubPoolingServer:
     """A pooling server in a thread: POST /pooling answers each row's final hidden states from `model` (one
     unpadded forward per row) as base64 float32 or JSON floats, GET /v1/models names `name`, POST /tokenize
-    uses `tokenizer`. `fail_next` requests get `fail_status`; `delay_s` delays every /pooling answer. With
-    `api_key` every request but GET /health needs `Authorization: Bearer <api_key>` (401 without); the
-    Authorization headers received are kept in `authorizations`."""
+    uses `tokenizer`, POST /v1/completions answers `prompt_logprobs` as a vLLM generation server does (each
+    position's top-K log-probabilities from `model`'s logits, the actual token beside them with its rank;
+    kept in `completion_requests`). `fail_next` requests get `fail_status`; `delay_s` delays every /pooling
+    answer. With `api_key` every request but GET /health needs `Authorization: Bearer <api_key>` (401
+    without); the Authorization headers received are kept in `authorizations`."""
 
     def __init__(self, model, name: str = "tiny-teacher", tokenizer=None, root: str | None = None):
         self.model, self.name, self.tokenizer, self.root = model, name, tokenizer, root or name
         self.fail_next, self.fail_status, self.delay_s = 0, 503, 0.0
         self.pooling_requests: list[dict] = []
+        self.completion_requests: list[dict] = []
         self.transform = None  # states -> states, to serve something else than the model's final states
         self.api_key, self.authorizations = "", []
         stub = self
@@ -470,6 +473,15 @@ class StubPoolingServer:
                         return
                     ids = stub.tokenizer(payload["prompt"], add_special_tokens=False)["input_ids"]
                     self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": 256})
+                    return
+                if self.path == "/v1/completions":
+                    stub.completion_requests.append(payload)
+                    k = payload["prompt_logprobs"]
+                    choices = [
+                        {"index": i, "text": "", "prompt_logprobs": prompt_logprobs(stub.model, row, k)}
+                        for i, row in enumerate(payload["prompt"])
+                    ]
+                    self._send(200, {"choices": choices})
                     return
                 stub.pooling_requests.append(payload)
                 if max(max(r) for r in payload["input"]) >= stub.model.config.vocab_size:
@@ -525,6 +537,29 @@ class StubPoolingServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def prompt_logprobs(model, row: list[int], k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a row: None for its first token, then for each token t the top-`k`
+    log-probabilities of the state at t-1 by id (`logprob`, 1-based `rank`), and token t's own where it is
+    not among them."""
+    with torch.no_grad():
+        logp_TV = torch.log_softmax(model(input_ids=torch.tensor([row])).logits[0].float(), -1)
+    out: list[dict | None] = [None]
+    for t in range(1, len(row)):
+        lp_V = logp_TV[t - 1]
+        top = lp_V.topk(k)
+        entry = {
+            str(int(i)): {"logprob": float(v), "rank": r + 1}
+            for r, (v, i) in enumerate(zip(top.values, top.indices))
+        }
+        if str(row[t]) not in entry:
+            entry[str(row[t])] = {
+                "logprob": float(lp_V[row[t]]),
+                "rank": int((lp_V > lp_V[row[t]]).sum()) + 1,
+            }
+        out.append(entry)
+    return out
 
 
 def pooling_client(url: str, **kw) -> served.PoolingClient:

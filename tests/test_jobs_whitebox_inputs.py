@@ -208,18 +208,23 @@ def test_a_bare_gradient_file_is_used_unchecked_and_the_summary_says_so(tmp_path
     assert sweep.check_apart_from_gradient(cfg, []).startswith("not checked")
 
 
-def test_multi_turn_episodes_refuse_the_teachers_not_built_for_transcripts():
-    """environment with a served top-K teacher: one line; in process, served exactly, or a teacher of another
-    tokenizer (its own template renders the transcripts), none."""
+def test_multi_turn_episodes_take_every_teacher_kind_and_refuse_a_sharded_student():
+    """environment with any teacher kind (in process, served exactly or top-K, another tokenizer), sampled in
+    the step or ahead: none refused; with parallelism fsdp over 2 processes, one line."""
     from opdkit.jobs.whitebox.config import WhiteboxConfig
     from opdkit.jobs.whitebox.inputs import check_environment
 
-    check_environment(WhiteboxConfig(environment="calculator"))
-    check_environment(WhiteboxConfig(environment="calculator", teacher_model="tiny:teacher-bpe"))
-    check_environment(WhiteboxConfig(environment="calculator", teacher_server="http://x:1"))
-    topk = WhiteboxConfig(environment="calculator", teacher_server="http://x:1", teacher_logprobs="topk:20")
-    with pytest.raises(ConfigError, match="top-K teacher over multi-turn") as err:
-        check_environment(topk)
+    for over in (
+        {},
+        {"teacher_model": "tiny:teacher-bpe"},
+        {"teacher_server": "http://x:1"},
+        {"teacher_server": "http://x:1", "teacher_logprobs": "topk:20"},
+        {"rollout_ahead": 1},
+    ):
+        check_environment(WhiteboxConfig(environment="calculator", **over))
+    sharded = WhiteboxConfig(environment="calculator", parallelism="fsdp", num_processes=2)
+    with pytest.raises(ConfigError, match="use parallelism ddp, or no environment") as err:
+        check_environment(sharded)
     assert "\n" not in str(err.value)
 
 

@@ -1,7 +1,7 @@
 """opdkit.rollout.build: the settings choose the source, so the trainer names none: the synchronous one by
 default, the producer sampling ahead with `rollout_ahead` (its log-probabilities in the engine's dtype), the
-multi-turn episodes with an environment object; what cannot run is refused in one line before anything
-starts."""
+multi-turn episodes with an environment object (sampled ahead: by the producer); what cannot run is
+refused in one line before anything starts."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def test_the_settings_choose_the_source(tmp_path):
     assert produced.make_engine().logprobs  # the producer's loop reports what the importance ratio reads
     episodes = _source(tmp_path, env=_Env(), environment="calculator", max_turns=3)
     assert isinstance(episodes, MultiTurnRollouts) and episodes.max_turns == 3
+    ahead_episodes = _source(tmp_path, env=_Env(), environment="calculator", max_turns=3, rollout_ahead=1)
+    assert isinstance(ahead_episodes, ahead.AheadRollouts)  # the producer plays them: its source is theirs
+    assert isinstance(ahead_episodes.mirror, MultiTurnRollouts) and ahead_episodes.mirror.max_turns == 3
 
 
 def test_what_cannot_run_is_refused_in_one_line(tmp_path):
@@ -45,4 +48,11 @@ def test_what_cannot_run_is_refused_in_one_line(tmp_path):
         _source(tmp_path, environment="calculator")
     with pytest.raises(ConfigError, match="use parallelism ddp") as err:
         _source(tmp_path, sharded=True, rollout_ahead=1)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="use parallelism ddp, or no environment"):
+        _source(tmp_path, env=_Env(), sharded=True, environment="calculator")
+    unpicklable = _Env()
+    unpicklable.check = lambda text, answer: True
+    with pytest.raises(ConfigError, match="cannot be sent to it .*make it picklable") as err:
+        _source(tmp_path, env=unpicklable, environment="calculator", rollout_ahead=1)
     assert "\n" not in str(err.value)

@@ -385,8 +385,8 @@ def test_tool_tokens_carry_no_loss_and_no_gradient_and_the_loss_is_the_direct_re
 
 def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_counts(tmp_path):
     """`environment` set: the trainer's source is MultiTurnRollouts over the environment it was given, and a
-    step's tool/ metrics are the episodes' counts; without the object, or with sampling ahead, one line (vLLM
-    plays episodes too: tests/test_rollout_multiturn_vllm.py)."""
+    step's tool/ metrics are the episodes' counts; without the object, one line (vLLM plays episodes too:
+    tests/test_rollout_multiturn_vllm.py; a producer sampling ahead: tests/test_rollout_ahead_episodes.py)."""
     import pytest
 
     from opdkit import settings as opd_settings
@@ -423,8 +423,7 @@ def test_the_trainer_plays_episodes_when_given_an_environment_and_logs_their_cou
     assert set(m) >= {"tool/called_share", "tool/calls_per_episode", "tool/malformed", "tool/accuracy"}
     with pytest.raises(ConfigError, match="environment object"):
         DistillTrainer(args=args, **{**common, "model": tiny_model("tiny:student")})
-    with pytest.raises(ConfigError, match="rollout_ahead 0"):
-        WhiteboxConfig(environment="calculator", rollout_ahead=1)
+    assert WhiteboxConfig(environment="calculator", rollout_ahead=1).rollout_ahead == 1  # the producer plays
     assert WhiteboxConfig(environment="calculator", rollout_engine="vllm").rollout_engine == "vllm"
     with pytest.raises(ConfigError, match="not one of"):
         WhiteboxConfig(environment="abacus")

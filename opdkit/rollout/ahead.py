@@ -1,9 +1,12 @@
 """Rollouts sampled ahead of training (`rollout_ahead: s`): a producer process samples the rollouts of steps
 k+1 … k+s while the trainer trains step k, through the run's rollout engine: the kit's loop on its own copy of
-the student, or a vLLM engine of its own.
+the student, or a vLLM engine of its own; single-turn completions, or multi-turn episodes against an
+environment (`loop`: the synchronous source the producer runs).
 
     source = AheadRollouts(make_engine, student.config, settings, seed=42, rank=0, world=1, batch_size=64,
                            ahead=1, device="cpu")           # make_engine: the run's engine factory
+    episodes = AheadRollouts(..., loop=functools.partial(MultiTurnRollouts, environment=env, tokenizer=tok,
+                                                         max_turns=4))   # the producer plays the episodes
     batches = source.prompts(epoch_iterator, num_batches, step)  # the step's; the coming steps' planned
     records = source.next_step(student, batches, step)           # sends the weights, returns step's records
     source.save(checkpoint_folder); source.load(checkpoint_folder)   # the queued steps, at a checkpoint
@@ -39,6 +42,12 @@ How it stays exact and bounded:
   included), and a resumed source (`load`: `load_queued`, `resume`) hands the producer those steps after
   those weights before anything else: the resumed run samples what the unbroken one did (the prompts come
   from the resumed data iterator, the same).
+- **Episodes.** With `loop` a multi-turn source (`multiturn.MultiTurnRollouts`, given its environment and
+  tokenizer, both pickled into the producer as the engine factory is), the producer plays each planned step's
+  episodes against its own copy of the environment, every turn keyed as the synchronous source keys it
+  (`engines.rollout_seeds`, `multiturn.turn_seeds`): the same versions give the same episodes. Their
+  `counts` come back with the records, and `step_metrics` derives the trainer's `tool/` columns from them
+  as the synchronous source does (through `mirror`, the same source built here and never opened).
 - **Processes.** Under DDP each training process has its own source and producer (`rank`, `world`): it
   samples that process's rows of the step's global batch, keyed by their places, so the rows are those of
   the one-process run. A sharded student (FSDP) is refused: a producer needs the whole weights.
@@ -159,13 +168,16 @@ class StopMessage:
 @dataclass(frozen=True)
 class RecordsMessage:
     """From the producer: step `step`'s records, sampled by weights `version`, when it started and finished
-    them (wall clock)."""
+    them (wall clock), and the producer's source's own numbers of the step (`counts`)."""
 
     step: int
     version: int | None
     records: list[RolloutRecord]
     started: float
     finished: float
+    counts: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # the source's (`EngineRollouts.counts`)
 
 
 @dataclass(frozen=True)
@@ -176,16 +188,29 @@ class ErrorMessage:
 
 
 def _produce(
-    trainer, inbox, outbox, make_engine, config, settings, seed, rank, world, batch_size, device, threads
+    trainer,
+    inbox,
+    outbox,
+    make_engine,
+    make_loop,
+    config,
+    settings,
+    seed,
+    rank,
+    world,
+    batch_size,
+    device,
+    threads,
 ):
     """The producer process: the trainer's engine (`make_engine`), whose weights only ever come through
-    `inbox`, sampling each planned step with the latest weights received before the plan. A producer whose
+    `inbox`, sampling each planned step through the source `make_loop` builds with it (single-turn or
+    episodes) with the latest weights received before the plan. A producer whose
     trainer (`trainer`: its pid) is gone (killed: it could not send a stop) exits by itself instead of
     waiting for ever."""
     try:
         device = only_gpu(device)
         torch.set_num_threads(threads)  # before a vLLM engine starts (it makes the call a no-op)
-        loop = EngineRollouts(make_engine, settings, seed, rank, world, batch_size)
+        loop = make_loop(make_engine, settings, seed, rank, world, batch_size)
         policy, load = _receiver(loop.engine(), config, device)
         version = None
         while True:
@@ -205,7 +230,10 @@ def _produce(
             started = time.time()
             records = loop.sampled(policy, _on(msg.batches, device), msg.step)
             records = [dataclasses.replace(r, policy_version=version) for r in records]
-            outbox.put(RecordsMessage(msg.step, version, _on(records, "cpu"), started, time.time()))
+            finished = time.time()
+            outbox.put(
+                RecordsMessage(msg.step, version, _on(records, "cpu"), started, finished, dict(loop.counts))
+            )
     except BaseException as e:  # noqa: BLE001 (sent to the trainer, which stops the run with it)
         reason = f"{type(e).__name__}: {one_line(e)}"
         outbox.put(ErrorMessage(reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + " …"))
@@ -276,9 +304,12 @@ class AheadRollouts(RolloutSource):
     own copy of the student (`config`: the student's config), or a vLLM engine started from the student's
     folder; either way the weights come from the trainer, step by step, on `rollout_device` (None: `device`,
     the trainer's, where the records are handed over). Each record carries the weights' version that sampled
-    it and their log-probabilities of its tokens, computed in `dtype` (the engine's). `timeline`: per sampled
-    step, its version and when the producer started and finished it (wall clock), for tests and
-    measurements."""
+    it and their log-probabilities of its tokens, computed in `dtype` (the engine's). `loop` is the
+    synchronous source the producer samples through, called there as `loop(make_engine, settings, seed,
+    rank, world, batch_size)` (picklable: `EngineRollouts`, or a `functools.partial` of
+    `multiturn.MultiTurnRollouts` with its environment and tokenizer, whose episodes the producer then
+    plays). `timeline`: per sampled step, its version and when the producer started and finished it (wall
+    clock), for tests and measurements."""
 
     def __init__(
         self,
@@ -293,9 +324,13 @@ class AheadRollouts(RolloutSource):
         device,
         rollout_device: str | None = None,
         dtype: str = "float32",
+        loop: Callable[..., EngineRollouts] = EngineRollouts,
     ):
         self.ahead, self.rank, self.dtype = ahead, rank, dtype
-        self.make_engine = make_engine
+        self.make_engine, self.loop = make_engine, loop
+        # The producer's source, built here too and never opened (no engine): `step_metrics` reads the
+        # counts the producer sent (`RecordsMessage.counts`) through it.
+        self.mirror = loop(make_engine, settings, seed, rank, world, batch_size)
         self.rollout_device = str(rollout_device or device)
         self._args = (
             config,
@@ -333,7 +368,7 @@ class AheadRollouts(RolloutSource):
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(
             target=_produce,
-            args=(os.getpid(), self._inbox, self._outbox, self.make_engine, *self._args),
+            args=(os.getpid(), self._inbox, self._outbox, self.make_engine, self.loop, *self._args),
             daemon=True,
             name="opdkit-rollouts",
         )
@@ -367,6 +402,11 @@ class AheadRollouts(RolloutSource):
         records = [_on(r, self.device) for r in self._records(step)]
         self._taken(step)
         return records
+
+    def step_metrics(self, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """The producer's source's own columns of the step just returned (episodes' `tool/` columns), from
+        the counts it sent with the records."""
+        return self.mirror.step_metrics(sum_over_processes)
 
     def weights_of(self, version: int) -> Weights | None:
         """The weights of `version`, while a queued step needs them or, for the step `next_step` last
@@ -470,6 +510,7 @@ class AheadRollouts(RolloutSource):
             )
             self._planned.discard(msg.step)
             if msg.step == step:
+                self.mirror.counts = msg.counts
                 return msg.records
 
     def _check_alive(self, when: str) -> None:

@@ -1,7 +1,8 @@
 """The one place a run's rollout source is chosen and built from its settings, so that the trainer names no
-rollout kind and no engine: synchronous (`source.EngineRollouts`), sampled ahead in a producer process
-(`ahead.AheadRollouts`), or multi-turn episodes against an environment (`multiturn.MultiTurnRollouts`);
-each through the engine `rollout_engine` names (the kit's loop or vLLM, `engines.make_engine`).
+rollout kind and no engine: synchronous (`source.EngineRollouts`) or multi-turn episodes against an
+environment (`multiturn.MultiTurnRollouts`), either one in the training process or sampled ahead in a
+producer process (`ahead.AheadRollouts`, which runs that source there); each through the engine
+`rollout_engine` names (the kit's loop or vLLM, `engines.make_engine`).
 
     source = rollout_source(args, student, tokenizer, stop_ids, sharded=False, env=None)
     records = source.next_step(student, source.prompts(epoch_iterator, num_batches, step), step)
@@ -15,6 +16,7 @@ until a garbage collection.
 from __future__ import annotations
 
 import functools
+import pickle
 
 import torch
 
@@ -37,10 +39,12 @@ def rollout_source(
     """The source `args` name: `rollout_engine` synced with the student once per optimizer step; with
     `rollout_ahead` >= 1 a producer process sampling that many steps ahead through the same engine, built by
     the same factory there (one per training process, sampling that process's rows of the step's global
-    batch); with `env`, episodes played against it. `sharded`: the student is sharded over processes (FSDP),
-    whose forward is a collective every rank must enter together."""
+    batch); with `env`, episodes played against it (sampled ahead: by the producer, against a copy of `env`
+    pickled into it). `sharded`: the student is sharded over processes (FSDP), whose forward is a collective
+    every rank must enter together."""
     a = args
     ahead.check_settings(a, sharded)
+    check_episodes(a, sharded)
     if a.environment and env is None:
         raise ConfigError(
             f"environment={a.environment}: the trainer plays episodes against an environment object; "
@@ -71,26 +75,52 @@ def rollout_source(
             distributed=a.world_size > 1 and not a.rollout_ahead,
         )
     place = (a.seed, a.process_index, a.world_size, a.train_batch_size)
-    if a.rollout_ahead:
-        return ahead.AheadRollouts(
-            make,
-            student.config,
-            settings,
-            *place,
-            a.rollout_ahead,
-            a.device,
-            a.rollout_device or None,
-            dtype,
-        )
+    loop = EngineRollouts
     if env is not None:
-        return MultiTurnRollouts(
-            make,
-            settings,
-            *place,
+        loop = functools.partial(
+            MultiTurnRollouts,
             environment=env,
             tokenizer=tokenizer,
             max_turns=a.max_turns,
             episode_max_tokens=a.episode_max_tokens,
             enable_thinking=enable_thinking,
         )
-    return EngineRollouts(make, settings, *place)
+    if not a.rollout_ahead:
+        return loop(make, settings, *place)
+    if env is not None:
+        check_picklable(env, a.environment)
+    return ahead.AheadRollouts(
+        make,
+        student.config,
+        settings,
+        *place,
+        a.rollout_ahead,
+        a.device,
+        a.rollout_device or None,
+        dtype,
+        loop=loop,
+    )
+
+
+def check_episodes(s, sharded: bool) -> None:
+    """What multi-turn episodes (`environment`) need beyond their settings: an unsharded student (refused in
+    one line, by a job before its run folder is written and by `rollout_source`)."""
+    if s.environment and sharded:
+        raise ConfigError(
+            f"environment={s.environment} with a sharded student (parallelism fsdp over several processes): "
+            "each sharded forward is a collective every process enters together, and episodes end at "
+            "different turns in each process; use parallelism ddp, or no environment."
+        )
+
+
+def check_picklable(env, name: str) -> None:
+    """A producer sampling episodes ahead gets its copy of the environment pickled (as it gets the engine
+    factory): one that cannot be is refused in one line, before the producer starts."""
+    try:
+        pickle.dumps(env)
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds; the line names it
+        raise ConfigError(
+            f"environment={name}: the producer of rollout_ahead plays the episodes in its own process, and "
+            f"this {type(env).__name__} cannot be sent to it ({type(e).__name__}: {e}); make it picklable "
+            "(no open files, sockets or lambdas), or use rollout_ahead 0."
+        ) from None

@@ -108,7 +108,8 @@ class _Row:
 class MultiTurnRollouts(EngineRollouts):
     """Episodes against `environment` (an `episodes.Environment`: one of `opdkit.tasks`, built by the caller),
     sampled through the engine `make_engine` builds (`engines.make_engine`; built, synced once per optimizer
-    step and closed as `EngineRollouts` does, whose next_step this one replaces). `tokenizer` renders the tool
+    step and closed as `EngineRollouts` does, whose `sampled` this one replaces: so a producer sampling ahead,
+    `ahead.AheadRollouts`, plays episodes too). `tokenizer` renders the tool
     messages with its chat template (`enable_thinking` passed on); `max_turns` student turns at most per
     episode; `episode_max_tokens` tokens after the prompt at most (0: no limit but the turns')."""
 
@@ -135,7 +136,9 @@ class MultiTurnRollouts(EngineRollouts):
         self.enable_thinking = enable_thinking
         self.counts: dict[str, float] = dict.fromkeys(COUNTS, 0.0)
 
-    def next_step(self, student: torch.nn.Module, batches: list[dict], step: int) -> list[RolloutRecord]:
+    def sampled(self, student: torch.nn.Module | None, batches: list[dict], step: int) -> list[RolloutRecord]:
+        """The step's episodes played through the engine as it is (`next_step`, `EngineRollouts`', syncs it
+        first; a producer sampling ahead loads the weights it was sent), and their `counts`."""
         self.counts = dict.fromkeys(COUNTS, 0.0)
         if not batches:
             return []
@@ -145,7 +148,6 @@ class MultiTurnRollouts(EngineRollouts):
                 "PromptCollator(..., tools=environment.tools), which keeps `messages`."
             )
         engine = self.engine()
-        engine.sync(student)
         s = self.settings
         ids_BP, mask_BP = microbatches.concat_prompts(batches, s.pad_token_id)
         device = ids_BP.device

@@ -206,6 +206,9 @@ class EngineRollouts(RolloutSource):
         self._make_engine, self.settings = make_engine, settings
         self.seed, self.rank, self.world, self.batch_size = seed, rank, world, batch_size
         self._engine: engines.HFEngine | engines.VLLMEngine | None = None
+        # The last step's own numbers, summed into `step_metrics` (a multi-turn source's episodes, calls,
+        # turns ...; none here); a producer sampling ahead sends them back with the step's records.
+        self.counts: dict[str, float] = {}
 
     def engine(self) -> engines.HFEngine | engines.VLLMEngine:
         """The rollout engine, built at the first use."""

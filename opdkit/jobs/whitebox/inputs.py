@@ -27,7 +27,7 @@ from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
 from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
 from opdkit.opd.teachers import cross, served
-from opdkit.rollout import ahead, engines
+from opdkit.rollout import ahead, build, engines
 from opdkit.run.launch import run_processes
 from opdkit.tasks.base import Messages, Task
 
@@ -157,19 +157,28 @@ class Prepared:
         return self.teacher_tokenizer if self.teacher_tokenizer is not None else self.tokenizer
 
 
-def check_environment(cfg: WhiteboxConfig) -> None:
-    """Multi-turn episodes (`environment`) are scored by a teacher in this process, served exactly (its states
-    over the whole transcript) or a set of them; a teacher of another tokenizer renders each transcript with
-    its own chat template (`cross.Retokenizer.prepare_transcripts`). A served top-K teacher is not
-    tested over one, for now."""
-    if not cfg.environment:
-        return
-    if cfg.teacher_server and cfg.topk():
+def check_combination(cfg: WhiteboxConfig, other_vocabulary: bool) -> None:
+    """What the run's teacher kind, rollout source, engine and processes need of each other, from the settings
+    alone (`other_vocabulary`: the teacher's tokenizer is another one); each refusal one line, before the run
+    folder is written. `combinations.table` lists every combination and what this says of it."""
+    check_environment(cfg)
+    check_ahead(cfg, other_vocabulary)
+    if other_vocabulary and cfg.teacher_server and cfg.topk():
         raise ConfigError(
-            f"environment={cfg.environment} with teacher_logprobs {cfg.teacher_logprobs}: a served top-K "
-            "teacher over multi-turn transcripts is not built yet; use teacher_logprobs exact (the served "
-            "teacher's hidden states), or no environment."
+            f"teacher_logprobs {cfg.teacher_logprobs} needs a teacher with the student's tokenizer (the "
+            f"served top-K ids are its vocabulary) and {cfg.teacher_model} has another; use "
+            "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
         )
+
+
+def check_environment(cfg: WhiteboxConfig) -> None:
+    """Multi-turn episodes (`environment`) are scored by every teacher kind: each transcript sent whole to a
+    served teacher (its states, or its top-K log-probabilities at the positions predicting the student's
+    tokens), rendered by its own chat template for a teacher of another tokenizer
+    (`cross.Retokenizer.prepare_transcripts`); played in the training process or by a producer sampling
+    ahead. What they need of the run: `rollout.build.check_episodes`."""
+    if cfg.environment:
+        build.check_episodes(cfg, cfg.parallelism == "fsdp" and run_processes(cfg.num_processes) > 1)
 
 
 def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
@@ -186,16 +195,9 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     check_chat_template(tok, cfg.student_model)
     teacher_tok = load_tokenizer(cfg.teacher_model)
     other_vocabulary = cross.differ(tok, teacher_tok)
-    check_environment(cfg)
-    check_ahead(cfg, other_vocabulary)
+    check_combination(cfg, other_vocabulary)
     check_ahead_arms(cfg, other_vocabulary)
     if other_vocabulary:  # the cross-tokenizer loss; refused here if it cannot align
-        if cfg.teacher_server and cfg.topk():
-            raise ConfigError(
-                f"teacher_logprobs {cfg.teacher_logprobs} needs a teacher with the student's tokenizer (the "
-                f"served top-K ids are its vocabulary) and {cfg.teacher_model} has another; use "
-                "teacher_logprobs exact (its hidden states, the exact cross-tokenizer loss)."
-            )
         cross.Retokenizer.of(tok, teacher_tok, cfg)
         check_chat_template(teacher_tok, cfg.teacher_model)  # the teacher reads its own chat
     else:

@@ -2,7 +2,9 @@
 vLLM generation server's `prompt_logprobs` (`PromptLogprobsClient`), no head and no hidden states here, so the
 loss is the approximate top-K divergence (`divergence.chunked_topk_divergence`), on the student's vocabulary,
 at temperature 1 (the served log-probabilities are at 1), labelled as approximate beside the loss in
-metrics.jsonl.
+metrics.jsonl. Each row is sent whole (a multi-turn transcript too: the prompt, the student's turns and the
+tools' tokens between them), and the top-K are kept at the positions predicting the student's tokens
+(`RolloutRecord.predicting_BT`, several runs per row in a transcript).
 
     client = PromptLogprobsClient("http://node7:8000")            # an ordinary `vllm serve` generation server
     ids_TK, logp_TK = client.topk([row_ids], k=20)[0]              # entry t: the top-K for token t+1
@@ -26,6 +28,7 @@ from opdkit.opd.teachers.served import (
     TeacherServerError,
     check_server,
     job_client,
+    longest,
     probe_text,
 )
 from opdkit.opd.teachers.topk.divergence import TEMPERATURE_REFUSAL, chunked_topk_divergence
@@ -199,9 +202,7 @@ def job_topk_teacher(cfg, tokenizer) -> tuple[TopKTeacher, ServedCheck]:
     k = cfg.topk()
     pooling = job_client(cfg)  # the URL checked, the timeouts and retries of a served teacher
     client = PromptLogprobsClient(pooling.url, timeout_s=pooling.timeout_s, retries=pooling.retries)
-    found = check_server(
-        client, tokenizer, cfg.teacher_model, cfg.max_prompt_length + cfg.rollout_max_new_tokens
-    )
+    found = check_server(client, tokenizer, cfg.teacher_model, longest(cfg))  # a transcript at its longest
     probe = tokenizer(probe_text(tokenizer), add_special_tokens=False)["input_ids"] + [len(tokenizer) - 1]
     try:
         ((ids_TK, logp_TK),) = client.topk([probe], k)
