@@ -1,9 +1,9 @@
 """Every combination of teacher kind, rollout source, rollout engine and processes the whitebox job can be
 given, and what the job's checks say of each: built (and which test runs it), or refused, with the one line
-a user gets (`inputs.check_combination`, run before the run folder is written). docs/multiturn.md holds the
+a user gets (`inputs.check_combination`, run before the run folder is written). docs/combinations.md holds the
 table this renders; a test checks it there verbatim and that every test it names exists.
 
-    python -m opdkit.jobs.whitebox.combinations docs/multiturn.md   # rewrites the table in that file
+    python -m opdkit.jobs.whitebox.combinations docs/combinations.md   # rewrites the table in that file
     python -m opdkit.jobs.whitebox.combinations                     # prints it
 
 The checks read the settings alone (a dry run: no tokenizer, server, GPU or vllm package is needed here), so
