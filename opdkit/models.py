@@ -242,13 +242,15 @@ def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokeni
     Special and other added tokens may differ (DeepSeek-R1-Distill-Qwen renames Qwen2.5's), as the ADS
     reference allows.
     """
+    t, p = teacher.get_vocab(), proxy.get_vocab()
+    if t == p:  # one vocabulary (Qwen3's sizes): nothing to look at token by token
+        return
     special = {
         *teacher.all_special_tokens,
         *proxy.all_special_tokens,
         *teacher.get_added_vocab(),
         *proxy.get_added_vocab(),
     }
-    t, p = teacher.get_vocab(), proxy.get_vocab()
     wrong = sorted(k for k in set(t) & set(p) if k not in special and t[k] != p[k])
     only = sorted(k for k in set(t) ^ set(p) if k not in special)
     if wrong or only:
