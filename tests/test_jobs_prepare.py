@@ -68,6 +68,7 @@ def events(monkeypatch):
         raise AssertionError(f"a Hub dataset was asked for: {args}")
 
     monkeypatch.setattr(prompts, "load_raw", load_raw)
+    monkeypatch.setattr(models, "_LOADED", {})  # none loaded yet in this process
     monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", tokenizer)
     monkeypatch.setattr(datasets, "load_dataset", hub)
     return seen

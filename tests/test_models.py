@@ -97,3 +97,32 @@ def test_shared_vocab_check(tok, qwen3_tokenizer):
     models.check_shared_vocab(tok, tok)
     with pytest.raises(ConfigError, match="shares the teacher's tokenizer"):
         models.check_shared_vocab(tok, qwen3_tokenizer)
+
+
+def count_reads(monkeypatch) -> list[str]:
+    """The folders `models.load_tokenizer` reads from its files from now on (none loaded before)."""
+    reads, read = [], models.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(models, "_LOADED", {})
+    monkeypatch.setattr(
+        models.AutoTokenizer, "from_pretrained", lambda path, **kw: reads.append(path) or read(path, **kw)
+    )
+    return reads
+
+
+def test_a_tokenizer_loads_once_per_process_until_its_files_change(tmp_path, monkeypatch):
+    """A dry run asks for one tokenizer several times (0.7 s each for Qwen3's): read once; a folder whose
+    files changed since (a notebook rebuilding it) is read again."""
+    import shutil
+
+    from opdkit import tiny
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny.resolve("tiny:tokenizer"), folder)
+    reads = count_reads(monkeypatch)
+    first = models.load_tokenizer(str(folder))
+    assert models.load_tokenizer(str(folder)) is first and reads == [str(folder)]
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    again = models.load_tokenizer(str(folder))
+    assert again is not first and reads == [str(folder)] * 2
+    assert again.get_vocab() == first.get_vocab() and again.padding_side == "left"

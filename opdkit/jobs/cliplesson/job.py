@@ -10,7 +10,7 @@ thing each, so the lesson can say how much of a blow-up is clipping and how much
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opdkit import memory
 from opdkit.config import load_config, repeat_seeds, to_dict
@@ -23,13 +23,16 @@ from opdkit.run.lifecycle import Job, prepare_job, run_child, run_job
 
 
 def stages(prep: Prepared, budget: float | None) -> dict[str, memory.Stage]:
-    """Every arm's whitebox stage (the arms run one after another); none when the arms are given runs."""
+    """Every arm's whitebox stage (the arms run one after another); none when the arms are given runs. A dry
+    run's arms plan with the tokenizers their prepare loaded, not loaded again."""
     if prep.existing:
         return {}
     out = {}
     for arm in prep.arms:
         arm_cfg = load_config(whitebox.WhiteboxConfig, arm.mode, arm_overrides(arm, prep.cfg))
-        out[arm.name] = whitebox.stage(arm_cfg, whitebox.processes(arm_cfg), budget)
+        inputs = prep.arm_inputs.get(arm.name)
+        tokenizers = (inputs.tokenizer, inputs.teacher_tokenizer) if inputs is not None else None
+        out[arm.name] = whitebox.stage(arm_cfg, whitebox.processes(arm_cfg), budget, tokenizers)
     return out
 
 
@@ -86,19 +89,21 @@ class Prepared:
     arms: list[Arm]
     seeds: list[int]
     existing: list[tuple[Arm, str, int]]  # clip_run and noclip_run, when given
+    arm_inputs: dict[str, object] = field(default_factory=dict)  # a dry run's: whitebox's Prepared, by arm
 
 
 def prepared(cfg: ClipLessonConfig, mode: str) -> Prepared:
     """The arms and the seeds, and the given arm runs, checked before anything is written; a dry run also runs
     each arm's cheap checks (its data, tokenizers and model configs: whitebox's `prepare`)."""
     arm_list, existing = arms(cfg), existing_arms(cfg)
+    arm_inputs = {}
     if cfg.dry_run and not existing:
         inputs = SharedInputs()
         for arm in arm_list:
-            inputs.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
+            arm_inputs[arm.name] = inputs.prepare(arm.mode, {**arm_overrides(arm, cfg), "dry_run": True})
     elif cfg.dry_run:
         print0("dry run: clip_run / noclip_run are given, so nothing would be trained and nothing is planned")
-    return Prepared(cfg, mode, arm_list, repeat_seeds(cfg), existing)
+    return Prepared(cfg, mode, arm_list, repeat_seeds(cfg), existing, arm_inputs)
 
 
 def process(prep: Prepared, run: RunDir) -> None:

@@ -25,7 +25,7 @@ from opdkit.config import ConfigError
 from opdkit.data import prompts
 from opdkit.jobs import savegrad
 from opdkit.jobs.whitebox.config import WhiteboxConfig
-from opdkit.models import check_chat_template, check_tokenizers, load_tokenizer
+from opdkit.models import check_chat_template, check_special_tokens, check_tokenizers, load_tokenizer
 from opdkit.opd.teachers import cross, served
 from opdkit.rollout import ahead, build, engines
 from opdkit.run.launch import run_processes
@@ -200,8 +200,8 @@ def prepared(cfg: WhiteboxConfig, mode: str) -> Prepared:
     if other_vocabulary:  # the cross-tokenizer loss; refused here if it cannot align
         cross.Retokenizer.of(tok, teacher_tok, cfg)
         check_chat_template(teacher_tok, cfg.teacher_model)  # the teacher reads its own chat
-    else:
-        check_tokenizers(tok, teacher_tok)
+    else:  # one vocabulary (`differ`): the special tokens are what is left to compare
+        check_special_tokens(tok, teacher_tok)
     if cfg.teacher_server and cfg.teacher_server != served.LOCAL:  # reachable, the model, its tokenizer
         served.check_job_server(cfg, teacher_tok if other_vocabulary else tok)
     # A multi-turn environment's tools are in every prompt (its system turn): measured with them.
