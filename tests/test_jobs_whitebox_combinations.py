@@ -1,6 +1,6 @@
 """opdkit.jobs.whitebox.combinations: every teacher kind x rollout source x engine x processes is tested,
-built or refused by the job's checks in one line; docs/combinations.md holds the rendered table verbatim; every
-test it names exists; the combinations issue 48 builds are tested; a combination that names a test and is
+built or refused by the job's checks in one line; docs/combinations.md holds the rendered table verbatim;
+every test it names exists; the combinations issue 48 builds are tested; a combination that names a test and is
 refused cannot be rendered."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def test_docs_hold_the_generated_table():
     text = (ROOT / "docs" / "combinations.md").read_text()
     block = text.split(combos.BEGIN, 1)[1].split(combos.END, 1)[0]
     assert block == "\n" + combos.table(), (
-        "docs/combinations.md's table is stale: python -m opdkit.jobs.whitebox.combinations docs/combinations.md"
+        "docs/combinations.md's table is stale: "
+        "python -m opdkit.jobs.whitebox.combinations docs/combinations.md"
     )
 
 
