@@ -1,7 +1,7 @@
 """opdkit.jobs.whitebox.combinations: every teacher kind x rollout source x engine x processes is tested,
 built or refused by the job's checks in one line; docs/combinations.md holds the rendered table verbatim;
-every test it names exists; the combinations issue 48 builds are tested; a combination that names a test and is
-refused cannot be rendered."""
+every test it names exists; the combinations issue 48 builds are tested; a combination that names a test and
+is refused cannot be rendered."""
 
 from __future__ import annotations
 
