@@ -483,7 +483,7 @@ def test_call_path_counts_functions_places_and_climbs(monkeypatch):
     assert dict(path.descents) == {(high, low): 1}
     summary = path.summary()
     assert (summary["functions"], summary["places"], summary["climbs"]) == (5, 2, 1)
-    assert summary["places_list"] == {high: {"room": 8, "functions": 4}, low: {"room": 2, "functions": 1}}
+    assert summary["places_list"] == {high: {"room": 9, "functions": 4}, low: {"room": 2, "functions": 1}}
 
 
 def test_p10_times_both_steps_at_equal_student_tokens():

@@ -46,7 +46,6 @@ def test_arms_parse_into_steps_ahead_and_correction():
         ({"ahead_arms": "1,01"}, "ahead_arms: arm 1 is given twice"),
         ({"ahead_arms": "1", "rollout_ahead": 1}, "set rollout_ahead 0"),
         ({"ahead_arms": "1", "vllm_sleep": True}, "ahead_arms: arm 1: vllm_sleep frees"),
-        ({"ahead_arms": "2t", "environment": "calculator"}, "ahead_arms: arm 2t: environment=calculator"),
     ],
 )
 def test_a_bad_arm_is_one_line(over, message):
