@@ -18,7 +18,8 @@ sending. What is sent, and the attacker's loss on it:
               divergence, the rest of the vocabulary one bin (`topk.divergence`)
     sampled   the scored token's log-probability alone: the per-token log-ratio loss of tinker's and slime's
               OPD, loss_t = sg(log s(y_t) - log t(y_t)) * log s(y_t) (`sampled_token_loss`), whose gradient
-              is the sampled-token estimate of reverse KL's (E_s[(log s - log t) grad log s])
+              is the sampled-token estimate of reverse KL's (E_s[(log s - log t) grad log s]); the loss
+              logged is the log-ratio itself, with that gradient
     round:D   every log-probability rounded to D decimals; the attacker renormalises them (log_softmax, as a
               client must: they no longer sum to 1) and takes the exact divergence to that distribution
               (`loss.per_token_divergence`, a chunk of rows at a time)
@@ -47,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from opdkit.opd.loss import DivergenceOutput, per_token_divergence
 from opdkit.opd.teachers.base import DivergenceInputs, Teacher
 from opdkit.opd.teachers.local import LocalTeacher
-from opdkit.opd.teachers.topk import student_topk_divergence, teacher_topk
+from opdkit.opd.teachers.topk import TAIL_FLOOR, student_topk_divergence, teacher_topk
 from opdkit.rollout.source import RolloutRecord
 from opdkit.settings import parse_defence
 
@@ -123,11 +124,15 @@ class Defence:
 
 def completed_topk(ids_NK: torch.Tensor, logp_NK: torch.Tensor, vocab: int) -> torch.Tensor:
     """(N, V): the served top-K log-probabilities in place (unused slots, id < 0, skipped), the rest of each
-    row's mass (1 - their sum) spread evenly over the tokens they do not name."""
+    row's mass (1 - their sum, at least `TAIL_FLOOR`) spread evenly over the tokens they do not name."""
     valid_NK = ids_NK >= 0
     mass_N = torch.where(valid_NK, logp_NK.double().exp(), 0.0).sum(-1)
     named_N = valid_NK.sum(-1)
-    rest_N = torch.log((1 - mass_N).clamp(min=0)) - torch.log((vocab - named_N).clamp(min=1).double())
+    # floored as the top-K divergence floors the tail (`TAIL_FLOOR`): float32 log-probabilities fix their
+    # sum to ~1e-7 only, and a client must not read a tail of zero (or below) from them
+    rest_N = torch.log((1 - mass_N).clamp(min=TAIL_FLOOR)) - torch.log(
+        (vocab - named_N).clamp(min=1).double()
+    )
     out_NV = rest_N[:, None].expand(-1, vocab).clone()
     rows_NK = torch.arange(ids_NK.shape[0], device=ids_NK.device)[:, None].expand_as(ids_NK)
     out_NV[rows_NK[valid_NK], ids_NK[valid_NK]] = logp_NK[valid_NK].double()
@@ -210,10 +215,13 @@ def renormalised_rows(beta: float):
 
 
 def sampled_rows(logp_RV, teacher_logp_R, actual_R):
-    """`chunked_student_rows`' rows for sampled: `sampled_token_loss`, and the log-ratio log s - log t (the
-    one-sample estimate of reverse KL) as the logged divergence."""
+    """`chunked_student_rows`' rows for sampled: a loss with `sampled_token_loss`'s gradient whose value is
+    the log-ratio log s - log t (the one-sample estimate of reverse KL, what metrics.jsonl's loss then
+    shows), and that log-ratio as the logged divergence."""
     s_R = logp_RV.gather(1, actual_R[:, None]).squeeze(1)
-    return sampled_token_loss(s_R, teacher_logp_R), s_R - teacher_logp_R
+    loss_R = sampled_token_loss(s_R, teacher_logp_R)
+    ratio_R = (s_R - teacher_logp_R).detach()
+    return loss_R - loss_R.detach() + ratio_R, ratio_R
 
 
 class DefendedTeacher(Teacher):
