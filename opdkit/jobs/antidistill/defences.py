@@ -10,7 +10,7 @@ and prompts.
 The honest user's cost is measured at every completion position of the first `COST_TRACES` traces of the
 control point (the teacher's own answers at τ 1): KL(teacher || what a client reads from the served
 scores) in nats and the share of positions where the served scores' most likely token is the teacher's
-(`defended.honest_cost`); the same for the ADS distribution at each λ of the sweep (`ads_label`), the
+(`defended.honest_cost`); the same for the ADS distribution at each λ of the sweep (`findings.ads_label`), the
 reference defence, which changes what the teacher samples too (its accuracy is the ADS point's). The
 teacher's own answers are unchanged by a score-only defence.
 """
@@ -20,21 +20,16 @@ from __future__ import annotations
 import torch
 
 from opdkit.data import labels
+from opdkit.jobs.antidistill.findings import CONTROL_TEMPERATURE
 from opdkit.opd.teachers.defended import Defence, distribution_cost, honest_cost
 
 DEFENDED_DIR = "defended"  # defended/<defence>-seed<seed>/: a defended attacker's trainer output and result
 COST_TRACES = 128  # traces of the control point the honest user's cost is measured on
-CONTROL_TEMPERATURE = 1.0
 
 
 def is_control(point) -> bool:
     """The point the defended attackers run at: the plain teacher (λ 0) at τ 1, their control's."""
     return point.lam == 0 and point.temperature == CONTROL_TEMPERATURE
-
-
-def ads_label(lam: float) -> str:
-    """How the cost table names the ADS distribution at λ (τ 1)."""
-    return f"ads:{lam:g}"
 
 
 def folder_name(spec: str, seed: int) -> str:

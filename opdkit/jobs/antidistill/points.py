@@ -37,7 +37,7 @@ from opdkit.ads.steering import Steering
 from opdkit.ads.teacher import ADSTeacher
 from opdkit.config import repeat_seeds
 from opdkit.data import traces
-from opdkit.jobs.antidistill import defences
+from opdkit.jobs.antidistill import defences, findings
 from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.notebook.verdicts import pct
@@ -347,7 +347,7 @@ def defence_costs(seed: int, prep: Prepared, held: Held, folder: Path) -> dict:
     cfg, tok = prep.cfg, prep.student_tokenizer
     rows = sft_student.sft_rows(read_jsonl(folder / TRACES_FILE)[: defences.COST_TRACES], tok, cfg)
     ads = {
-        defences.ads_label(lam): scoring_teacher("opd", Point("ads", lam, 1.0), held.steering)
+        findings.ads_label(lam): scoring_teacher("opd", Point("ads", lam, 1.0), held.steering)
         for lam in cfg.lams
         if lam != 0
     }
