@@ -143,5 +143,5 @@ def test_config_refuses_defences_it_cannot_measure(over, match):
 
 def test_the_defences_preset_runs_every_defence_against_its_control():
     cfg = load_config(AntidistillConfig, "tiny-defences")
-    assert cfg.repeats == 3 and "opd-plain" in cfg.attackers and cfg.lams == [0.0, 0.05]
+    assert cfg.repeats == 3 and "opd-plain" in cfg.attackers and cfg.lams == [0.0, 0.05, 0.11]
     assert cfg.defences == ["topk:20", "topk:5", "topk:1", "sampled", "round:1", "round:2", "noise:0.5"]
