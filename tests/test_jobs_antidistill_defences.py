@@ -65,6 +65,16 @@ def test_each_defence_is_judged_against_its_control_paired_by_seed():
     )
 
 
+def test_a_student_ending_below_its_start_by_its_interval_is_damaged():
+    points = synthetic_summary()["points"]
+    assert not any(r["damaged"] for r in fd.defences(points, before=0.45))
+    damaged = {r["defence"]: r["damaged"] for r in fd.defences(points, before=0.6)}
+    assert damaged == {"topk:1": True, "round:1": False, "ads:0.05": False}
+    text = report.defences_explained({"points": points, "student_accuracy_before": 0.6})
+    assert "**damaged**: its student ends below where it started (60.0 %)" in text
+    assert "topk:1 more than slows it" in text
+
+
 def test_table_paragraph_and_figure_come_from_the_rows(tmp_path):
     summary = synthetic_summary()
     rows = {r["defence"]: r for r in fd.defences(summary["points"])}

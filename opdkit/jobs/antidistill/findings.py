@@ -241,7 +241,7 @@ def findings(summary: dict) -> dict:
         "crossings": crossed,
         "crossing_gaps": crossing_gaps(crossed),
         "attackers": attackers(points, before),
-        "defences": defences(points),
+        "defences": defences(points, before),
     }
 
 
@@ -270,14 +270,17 @@ def _summarized(values: list) -> dict:
     return verdicts.summarize(values)
 
 
-def _defence_row(spec, student, control, costs, teacher) -> dict:
+def _defence_row(spec, student, control, costs, teacher, before) -> dict:
     diffs = [a - b if a is not None and b is not None else None for a, b in zip(student, control)]
     claim = f"serving {defence_label(spec)} slows the on-policy attacker against its control"
     v = verdicts.verdict(claim, diffs, above=False)
+    ends = verdicts.interval(student)
+    below = "not measured" if before is None or not ends else verdicts.word(ends, False, before)
     return {
         "defence": spec,
         "label": defence_label(spec),
         **v,
+        "damaged": below == verdicts.HOLDS,
         "wide": bool(v["ci"]) and (v["ci"][1] - v["ci"][0]) / 2 > WIDE,
         "student": _summarized(student),
         "control": _summarized(control),
@@ -304,13 +307,14 @@ def control_point(points: list[dict]) -> dict | None:
     )
 
 
-def defences(points: list[dict]) -> list[dict]:
+def defences(points: list[dict], before: float | None = None) -> list[dict]:
     """Per defended attacker (`defences`), then per ADS point at τ 1 (the reference defence, `opd`): its
     student minus the control (opd-plain at τ 1), seed by seed, judged on the interval ("holds": the defence
     slows it), beside what the defence costs honest users of the scores (KL(teacher || served) and the top-1
     agreement, means over seeds; None where it sends no distribution) and the teacher's accuracy (the
     control point's for a score-only defence, the ADS point's own for ADS). `wide`: an interval wider than
-    ±10 points."""
+    ±10 points; `damaged`: the student ends below the undistilled student's accuracy `before` by its whole
+    interval (the attacker's loss failed, beyond being slowed)."""
     control = control_point(points)
     if control is None:
         return []
@@ -323,7 +327,7 @@ def defences(points: list[dict]) -> list[dict]:
     for spec in specs:
         student = [r.get("defences", {}).get(spec, {}).get("student_accuracy") for r in runs]
         costs = [r.get("defence_costs", {}).get(spec) for r in runs]
-        out.append(_defence_row(spec, student, plain, costs, teacher))
+        out.append(_defence_row(spec, student, plain, costs, teacher, before))
     ads = [
         p
         for p in points
@@ -337,5 +341,5 @@ def defences(points: list[dict]) -> list[dict]:
         student = [at_seed(p, s, "opd_student_accuracy") for s in seeds]
         costs = [r.get("defence_costs", {}).get(spec) for r in runs]
         own = _summarized([at_seed(p, s, "teacher_accuracy") for s in seeds])
-        out.append(_defence_row(spec, student, plain, costs, own))
+        out.append(_defence_row(spec, student, plain, costs, own, before))
     return out

@@ -497,7 +497,7 @@ def defences_table_html(summary: dict) -> str:
             r["label"],
             stat_text(r["student"]),
             stat_text(r, signed=True),
-            f"{r['word']}{wide}",
+            f"{r['word']}{', damaged' if r.get('damaged') else ''}{wide}",
             *_cost_cells(r),
             stat_text(r["teacher_accuracy"]),
         ]
@@ -519,6 +519,7 @@ def defences_explained(summary: dict) -> str:
     rows = findings_of(summary).get("defences", [])
     if not rows:
         return "- no defences ran (`defences: []`); `-p mode tiny-defences` runs them."
+    before = summary.get("student_accuracy_before")
     lines = []
     for r in rows:
         teacher = (
@@ -526,7 +527,12 @@ def defences_explained(summary: dict) -> str:
             if r["defence"].startswith("ads")
             else ""
         )
-        lines.append(f"- {verdicts.sentence(r).removesuffix('.')}; {_cost_text(r)}{teacher}.")
+        damaged = (
+            f"; **damaged**: its student ends below where it started ({pct(before)}) by its whole interval"
+            if r.get("damaged")
+            else ""
+        )
+        lines.append(f"- {verdicts.sentence(r).removesuffix('.')}{damaged}; {_cost_text(r)}{teacher}.")
     lines.append("")
     lines.append(f"**What stops an on-policy attacker here.** {closing(rows)}")
     return "\n".join(lines)
@@ -534,19 +540,28 @@ def defences_explained(summary: dict) -> str:
 
 def closing(rows: list[dict]) -> str:
     """One paragraph from the defences' rows: which slow the attacker by their interval and at what cost to
-    honest users, which do not beyond the noise, and what a score-only defence leaves of the teacher."""
+    honest users (and which of them damage it), which do not beyond the noise, and what a score-only
+    defence leaves of the teacher."""
     n = max(r["n"] for r in rows)
+    seeds = f"{n} seed{'s' if n != 1 else ''}"
     slow = [r for r in rows if r["word"] == verdicts.HOLDS]
     other = [r for r in rows if r["word"] != verdicts.HOLDS]
     each = lambda group: "; ".join(f"{r['defence']} {stat_text(r, signed=True)}" for r in group)  # noqa: E731
     if slow:
         costs = "; ".join(f"{r['defence']}: {_cost_text(r).removeprefix('it ')}" for r in slow)
+        damaged = [r["defence"] for r in slow if r.get("damaged")]
+        broken = (
+            f" {', '.join(damaged)} more than slow{'s' if len(damaged) == 1 else ''} it: the student ends "
+            "below where it started, the attacker's loss failing at its learning rate."
+            if damaged
+            else ""
+        )
         head = (
-            f"At {n} seeds, {len(slow)} of {len(rows)} defences slow the attacker against its control by "
-            f"their interval ({each(slow)}), at this cost ({costs})."
+            f"At {seeds}, {len(slow)} of {len(rows)} defences slow the attacker against its control by "
+            f"their interval ({each(slow)}), at this cost ({costs}).{broken}"
         )
     else:
-        head = f"At {n} seeds, no defence slows the attacker against its control by its interval."
+        head = f"At {seeds}, no defence slows the attacker against its control by its interval."
     rest = f" The others stay within the noise or do not slow it ({each(other)})." if other else ""
     teacher = rows[0]["teacher_accuracy"]
     tail = (
