@@ -226,6 +226,14 @@ def test_none_leaves_the_module_as_it_is():
     assert isinstance(defended(module, "sampled", 0), DefendedTeacher)
 
 
+def test_a_resume_with_another_defence_is_refused():
+    teacher = DefendedTeacher(torch.nn.Linear(2, 2), "round:1")
+    saved = teacher.fingerprint([1, 2])
+    teacher.check_same(saved, teacher.fingerprint([1, 2]))
+    with pytest.raises(ValueError, match="resume with the same defence"):
+        DefendedTeacher(torch.nn.Linear(2, 2), "topk:5").check_same(saved, {"teacher_defence": "topk:5"})
+
+
 def direct_defended_gradient(run_path, spec: str, seed: int) -> dict[str, torch.Tensor]:
     """The first step's gradient from scratch: both models' full logits over the saved rollouts, the
     teacher's defended by `spec` as the API sends them (noise drawn from a generator seeded by `seed`, as

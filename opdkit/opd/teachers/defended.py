@@ -303,6 +303,16 @@ class DefendedTeacher(Teacher):
     def metrics(self, sums) -> dict:
         return {"teacher_defence": self.defence.spec}
 
+    def fingerprint(self, probe_ids: list[int]) -> dict:
+        return {"teacher_defence": self.defence.spec}
+
+    def check_same(self, saved: dict, now: dict) -> None:
+        if saved.get("teacher_defence") != now["teacher_defence"]:
+            raise ValueError(
+                f"this run trained against teacher_defence {saved.get('teacher_defence')} and resumes with "
+                f"{now['teacher_defence']}; resume with the same defence, or start a new run."
+            )
+
     def describe(self, name: str) -> str | None:
         return f"teacher {name} in this process, its scores defended by teacher_defence {self.defence.spec}"
 
