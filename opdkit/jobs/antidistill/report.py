@@ -513,6 +513,15 @@ def _cost_text(r: dict) -> str:
     return f"it costs honest users KL {r['kl']['mean']:.2g} nats and top-1 agreement {pct(r['top1']['mean'])}"
 
 
+def _answers_text(r: dict) -> str:
+    """ADS's own cost: the accuracy of what the teacher answers at its λ (a score-only defence: none)."""
+    return (
+        f", the teacher answering at {stat_text(r['teacher_accuracy'])}"
+        if r["defence"].startswith("ads")
+        else ""
+    )
+
+
 def defences_explained(summary: dict) -> str:
     """A finding sentence per defence (its verdict against the control, and its cost), then the closing
     paragraph: what stops an on-policy attacker in this run, and what it costs."""
@@ -548,7 +557,9 @@ def closing(rows: list[dict]) -> str:
     other = [r for r in rows if r["word"] != verdicts.HOLDS]
     each = lambda group: "; ".join(f"{r['defence']} {stat_text(r, signed=True)}" for r in group)  # noqa: E731
     if slow:
-        costs = "; ".join(f"{r['defence']}: {_cost_text(r).removeprefix('it ')}" for r in slow)
+        costs = "; ".join(
+            f"{r['defence']}: {_cost_text(r).removeprefix('it ')}{_answers_text(r)}" for r in slow
+        )
         damaged = [r["defence"] for r in slow if r.get("damaged")]
         broken = (
             f" {', '.join(damaged)} more than slow{'s' if len(damaged) == 1 else ''} it: the student ends "
@@ -563,6 +574,9 @@ def closing(rows: list[dict]) -> str:
     else:
         head = f"At {seeds}, no defence slows the attacker against its control by its interval."
     rest = f" The others stay within the noise or do not slow it ({each(other)})." if other else ""
+    wide = [r["defence"] for r in rows if r["wide"]]
+    if wide:
+        rest += f" Wider than ±10 points at {seeds}, so 10 seeds would settle them: {', '.join(wide)}."
     teacher = rows[0]["teacher_accuracy"]
     tail = (
         f" Score-only defences leave the teacher's own answers as they are ({stat_text(teacher)}); ADS "
