@@ -6,6 +6,8 @@ Each group's docstring names the code that reads it; that module imports the gro
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -487,6 +489,78 @@ def parse_topk(spec: str) -> int | None:
     if spec.startswith("topk:") and spec[5:].isdigit() and int(spec[5:]) > 0:
         return int(spec[5:])
     raise ValueError(f"teacher_logprobs={spec!r}: expected exact, or topk:K with K a positive integer")
+
+
+# A defended teacher (opdkit/opd/teachers/defended.py).
+DEFENCES = ("none", "topk", "sampled", "round", "noise")  # the kinds `teacher_defence` names
+
+
+@dataclass
+class DefenceSettings:
+    """What a teacher's API returns in place of its log-probabilities, transformed before the student's loss
+    sees it (02's in-process teacher; 04 runs a list of them, `defences`)."""
+
+    teacher_defence: str = setting(
+        "none",
+        "what the teacher returns to the student's loss: none (its whole distribution); topk:K (its K most "
+        "likely tokens' log-probabilities and the scored token's, the rest one bin); sampled (the scored "
+        "token's log-probability alone: the per-token log-ratio loss); round:D (every log-probability "
+        "rounded to D decimals, renormalised by the student); noise:S (Gaussian noise of scale S nats on "
+        "every log-probability, renormalised); kl_temperature 1, a teacher in process",
+    )
+
+    def normalise(self) -> None:
+        """Run by the config that composes this group: the defence parses; it needs kl_temperature 1 and a
+        single teacher in process."""
+        try:
+            parse_defence(self.teacher_defence)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.teacher_defence == "none":
+            return
+        temperature = getattr(self, "kl_temperature", 1.0)
+        if temperature != 1.0:
+            raise ConfigError(
+                f"teacher_defence={self.teacher_defence} at kl_temperature={temperature}: the teacher serves "
+                "log-probabilities at temperature 1; set kl_temperature 1, or teacher_defence none."
+            )
+        if getattr(self, "teacher_server", "") or getattr(self, "teachers", ""):
+            raise ConfigError(
+                f"teacher_defence={self.teacher_defence} transforms the scores of one teacher in this "
+                "process; leave teacher_server and teachers empty, or set teacher_defence none."
+            )
+
+
+def parse_defence(spec: str) -> tuple[str, float | None]:
+    """`none` -> ("none", None), `topk:K` -> ("topk", K), `sampled`, `round:D` (D decimals, an integer >= 0),
+    `noise:S` (S > 0 nats); anything else is refused in one line, naming the closest kind."""
+    kind, _, value = str(spec).partition(":")
+    wants = {"none": "", "sampled": "", "topk": "K", "round": "D", "noise": "S"}
+    grammar = "none, topk:K, sampled, round:D or noise:S"
+    if kind not in wants:
+        close = difflib.get_close_matches(kind, DEFENCES, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"teacher_defence={spec!r} is not a defence: {hint}expected {grammar}.")
+    if bool(value) != bool(wants[kind]):
+        form = f"{kind}:{wants[kind]}" if wants[kind] else kind
+        raise ValueError(f"teacher_defence={spec!r}: {kind} is written {form} (one of {grammar}).")
+    if not wants[kind]:
+        return kind, None
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    low = {"topk": 1, "round": 0}.get(kind)
+    fits = number > 0 if low is None else number.is_integer() and number >= low
+    if not fits:
+        need = {"topk": "a positive integer", "round": "an integer >= 0", "noise": "a positive number"}[kind]
+        raise ValueError(
+            f"teacher_defence={spec!r}: {wants[kind]} must be {need}, e.g. {kind}:{_EXAMPLE[kind]}."
+        )
+    return kind, number if low is None else int(number)
+
+
+_EXAMPLE = {"topk": "20", "round": "1", "noise": "0.5"}
 
 
 # Several teachers (opdkit/opd/teachers/sets.py).

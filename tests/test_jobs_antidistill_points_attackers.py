@@ -23,6 +23,7 @@ SHORT = {
     "answer_lams": [],
     "temperatures": [1.0],
     "attackers": ["sft", "opd", "opd-plain"],
+    "defences": ["topk:1", "sampled"],  # defended attackers (issue 50), at the λ 0, τ 1 point
     "subset_size": 48,
     "eval_size": 40,
     "sft_max_steps": 4,
@@ -76,6 +77,31 @@ def test_figure_and_paragraph_come_from_the_run(short_run):
     assert "shared by every λ of that temperature" in text
     rows = report.attack_rows(summary)
     assert [r["opd"] for r in rows] == [p["opd_student_accuracy"] for p in summary["points"]]
+
+
+def test_defended_attackers_run_at_the_control_point(short_run):
+    """Each defence: an on-policy student of the plain teacher behind it, at the control point only, kept in
+    defended/; its costs beside it; a row of the table per defence and ADS's λ."""
+    summary = short_run.read_summary()
+    by_name = {p["name"]: p for p in summary["points"]}
+    (run,) = by_name["temperature-lam0-tau1"]["runs"]
+    assert list(run["defences"]) == ["topk:1", "sampled"]
+    assert all(d["steps"] == 3 and 0 <= d["student_accuracy"] <= 1 for d in run["defences"].values())
+    assert set(run["defence_costs"]) == {"topk:1", "sampled", "ads:0.08"}
+    assert run["defence_costs"]["sampled"]["kl"] is None and run["defence_costs"]["topk:1"]["kl"] > 0
+    assert "defences" not in by_name["ads-lam0.08-tau1"]["runs"][0]
+    assert sorted(p.name for p in (short_run.path / "defended").iterdir()) == [
+        "sampled-seed42",
+        "topk1-seed42",
+    ]
+    steps = (short_run.path / "defended" / "topk1-seed42" / "metrics.jsonl").read_text().splitlines()
+    assert len(steps) == 3 and '"teacher_defence": "topk:1"' in steps[0]
+    rows = summary["findings"]["defences"]
+    assert [r["defence"] for r in rows] == ["topk:1", "sampled", "ads:0.08"]
+    assert rows[0]["mean"] == pytest.approx(
+        run["defences"]["topk:1"]["student_accuracy"] - run["opd_plain_student_accuracy"]
+    )
+    assert report.defences(short_run) is not None and short_run.figure("defences").is_file()
 
 
 def test_only_sft_draws_no_attacker_figure():

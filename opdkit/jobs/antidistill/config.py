@@ -23,6 +23,7 @@ from opdkit.settings import (
     StudentSettings,
     TeacherSettings,
     TraceSettings,
+    parse_defence,
 )
 
 ATTACKER_NAMES = ("sft", "opd", "opd-plain")  # described in points.py
@@ -114,6 +115,13 @@ class AntidistillConfig(
         "scoring with the ADS distribution at the point's λ and τ), opd-plain (on-policy, the plain teacher "
         "at τ); sft is always among them",
     )
+    defences: list = setting(
+        (),
+        "defended attackers: each a teacher_defence (topk:K, sampled, round:D, noise:S; see 02's "
+        "teacher_defence) run as an on-policy attacker of the plain teacher at τ 1 (λ 0), at the "
+        "temperature-lam0-tau1 point, against its control opd-plain of the same seed; with each one's cost "
+        "to honest users of the scores; empty: none",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -186,4 +194,38 @@ class AntidistillConfig(
             raise ConfigError(
                 f"attackers {on_policy} read the teacher's log-probabilities at the point's temperature, and "
                 "temperature 0 (greedy) has none; leave 0 out of the temperatures."
+            )
+        self.check_defences()
+
+    def check_defences(self) -> None:
+        """`defences` parse, and have what they are measured against: opd-plain, the τ 1 control point,
+        kl_temperature 1 (and beta 1 for sampled)."""
+        self.defences = [] if not self.defences else name_list("defences", self.defences)
+        for spec in self.defences:
+            try:
+                kind, _ = parse_defence(spec)
+            except ValueError as e:
+                raise ConfigError(f"defences: {e}") from None
+            if kind == "none":
+                raise ConfigError(
+                    "defences holds none, the undefended teacher: that is the control (opd-plain); leave it "
+                    "out."
+                )
+            if kind == "sampled" and self.beta != 1.0:
+                raise ConfigError(
+                    f"defences holds sampled at beta={self.beta:g}: its per-token log-ratio loss estimates "
+                    "reverse KL only; set beta 1, or leave sampled out."
+                )
+        if not self.defences:
+            return
+        control = 1.0 in self.temperatures or (0.0 in self.lams and 1.0 in self.ads_temperatures)
+        if "opd-plain" not in self.attackers or not control:
+            raise ConfigError(
+                f"defences {self.defences} are measured against opd-plain at τ 1 (λ 0): add opd-plain to "
+                "attackers and 1.0 to temperatures."
+            )
+        if self.kl_temperature != 1.0:
+            raise ConfigError(
+                f"defences at kl_temperature={self.kl_temperature:g}: a defended teacher serves "
+                "log-probabilities at temperature 1; set kl_temperature 1."
             )

@@ -234,6 +234,57 @@ def attackers_figure(summary: dict, path=None, title: str = ""):
     return fig
 
 
+VERDICT_COLOURS = {verdicts.HOLDS: PALETTE["vermillion"], verdicts.FAILS: PALETTE["blue"]}
+
+
+@styled
+def defences_figure(summary: dict, path=None, title: str = ""):
+    """What stops an on-policy attacker: per defence (one row each, ADS last), the defended attacker's
+    student minus its control's in points with its 95 % interval (left; vermillion where the defence slows
+    it by its interval), and what the defence costs honest users of the scores (right): KL(teacher ||
+    served) in nats (log scale; none drawn where it sends no distribution) with the top-1 agreement."""
+    rows = fd.defences(summary.get("points", []))
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(MAX_WIDTH_IN, 1.0 + 0.42 * max(1, len(rows))), sharey=True, width_ratios=(3, 2)
+    )
+    ys = list(range(len(rows)))[::-1]
+    for y, r in zip(ys, rows):
+        colour = VERDICT_COLOURS.get(r["word"], PALETTE["grey"])
+        if r["mean"] is None:
+            continue
+        xerr = None if not r["ci"] else [[(r["mean"] - r["ci"][0]) * 100], [(r["ci"][1] - r["mean"]) * 100]]
+        left.errorbar(r["mean"] * 100, y, xerr=xerr, color=colour, marker="o", capsize=3, lw=1.4)
+    left.axvline(0, color=BEFORE, ls=":", lw=1.2)
+    left.set_yticks(ys, [f"{r['defence']}: {r['label']}" for r in rows])
+    left.set_xlabel("attacker minus its control (points)")
+    kl = [(y, r) for y, r in zip(ys, rows) if r["kl"]["mean"] is not None]
+    floor = 1e-7
+    right.barh(
+        [y for y, _ in kl], [max(r["kl"]["mean"], floor) for _, r in kl], color=PALETTE["sky"], height=0.6
+    )
+    for y, r in kl:
+        top1 = r["top1"]["mean"]
+        right.annotate(
+            f"top-1 {verdicts.pct(top1)}",
+            (max(r["kl"]["mean"], floor), y),
+            textcoords="offset points",
+            xytext=(4, -3),
+            fontsize=9,
+        )
+    for y, r in zip(ys, rows):
+        if r["kl"]["mean"] is None:
+            right.text(0.02, y, "no distribution sent", transform=right.get_yaxis_transform(), fontsize=9)
+    right.set_xscale("log")
+    right.set_xlabel("honest users' cost: KL(teacher ‖ served), nats")
+    seeds = max((r["n"] for r in rows), default=0)
+    seeds = f"{seeds} seed{'s' if seeds != 1 else ''}"
+    fig.suptitle(title or f"what stops an on-policy attacker ({seeds}, 95 % intervals; left of 0: slowed)")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, bbox_inches="tight")
+    return fig
+
+
 def correct_mark(ok: bool | None) -> str:
     """' ✓' for a right answer, ' ✗' for a wrong one, '' without a reference."""
     return "" if ok is None else (" ✓" if ok else " ✗")

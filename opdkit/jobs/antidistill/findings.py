@@ -23,6 +23,9 @@ attacker against its control of the same seed) and the interval is that of the p
 - **attackers**: per ADS point, the ADS-scored on-policy student minus the plain-scored control (one control
   per τ and seed, shared by every λ of that τ: said so); "damaged" when the student ends below where it
   started by its whole interval.
+- **defences**: per defence of a served teacher (`defences`, and ADS at τ 1 as the reference), the defended
+  attacker minus the control at τ 1, seed by seed, beside the defence's cost to honest users of the scores
+  (`defences.py`).
 """
 
 from __future__ import annotations
@@ -238,4 +241,105 @@ def findings(summary: dict) -> dict:
         "crossings": crossed,
         "crossing_gaps": crossing_gaps(crossed),
         "attackers": attackers(points, before),
+        "defences": defences(points, before),
     }
+
+
+CONTROL_TEMPERATURE = 1.0  # the defended attackers' control: opd-plain of the plain teacher at τ 1
+
+
+def ads_label(lam: float) -> str:
+    """How the defences' rows and costs name ADS-scored log-probabilities at λ (τ 1), the reference
+    defence."""
+    return f"ads:{lam:g}"
+
+
+def defence_label(spec: str) -> str:
+    """What the teacher's API returns under a defence (`teacher_defence`, or `ads_label`'s), in words."""
+    kind, _, value = spec.partition(":")
+    return {
+        "topk": f"its top-{value} log-probs (and the scored token's)",
+        "sampled": "the scored token's log-prob alone",
+        "round": f"every log-prob rounded to {value} decimal{'s' if value != '1' else ''}",
+        "noise": f"every log-prob plus noise of {value} nats",
+        "ads": f"ADS-scored log-probs (λ {value})",
+    }.get(kind, spec)
+
+
+def _summarized(values: list) -> dict:
+    return verdicts.summarize(values)
+
+
+def _defence_row(spec, student, control, costs, teacher, before) -> dict:
+    diffs = [a - b if a is not None and b is not None else None for a, b in zip(student, control)]
+    claim = f"serving {defence_label(spec)} slows the on-policy attacker against its control"
+    v = verdicts.verdict(claim, diffs, above=False)
+    ends = verdicts.interval(student)
+    below = "not measured" if before is None or not ends else verdicts.word(ends, False, before)
+    return {
+        "defence": spec,
+        "label": defence_label(spec),
+        **v,
+        "damaged": below == verdicts.HOLDS,
+        "wide": bool(v["ci"]) and (v["ci"][1] - v["ci"][0]) / 2 > WIDE,
+        "student": _summarized(student),
+        "control": _summarized(control),
+        "kl": _summarized([c.get("kl") if c else None for c in costs]),
+        "top1": _summarized([c.get("top1") if c else None for c in costs]),
+        "teacher_accuracy": teacher,
+    }
+
+
+WIDE = 0.10  # an interval wider than ±10 points asks for 10 seeds (issue 50)
+
+
+def control_point(points: list[dict]) -> dict | None:
+    """The point the defended attackers ran at (λ 0, τ 1), when they did."""
+    return next(
+        (
+            p
+            for p in points
+            if p["lam"] == 0
+            and p["temperature"] == CONTROL_TEMPERATURE
+            and any(r.get("defences") for r in p.get("runs", []))
+        ),
+        None,
+    )
+
+
+def defences(points: list[dict], before: float | None = None) -> list[dict]:
+    """Per defended attacker (`defences`), then per ADS point at τ 1 (the reference defence, `opd`): its
+    student minus the control (opd-plain at τ 1), seed by seed, judged on the interval ("holds": the defence
+    slows it), beside what the defence costs honest users of the scores (KL(teacher || served) and the top-1
+    agreement, means over seeds; None where it sends no distribution) and the teacher's accuracy (the
+    control point's for a score-only defence, the ADS point's own for ADS). `wide`: an interval wider than
+    ±10 points; `damaged`: the student ends below the undistilled student's accuracy `before` by its whole
+    interval (the attacker's loss failed, beyond being slowed)."""
+    control = control_point(points)
+    if control is None:
+        return []
+    runs = control["runs"]
+    seeds = [r["seed"] for r in runs]
+    plain = [r.get("opd_plain_student_accuracy") for r in runs]
+    teacher = _summarized([r.get("teacher_accuracy") for r in runs])
+    specs = list(dict.fromkeys(s for r in runs for s in r.get("defences", {})))
+    out = []
+    for spec in specs:
+        student = [r.get("defences", {}).get(spec, {}).get("student_accuracy") for r in runs]
+        costs = [r.get("defence_costs", {}).get(spec) for r in runs]
+        out.append(_defence_row(spec, student, plain, costs, teacher, before))
+    ads = [
+        p
+        for p in points
+        if p["method"] == "ads"
+        and p["lam"] != 0
+        and p["temperature"] == CONTROL_TEMPERATURE
+        and p.get("opd_student_accuracy") is not None
+    ]
+    for p in ads:
+        spec = ads_label(p["lam"])
+        student = [at_seed(p, s, "opd_student_accuracy") for s in seeds]
+        costs = [r.get("defence_costs", {}).get(spec) for r in runs]
+        own = _summarized([at_seed(p, s, "teacher_accuracy") for s in seeds])
+        out.append(_defence_row(spec, student, plain, costs, own, before))
+    return out

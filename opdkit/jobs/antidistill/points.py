@@ -37,9 +37,11 @@ from opdkit.ads.steering import Steering
 from opdkit.ads.teacher import ADSTeacher
 from opdkit.config import repeat_seeds
 from opdkit.data import traces
+from opdkit.jobs.antidistill import defences, findings
 from opdkit.jobs.antidistill.config import ATTACKER_NAMES
 from opdkit.jobs.antidistill.sweep import Point, Prepared
 from opdkit.notebook.verdicts import pct
+from opdkit.opd.teachers.defended import defended
 from opdkit.rollout import engines
 from opdkit.run.files import atomic_write_text, read_jsonl, write_jsonl
 from opdkit.run.folders import RunDir, print0
@@ -256,24 +258,24 @@ def scoring_teacher(
 
 
 def distill_on_policy(
-    attacker: str, point: Point, seed: int, prep: Prepared, held: Held, folder: Path
+    attacker: str, point: Point, seed: int, prep: Prepared, held: Held, folder: Path, defence: str = "none"
 ) -> dict:
     """One on-policy attacker at this point: a fresh student, 02's recipe (this config's `OPDSettings` and
-    `OPDTraining`, one device, no checkpoints) with its scoring teacher, then its held-out accuracy and
-    NLL."""
+    `OPDTraining`, one device, no checkpoints) with its scoring teacher (behind `defence`, a
+    `teacher_defence`: what its loss reads of it), then its held-out accuracy and NLL."""
     from transformers import PrinterCallback  # the trainer's imports take seconds: not at a plan's
 
     from opdkit.opd.arguments import training_arguments
     from opdkit.opd.build import distill_trainer
 
     cfg, dev, t0 = prep.cfg, held.device, time.time()
-    teacher = scoring_teacher(attacker, point, held.steering, held.served).to(dev)
+    teacher = defended(scoring_teacher(attacker, point, held.steering, held.served).to(dev), defence, seed)
     student = sft_student.fresh_student(cfg, dev, sft_student.sft_seed(cfg, seed))
     rows = [{"messages": m, "answer": a} for m, a in zip(prep.train_messages, prep.train_answers)]
     args = training_arguments(
         cfg,
         str(folder),
-        run_name=f"{point.name}-{attacker}-seed{seed}",
+        run_name=f"{point.name}-{attacker}{'' if defence == 'none' else '-' + defence}-seed{seed}",
         seed=seed,
         data_seed=seed,
         bf16=cfg.bf16 and dev.type == "cuda",
@@ -320,7 +322,39 @@ def run_attackers(point: Point, seed: int, prep: Prepared, held: Held, folder: P
             plain = plain_result(point, seed, prep, held)
             found.update({result_key(attacker, k): v for k, v in plain.items()})
         engines.free_memory()  # the attacker's student, trainer and scoring teacher, before the next
+    if prep.cfg.defences and defences.is_control(point):
+        found["defences"] = {d: defended_result(d, point, seed, prep, held) for d in prep.cfg.defences}
+        found["defence_costs"] = defence_costs(seed, prep, held, folder)
     return found
+
+
+def defended_result(defence: str, point: Point, seed: int, prep: Prepared, held: Held) -> dict:
+    """The on-policy student of the plain teacher at τ 1 behind `defence`, at this seed (kept in
+    defended/<defence>-seed<seed>/, reused by a resume): its accuracies, held-out NLL, steps, loss."""
+    folder = held.run.path / defences.DEFENDED_DIR / defences.folder_name(defence, seed)
+    if (folder / PLAIN_FILE).is_file():
+        return json.loads((folder / PLAIN_FILE).read_text())
+    found = distill_on_policy("opd-plain", point, seed, prep, held, folder, defence=defence)
+    out = {k[len(result_key("opd-plain", "")) :]: v for k, v in found.items()}
+    atomic_write_text(folder / PLAIN_FILE, json.dumps(out, indent=2))
+    engines.free_memory()
+    return out
+
+
+def defence_costs(seed: int, prep: Prepared, held: Held, folder: Path) -> dict:
+    """Each defence's cost to an honest user (`defences.serving_costs`), and the ADS distribution's at every
+    λ of the sweep (τ 1), on the first traces of this (the control) point."""
+    cfg, tok = prep.cfg, prep.student_tokenizer
+    rows = sft_student.sft_rows(read_jsonl(folder / TRACES_FILE)[: defences.COST_TRACES], tok, cfg)
+    ads = {
+        findings.ads_label(lam): scoring_teacher("opd", Point("ads", lam, 1.0), held.steering)
+        for lam in cfg.lams
+        if lam != 0
+    }
+    teacher = held.steering.teacher
+    return defences.serving_costs(
+        cfg.defences, teacher, ads, rows, tok.pad_token_id, len(tok), held.device, seed
+    )
 
 
 def plain_result(point: Point, seed: int, prep: Prepared, held: Held) -> dict:

@@ -6,6 +6,7 @@ figure, HTML, and in JupyterLab a widget to explore them).
 
     display(HTML(summary_table_html(summary))); tradeoff(run); display(Markdown(explain(summary)))
     display(Markdown(attackers_explained(summary))); lens = TokenLens(run); c = lens.compare(0, lam=0.1)
+    display(HTML(defences_table_html(summary))); defences(run); display(Markdown(defences_explained(summary)))
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from opdkit.jobs.antidistill.figures import (
     attackers_figure,
     attackers_in,
     correct_mark,
+    defences_figure,
     token_changes_figure,
     tradeoff_figure,
     tradeoff_loss_figure,
@@ -39,6 +41,10 @@ __all__ = [
     "attackers_explained",
     "attackers_figure",
     "attackers_in",
+    "defences",
+    "defences_explained",
+    "defences_figure",
+    "defences_table_html",
     "explain",
     "figures",
     "findings_of",
@@ -448,3 +454,132 @@ def figures(run: RunDir) -> None:
     tradeoff(run)
     tradeoff_loss(run)
     attackers(run)
+    defences(run)
+
+
+def defences(run: RunDir):
+    """What stops an on-policy attacker (figures/defences.png); None when the run had no `defences`."""
+    summary = _with_intervals(run.read_summary())
+    if not findings_of(summary).get("defences"):
+        return None
+    return defences_figure(summary, path=run.figure("defences"))
+
+
+def _cost_cells(r: dict) -> list[str]:
+    kl, top1 = r["kl"]["mean"], r["top1"]["mean"]
+    return ["–" if kl is None else f"{kl:.2g}", "–" if top1 is None else pct(top1)]
+
+
+def defences_table_html(summary: dict) -> str:
+    """One row per defence of the teacher's scores (ADS last, the reference): what the API returns, the
+    defended attacker's student, its difference from the control (opd-plain at τ 1, paired by seed) with
+    its interval and verdict (the claim: the defence slows the attacker), and the cost to honest users of
+    the scores: KL(teacher || served) in nats, the top-1 agreement (– where no distribution is sent), and
+    the teacher's accuracy (unchanged by a score-only defence; ADS's own at its λ)."""
+    rows = findings_of(summary).get("defences", [])
+    if not rows:
+        return (
+            "<p>No defences in this run (<code>defences: []</code>; <code>-p mode tiny-defences</code>).</p>"
+        )
+    n = max(r["n"] for r in rows)
+    cols = ["defence", "the API returns", "attacker's student", "minus control", "verdict"]
+    cols += ["KL(teacher ‖ served), nats", "top-1 agreement", "teacher accuracy"]
+    control = rows[0]["control"]
+    body = [
+        "<tr><td>none (control)</td><td>every log-prob</td>"
+        f"<td>{stat_text(control)}</td><td>–</td><td>–</td><td>0</td><td>100.0 %</td>"
+        f"<td>{stat_text(rows[0]['teacher_accuracy'])}</td></tr>"
+    ]
+    for r in rows:
+        wide = " (wider than ±10 points: 10 seeds)" if r["wide"] else ""
+        cells = [
+            r["defence"],
+            r["label"],
+            stat_text(r["student"]),
+            stat_text(r, signed=True),
+            f"{r['word']}{', damaged' if r.get('damaged') else ''}{wide}",
+            *_cost_cells(r),
+            stat_text(r["teacher_accuracy"]),
+        ]
+        body.append("<tr>" + "".join(f"<td>{_html.escape(c)}</td>" for c in cells) + "</tr>")
+    caption = f"what stops an on-policy attacker: mean of {n} seeds [{verdicts.INTERVAL_NAME}]"
+    head = "".join(f"<th>{c}</th>" for c in cols)
+    return f"<table><caption>{caption}</caption><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _cost_text(r: dict) -> str:
+    if r["kl"]["mean"] is None:
+        return "it sends honest users no distribution to read (one token's log-prob)"
+    return f"it costs honest users KL {r['kl']['mean']:.2g} nats and top-1 agreement {pct(r['top1']['mean'])}"
+
+
+def _answers_text(r: dict) -> str:
+    """ADS's own cost: the accuracy of what the teacher answers at its λ (a score-only defence: none)."""
+    return (
+        f", the teacher answering at {stat_text(r['teacher_accuracy'])}"
+        if r["defence"].startswith("ads")
+        else ""
+    )
+
+
+def defences_explained(summary: dict) -> str:
+    """A finding sentence per defence (its verdict against the control, and its cost), then the closing
+    paragraph: what stops an on-policy attacker in this run, and what it costs."""
+    rows = findings_of(summary).get("defences", [])
+    if not rows:
+        return "- no defences ran (`defences: []`); `-p mode tiny-defences` runs them."
+    before = summary.get("student_accuracy_before")
+    lines = []
+    for r in rows:
+        teacher = (
+            f"; the teacher answers at {stat_text(r['teacher_accuracy'])}"
+            if r["defence"].startswith("ads")
+            else ""
+        )
+        damaged = (
+            f"; **damaged**: its student ends below where it started ({pct(before)}) by its whole interval"
+            if r.get("damaged")
+            else ""
+        )
+        lines.append(f"- {verdicts.sentence(r).removesuffix('.')}{damaged}; {_cost_text(r)}{teacher}.")
+    lines.append("")
+    lines.append(f"**What stops an on-policy attacker here.** {closing(rows)}")
+    return "\n".join(lines)
+
+
+def closing(rows: list[dict]) -> str:
+    """One paragraph from the defences' rows: which slow the attacker by their interval and at what cost to
+    honest users (and which of them damage it), which do not beyond the noise, and what a score-only
+    defence leaves of the teacher."""
+    n = max(r["n"] for r in rows)
+    seeds = f"{n} seed{'s' if n != 1 else ''}"
+    slow = [r for r in rows if r["word"] == verdicts.HOLDS]
+    other = [r for r in rows if r["word"] != verdicts.HOLDS]
+    each = lambda group: "; ".join(f"{r['defence']} {stat_text(r, signed=True)}" for r in group)  # noqa: E731
+    if slow:
+        costs = "; ".join(
+            f"{r['defence']}: {_cost_text(r).removeprefix('it ')}{_answers_text(r)}" for r in slow
+        )
+        damaged = [r["defence"] for r in slow if r.get("damaged")]
+        broken = (
+            f" {', '.join(damaged)} more than slow{'s' if len(damaged) == 1 else ''} it: the student ends "
+            "below where it started, the attacker's loss failing at its learning rate."
+            if damaged
+            else ""
+        )
+        head = (
+            f"At {seeds}, {len(slow)} of {len(rows)} defences slow the attacker against its control by "
+            f"their interval ({each(slow)}), at this cost ({costs}).{broken}"
+        )
+    else:
+        head = f"At {seeds}, no defence slows the attacker against its control by its interval."
+    rest = f" The others stay within the noise or do not slow it ({each(other)})." if other else ""
+    wide = [r["defence"] for r in rows if r["wide"]]
+    if wide:
+        rest += f" Wider than ±10 points at {seeds}, so 10 seeds would settle them: {', '.join(wide)}."
+    teacher = rows[0]["teacher_accuracy"]
+    tail = (
+        f" Score-only defences leave the teacher's own answers as they are ({stat_text(teacher)}); ADS "
+        "changes them (its row's teacher accuracy)."
+    )
+    return head + rest + tail

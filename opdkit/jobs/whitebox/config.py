@@ -11,6 +11,7 @@ from typing import ClassVar
 from opdkit.config import ConfigError, RepeatSettings, RunFields, setting
 from opdkit.settings import (
     CheckpointingSettings,
+    DefenceSettings,
     EvalSettings,
     OPDSettings,
     OPDTraining,
@@ -31,6 +32,7 @@ class WhiteboxConfig(
     TeacherSettings,
     ServedSettings,
     TeacherSetSettings,
+    DefenceSettings,
     PromptSettings,
     EvalSettings,
     PrecisionSettings,

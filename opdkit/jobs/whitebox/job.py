@@ -30,6 +30,7 @@ from opdkit.models import load_model, load_tokenizer, num_params, resolve
 from opdkit.notebook import verdicts
 from opdkit.opd.stage import distill_stage
 from opdkit.opd.teachers import served
+from opdkit.opd.teachers.defended import defended
 from opdkit.run import checkpoints, sharding
 from opdkit.run.folders import RunDir, print0
 from opdkit.run.launch import run_processes
@@ -118,7 +119,7 @@ def distil_once(prep: Prepared, run: RunDir, callbacks: list | None, title: str)
         cfg,
         args,
         student,
-        teacher,
+        defended(teacher, cfg.teacher_defence, cfg.seed),  # teacher_defence: what the loss reads of it
         prep.tokenizer,
         prep.train_dataset,
         teacher_tokenizer=t_tok,

@@ -3,8 +3,9 @@ Face model; antidistillation's `ads.teacher.ADSTeacher`, which presents its ADS 
 is a kind of it where it lives), `served` (exact, its states from a vLLM pooling server: client, head, checks,
 job wiring), `topk` (its top-K log-probabilities from a generation server: approximate), `cross` (another
 tokenizer: the re-tokenized batch, the alignment and GOLD's divergence), `sets` (several teachers, routed or
-weighted). A job builds the kind it wants; `of` takes a kind as it is and any other module as a teacher in
-process; the trainer asks the kind for everything else.
+weighted), `defended` (a teacher in process whose scores reach the loss through a defence: top-K, the scored
+token's alone, rounded, noised). A job builds the kind it wants; `of` takes a kind as it is and any other
+module as a teacher in process; the trainer asks the kind for everything else.
 """
 
 from __future__ import annotations
