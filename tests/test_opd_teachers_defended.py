@@ -267,7 +267,7 @@ def direct_defended_gradient(run_path, spec: str, seed: int) -> dict[str, torch.
 
 @pytest.mark.parametrize("spec", ["topk:5", "sampled", "round:1", "noise:0.5"])
 def test_defended_run_s_first_update_is_the_attacker_s_loss_on_the_defended_scores(tmp_path, spec):
-    from test_jobs_whitebox import assert_grads_close, run_tiny
+    from helpers import assert_grads_close, run_tiny
 
     dump = tmp_path / "grad.pt"
     run = run_tiny(
