@@ -324,7 +324,8 @@ def explain(c: dict) -> str:
 
 
 def costs(c: dict, name: str) -> dict[int, dict]:
-    """Per seed of arm `name` in a `comparison`: its final accuracy minus the synchronous run's (`cost`)."""
+    """Per seed of arm `name` in a `comparison`: its final accuracy minus the synchronous run's (`cost`,
+    negative where staleness lost accuracy)."""
     sync, arm = c["arms"][SYNC]["seeds"], c["arms"][name]["seeds"]
     out = {}
     for seed in sorted(set(arm) & set(sync)):
