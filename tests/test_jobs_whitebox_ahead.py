@@ -1,7 +1,8 @@
 """02's arms sampling ahead (`ahead_arms`, `opdkit.jobs.whitebox.ahead`): the arms parse and bad ones are one
 line before anything is written; the comparison of synthetic run folders (written here as the runs write
 them) has the means, Student-t intervals and paired differences scipy computes, and the verdicts they imply;
-the table, the figure and the explanation show them; one real tiny run with an arm (slow)."""
+the table, the figure and the explanation show them; forward against reverse KL, each side's cost paired by
+seed, against scipy; one real tiny run with an arm (slow)."""
 
 from __future__ import annotations
 
@@ -217,6 +218,65 @@ def test_one_seed_has_no_interval_and_a_run_without_arms_says_how_to_get_them(tm
     write_run(bare, "sync", 0)
     c = ahead.comparison(RunDir.attach(bare))
     assert list(c["arms"]) == ["sync"] and ahead.explain(c) == ahead.HOW
+
+
+# Forward against reverse KL: the same arms as FINAL (forward KL, beta 0) and these under reverse KL (beta 1),
+# by seed: reverse loses 20 points at s=1 (forward 10), the two corrected arms alike, and gains 10 at s=4
+# (forward 2-3).
+REVERSE = {
+    "sync": (0.62, 0.69, 0.55),
+    "1": (0.42, 0.48, 0.36),
+    "1t": (0.60, 0.71, 0.54),
+    "4": (0.72, 0.80, 0.64),
+}
+
+
+def write_divergence(root, beta: float, final: dict) -> RunDir:
+    run = write_arms(root)
+    config = yaml.safe_load((root / "config.yaml").read_text()) | {"beta": beta}
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    for arm, values in final.items():
+        base = root if arm == "sync" else root / "arms" / arm
+        for seed, value in zip(SEEDS, values):
+            summary = base / "seeds" / f"seed{seed}" / "summary.json"
+            summary.write_text(
+                json.dumps(json.loads(summary.read_text()) | {"student_accuracy_after": value})
+            )
+    return run
+
+
+def test_forward_against_reverse_kl_pairs_each_sides_cost_by_seed(tmp_path):
+    forward = write_divergence(tmp_path / "fkl", 0.0, FINAL)
+    reverse = write_divergence(tmp_path / "rkl", 1.0, REVERSE)
+    d = ahead.divergences(forward, reverse)
+    assert d["divergences"] == {"forward": "forward KL", "reverse": "reverse KL"} and d["repeats"] == 3
+    assert list(d["arms"]) == ["sync", "1", "1t", "4"]
+    for name, e in d["arms"].items():
+        for side, final in (("forward", FINAL), ("reverse", REVERSE)):
+            mean, ci = t_interval(list(final[name]))
+            assert e[side]["final_accuracy"] == pytest.approx(mean)
+            assert e[side]["final_accuracy_ci"] == pytest.approx(ci)
+        if name == "sync":
+            diffs = [f - r for f, r in zip(FINAL["sync"], REVERSE["sync"])]
+        else:
+            cost_f = [a - b for a, b in zip(FINAL[name], FINAL["sync"])]
+            cost_r = [a - b for a, b in zip(REVERSE[name], REVERSE["sync"])]
+            diffs = [f - r for f, r in zip(cost_f, cost_r)]
+            assert list(e["cost_by_seed"]["forward"].values()) == pytest.approx(cost_f)
+            assert e["reverse"]["against_sync"]["mean"] == pytest.approx(statistics.fmean(cost_r))
+        mean, ci = t_interval(diffs)
+        assert e["difference"]["mean"] == pytest.approx(mean) and e["difference"]["ci"] == pytest.approx(ci)
+    words = {f["arm"]: f["word"] for f in d["findings"]}
+    assert words == {"1": "holds", "1t": "within noise at 3 seeds", "4": "does not hold"}
+    assert d["findings"][0]["claim"] == "at s=1 staleness costs forward KL less than reverse KL"
+    html = ahead.divergences_table_html(d)
+    assert html.count("<tr>") == 5 and "forward KL's cost minus reverse KL's" in html
+    text = ahead.divergences_explain(d)
+    assert text.startswith("**Does staleness cost forward KL less than reverse KL here?** **yes** at s=1; ")
+    assert "**no**, it costs forward KL more at s=4; elsewhere within noise." in text
+    assert "**Does staleness hurt forward KL here" in ahead.explain(ahead.comparison(forward))
+    with pytest.raises(ConfigError, match="both runs are reverse KL: give one run per divergence"):
+        ahead.divergences(reverse, reverse)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ a "differences from the source" block, and each preset key it names (in backtick
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
 import pytest
 from helpers import CONFIGS
@@ -12,6 +13,7 @@ from opdkit import config
 from opdkit.config import ConfigError, load_config
 from opdkit.jobs.antidistill.config import AntidistillConfig
 from opdkit.jobs.savegrad.config import SaveGradConfig
+from opdkit.jobs.whitebox.config import WhiteboxConfig
 
 SOURCED = [
     (job, mode)
@@ -69,3 +71,16 @@ def test_ads_paper_reproduces_the_reference_grid_and_sampling():
 def test_antidistill_refuses_eval_size_zero():
     with pytest.raises(ConfigError, match="eval_size=0"):
         load_config(AntidistillConfig, "tiny", {"eval_size": 0})
+
+
+def test_the_staleness_presets_differ_in_the_divergence_alone():
+    """Forward against reverse KL under staleness (docs/async.md): the same arms at the same seeds."""
+    fkl, rkl = (asdict(load_config(WhiteboxConfig, f"tiny-async-{d}-seeds")) for d in ("fkl", "rkl"))
+    assert (fkl.pop("beta"), rkl.pop("beta")) == (0.0, 1.0) and fkl == rkl
+    assert fkl["ahead_arms"] == "4,4t,8,8t" and fkl["repeats"] == 3
+    assert [(a.ahead, a.correction) for a in load_config(WhiteboxConfig, "tiny-async-fkl-seeds").arms()] == [
+        (4, "none"),
+        (4, "truncated"),
+        (8, "none"),
+        (8, "truncated"),
+    ]

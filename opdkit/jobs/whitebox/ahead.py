@@ -16,6 +16,13 @@ the mean staleness of its rollouts and the importance ratios (`async/ratio_mean`
 `async/ratio_max` the largest, `async/capped_share` averaged). Each arm is the mean over its seeds with its
 95 % interval; against the synchronous run, and corrected against uncorrected at the same s, the per-seed
 (paired) differences are judged (`notebook.verdicts`).
+
+Forward against reverse KL (issue 50): two such runs of the same arms at the same seeds, one per `beta`
+(`tiny-async-fkl-seeds`, `tiny-async-rkl-seeds`), read by `divergences`: per arm each divergence's cost (its
+arm minus its own synchronous run, per seed) and forward's cost minus reverse's, paired by seed and judged.
+
+    d = divergences(RunDir.attach(fkl_run), RunDir.attach(rkl_run))
+    display(HTML(divergences_table_html(d))); display(Markdown(divergences_explain(d)))
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+from opdkit.config import ConfigError
 from opdkit.jobs.whitebox.config import AheadArm, WhiteboxConfig, parse_ahead_arms
 from opdkit.jobs.whitebox.seeds import seed_runs
 from opdkit.notebook import figures as run_figures
@@ -121,8 +129,16 @@ def label(name: str) -> str:
     return "synchronous" if name == SYNC else arm_of(name).label
 
 
+def divergence(beta: float | None) -> str:
+    """The name of `beta`'s divergence: 0 forward KL, 1 reverse KL, between them the generalized JSD."""
+    if beta is None:
+        return "the divergence"
+    return {0.0: "forward KL", 1.0: "reverse KL"}.get(float(beta), f"generalized JSD (beta {beta:g})")
+
+
 def comparison(run: RunDir) -> dict:
-    """Every arm against the synchronous run, from the runs' files (see the module's docstring): per arm
+    """Every arm against the synchronous run, from the runs' files (see the module's docstring): `beta`, the
+    run's divergence (None where its config has none); per arm
     (`SYNC` first) its seeds' figures, each measure's mean with its interval (`<measure>_ci`), and for an
     arm the speed-up (synchronous training time over the arm's, per seed) and the paired verdict of its final
     accuracy against the synchronous run; `findings`, every paired verdict: staleness against synchronous,
@@ -160,6 +176,7 @@ def comparison(run: RunDir) -> dict:
                 }
             )
     return {
+        "beta": run.read_config().get("beta") if (run.path / "config.yaml").is_file() else None,
         "arms": arms,
         "findings": findings,
         "repeats": max((len(s) for s in figs.values()), default=0),
@@ -283,7 +300,7 @@ def explain(c: dict) -> str:
     n = c.get("repeats", 1)
     steps = sorted({e["ahead"] for e in arms.values()})
     lines = [
-        "**Does staleness hurt reverse KL here, and does the correction undo it?** "
+        f"**Does staleness hurt {divergence(c.get('beta'))} here, and does the correction undo it?** "
         + " ".join(answer(c, s) for s in steps)
     ]
     lines += [f"- {verdicts.sentence(f)}" for f in c["findings"]]
@@ -303,6 +320,131 @@ def explain(c: dict) -> str:
             f"- {n} seed{'s' if n != 1 else ''}: a verdict needs an interval; `-p mode tiny-async-seeds` "
             "runs every arm at 3 seeds, paired by seed."
         )
+    return "\n".join(lines)
+
+
+def costs(c: dict, name: str) -> dict[int, dict]:
+    """Per seed of arm `name` in a `comparison`: its final accuracy minus the synchronous run's (`cost`,
+    negative where staleness lost accuracy)."""
+    sync, arm = c["arms"][SYNC]["seeds"], c["arms"][name]["seeds"]
+    out = {}
+    for seed in sorted(set(arm) & set(sync)):
+        x, y = arm[seed]["final_accuracy"], sync[seed]["final_accuracy"]
+        if x is not None and y is not None:
+            out[seed] = {"cost": x - y}
+    return out
+
+
+def divergences(forward: RunDir, reverse: RunDir) -> dict:
+    """Does staleness cost forward KL less than reverse KL: two finished `ahead_arms` runs of the same arms at
+    the same seeds, one per `beta` (the module's docstring). Per arm both ran (`SYNC` first): each side's
+    final accuracy and its verdict against its own synchronous run (`comparison`'s), and `difference`,
+    forward's cost minus reverse's per seed (for `SYNC`: forward's final accuracy minus reverse's), judged
+    "costs forward KL less" (above 0); `findings`, those verdicts of the arms sampling ahead."""
+    sides = {"forward": comparison(forward), "reverse": comparison(reverse)}
+    names = {side: divergence(c["beta"]) for side, c in sides.items()}
+    if names["forward"] == names["reverse"]:
+        raise ConfigError(
+            f"divergences: both runs are {names['forward']}: give one run per divergence, e.g. "
+            "tiny-async-fkl-seeds (beta 0) and tiny-async-rkl-seeds (beta 1)."
+        )
+    fwd, rev = (sides[side]["arms"] for side in ("forward", "reverse"))
+    arms, findings = {}, []
+    for name in (n for n in fwd if n in rev):
+        e = {"label": fwd[name]["label"], "ahead": fwd[name]["ahead"], "correction": fwd[name]["correction"]}
+        for side, arm in (("forward", fwd[name]), ("reverse", rev[name])):
+            e[side] = {k: arm[k] for k in ("final_accuracy", "final_accuracy_ci", "n")}
+            e[side]["against_sync"] = arm.get("against_sync")
+        if name == SYNC:
+            claim = f"synchronous {names['forward']} ends more accurate than {names['reverse']}"
+            diffs = paired(fwd[SYNC]["seeds"], rev[SYNC]["seeds"], "final_accuracy")
+        else:
+            claim = f"at {e['label']} staleness costs {names['forward']} less than {names['reverse']}"
+            diffs = paired(costs(sides["forward"], name), costs(sides["reverse"], name), "cost")
+            e["cost_by_seed"] = {
+                side: {s: d["cost"] for s, d in costs(sides[side], name).items()} for side in sides
+            }
+        e["difference"] = verdicts.verdict(claim, diffs)
+        if name != SYNC:
+            findings.append({"kind": "divergence", "arm": name, **e["difference"]})
+        arms[name] = e
+    return {
+        "divergences": names,
+        "beta": {side: c["beta"] for side, c in sides.items()},
+        "arms": arms,
+        "findings": findings,
+        "repeats": min(sides["forward"]["repeats"], sides["reverse"]["repeats"]),
+        "interval": verdicts.INTERVAL_NAME,
+    }
+
+
+def _verdict_text(v: dict | None) -> str:
+    return f"{verdicts.stat_text(v, signed=True)}, {v['word']}" if v else "–"
+
+
+def divergences_table_html(d: dict) -> str:
+    """One row per arm: each divergence's final accuracy and its difference against its own synchronous run,
+    then forward's cost minus reverse's, each with its verdict."""
+    fwd, rev = d["divergences"]["forward"], d["divergences"]["reverse"]
+    head = [
+        "arm",
+        f"{fwd}: final accuracy",
+        f"{fwd}: vs its synchronous",
+        f"{rev}: final accuracy",
+        f"{rev}: vs its synchronous",
+        f"{fwd}'s cost minus {rev}'s",
+    ]
+    rows = [
+        [
+            f"<b>{e['label']}</b>",
+            *(
+                x
+                for side in ("forward", "reverse")
+                for x in (
+                    verdicts.pct_interval(
+                        e[side]["final_accuracy"], e[side]["final_accuracy_ci"], e[side]["n"]
+                    ),
+                    _verdict_text(e[side]["against_sync"]),
+                )
+            ),
+            _verdict_text(e["difference"]) + (" (accuracy, not cost)" if name == SYNC else ""),
+        ]
+        for name, e in d["arms"].items()
+    ]
+    n = d.get("repeats", 1)
+    caption = f"mean of {n} seeds [{verdicts.INTERVAL_NAME}]" if n > 1 else "one seed (no interval)"
+    caption += (
+        "; every difference paired by seed; a cost is an arm's final accuracy minus its synchronous run's"
+    )
+    body = "".join("<tr>" + "".join(f"<td>{x}</td>" for x in r) + "</tr>" for r in rows)
+    return (
+        f"<table><caption>{caption}</caption><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{body}</table>"
+    )
+
+
+def divergences_explain(d: dict) -> str:
+    """The AsyncOPD claim answered from the verdicts (forward KL robust to staleness, reverse KL not), then
+    each verdict."""
+    fwd, rev = d["divergences"]["forward"], d["divergences"]["reverse"]
+    found = d["findings"]
+    less = [f for f in found if f["word"] == verdicts.HOLDS]
+    more = [f for f in found if f["word"] == verdicts.FAILS]
+    parts = [f"**yes** at {', '.join(label(f['arm']) for f in less)}"] if less else []
+    if more:
+        parts.append(f"**no**, it costs {fwd} more at {', '.join(label(f['arm']) for f in more)}")
+    if not found:
+        answer = "no arm sampling ahead ran under both."
+    elif not parts:
+        answer = f"no difference shows at {d['repeats']} seeds: every arm's is within noise."
+    else:
+        answer = "; ".join(parts) + (
+            "; elsewhere within noise." if len(less) + len(more) < len(found) else "."
+        )
+    lines = [f"**Does staleness cost {fwd} less than {rev} here?** {answer}"]
+    lines += [f"- {verdicts.sentence(f)}" for f in found]
+    sync = d["arms"].get(SYNC)
+    if sync:
+        lines.append(f"- {verdicts.sentence(sync['difference'])}")
     return "\n".join(lines)
 
 
