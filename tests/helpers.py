@@ -113,6 +113,20 @@ def run_tiny(tmp_path: Path, name: str, callbacks=None, **overrides):
     return whitebox.run("tiny", over, callbacks=callbacks)
 
 
+def first_step_logits(run_path: Path, student, teacher):
+    """Each saved micro-batch of a run's first step (`save_rollouts`): the student's logits (with gradient),
+    the teacher's (without) and the sampled token, at every position predicting a loss token."""
+    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
+        for mb in torch.load(f):
+            ids, attn, sampled_BT = mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()
+            pos = sampling.position_ids_from_mask(attn)
+            s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            with torch.no_grad():
+                t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            sel = sampled_BT[:, 1:]  # the logits at t predict token t+1
+            yield s_logits[:, :-1][sel], t_logits[:, :-1][sel], ids[:, 1:][sel]
+
+
 def direct_gradient(
     run_path: Path, beta: float = 1.0, student: str = "tiny:student", teacher: str = "tiny:teacher"
 ) -> dict[str, torch.Tensor]:
@@ -123,16 +137,9 @@ def direct_gradient(
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve(student))
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve(teacher))
     s_rows, t_rows = [], []
-    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
-        for mb in torch.load(f):
-            ids, attn, sampled_BT = mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()
-            pos = sampling.position_ids_from_mask(attn)
-            s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            sel = sampled_BT[:, 1:]  # the logits at t predict token t+1
-            s_rows.append(s_logits[:, :-1][sel])
-            t_rows.append(t_logits[:, :-1][sel])
+    for s_NV, t_NV, _ in first_step_logits(run_path, student, teacher):
+        s_rows.append(s_NV)
+        t_rows.append(t_NV)
     s, t = torch.cat(s_rows)[None], torch.cat(t_rows)[None]
     loss = GKDTrainer.generalized_jsd_loss(s, t, labels=torch.zeros(s.shape[:2], dtype=torch.long), beta=beta)
     loss.backward()

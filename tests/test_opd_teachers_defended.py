@@ -29,7 +29,6 @@ from opdkit.opd.teachers.defended import (
     sampled_token_loss,
 )
 from opdkit.opd.teachers.topk import topk_divergence
-from opdkit.rollout import sampling
 from opdkit.settings import parse_defence
 
 # One hand-made position over a vocabulary of 6: its logits, and the token the student wrote there.
@@ -242,25 +241,19 @@ def direct_defended_gradient(run_path, spec: str, seed: int) -> dict[str, torch.
     student = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:student"))
     teacher = AutoModelForCausalLM.from_pretrained(tiny.resolve("tiny:teacher"))
     defence, generator = Defence.of(spec), torch.Generator().manual_seed(seed)
+    from helpers import first_step_logits
+
     total, count = 0.0, 0
-    for f in sorted((run_path / "rollouts").glob("step000001-rank*.pt")):
-        for mb in torch.load(f):
-            ids, attn, sampled_BT = mb["input_ids"], mb["attention_mask"], mb["loss_mask_BT"].bool()
-            pos = sampling.position_ids_from_mask(attn)
-            s_logits = student(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            sel = sampled_BT[:, 1:]  # the logits at t predict token t+1
-            s_NV, t_NV, actual_N = s_logits[:, :-1][sel], t_logits[:, :-1][sel], ids[:, 1:][sel]
-            served = defence.serve(t_NV, actual_N, generator)
-            if defence.kind == "topk":
-                loss_N = topk_divergence(s_NV, *served, beta=1.0)
-            elif defence.kind == "sampled":
-                s_logp_N = torch.log_softmax(s_NV, -1).gather(1, actual_N[:, None]).squeeze(1)
-                loss_N = (s_logp_N - served).detach() * s_logp_N
-            else:
-                loss_N = per_token_divergence(s_NV, torch.log_softmax(served, -1), beta=1.0)
-            total, count = total + loss_N.sum(), count + int(sel.sum())
+    for s_NV, t_NV, actual_N in first_step_logits(run_path, student, teacher):
+        served = defence.serve(t_NV, actual_N, generator)
+        if defence.kind == "topk":
+            loss_N = topk_divergence(s_NV, *served, beta=1.0)
+        elif defence.kind == "sampled":
+            s_logp_N = torch.log_softmax(s_NV, -1).gather(1, actual_N[:, None]).squeeze(1)
+            loss_N = (s_logp_N - served).detach() * s_logp_N
+        else:
+            loss_N = per_token_divergence(s_NV, torch.log_softmax(served, -1), beta=1.0)
+        total, count = total + loss_N.sum(), count + int(actual_N.numel())
     (total / count).backward()
     return {n: p.grad for n, p in student.named_parameters()}
 
