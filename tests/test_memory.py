@@ -832,7 +832,15 @@ def _run_trainer(spec: dict, peaks: _Peaks) -> None:
 
 def _measure(spec: dict) -> dict:
     """Run the stand-in in a fresh process; its peak RSS growth over the RSS after imports."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    # A fixed mmap threshold: glibc's moves with the order tensors are freed in, and with it how much freed
+    # memory the heap keeps (CI saw 0.64-0.71 GB for one step); fixed, every large tensor is its own mapping,
+    # returned when freed, and the high-water mark is the tensors' (0.622 GB, five runs in five).
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+    }
     done = subprocess.run(
         [sys.executable, __file__, json.dumps(spec)], capture_output=True, text=True, env=env, timeout=300
     )

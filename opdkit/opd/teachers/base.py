@@ -181,6 +181,15 @@ def reads(record: RolloutRecord) -> dict:
     }
 
 
+def student_states(
+    student: PreTrainedModel, fwd: dict, pred_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's final hidden states at the positions `pred_BT` marks, and its head weight: what every
+    kind's `student_divergence` starts from (run inside the student's forward, where an FSDP head is
+    whole)."""
+    return student.base_model(**fwd).last_hidden_state[pred_BT], student.get_output_embeddings().weight
+
+
 def check_head_covers(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """A model's head covers its tokenizer (models may pad their vocabulary beyond it)."""
     vocab = model.get_output_embeddings().weight.shape[0]

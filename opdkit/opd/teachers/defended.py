@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from opdkit.opd.loss import DivergenceOutput, per_token_divergence
-from opdkit.opd.teachers.base import DivergenceInputs, Teacher
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, student_states
 from opdkit.opd.teachers.local import LocalTeacher
 from opdkit.opd.teachers.topk import TAIL_FLOOR, student_topk_divergence, teacher_topk
 from opdkit.rollout.source import RolloutRecord
@@ -278,8 +278,7 @@ class DefendedTeacher(Teacher):
         kind = self.defence.kind
         if kind == "topk":
             return student_topk_divergence(student, fwd, pred_BT, *served, **given.one_vocabulary())
-        s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-        s_head_VH = student.get_output_embeddings().weight
+        s_hidden_NH, s_head_VH = student_states(student, fwd, pred_BT)
         rows, data = (
             (sampled_rows, (served, actual_N))
             if kind == "sampled"

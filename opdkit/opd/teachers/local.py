@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
-from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers, student_states
 from opdkit.rollout.source import RolloutRecord
 from opdkit.run import sharding
 
@@ -42,8 +42,7 @@ def student_divergence(
     to the embedding in Qwen3-0.6B) is whole only there. A tuple of tensors, not a dataclass, so that
     the wrapper finds the output it hooks the backward pass on.
     """
-    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-    s_head_VH = student.get_output_embeddings().weight
+    s_hidden_NH, s_head_VH = student_states(student, fwd, pred_BT)
     # The backbone runs under the caller's autocast; the heads' matmuls in their weights' dtypes (the
     # float32 student under DDP, FSDP's bf16 compute copy under its mixed precision).
     with torch.autocast(s_hidden_NH.device.type, enabled=False):

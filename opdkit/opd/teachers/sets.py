@@ -36,7 +36,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from opdkit.opd.loss import DivergenceOutput, chunked_divergence
-from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, check_head_covers, student_states
 from opdkit.opd.teachers.local import LocalTeacher
 from opdkit.opd.teachers.served import FINGERPRINT_TOLERANCE, probe_logprobs
 from opdkit.rollout.source import RolloutRecord
@@ -73,8 +73,7 @@ def student_weighted_divergence(
 ) -> tuple[torch.Tensor, ...]:
     """`local.student_divergence` against several teachers at once: sum_k w_k D_k
     (`weighted_divergence`), then each teacher's own per-token divergence, stacked (K, N), to log."""
-    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-    s_head_VH = student.get_output_embeddings().weight
+    s_hidden_NH, s_head_VH = student_states(student, fwd, pred_BT)
     with torch.autocast(s_hidden_NH.device.type, enabled=False):
         out, each = weighted_divergence(s_hidden_NH, s_head_VH, teachers, **divergence)
     each_KN = torch.stack(each)

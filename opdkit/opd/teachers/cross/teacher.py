@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from opdkit.models import eos_ids
 from opdkit.opd.loss import DivergenceOutput
-from opdkit.opd.teachers.base import DivergenceInputs, Teacher
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, student_states
 from opdkit.opd.teachers.cross.alignment import Alignment
 from opdkit.opd.teachers.cross.divergence import cross_tokenizer_divergence
 from opdkit.opd.teachers.cross.retokenize import Retokenizer, teacher_forward_inputs
@@ -141,8 +141,7 @@ def student_cross_divergence(
     """The student's part of the cross-tokenizer loss, run as its forward like `local.student_divergence`:
     (summed group losses, each group's loss on the student token that closes the group (0 elsewhere), the
     student's log-probability of each `target_ids_N` token if given)."""
-    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-    s_head_VH = student.get_output_embeddings().weight
+    s_hidden_NH, s_head_VH = student_states(student, fwd, pred_BT)
     with torch.autocast(s_hidden_NH.device.type, enabled=False):
         out = cross_tokenizer_divergence(
             s_hidden_NH,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from opdkit.opd.teachers.base import DivergenceInputs, Teacher
+from opdkit.opd.teachers.base import DivergenceInputs, Teacher, student_states
 from opdkit.opd.teachers.served import (
     ServedCheck,
     ServedTeacherMismatch,
@@ -48,8 +48,7 @@ def student_topk_divergence(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`local.student_divergence` against a teacher's top-K log-probabilities: the approximate divergence,
     from the student's own states and head."""
-    s_hidden_NH = student.base_model(**fwd).last_hidden_state[pred_BT]
-    s_head_VH = student.get_output_embeddings().weight
+    s_hidden_NH, s_head_VH = student_states(student, fwd, pred_BT)
     with torch.autocast(s_hidden_NH.device.type, enabled=False):
         out = chunked_topk_divergence(s_hidden_NH, s_head_VH, t_ids_NK, t_logprobs_NK, **divergence)
     return out.sum, out.per_token_N, out.student_entropy_N, out.student_token_logprob_N
