@@ -47,13 +47,10 @@ TOKENIZERS = {  # --tokenizer: how to build it, what recipe.json says
 }
 
 
-def transcript_row(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] = task.TOOLS
-) -> dict:
-    """A transcript's input ids with `tools` listed (the calculator), and its labels: the assistant's turns
-    only."""
+def transcript_row(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> dict:
+    """A transcript's input ids with the calculator listed, and its labels: the assistant's turns only."""
     enc = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        messages, tools=task.TOOLS, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
     return {"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)]}
@@ -72,14 +69,12 @@ class TranscriptRows(torch.utils.data.Dataset):
         return transcript_row(self.tokenizer, task.teacher_messages(self.probs[i]))
 
 
-def greedy_turn(
-    model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, tools: list[dict] = task.TOOLS
-) -> list[str]:
-    """One greedy assistant turn for each conversation, rendered with `tools` listed (the calculator)."""
+def greedy_turn(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """One greedy assistant turn for each conversation, rendered with the calculator listed."""
     ids = [
         list(
             tokenizer.apply_chat_template(
-                c, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+                c, tools=task.TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
             )["input_ids"]
         )
         for c in conversations
