@@ -14,7 +14,10 @@ Pitfalls this module exists for:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,24 +46,50 @@ def resolve(name: str) -> str:
     return path
 
 
-# Tokenizers loaded in this process, by path: (the stamp of their files, the tokenizer). A Qwen3 tokenizer
-# takes 0.7 s to load, and a dry run asks for each several times (03: each arm's prepare and plan).
-_LOADED: dict[str, tuple[tuple, PreTrainedTokenizerBase]] = {}
+# Tokenizers loaded in this process, by what their files hold (`tokenizer_key`). A Qwen3 tokenizer takes 0.7
+# s to load, a dry run asks for each several times (03: each arm's prepare and plan), and a preset's models
+# often ship one tokenizer (04 full: teacher, proxy and student, all Qwen3's).
+_LOADED: dict[str, PreTrainedTokenizerBase] = {}
+_KEYS: dict[tuple, str] = {}  # files_stamp -> tokenizer_key, so unchanged files are hashed once
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+MODEL_FILES = {"config.json", "generation_config.json", "recipe.json"}  # read by no tokenizer (see below)
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """A tokenizer padding on the left; without a pad token, its EOS pads. A name that cannot be loaded
     (no such folder, an unknown hub name, no network) is bad input (`ConfigError`). Loaded once per process
-    while its files stay as they are (`files_stamp`): every caller of one name gets the same object, so none
-    may change it."""
+    for each content of its files (`tokenizer_key`): every caller of one name, or of folders holding the same
+    tokenizer files, gets the same object, so none may change it."""
     path = resolve(name)
-    stamp = files_stamp(path)
-    if stamp is not None and path in _LOADED and _LOADED[path][0] == stamp:
-        return _LOADED[path][1]
+    key = tokenizer_key(path)
+    if key is not None and key in _LOADED:
+        return _LOADED[key]
     tok = _read_tokenizer(name, path)
-    if stamp is not None:
-        _LOADED[path] = (stamp, tok)
+    if key is not None:
+        _LOADED[key] = tok
     return tok
+
+
+def tokenizer_key(path: str) -> str | None:
+    """A digest of what the tokenizer at `path` is loaded from: every file of its folder but the weights and
+    the model's own files (`MODEL_FILES`), and the config's `model_type` (which `AutoTokenizer` falls back on
+    without a `tokenizer_class`); None where no local folder holds it yet. Hashed once while the folder's
+    files keep their sizes and times (`files_stamp`)."""
+    stamp = files_stamp(path)
+    if stamp is None:
+        return None
+    if stamp not in _KEYS:
+        folder, digest = stamp[0], hashlib.blake2b(digest_size=16)
+        for name, _, _ in stamp[1:]:
+            if name in MODEL_FILES or name.endswith(WEIGHT_SUFFIXES):
+                continue
+            digest.update(name.encode() + b"\0")
+            digest.update(Path(folder, name).read_bytes())
+        config = Path(folder, "config.json")
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        digest.update(f"model_type={model_type}".encode())
+        _KEYS[stamp] = digest.hexdigest()
+    return _KEYS[stamp]
 
 
 def files_stamp(path: str) -> tuple | None:
@@ -242,6 +271,8 @@ def check_shared_vocab(teacher: PreTrainedTokenizerBase, proxy: PreTrainedTokeni
     Special and other added tokens may differ (DeepSeek-R1-Distill-Qwen renames Qwen2.5's), as the ADS
     reference allows.
     """
+    if teacher is proxy:  # one tokenizer's files (`load_tokenizer`): one vocabulary
+        return
     t, p = teacher.get_vocab(), proxy.get_vocab()
     if t == p:  # one vocabulary (Qwen3's sizes): nothing to look at token by token
         return

@@ -251,5 +251,6 @@ def test_a_dry_run_loads_each_tokenizer_once(monkeypatch, capsys):
     )
     assert cliplesson.run("tiny", {"dry_run": True, "ablations": False, "sgd_arms": False}) is None
     assert "memory plan per process, stages clip" in capsys.readouterr().out
+    # The tiny student and teacher ship the same tokenizer files: one read serves both.
     wanted = {models.resolve(m) for m in ("tiny:student", "tiny:teacher")}
-    assert sorted(reads) == sorted(wanted)
+    assert len(reads) == 1 and set(reads) <= wanted

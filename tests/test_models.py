@@ -126,3 +126,25 @@ def test_a_tokenizer_loads_once_per_process_until_its_files_change(tmp_path, mon
     again = models.load_tokenizer(str(folder))
     assert again is not first and reads == [str(folder)] * 2
     assert again.get_vocab() == first.get_vocab() and again.padding_side == "left"
+
+
+def test_folders_holding_the_same_tokenizer_files_share_one_load(tmp_path, monkeypatch):
+    """04 full's teacher, proxy and student ship Qwen3's tokenizer: read once. The model's own files do not
+    count (another config or weights, the same tokenizer); another tokenizer file, or another model_type
+    (which AutoTokenizer falls back on), is read on its own."""
+    import json
+    import shutil
+
+    from opdkit import tiny
+
+    student, teacher = tiny.resolve("tiny:student"), tiny.resolve("tiny:teacher")
+    reads = count_reads(monkeypatch)
+    first = models.load_tokenizer(student)
+    assert models.load_tokenizer(teacher) is first and reads == [student]  # other weights and config
+    other = tmp_path / "other"
+    shutil.copytree(student, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert models.load_tokenizer(str(other)) is not first and reads == [student, str(other)]
+    bpe = tiny.resolve("tiny:teacher-bpe")
+    assert models.load_tokenizer(bpe).get_vocab() != first.get_vocab() and reads[-1] == bpe

@@ -37,7 +37,7 @@ from opdkit.rollout.source import Conversations
 
 def differ(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase | None) -> bool:
     """Whether the teacher's tokenizer is another vocabulary than the student's (the cross-tokenizer path)."""
-    return teacher is not None and teacher.get_vocab() != student.get_vocab()
+    return teacher is not None and teacher is not student and teacher.get_vocab() != student.get_vocab()
 
 
 @dataclass
