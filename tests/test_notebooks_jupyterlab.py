@@ -234,11 +234,17 @@ def set_parameters(page, values: dict) -> str:
 
 
 def saved_errors(page, base: str, path: str) -> list[dict]:
-    """Error outputs, exactly: save the notebook, read it back through the contents API. (In the DOM an
-    exception renders like any stderr output.)"""
+    """Error outputs, exactly: save the notebook, read it back through the contents API once the save's PUT
+    has answered. (In the DOM an exception renders like any stderr output.) Never read during a save:
+    jupyter_server writes a notebook in place beside a backup copy, and a read that meets the half-written
+    file restores the backup over it, so the save fails (404) and the read too (500); the dirty mark alone
+    does not say the save is over (a notebook saved a second time was never dirty)."""
     page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")
-    page.keyboard.press("ControlOrMeta+s")
+    saved = lambda r: r.request.method == "PUT" and f"/api/contents/{path}" in r.url  # noqa: E731
+    with page.expect_response(saved, timeout=30_000) as put:
+        page.keyboard.press("ControlOrMeta+s")
+    assert put.value.ok, f"saving {path}: {put.value.status}"
     wait_until(page, lambda: page.locator(".jp-mod-current.jp-mod-dirty").count() == 0, 30, "notebook saved")
     nb = json.load(urllib.request.urlopen(f"{base}/api/contents/{path}?content=1"))["content"]
     return [
