@@ -36,6 +36,7 @@ KINDS: dict[str, tuple[dict, bool]] = {
         True,
     ),
     "a set (weighted)": ({"teachers": "a=tiny:teacher,b=tiny:teacher", "teacher_weights": "a=1,b=1"}, False),
+    "defended (top-K 5)": ({"teacher_defence": "topk:5"}, False),  # every teacher_defence takes the same checks
 }
 EPISODES = {"environment": "calculator"}
 AHEAD = {"rollout_ahead": 1}
@@ -156,6 +157,10 @@ TESTED: dict[tuple[str, str, str, str], tuple[str, str]] = {
     ("a set (weighted)", "single-turn", "hf", "1"): (
         "test_jobs_whitebox_served.py",
         "test_whitebox_with_two_weighted_teachers_logs_each_and_refuses_a_resume_with_another_set",
+    ),
+    ("defended (top-K 5)", "single-turn", "hf", "1"): (
+        "test_opd_teachers_defended.py",
+        "test_defended_run_s_first_update_is_the_attacker_s_loss_on_the_defended_scores",
     ),
 }
 
