@@ -218,9 +218,27 @@ class ServerProcess:
         self.stop()
 
 
-def _reap_group(pgid: int) -> None:
-    """Children of the server that outlived it (an engine core whose parent was killed) get SIGKILL."""
+def _reap_group(pgid: int, timeout_s: float = 10.0) -> None:
+    """Children of the server that outlived it (an engine core whose parent was killed) get SIGKILL, and
+    stop returns once none of them runs (a signal is delivered when its process is next scheduled: on a busy
+    machine a killed child can still run for a moment)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + timeout_s
+    while _running_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running_members(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie, dead and waiting to be reaped, does not).
+    Read from /proc; where there is none (not Linux), the SIGKILL sent is all there is to go on."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
