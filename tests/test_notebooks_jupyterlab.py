@@ -241,8 +241,8 @@ def saved_errors(page, base: str, path: str) -> list[dict]:
     does not say the save is over (a notebook saved a second time was never dirty)."""
     page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")
-    saved = lambda r: r.request.method == "PUT" and f"/api/contents/{path}" in r.url  # noqa: E731
-    with page.expect_response(saved, timeout=30_000) as put:
+    url = f"/api/contents/{path}"
+    with page.expect_response(lambda r: r.request.method == "PUT" and url in r.url, timeout=30_000) as put:
         page.keyboard.press("ControlOrMeta+s")
     assert put.value.ok, f"saving {path}: {put.value.status}"
     wait_until(page, lambda: page.locator(".jp-mod-current.jp-mod-dirty").count() == 0, 30, "notebook saved")

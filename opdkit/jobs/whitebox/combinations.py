@@ -36,7 +36,8 @@ KINDS: dict[str, tuple[dict, bool]] = {
         True,
     ),
     "a set (weighted)": ({"teachers": "a=tiny:teacher,b=tiny:teacher", "teacher_weights": "a=1,b=1"}, False),
-    "defended (top-K 5)": ({"teacher_defence": "topk:5"}, False),  # every teacher_defence takes the same checks
+    # topk:5 stands for every defence: the checks read the kind alone, but for sampled's beta 1
+    "defended (top-K 5)": ({"teacher_defence": "topk:5"}, False),
 }
 EPISODES = {"environment": "calculator"}
 AHEAD = {"rollout_ahead": 1}
