@@ -6,7 +6,7 @@ a test (pytest does not collect this file by itself): run it on a quiet machine,
 
     python -m pytest -q -s -p no:randomly -n 0 tests/bench_dry_run.py    # DRY_OUT=file.json to keep the table
 
-It prints one line per preset (best wall s, best CPU-s, the load average) and writes them to `DRY_OUT`.
+`DRY_ONLY="antidistill ads-paper,whitebox full"` times those presets alone. It prints one line per preset (best wall s, best CPU-s, the load average) and writes them to `DRY_OUT`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ def test_dry_run_times(hub_cache):  # noqa: F811
         "PYTHONPATH": str(REPO),
     }
     table = {}
+    only = [name.strip() for name in os.environ.get("DRY_ONLY", "").split(",") if name.strip()]
     for job, mode in presets():
+        if only and f"{job} {mode}" not in only:
+            continue
         extra = [] if mode.startswith("tiny") else ["plan_gpu_memory_gb=80"]
         cmd = [sys.executable, "-m", f"opdkit.{job}", "--mode", mode, "--set", "dry_run=true", *extra]
         runs = [timed(cmd, hub_cache, env) for _ in range(REPEATS)]
