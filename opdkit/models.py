@@ -114,10 +114,44 @@ def hub_snapshot(name: str) -> str | None:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
+class _ConfigFields:
+    """The fields of a model's config.json that `AutoTokenizer` reads, where the tokenizer's own config names
+    its class: then `AutoTokenizer` picks that class from them as from the model's config object (its
+    `model_type`, the name it was loaded by, a `tokenizer_class` or `model_name` it declares), and building
+    that object, which imports its model's configuration module (a llama config: transformers' activations,
+    kernels and model loading, about 0.5 s), is skipped. Equal tokenizers either way: tests/test_models.py."""
+
+    def __init__(self, fields: dict, name_or_path: str):
+        self.model_type = fields["model_type"]
+        self._name_or_path = name_or_path
+        self.tokenizer_class = fields.get("tokenizer_class")
+        if "model_name" in fields:
+            self.model_name = fields["model_name"]
+
+
+def config_fields(path: str) -> _ConfigFields | None:
+    """`_ConfigFields` of the folder (or cached hub snapshot) at `path`, where its tokenizer_config.json
+    names a tokenizer class and no remote code and its config.json a `model_type`; else None (then
+    `AutoTokenizer` builds the model's config itself)."""
+    folder = path if os.path.isdir(path) else hub_snapshot(path)
+    if folder is None:
+        return None
+    try:
+        tok_config = json.loads(Path(folder, "tokenizer_config.json").read_text())
+        fields = json.loads(Path(folder, "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not tok_config.get("tokenizer_class") or "auto_map" in tok_config or not fields.get("model_type"):
+        return None
+    return _ConfigFields(fields, path)
+
+
 def _read_tokenizer(name: str, path: str) -> PreTrainedTokenizerBase:
     """`load_tokenizer`'s load from the files, every time."""
+    fields = config_fields(path)
+    extra = {"config": fields} if fields is not None else {}
     try:
-        tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+        tok = AutoTokenizer.from_pretrained(path, padding_side="left", **extra)
     except OSError as exc:
         raise ConfigError(
             f"cannot load the tokenizer of {name!r} ({type(exc).__name__}: {one_line(exc)}); check the "

@@ -6,7 +6,8 @@ a test (pytest does not collect this file by itself): run it on a quiet machine,
 
     python -m pytest -q -s -p no:randomly -n 0 tests/bench_dry_run.py    # DRY_OUT=file.json to keep the table
 
-`DRY_ONLY="antidistill ads-paper,whitebox full"` times those presets alone. It prints one line per preset (best wall s, best CPU-s, the load average) and writes them to `DRY_OUT`.
+`DRY_ONLY="antidistill ads-paper,whitebox full"` times those presets alone. It prints one line per preset
+(best wall s, best CPU-s, the load average) and writes them to `DRY_OUT`.
 """
 
 from __future__ import annotations

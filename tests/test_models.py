@@ -148,3 +148,83 @@ def test_folders_holding_the_same_tokenizer_files_share_one_load(tmp_path, monke
     assert models.load_tokenizer(str(other)) is not first and reads == [student, str(other)]
     bpe = tiny.resolve("tiny:teacher-bpe")
     assert models.load_tokenizer(bpe).get_vocab() != first.get_vocab() and reads[-1] == bpe
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_a_tokenizer_read_from_its_config_fields_equals_autotokenizers_own(
+    tmp_path, qwen3_tokenizer_dir, model_type
+):
+    """`_read_tokenizer` hands AutoTokenizer the config.json fields it reads (`_ConfigFields`) instead of
+    letting it build the model's config (a llama config imports its model's modules: 0.5 s of a dry run);
+    the tokenizer is AutoTokenizer's own without them: its class, vocabulary, special tokens, chat template
+    and the ids of a templated chat. The real Qwen3 files under each model type of the presets' models
+    (04 ads-paper: qwen2 and llama), and the tiny world's byte-level BPE."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from opdkit import tiny
+
+    folder = tmp_path / "model"
+    shutil.copytree(qwen3_tokenizer_dir, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 151936}))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    for path in (str(folder), tiny.resolve("tiny:teacher-bpe")):
+        assert models.config_fields(path) is not None  # the fast path is the one taken
+        ours, theirs = (
+            models._read_tokenizer(path, path),
+            AutoTokenizer.from_pretrained(path, padding_side="left"),
+        )
+        if theirs.pad_token is None:
+            theirs.pad_token = theirs.eos_token
+        assert type(ours) is type(theirs)
+        assert ours.get_vocab() == theirs.get_vocab() and ours.chat_template == theirs.chat_template
+        assert ours.special_tokens_map == theirs.special_tokens_map and ours.padding_side == "left"
+        texts = [
+            t.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for t in (ours, theirs)
+        ]
+        ids = [t(text)["input_ids"] for t, text in zip((ours, theirs), texts)]
+        assert texts[0] == texts[1] and ids[0] == ids[1] and len(ids[0]) > 10
+
+
+def test_config_fields_leave_autotokenizer_to_the_config_where_the_tokenizer_names_no_class(tmp_path):
+    """No class in tokenizer_config.json, remote code (auto_map), or no model_type: AutoTokenizer picks the
+    class from the model's config object, so it builds it itself."""
+    import json
+    import shutil
+
+    from opdkit import tiny
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny.resolve("tiny:student"), folder)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert models.config_fields(str(folder)).model_type == "qwen3"
+    for changed in (
+        {k: v for k, v in tok_config.items() if k != "tokenizer_class"},
+        {**tok_config, "auto_map": {}},
+    ):
+        (folder / "tokenizer_config.json").write_text(json.dumps(changed))
+        assert models.config_fields(str(folder)) is None
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 10}))
+    assert (
+        models.config_fields(str(folder)) is None
+        and models.config_fields(tiny.resolve("tiny:tokenizer")) is None
+    )
+
+
+def test_loading_a_llama_models_tokenizer_does_not_build_its_config():
+    """The saving: with the config's fields handed over, transformers' llama configuration module (which
+    imports its activations, kernels and model loading) is not imported by loading the tokenizer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, shutil, sys, tempfile; from opdkit import models, tiny; d = tempfile.mkdtemp(); "
+        "shutil.copytree(tiny.resolve('tiny:student'), d, dirs_exist_ok=True); "
+        "open(d + '/config.json', 'w').write(json.dumps({'model_type': 'llama'})); models.load_tokenizer(d); "
+        "print('transformers.models.llama.configuration_llama' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
