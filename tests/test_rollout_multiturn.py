@@ -14,6 +14,7 @@ from helpers import call, play, settings, tiny_model
 
 from opdkit.data.prompts import PromptCollator
 from opdkit.jobs.whitebox import tooluse
+from opdkit.notebook import figures
 from opdkit.opd.arguments import OPDArguments
 from opdkit.opd.trainer import DistillTrainer
 from opdkit.rollout import engines, sampling
@@ -499,7 +500,7 @@ def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
     assert len(two["divergence"]) == len(two["tokens"]) == len(tok(call("5+6") + ";11")["input_ids"]) + 2
     # each student turn's token count, which 05's transcript view splits the tokens and divergences by
     assert [t.get("n_tokens") for t in two["turns"]] == [len(tok(call("5+6"))["input_ids"]) + 1, None, 4]
-    parts = tooluse.turn_parts(two)
+    parts = figures.turn_parts(two)
     assert ["".join(p["tokens"]) if p["sampled"] else p["text"] for p in parts] == [
         t["text"] for t in two["turns"]
     ]
@@ -507,6 +508,15 @@ def test_a_kept_sample_of_an_episode_shows_its_turns_in_order(tmp_path):
     shown = tooluse.transcript_html(two, 1.0)
     assert shown.count("<b>student</b>") == 2 and shown.count("tool / template") == 1
     assert "&lt;tool_response&gt;⏎11⏎&lt;/tool_response&gt;" in shown
+    # the static figure (make demo's transcripts.png): the call, the tool's result in grey, the answer
+    fig = figures.samples_figure([two], lines_per_sample=6)
+    texts = [(t.get_text(), t.get_color()) for t in fig.axes[0].texts][1:]  # after the sample's label
+    grey = [i for i, (_, colour) in enumerate(texts) if colour == "#446"]
+    assert [texts[i][0] for i in grey][2:7] == ["⏎", "<tool_response>", "⏎", "11", "⏎"]
+    student = "".join(text for i, (text, _) in enumerate(texts) if i not in grey)
+    assert student == call("5+6").replace("\n", "⏎") + "<|im_end|>;11<|im_end|>"
+    answer_at = max(i for i, (text, _) in enumerate(texts) if text == ";")
+    assert grey == list(range(grey[0], grey[-1] + 1)) and 0 < grey[0] and grey[-1] < answer_at
 
 
 def test_one_turn_without_tools_takes_the_single_turn_paths_first_update(tmp_path):

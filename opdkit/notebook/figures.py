@@ -370,36 +370,114 @@ def samples_html(samples: Sequence[dict]) -> str:
 
 
 @styled
-def samples_figure(samples: Sequence[dict], path=None, title: str = "sampled completions"):
-    """A static picture of `samples_html` for headless runs: one row of coloured tokens per sample."""
+def turn_parts(sample: dict) -> list[dict]:
+    """A logged sample as its parts in order: the student's turns with their tokens and divergences, and
+    between them the template's and tools' text (`sampled` False; samples.jsonl's `turns`). A single-turn
+    sample is one student part."""
+    tokens, divs = sample["tokens"], sample["divergence"]
+    turns = sample.get("turns") or [{"sampled": True, "text": "", "n_tokens": len(tokens)}]
+    parts, at = [], 0
+    for t in turns:
+        if t["sampled"]:
+            n = t.get("n_tokens", len(tokens) - at)
+            parts.append({"sampled": True, "tokens": tokens[at : at + n], "divergence": divs[at : at + n]})
+            at += n
+        else:
+            parts.append({"sampled": False, "text": t["text"]})
+    return parts
+
+
+def samples_figure(
+    samples: Sequence[dict], path=None, title: str = "sampled completions", lines_per_sample: int = 1
+):
+    """A static picture of `samples_html` for headless runs: each sample's label, then its tokens coloured by
+    divergence on up to `lines_per_sample` wrapped lines (the rest cut, marked `…`). A multi-turn sample's
+    parts follow in order (`turn_parts`): the student's turns coloured, the tools' results and the template
+    between them in grey on their own line, so a call, the tool's result and the answer can be read."""
     rows = list(samples)
-    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 0.45 * max(1, len(rows)) + 0.7))
-    ax.axis("off")
     vmax = max((max(s["divergence"] + [1e-9]) for s in rows), default=1.0)
+    left, right = 0.25, 0.98
+    line_in = 0.24
+    # Lay every sample out first (its lines of (text, colour or None)), then size the figure to them.
+    fig = plt.figure(figsize=(MAX_WIDTH_IN, 1.0))
+    char = 0.62 * 9 / 72 / MAX_WIDTH_IN  # a 9 pt monospace character, in figure widths
+    laid = [_lay_out(s, char, left, right, lines_per_sample) for s in rows]
+    n_lines = sum(max(1, len(lines)) for lines in laid) + 0.5 * max(0, len(rows) - 1)
+    height = line_in * max(1, n_lines) + 0.7
+    fig.set_size_inches(MAX_WIDTH_IN, height)
+    ax = fig.add_axes((0.0, 0.0, 1.0, 1 - 0.55 / height))
+    ax.axis("off")
     cmap = plt.get_cmap("Reds")
-    char = 0.62 * 9 / 72 / (MAX_WIDTH_IN * ax.get_position().width)  # a 9 pt monospace character, in axes
-    for i, s in enumerate(rows):
-        y = 1 - (i + 0.5) / max(1, len(rows))
+    y_step = line_in / (height - 0.55)
+    y = 1 - y_step / 2
+    for s, lines in zip(rows, laid):
         label = f"step {s['step']}  {prompt_label(s['prompt'], 14)}"
         ax.text(0.0, y, label, fontsize=9, va="center", family="monospace", transform=ax.transAxes)
-        x = 0.25
-        for tok, d in zip(s["tokens"], s["divergence"]):
-            t = tok.replace("\n", "⏎")
-            ax.text(
-                x,
-                y,
-                t,
-                fontsize=9,
-                va="center",
-                family="monospace",
-                transform=ax.transAxes,
-                bbox=dict(boxstyle="square,pad=0.1", fc=cmap(min(1.0, d / vmax)), ec="none"),
-            )
-            x += char * (max(1, len(t)) + 0.4)
-            if x > 0.98:
-                break
-    ax.set_title(f"{title} (colour: per-token divergence, max {vmax:.3f} nats)")
-    fig.tight_layout()
+        for line in lines or [[]]:
+            for x, text, d in line:
+                box = (
+                    dict(boxstyle="square,pad=0.1", fc=cmap(min(1.0, d / vmax)), ec="none")
+                    if d is not None
+                    else dict(boxstyle="square,pad=0.1", fc="#eef", ec="none")
+                )
+                ax.text(
+                    x,
+                    y,
+                    text,
+                    fontsize=9,
+                    va="center",
+                    family="monospace",
+                    transform=ax.transAxes,
+                    color="#446" if d is None else "black",
+                    bbox=box,
+                )
+            y -= y_step
+        y -= y_step / 2
+    grey = "; grey: the tools' results and the template, no loss" if any(s.get("turns") for s in rows) else ""
+    fig.suptitle(
+        f"{title} (colour: per-token divergence, max {vmax:.3f} nats{grey})", fontsize=11, y=1 - 0.15 / height
+    )
     if path:
         fig.savefig(path)
     return fig
+
+
+def _lay_out(sample: dict, char: float, left: float, right: float, max_lines: int) -> list[list]:
+    """`samples_figure`'s lines for one sample: each a list of (x, text, divergence; None for the tools' and
+    template's text), wrapped at `right`, at most `max_lines`, a cut line ending in `…`."""
+    lines: list[list] = [[]]
+    x = left
+
+    def put(text: str, d: float | None, gap: float = 0.4) -> bool:
+        nonlocal x
+        width = char * (max(1, len(text)) + gap)
+        if x + width > right and lines[-1]:
+            if len(lines) == max_lines:
+                lines[-1].append((x, "…", None))
+                return False
+            lines.append([])
+            x = left
+        lines[-1].append((x, text, d))
+        x += width
+        return True
+
+    for part in turn_parts(sample):
+        if part["sampled"]:
+            for tok, d in zip(part["tokens"], part["divergence"]):
+                if not put(tok.replace("\n", "⏎"), d):
+                    return lines
+        else:  # the tools' result and the template between turns: context, on a line of its own
+            if lines[-1] and len(lines) == max_lines:
+                lines[-1].append((x, "…", None))
+                return lines
+            if lines[-1]:
+                lines.append([])
+            x = left
+            for word in part["text"].replace("\n", " ⏎ ").split():
+                if not put(word, None, gap=1.5):
+                    return lines
+            if len(lines) == max_lines:
+                return lines
+            lines.append([])
+            x = left
+    return [line for line in lines if line]

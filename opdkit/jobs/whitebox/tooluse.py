@@ -120,27 +120,10 @@ def bars(run: RunDir):
     return fig
 
 
-def turn_parts(sample: dict) -> list[dict]:
-    """A logged episode as its parts in order: the student's turns with their tokens and divergences, and
-    between them the template's and tools' text (`sampled` False). A single-turn sample is one student
-    part."""
-    tokens, divs = sample["tokens"], sample["divergence"]
-    turns = sample.get("turns") or [{"sampled": True, "text": "", "n_tokens": len(tokens)}]
-    parts, at = [], 0
-    for t in turns:
-        if t["sampled"]:
-            n = t.get("n_tokens", len(tokens) - at)
-            parts.append({"sampled": True, "tokens": tokens[at : at + n], "divergence": divs[at : at + n]})
-            at += n
-        else:
-            parts.append({"sampled": False, "text": t["text"]})
-    return parts
-
-
 def transcript_html(sample: dict, vmax: float) -> str:
     """One episode: the student's turns as coloured tokens, the tools' and template's parts in a grey box."""
     out = []
-    for part in turn_parts(sample):
+    for part in run_figures.turn_parts(sample):
         if part["sampled"]:
             spans = "".join(
                 f'<span title="{d:.4f}" style="background:{run_figures.divergence_colour(d, vmax)}">'
@@ -173,6 +156,6 @@ def transcripts(run: RunDir, n: int = 4) -> tuple[str, object]:
     )
     html = legend + "".join(transcript_html(s, vmax) for s in shown)
     fig = run_figures.samples_figure(
-        shown, path=run.figure("transcripts"), title="the student's sampled turns"
+        shown, path=run.figure("transcripts"), title="the student's sampled episodes", lines_per_sample=6
     )
     return html, fig
