@@ -3,10 +3,11 @@
     python -m opdkit.notebook.demo --out runs/demo notebooks/*.ipynb
 
 Each notebook runs with its default parameters, or the ones its metadata names for the demo (its
-metadata's `demo` entry under the kit's key: 05 runs a shortened preset), writes its run directory inside
+metadata's `demo` entry under the kit's key; none names any now), writes its run directory inside
 `<out>/<stamp>/` and its executed copy next to it. The notebooks are independent (04 computes its own
-gradient) and the tiny world trains on one thread, so they run side by side, one per CPU core (`--jobs`);
-one that fails does not stop the others. The end prints where the executed notebooks, summaries and
+gradient) and the tiny world trains on one thread, so they run side by side, one per CPU core (`--jobs`),
+the longest first (`demo_seconds` in the metadata: 05, which trains the whole tool preset); one that fails
+does not stop the others. The end prints where the executed notebooks, summaries and
 figures are, and what a reader of an executed notebook in JupyterLab would trip over (`reader_problems`).
 """
 
