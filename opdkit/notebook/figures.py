@@ -369,7 +369,6 @@ def samples_html(samples: Sequence[dict]) -> str:
     return legend + "".join(sample_html(s, vmax) for s in samples)
 
 
-@styled
 def turn_parts(sample: dict) -> list[dict]:
     """A logged sample as its parts in order: the student's turns with their tokens and divergences, and
     between them the template's and tools' text (`sampled` False; samples.jsonl's `turns`). A single-turn
@@ -387,6 +386,7 @@ def turn_parts(sample: dict) -> list[dict]:
     return parts
 
 
+@styled
 def samples_figure(
     samples: Sequence[dict], path=None, title: str = "sampled completions", lines_per_sample: int = 1
 ):
