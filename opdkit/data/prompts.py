@@ -210,29 +210,12 @@ class UnreadableData(ConfigError):
     """A local data file or folder exists but cannot be read as what its name says it is."""
 
 
-# Local data files read in this process, by (path, size, mtime): a job's checks read one file more than once
-# (04's training prompts and the holdout they must stay apart from), and a Dataset is never changed in place.
-_READ: dict[tuple, datasets.Dataset] = {}
-
-
 def load_raw(path: str, split: str) -> datasets.Dataset:
     """The rows of a local file or folder, else of a Hub dataset. A missing local path fails here without
-    any download; an unreadable one (a corrupt parquet, a half-written download) names its path. A local
-    file is read once per process while its size and time stay the same."""
-    local = Path(path).expanduser()
-    if local.is_file():
-        st = local.stat()
-        key = (str(local.resolve()), st.st_size, st.st_mtime_ns)
-        if key not in _READ:
-            _READ[key] = _load_raw(path, split, local)
-        return _READ[key]
-    return _load_raw(path, split, local)
-
-
-def _load_raw(path: str, split: str, local: Path) -> datasets.Dataset:
-    """`load_raw`'s read, every time."""
+    any download; an unreadable one (a corrupt parquet, a half-written download) names its path."""
     import datasets
 
+    local = Path(path).expanduser()
     if local.is_file():
         loader = getattr(datasets.Dataset, FILE_LOADERS.get(local.suffix, ""), None)
         if loader is None:
