@@ -23,17 +23,22 @@ import time
 from pathlib import Path
 
 
+def kit_metadata(nb: Path) -> dict:
+    """The notebook's metadata under the kit's key (`opdkit`), or none."""
+    return json.loads(nb.read_text()).get("metadata", {}).get("opdkit", {})
+
+
 def demo_parameters(nb: Path) -> dict:
     """The parameters the notebook's metadata sets for the demo (the `demo` entry under the
     metadata's `opdkit` key), or none."""
-    return json.loads(nb.read_text()).get("metadata", {}).get("opdkit", {}).get("demo", {})
+    return kit_metadata(nb).get("demo", {})
 
 
 def demo_seconds(nb: Path) -> float:
     """About how long the notebook's demo run takes alone on a 2-core CPU (its metadata's `demo_seconds`
     under the kit's key; 0 where it does not say): the demo starts the longest first, so the one that takes
     longest does not start last."""
-    return float(json.loads(nb.read_text()).get("metadata", {}).get("opdkit", {}).get("demo_seconds", 0))
+    return float(kit_metadata(nb).get("demo_seconds", 0))
 
 
 def start_order(notebooks: list[Path]) -> list[Path]:
